@@ -1,0 +1,390 @@
+"""Language decoding on a fixed pool of slots that continue prefix caches.
+
+Axis legend: L layers, S slots, P prefix length, Q request-prompt capacity, G max new tokens,
+C = P + Q + G slot length, K KV heads, H head dim, D VLM width, V vocabulary, A admissions per call.
+
+A slot's sequence is a copy of one observation's prefix followed by its own suffix:
+
+    [ prefix copy (P) | request prompt (q <= Q, causal) | forwarded generated tokens ]
+      mask = the prefix's own     True for the suffix entries written so far
+      validity mask (masked cameras and prompt padding stay invisible)
+
+RoPE position of suffix entry j is `base_position + j`, with base_position = number of valid
+prefix tokens, so text continues right after the last valid prefix token for any mask pattern.
+
+Token 0 of a request is sampled at admission from the last valid prefix row (or from the last
+request-prompt token); each decode step feeds the last sampled token and samples the next. A
+request stops at its stop token (default EOS = 1; -1 disables it), or after `budget` tokens; the
+last token is never fed back (no wasted forward). Finished slots are released at the end of the
+frame that finished them.
+
+Everything per request (row, prompt, budget, stop token, temperature, top-p, RNG key, id) is an
+array, so occupancy, arrivals and finishing never change a compiled shape. Sampling keys are
+`fold_in(request key, token index)`: a request samples the same tokens in any batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxygen_jax import gemma
+from oxygen_jax.config import EOS_ID
+from oxygen_jax.kv_cache import PrefixCache
+from oxygen_jax.model import embed_tokens, lm_logits
+from oxygen_jax.params import Params
+from oxygen_jax.sampling import sample_tokens
+
+_STATIC = dict(static=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodePool:
+    """Per-slot decode state. A slot is free when `request_id < 0`.
+
+    Attributes:
+      k, v: [L, S, C, K, H] slot caches.
+      mask: bool [S, C] positions a decode query may attend to.
+      base_position: int32 [S] RoPE position of suffix entry 0.
+      length: int32 [S] suffix entries written (request prompt + fed-back tokens).
+      last_token: int32 [S] the token the next decode step feeds.
+      num_generated: int32 [S] tokens sampled so far.
+      budget: int32 [S] token budget of the request (<= G).
+      stop_token: int32 [S] stop id, -1 = none.
+      temperature, top_p: float32 [S].
+      key: uint32 [S, 2] raw PRNG key data of the request.
+      request_id: int32 [S], -1 = free.
+      adapter: int32 [S] language adapter id (0 = base weights; the only one until adapters exist).
+      active: bool [S] occupied and still generating.
+      tokens: int32 [S, G] generated tokens, -1 beyond num_generated.
+      prefix_len, prompt_len: static P and Q.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+    base_position: jax.Array
+    length: jax.Array
+    last_token: jax.Array
+    num_generated: jax.Array
+    budget: jax.Array
+    stop_token: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    key: jax.Array
+    request_id: jax.Array
+    adapter: jax.Array
+    active: jax.Array
+    tokens: jax.Array
+    prefix_len: int = dataclasses.field(metadata=_STATIC)
+    prompt_len: int = dataclasses.field(metadata=_STATIC)
+
+    @property
+    def num_slots(self) -> int:
+        return self.request_id.shape[0]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def occupied(self) -> jax.Array:
+        return self.request_id >= 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Requests:
+    """A fixed-size batch of A language requests to admit; valid entries come first.
+
+    Attributes:
+      valid: bool [A].
+      row: int32 [A] prefix-cache batch row (which observation) the request continues.
+      prompt: int32 [A, Q] request prompt written after the prefix; prompt_len int32 [A] (0 = none).
+      budget: int32 [A] max new tokens; stop_token int32 [A] (-1 = none).
+      temperature, top_p: float32 [A].
+      key: uint32 [A, 2] raw PRNG key data.
+      request_id: int32 [A] >= 0; adapter int32 [A].
+    """
+
+    valid: jax.Array
+    row: jax.Array
+    prompt: jax.Array
+    prompt_len: jax.Array
+    budget: jax.Array
+    stop_token: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    key: jax.Array
+    request_id: jax.Array
+    adapter: jax.Array
+
+    @property
+    def size(self) -> int:
+        return self.valid.shape[0]
+
+
+def _key_data(seed: int) -> np.ndarray:
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
+
+def make_requests(
+    size: int,
+    prompt_capacity: int,
+    request_ids=(),
+    *,
+    rows=None,
+    prompts=None,
+    budgets=None,
+    stop_tokens=None,
+    temperatures=None,
+    top_ps=None,
+    seeds=None,
+    adapters=None,
+) -> Requests:
+    """Host helper: pads per-request lists into a `Requests` batch of `size` entries.
+
+    Defaults: row 0, no prompt, budget must be given, EOS stop, greedy, top-p 1, seed = request id.
+    """
+    n = len(request_ids)
+    if n > size:
+        raise ValueError(f"{n} requests do not fit an admission batch of {size}")
+
+    def col(values, default, dtype):
+        out = np.full((size,), default, dtype)
+        if values is not None:
+            if len(values) != n:
+                raise ValueError(f"expected {n} values, got {len(values)}")
+            out[:n] = values
+        return out
+
+    prompt = np.zeros((size, prompt_capacity), np.int32)
+    prompt_len = np.zeros((size,), np.int32)
+    for i, p in enumerate(prompts or []):
+        if len(p) > prompt_capacity:
+            raise ValueError(f"request {request_ids[i]}: prompt of {len(p)} tokens exceeds the pool's capacity {prompt_capacity}")
+        prompt[i, : len(p)] = p
+        prompt_len[i] = len(p)
+    if budgets is None and n:
+        raise ValueError("make_requests needs a token budget per request")
+    key = np.zeros((size,) + _key_data(0).shape, np.uint32)
+    for i in range(n):
+        key[i] = _key_data(int(seeds[i]) if seeds is not None else int(request_ids[i]))
+    return Requests(
+        valid=np.arange(size) < n, row=col(rows, 0, np.int32), prompt=prompt, prompt_len=prompt_len,
+        budget=col(budgets, 1, np.int32), stop_token=col(stop_tokens, EOS_ID, np.int32),
+        temperature=col(temperatures, 0.0, np.float32), top_p=col(top_ps, 1.0, np.float32), key=key,
+        request_id=col(request_ids, -1, np.int32), adapter=col(adapters, 0, np.int32),
+    )
+
+
+def init_pool(params: Params, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> DecodePool:
+    """An empty pool of `num_slots` slots for prefixes of `prefix_len` tokens."""
+    cfg = params.config.vlm
+    cap = prefix_len + prompt_len + max_new_tokens
+    kv_shape = (cfg.depth, num_slots, cap, cfg.num_kv_heads, cfg.head_dim)
+    # Every field gets its own buffer: donation rejects a pool whose fields alias one array.
+    ints = lambda fill=0: jnp.full((num_slots,), fill, jnp.int32)  # noqa: E731
+    return DecodePool(
+        k=jnp.zeros(kv_shape, params.config.jnp_dtype), v=jnp.zeros(kv_shape, params.config.jnp_dtype),
+        mask=jnp.zeros((num_slots, cap), bool), base_position=ints(), length=ints(), last_token=ints(),
+        num_generated=ints(), budget=ints(), stop_token=ints(-1),
+        temperature=jnp.zeros((num_slots,), jnp.float32), top_p=jnp.ones((num_slots,), jnp.float32),
+        key=jnp.zeros((num_slots,) + _key_data(0).shape, jnp.uint32), request_id=ints(-1),
+        adapter=ints(), active=jnp.zeros((num_slots,), bool),
+        tokens=jnp.full((num_slots, max_new_tokens), -1, jnp.int32), prefix_len=prefix_len, prompt_len=prompt_len,
+    )
+
+
+def _step_keys(key_data: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.vmap(lambda k, i: jax.random.fold_in(jax.random.wrap_key_data(k), i))(key_data, index)
+
+
+def _extend_with_prompts(params: Params, prefix: PrefixCache, req: Requests, q_cap: int):
+    """Runs the request prompts after their prefixes: returns slot caches [L, A, P+Q, K, H] and seed hidden [A, D]."""
+    pk, pv = prefix.k[:, req.row], prefix.v[:, req.row]
+    seed_prefix = prefix.last_hidden[req.row]
+    if q_cap == 0:
+        return pk, pv, seed_prefix
+    a, p = req.row.shape[0], prefix.length
+    pad = [(0, 0), (0, 0), (0, q_cap), (0, 0), (0, 0)]
+    ck, cv = jnp.pad(pk, pad), jnp.pad(pv, pad)
+    steps = jnp.arange(q_cap, dtype=jnp.int32)
+    causal = steps[None, :] <= steps[:, None]  # [Q, Q]
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(prefix.mask[req.row][:, None, :], (a, q_cap, p)), jnp.broadcast_to(causal, (a, q_cap, q_cap))], -1
+    )
+    positions = prefix.num_valid[req.row][:, None] + steps[None]
+    x = embed_tokens(params, req.prompt).astype(params.config.jnp_dtype)
+    write = jnp.broadcast_to(p + steps, (a, q_cap))
+    h, (ck, cv) = gemma.forward_write(params.vlm.layers, x, positions, mask, ck, cv, write)
+    last = jnp.clip(req.prompt_len - 1, 0, q_cap - 1)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
+    h_last, _ = gemma.rms_norm(h_last, params.vlm.final_norm)
+    seed = jnp.where((req.prompt_len > 0)[:, None], h_last[:, 0], seed_prefix)
+    return ck, cv, seed
+
+
+def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests):
+    s, g = pool.num_slots, pool.max_new_tokens
+    p, q_cap = pool.prefix_len, pool.prompt_len
+    if prefix.length != p:
+        raise ValueError(f"prefix cache has {prefix.length} positions but the pool was built for {p}")
+    if req.prompt.shape[1] != q_cap:
+        raise ValueError(f"request prompts have capacity {req.prompt.shape[1]} but the pool has {q_cap}")
+    free = ~pool.occupied
+    free_slots = jnp.argsort(~free, stable=True).astype(jnp.int32)  # free slots first, in index order
+    rank = jnp.arange(req.size)
+    admitted = req.valid & (rank < jnp.sum(free))
+    slot = jnp.where(admitted, free_slots[jnp.minimum(rank, s - 1)], s)  # s = out of range: dropped
+
+    ck, cv, seed = _extend_with_prompts(params, prefix, req, q_cap)
+    logits = lm_logits(params, seed)
+    budget = jnp.clip(req.budget, 1, g)
+    token0 = sample_tokens(logits, req.temperature, req.top_p, _step_keys(req.key, jnp.zeros_like(req.row)))
+    active = (token0 != req.stop_token) & (budget > 1)
+
+    cap = pool.capacity
+    suffix_valid = jnp.arange(cap - p)[None, :] < req.prompt_len[:, None]
+    row_mask = jnp.concatenate([prefix.mask[req.row], suffix_valid], axis=1)
+    tokens = jnp.full((req.size, g), -1, jnp.int32).at[:, 0].set(token0)
+
+    def put(field, value):
+        return field.at[slot].set(value.astype(field.dtype), mode="drop")
+
+    new = dataclasses.replace(
+        pool,
+        k=pool.k.at[:, slot, : ck.shape[2]].set(ck.astype(pool.k.dtype), mode="drop"),
+        v=pool.v.at[:, slot, : cv.shape[2]].set(cv.astype(pool.v.dtype), mode="drop"),
+        mask=put(pool.mask, row_mask),
+        base_position=put(pool.base_position, prefix.num_valid[req.row]),
+        length=put(pool.length, req.prompt_len),
+        last_token=put(pool.last_token, token0),
+        num_generated=put(pool.num_generated, jnp.ones_like(token0)),
+        budget=put(pool.budget, budget),
+        stop_token=put(pool.stop_token, req.stop_token),
+        temperature=put(pool.temperature, req.temperature),
+        top_p=put(pool.top_p, req.top_p),
+        key=put(pool.key, req.key),
+        request_id=put(pool.request_id, req.request_id),
+        adapter=put(pool.adapter, req.adapter),
+        active=put(pool.active, active),
+        tokens=put(pool.tokens, tokens),
+    )
+    first = jnp.full((s,), -1, jnp.int32).at[slot].set(token0, mode="drop")
+    return new, admitted, first
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def admit(params: Params, pool: DecodePool, prefix: PrefixCache, requests: Requests):
+    """Admits valid requests into free slots (lowest index first), in order, while slots last.
+
+    Each admitted request copies its prefix row into the slot, runs its own prompt (if any) after
+    it, and samples its first token. Donates `pool`.
+
+    Returns:
+      (pool, admitted bool [A], first_token int32 [S]: the token sampled in each slot, -1 elsewhere).
+    """
+    return jax.lax.cond(
+        jnp.any(requests.valid),
+        lambda: _admit(params, pool, prefix, requests),
+        lambda: (pool, jnp.zeros_like(requests.valid), jnp.full((pool.num_slots,), -1, jnp.int32)),
+    )
+
+
+def step_logits(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array]:
+    """Feeds every active slot's last token: writes its K/V and returns logits float32 [S, V].
+
+    The pool's mask and length are not advanced here (see `_decode_step`); inactive slots write
+    nothing.
+    """
+    cap = pool.capacity
+    write = pool.prefix_len + pool.length
+    x = embed_tokens(params, pool.last_token[:, None]).astype(params.config.jnp_dtype)
+    positions = (pool.base_position + pool.length)[:, None]
+    attend = pool.mask | (jnp.arange(cap)[None, :] == write[:, None])
+    write_index = jnp.where(pool.active, write, cap)[:, None]
+    h, (k, v) = gemma.forward_write(params.vlm.layers, x, positions, attend[:, None, :], pool.k, pool.v, write_index)
+    h, _ = gemma.rms_norm(h, params.vlm.final_norm)
+    return dataclasses.replace(pool, k=k, v=v), lm_logits(params, h[:, 0])
+
+
+def _decode_step(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array, jax.Array]:
+    """One token for every active slot: (pool, token int32 [S] (-1 for inactive slots), logits [S, V])."""
+    pool, logits = step_logits(params, pool)
+    tok = sample_tokens(logits, pool.temperature, pool.top_p, _step_keys(pool.key, pool.num_generated))
+    act = pool.active
+    rows = jnp.arange(pool.num_slots)
+    write = jnp.where(act, pool.prefix_len + pool.length, pool.capacity)
+    n = pool.num_generated + act
+    pool = dataclasses.replace(
+        pool,
+        mask=pool.mask.at[rows, write].set(True, mode="drop"),
+        length=pool.length + act,
+        tokens=pool.tokens.at[rows, jnp.where(act, pool.num_generated, pool.max_new_tokens)].set(tok, mode="drop"),
+        num_generated=n,
+        last_token=jnp.where(act, tok, pool.last_token),
+        active=act & (tok != pool.stop_token) & (n < pool.budget),
+    )
+    return pool, jnp.where(act, tok, -1), logits
+
+
+decode_step = functools.partial(jax.jit, donate_argnames=("pool",))(_decode_step)
+"""Jitted single step: (pool, token [S], logits float32 [S, V]). Donates `pool`."""
+
+
+def _maybe_step(params: Params, pool: DecodePool):
+    return jax.lax.cond(
+        jnp.any(pool.active),
+        lambda p: _decode_step(params, p)[:2],
+        lambda p: (p, jnp.full((p.num_slots,), -1, jnp.int32)),
+        pool,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("num_tokens",), donate_argnames=("pool",))
+def decode_burst(params: Params, pool: DecodePool, num_tokens: int) -> tuple[DecodePool, jax.Array]:
+    """Advances every active slot by up to `num_tokens` tokens in one batched scan. Donates `pool`.
+
+    Returns:
+      (pool, tokens int32 [S, num_tokens]: what each slot emitted per step, -1 when it did not).
+    """
+    pool, toks = jax.lax.scan(lambda p, _: _maybe_step(params, p), pool, None, length=num_tokens)
+    return pool, toks.T
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def decode_to_completion(params: Params, pool: DecodePool) -> DecodePool:
+    """Steps until no slot is active (at most max_new_tokens - 1 steps). Donates `pool`."""
+    return jax.lax.while_loop(lambda p: jnp.any(p.active), lambda p: _decode_step(params, p)[0], pool)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Released:
+    """Slots released at the end of a frame: done bool [S], request_id int32 [S], tokens int32 [S, G]."""
+
+    done: jax.Array
+    request_id: jax.Array
+    tokens: jax.Array
+    num_generated: jax.Array
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def release_finished(pool: DecodePool) -> tuple[DecodePool, Released]:
+    """Frees occupied slots that stopped generating and reports them. Donates `pool`."""
+    done = pool.occupied & ~pool.active
+    out = Released(done=done, request_id=jnp.where(done, pool.request_id, -1), tokens=pool.tokens,
+                   num_generated=pool.num_generated)
+    pool = dataclasses.replace(pool, request_id=jnp.where(done, -1, pool.request_id))
+    return pool, out
+

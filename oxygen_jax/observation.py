@@ -1,0 +1,76 @@
+"""The model-side observation: camera images, their masks and the tokenized prompt.
+
+Axes: B batch, C present cameras (the robot's real camera slots, padding slots already dropped),
+S image side in pixels, T prompt tokens.
+
+    images      float [B, C, S, S, 3]  in [-1, 1] (compute dtype or float32)
+    image_masks bool  [B, C]           False = this camera is absent for this row (masked, not dropped)
+    tokens      int32 [B, T]           prompt ids, 0-padded
+    token_mask  bool  [B, T]           True on real prompt tokens
+
+`oxygen_jax.transforms` builds this from robot (client) dictionaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxygen_jax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    images: jax.Array
+    image_masks: jax.Array
+    tokens: jax.Array
+    token_mask: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_cameras(self) -> int:
+        return self.images.shape[1]
+
+
+def validate_observation(obs: Observation, config: ModelConfig, num_cameras: int | None = None) -> None:
+    """Raises ValueError naming the first problem with `obs` (shapes, dtypes, sizes, NaNs).
+
+    Works on concrete arrays and on tracers (NaN checks only run on concrete arrays).
+    """
+    if not isinstance(obs, Observation):
+        raise ValueError(f"expected an Observation, got {type(obs).__name__}")
+    im, s = obs.images, config.siglip.image_size
+    if im.ndim != 5 or im.shape[2:] != (s, s, 3):
+        raise ValueError(
+            f"images must have shape [batch, cameras, {s}, {s}, 3] for this model "
+            f"(SiglipConfig.image_size={s}), got {tuple(im.shape)}; resize images with transforms.resize_with_pad"
+        )
+    if not jnp.issubdtype(im.dtype, jnp.floating):
+        raise ValueError(f"images must be floating point in [-1, 1], got dtype {im.dtype}; convert uint8 with x / 255 * 2 - 1")
+    b, c = im.shape[:2]
+    if num_cameras is not None and c != num_cameras:
+        raise ValueError(f"images hold {c} cameras but the robot config has {num_cameras} real camera slots")
+    if obs.image_masks.shape != (b, c) or obs.image_masks.dtype != jnp.bool_:
+        raise ValueError(f"image_masks must be bool [{b}, {c}], got {obs.image_masks.dtype} {tuple(obs.image_masks.shape)}")
+    if obs.tokens.ndim != 2 or obs.tokens.shape[0] != b:
+        raise ValueError(f"tokens must be [batch={b}, prompt_len], got {tuple(obs.tokens.shape)}")
+    if not jnp.issubdtype(obs.tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integer ids, got dtype {obs.tokens.dtype}")
+    if obs.token_mask.shape != obs.tokens.shape or obs.token_mask.dtype != jnp.bool_:
+        raise ValueError(
+            f"token_mask must be bool with the shape of tokens {tuple(obs.tokens.shape)}, "
+            f"got {obs.token_mask.dtype} {tuple(obs.token_mask.shape)}"
+        )
+    if not isinstance(im, jax.core.Tracer):
+        if not bool(np.isfinite(np.asarray(im, np.float32)).all()):
+            raise ValueError("images contain NaN or inf")
+        toks = np.asarray(obs.tokens)
+        if toks.size and (toks.min() < 0 or toks.max() >= config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got range [{toks.min()}, {toks.max()}]")

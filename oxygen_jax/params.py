@@ -1,0 +1,331 @@
+"""π0.5 parameters as registered-dataclass pytrees, described once by a table.
+
+Axis legend: L layers (stacked for `lax.scan`), D expert width, F MLP hidden, N query heads,
+K KV heads, H head dim, V vocabulary, W SigLIP width, Fv SigLIP MLP, Nv SigLIP heads, Hv SigLIP head
+dim, p patch size, Np patches per image, A model action dim, Dc adaRMS condition width (= action
+expert width).
+
+`_SPEC` is the single description of every leaf: its openpi checkpoint path, its attribute path in
+`Params`, its shape as a function of the config, and its initialiser. `init_params`,
+`abstract_params`, `to_openpi_dict` and `from_openpi_dict` are all derived from it, so the
+checkpoint mapping, the random init and the abstract shapes cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from oxygen_jax.config import ModelConfig
+
+
+def _pytree(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_pytree
+class Dense:
+    kernel: jax.Array  # [..., in, out] (SigLIP attention: [L, W, Nv, Hv] / [L, Nv, Hv, W])
+    bias: jax.Array  # [..., out]
+
+
+@_pytree
+class RMSNorm:
+    scale: jax.Array  # [(L,) D]; applied as (1 + scale)
+
+
+@_pytree
+class AdaRMSNorm:
+    """Adaptive RMSNorm: a Dense from the condition to (scale, shift, gate); no `scale` leaf."""
+
+    modulation: Dense  # kernel [(L,) Dc, 3D], bias [(L,) 3D]
+
+
+@_pytree
+class LayerNorm:
+    scale: jax.Array  # [(L,) W]
+    bias: jax.Array  # [(L,) W]
+
+
+@_pytree
+class ExpertLayers:
+    """One Gemma expert's per-layer weights, stacked on a leading L axis."""
+
+    q: jax.Array  # [L, N, D, H]
+    kv: jax.Array  # [L, 2, K, D, H]; index 0 = K, 1 = V
+    out: jax.Array  # [L, N, H, D]
+    attn_norm: RMSNorm | AdaRMSNorm
+    ffw_norm: RMSNorm | AdaRMSNorm
+    gating: jax.Array  # [L, 2, D, F]; index 0 = gelu gate, 1 = up
+    linear: jax.Array  # [L, F, D]
+
+
+@_pytree
+class Expert:
+    layers: ExpertLayers
+    final_norm: RMSNorm | AdaRMSNorm
+
+
+@_pytree
+class SiglipLayers:
+    ln0: LayerNorm
+    query: Dense  # kernel [L, W, Nv, Hv], bias [L, Nv, Hv]
+    key: Dense
+    value: Dense
+    out: Dense  # kernel [L, Nv, Hv, W], bias [L, W]
+    ln1: LayerNorm
+    mlp_in: Dense  # [L, W, Fv]
+    mlp_out: Dense  # [L, Fv, W]
+
+
+@_pytree
+class Siglip:
+    patch: Dense  # kernel [p, p, 3, W] (HWIO), bias [W]
+    pos_embedding: jax.Array  # [1, Np, W]
+    layers: SiglipLayers
+    norm: LayerNorm  # [W]
+    head: Dense  # [W, D_vlm]
+
+
+@_pytree
+class Params:
+    embedding: jax.Array  # [V, D_vlm]; token embedder and tied LM head
+    vlm: Expert  # expert 0: prefix and text (plain RMSNorm)
+    action_expert: Expert  # expert 1: action suffix (adaRMSNorm)
+    siglip: Siglip
+    action_in: Dense  # [A, D_act]
+    time_mlp_in: Dense  # [D_act, D_act]
+    time_mlp_out: Dense  # [D_act, D_act]
+    action_out: Dense  # [D_act, A]
+    config: ModelConfig = dataclasses.field(metadata=dict(static=True))  # static: part of the treedef
+
+    def replace(self, **changes) -> "Params":
+        return dataclasses.replace(self, **changes)
+
+    def with_config(self, **changes) -> "Params":
+        """Same arrays, config fields changed (e.g. `prompt_attention="causal"`); shapes must still fit."""
+        return dataclasses.replace(self, config=self.config.replace(**changes))
+
+
+class _Leaf(NamedTuple):
+    openpi: str  # "/"-joined path inside the openpi `params` tree
+    attr: tuple[str, ...]  # attribute path inside `Params`
+    shape: Callable[[ModelConfig], tuple[int, ...]]
+    init: str  # "fan_in:<axes>" (normal / sqrt(prod of those axes)), "embed", "small", "gate_bias"
+
+
+def _expert_leaves(prefix: str, attr: str, sfx: str, get, adaptive: bool) -> list[_Leaf]:
+    llm = "PaliGemma/llm/layers"
+    leaves = [
+        _Leaf(f"{llm}/attn/q_einsum{sfx}/w", (attr, "layers", "q"), lambda c: (get(c).depth, get(c).num_heads, get(c).width, get(c).head_dim), "fan_in:2"),
+        _Leaf(f"{llm}/attn/kv_einsum{sfx}/w", (attr, "layers", "kv"), lambda c: (get(c).depth, 2, get(c).num_kv_heads, get(c).width, get(c).head_dim), "fan_in:3"),
+        _Leaf(f"{llm}/attn/attn_vec_einsum{sfx}/w", (attr, "layers", "out"), lambda c: (get(c).depth, get(c).num_heads, get(c).head_dim, get(c).width), "fan_in:1,2"),
+        _Leaf(f"{llm}/mlp{sfx}/gating_einsum", (attr, "layers", "gating"), lambda c: (get(c).depth, 2, get(c).width, get(c).mlp_dim), "fan_in:2"),
+        _Leaf(f"{llm}/mlp{sfx}/linear", (attr, "layers", "linear"), lambda c: (get(c).depth, get(c).mlp_dim, get(c).width), "fan_in:1"),
+    ]
+    for name, field in (("pre_attention_norm", "attn_norm"), ("pre_ffw_norm", "ffw_norm")):
+        leaves += _norm_leaves(f"{llm}/{name}{sfx}", (attr, "layers", field), get, adaptive, stacked=True)
+    leaves += _norm_leaves(f"PaliGemma/llm/final_norm{sfx}", (attr, "final_norm"), get, adaptive, stacked=False)
+    return leaves
+
+
+def _norm_leaves(path, attr, get, adaptive, stacked) -> list[_Leaf]:
+    lead = (lambda c: (get(c).depth,)) if stacked else (lambda c: ())
+    if not adaptive:
+        return [_Leaf(f"{path}/scale", attr + ("scale",), lambda c: lead(c) + (get(c).width,), "small")]
+    cond = lambda c: c.action_expert.width  # noqa: E731
+    return [
+        _Leaf(f"{path}/Dense_0/kernel", attr + ("modulation", "kernel"), lambda c: lead(c) + (cond(c), 3 * get(c).width), "fan_in:-2"),
+        _Leaf(f"{path}/Dense_0/bias", attr + ("modulation", "bias"), lambda c: lead(c) + (3 * get(c).width,), "gate_bias"),
+    ]
+
+
+def _siglip_leaves() -> list[_Leaf]:
+    img, blk = "PaliGemma/img", "PaliGemma/img/Transformer/encoderblock"
+    s = lambda c: c.siglip  # noqa: E731
+    leaves = [
+        _Leaf(f"{img}/embedding/kernel", ("siglip", "patch", "kernel"), lambda c: (s(c).patch_size, s(c).patch_size, 3, s(c).width), "fan_in:0,1,2"),
+        _Leaf(f"{img}/embedding/bias", ("siglip", "patch", "bias"), lambda c: (s(c).width,), "small"),
+        _Leaf(f"{img}/pos_embedding", ("siglip", "pos_embedding"), lambda c: (1, s(c).num_patches, s(c).width), "pos"),
+        _Leaf(f"{img}/Transformer/encoder_norm/scale", ("siglip", "norm", "scale"), lambda c: (s(c).width,), "one"),
+        _Leaf(f"{img}/Transformer/encoder_norm/bias", ("siglip", "norm", "bias"), lambda c: (s(c).width,), "small"),
+        _Leaf(f"{img}/head/kernel", ("siglip", "head", "kernel"), lambda c: (s(c).width, c.vlm.width), "fan_in:0"),
+        _Leaf(f"{img}/head/bias", ("siglip", "head", "bias"), lambda c: (c.vlm.width,), "small"),
+    ]
+    for ln, field in (("LayerNorm_0", "ln0"), ("LayerNorm_1", "ln1")):
+        leaves += [
+            _Leaf(f"{blk}/{ln}/scale", ("siglip", "layers", field, "scale"), lambda c: (s(c).depth, s(c).width), "one"),
+            _Leaf(f"{blk}/{ln}/bias", ("siglip", "layers", field, "bias"), lambda c: (s(c).depth, s(c).width), "small"),
+        ]
+    mha = f"{blk}/MultiHeadDotProductAttention_0"
+    for name in ("query", "key", "value"):
+        leaves += [
+            _Leaf(f"{mha}/{name}/kernel", ("siglip", "layers", name, "kernel"), lambda c: (s(c).depth, s(c).width, s(c).num_heads, s(c).head_dim), "fan_in:1"),
+            _Leaf(f"{mha}/{name}/bias", ("siglip", "layers", name, "bias"), lambda c: (s(c).depth, s(c).num_heads, s(c).head_dim), "small"),
+        ]
+    leaves += [
+        _Leaf(f"{mha}/out/kernel", ("siglip", "layers", "out", "kernel"), lambda c: (s(c).depth, s(c).num_heads, s(c).head_dim, s(c).width), "fan_in:1,2"),
+        _Leaf(f"{mha}/out/bias", ("siglip", "layers", "out", "bias"), lambda c: (s(c).depth, s(c).width), "small"),
+        _Leaf(f"{blk}/MlpBlock_0/Dense_0/kernel", ("siglip", "layers", "mlp_in", "kernel"), lambda c: (s(c).depth, s(c).width, s(c).mlp_dim), "fan_in:1"),
+        _Leaf(f"{blk}/MlpBlock_0/Dense_0/bias", ("siglip", "layers", "mlp_in", "bias"), lambda c: (s(c).depth, s(c).mlp_dim), "small"),
+        _Leaf(f"{blk}/MlpBlock_0/Dense_1/kernel", ("siglip", "layers", "mlp_out", "kernel"), lambda c: (s(c).depth, s(c).mlp_dim, s(c).width), "fan_in:1"),
+        _Leaf(f"{blk}/MlpBlock_0/Dense_1/bias", ("siglip", "layers", "mlp_out", "bias"), lambda c: (s(c).depth, s(c).width), "small"),
+    ]
+    return leaves
+
+
+def _dense_leaves(name: str, attr: str, shape) -> list[_Leaf]:
+    return [
+        _Leaf(f"{name}/kernel", (attr, "kernel"), shape, "fan_in:0"),
+        _Leaf(f"{name}/bias", (attr, "bias"), lambda c: shape(c)[-1:], "small"),
+    ]
+
+
+_SPEC: tuple[_Leaf, ...] = tuple(
+    [_Leaf("PaliGemma/llm/embedder/input_embedding", ("embedding",), lambda c: (c.vocab_size, c.vlm.width), "embed")]
+    + _expert_leaves("", "vlm", "", lambda c: c.vlm, adaptive=False)
+    + _expert_leaves("", "action_expert", "_1", lambda c: c.action_expert, adaptive=True)
+    + _siglip_leaves()
+    + _dense_leaves("action_in_proj", "action_in", lambda c: (c.action_dim, c.action_expert.width))
+    + _dense_leaves("time_mlp_in", "time_mlp_in", lambda c: (c.action_expert.width, c.action_expert.width))
+    + _dense_leaves("time_mlp_out", "time_mlp_out", lambda c: (c.action_expert.width, c.action_expert.width))
+    + _dense_leaves("action_out_proj", "action_out", lambda c: (c.action_expert.width, c.action_dim))
+)
+
+OPENPI_PATHS: tuple[str, ...] = tuple(leaf.openpi for leaf in _SPEC)
+"""Every openpi parameter path (51 for π0.5), in table order."""
+
+
+def openpi_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every openpi parameter path for `config`."""
+    return {leaf.openpi: tuple(leaf.shape(config)) for leaf in _SPEC}
+
+
+def _build(values: dict[tuple[str, ...], jax.Array], config: ModelConfig) -> Params:
+    """Assembles `Params` from a flat {attr path: leaf} dict."""
+
+    def dense(p):
+        return Dense(kernel=values[p + ("kernel",)], bias=values[p + ("bias",)])
+
+    def norm(p):
+        if p + ("scale",) in values:
+            return RMSNorm(scale=values[p + ("scale",)])
+        return AdaRMSNorm(modulation=dense(p + ("modulation",)))
+
+    def lnorm(p):
+        return LayerNorm(scale=values[p + ("scale",)], bias=values[p + ("bias",)])
+
+    def expert(name):
+        p = (name, "layers")
+        layers = ExpertLayers(
+            q=values[p + ("q",)], kv=values[p + ("kv",)], out=values[p + ("out",)],
+            attn_norm=norm(p + ("attn_norm",)), ffw_norm=norm(p + ("ffw_norm",)),
+            gating=values[p + ("gating",)], linear=values[p + ("linear",)],
+        )
+        return Expert(layers=layers, final_norm=norm((name, "final_norm")))
+
+    sl = ("siglip", "layers")
+    siglip = Siglip(
+        patch=dense(("siglip", "patch")), pos_embedding=values[("siglip", "pos_embedding")],
+        layers=SiglipLayers(
+            ln0=lnorm(sl + ("ln0",)), query=dense(sl + ("query",)), key=dense(sl + ("key",)),
+            value=dense(sl + ("value",)), out=dense(sl + ("out",)), ln1=lnorm(sl + ("ln1",)),
+            mlp_in=dense(sl + ("mlp_in",)), mlp_out=dense(sl + ("mlp_out",)),
+        ),
+        norm=lnorm(("siglip", "norm")), head=dense(("siglip", "head")),
+    )
+    return Params(
+        embedding=values[("embedding",)], vlm=expert("vlm"), action_expert=expert("action_expert"),
+        siglip=siglip, action_in=dense(("action_in",)), time_mlp_in=dense(("time_mlp_in",)),
+        time_mlp_out=dense(("time_mlp_out",)), action_out=dense(("action_out",)), config=config,
+    )
+
+
+def _get(params: Params, attr: tuple[str, ...]):
+    for a in attr:
+        params = getattr(params, a)
+    return params
+
+
+def _init_leaf(leaf: _Leaf, shape: tuple[int, ...], key, dtype) -> jax.Array:
+    kind = leaf.init
+    if kind.startswith("fan_in:"):
+        axes = [int(a) % len(shape) for a in kind[len("fan_in:"):].split(",")]
+        fan_in = math.prod(shape[a] for a in axes)
+        return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+    if kind == "embed":  # table * sqrt(D) has unit scale, and tied logits have unit scale too
+        return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[-1])).astype(dtype)
+    if kind == "small":
+        return (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    if kind == "one":
+        return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    if kind == "pos":
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    if kind == "gate_bias":  # (scale, shift, gate): an open gate so the action expert is not an identity
+        x = 0.1 * jax.random.normal(key, shape, jnp.float32)
+        d = shape[-1] // 3
+        return x.at[..., 2 * d:].add(1.0).astype(dtype)
+    raise AssertionError(kind)
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+    """Random parameters from a seed, in `config.dtype`.
+
+    Every leaf is random (norm scales, biases and adaRMS modulations included; adaRMS gates open
+    around 1), so tests and benchmarks exercise the whole network. This is not openpi's training
+    initialisation, which zero-initialises the adaRMS modulations (an identity action expert);
+    fine-tuning starts from a restored checkpoint instead.
+    """
+    keys = jax.random.split(key, len(_SPEC))
+    dtype = config.jnp_dtype
+    return _build({leaf.attr: _init_leaf(leaf, leaf.shape(config), k, dtype) for leaf, k in zip(_SPEC, keys)}, config)
+
+
+def abstract_params(config: ModelConfig) -> Params:
+    """`jax.ShapeDtypeStruct` leaves for `config`, without allocating anything."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+
+def to_openpi_dict(params: Params) -> dict[str, jax.Array]:
+    """Flat {openpi path: array} view of `params` (the layout openpi's `restore_params` returns)."""
+    return {leaf.openpi: _get(params, leaf.attr) for leaf in _SPEC}
+
+
+def from_openpi_dict(flat: dict[str, jax.Array], config: ModelConfig) -> Params:
+    """Builds `Params` from a flat {openpi path: array} dict, checking keys and shapes.
+
+    Leaves are converted to `config.dtype`.
+
+    Raises:
+      ValueError: listing every missing key, every unexpected key and every mis-shaped key.
+    """
+    expected = openpi_shapes(config)
+    missing = sorted(set(expected) - set(flat))
+    unexpected = sorted(set(flat) - set(expected))
+    misshaped = sorted(
+        f"{k}: expected {expected[k]}, got {tuple(flat[k].shape)}"
+        for k in expected.keys() & flat.keys()
+        if tuple(flat[k].shape) != expected[k]
+    )
+    if missing or unexpected or misshaped:
+        lines = ["parameters do not match the π0.5 tree for this config:"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if items:
+                lines.append(f"  {title} ({len(items)}):")
+                lines += [f"    {i}" for i in items]
+        raise ValueError("\n".join(lines))
+    return _build({leaf.attr: _as_dtype(flat[leaf.openpi], config.jnp_dtype) for leaf in _SPEC}, config)
+
+
+def _as_dtype(x, dtype):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, dtype)
+    return jnp.asarray(x, dtype)
+
+
+def param_count(params) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))

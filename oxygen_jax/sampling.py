@@ -1,0 +1,43 @@
+"""Per-row token sampling: greedy, temperature and nucleus (top-p), with per-row keys.
+
+Each row carries its own temperature, top-p and RNG key, so a request samples the same tokens
+whatever else shares its batch. Temperature 0 means greedy (argmax, first index on ties).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks logits outside the smallest set whose probability reaches top_p (per row)."""
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+    keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Array:
+    """Samples one token per row.
+
+    Args:
+      logits: float32 [B, V].
+      temperature: float32 [B]; 0 = greedy.
+      top_p: float32 [B] in (0, 1]; 1 = no nucleus filtering.
+      keys: typed PRNG keys [B].
+    Returns:
+      int32 [B].
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    stochastic = temperature > 0
+    scaled = logits / jnp.where(stochastic, temperature, 1.0)[:, None]
+    # Sorting 257k logits per row is costly; only do it when some sampled row asks for top-p.
+    scaled = jax.lax.cond(
+        jnp.any(stochastic & (top_p < 1.0)), lambda s: _top_p_filter(s, top_p), lambda s: s, scaled
+    )
+    drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys, scaled).astype(jnp.int32)
+    return jnp.where(stochastic, drawn, greedy)

@@ -1,0 +1,84 @@
+"""SigLIP image encoder (ViT, no class token, no pooling) with a Dense head into the VLM width.
+
+Axis legend: B images, S image side, p patch size, Np = (S / p)^2 patches, W width, Nv heads,
+Hv head dim, Fv MLP hidden, D VLM width.
+
+The stem (patch projection + position embedding) runs in float32, like openpi; the encoder runs in
+the compute dtype. The patch "convolution" (kernel p, stride p, VALID) is computed as a reshape into
+patches followed by one matmul, which is the same linear map.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from oxygen_jax.params import LayerNorm, Siglip
+
+_LN_EPS = 1e-6
+
+
+def _layer_norm(x: jax.Array, ln: LayerNorm) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + _LN_EPS)
+    return (y * ln.scale.astype(jnp.float32) + ln.bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def _patchify(images: jax.Array, p: int) -> jax.Array:
+    """[B, S, S, 3] -> [B, Np, p*p*3], patches in row-major order, pixels as (row, col, channel)."""
+    b, s, _, c = images.shape
+    g = s // p
+    x = images.reshape(b, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, g * g, p * p * c)
+
+
+def stem(params: Siglip, images: jax.Array) -> jax.Array:
+    """Patch embedding before the position embedding: [B, S, S, 3] -> float32 [B, Np, W]."""
+    p = params.patch.kernel.shape[0]
+    w = params.patch.kernel.reshape(-1, params.patch.kernel.shape[-1]).astype(jnp.float32)
+    return _patchify(images.astype(jnp.float32), p) @ w + params.patch.bias.astype(jnp.float32)
+
+
+def _encoder_block(x: jax.Array, lp) -> jax.Array:
+    dt = x.dtype
+    h = _layer_norm(x, lp.ln0)
+    q, k, v = (
+        jnp.einsum("BTW,WNH->BTNH", h, d.kernel.astype(dt)) + d.bias.astype(dt) for d in (lp.query, lp.key, lp.value)
+    )
+    q = q / jnp.sqrt(jnp.asarray(q.shape[-1], dt))
+    logits = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+    a = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+    x = x + jnp.einsum("BTNH,NHW->BTW", a, lp.out.kernel.astype(dt)) + lp.out.bias.astype(dt)
+    h = _layer_norm(x, lp.ln1)
+    h = jax.nn.gelu(h @ lp.mlp_in.kernel.astype(dt) + lp.mlp_in.bias.astype(dt), approximate=True)
+    return x + h @ lp.mlp_out.kernel.astype(dt) + lp.mlp_out.bias.astype(dt)
+
+
+def encode_stages(params: Siglip, images: jax.Array, dtype) -> dict[str, jax.Array]:
+    """All intermediate outputs, for parity checks.
+
+    Args:
+      images: [B, S, S, 3] in [-1, 1].
+    Returns:
+      {"stem": [B, Np, W] float32, "encoded": [B, Np, W] (after the final LayerNorm),
+       "tokens": [B, Np, D] (after the head)}.
+    """
+    s = stem(params, images)
+    if s.shape[1] != params.pos_embedding.shape[1]:
+        raise ValueError(
+            f"images give {s.shape[1]} patches but the position embedding has {params.pos_embedding.shape[1]}; "
+            "resize images to the model's image size"
+        )
+    x = (s + params.pos_embedding.astype(jnp.float32)).astype(dtype)
+    x, _ = jax.lax.scan(lambda x, lp: (_encoder_block(x, lp), None), x, params.layers)
+    encoded = _layer_norm(x, params.norm)
+    tokens = encoded @ params.head.kernel.astype(dtype) + params.head.bias.astype(dtype)
+    return {"stem": s, "encoded": encoded, "tokens": tokens}
+
+
+def encode(params: Siglip, images: jax.Array, dtype) -> jax.Array:
+    """Image tokens [B, Np, D] for images [B, S, S, 3] in [-1, 1]."""
+    return encode_stages(params, images, dtype)["tokens"]
