@@ -26,9 +26,11 @@ config implies, without allocating anything.
 
 orbax-checkpoint 0.12.8 notes (all verified):
   * paths must be absolute;
-  * `PyTreeCheckpointer().metadata(path)` returns a `StepMetadata`; the tree is `.item_metadata`;
+  * `PyTreeCheckpointer().metadata(path)` returns a `StepMetadata`; its `.item_metadata` is a
+    dict-like tree-metadata object that is not a `Mapping` (the plain dict is `.item_metadata.tree`);
   * restoring a subset of the stored keys needs `PyTreeRestore(..., partial_restore=True)`;
   * `RestoreArgs(restore_type=np.ndarray, dtype=...)` restores host arrays cast to `dtype`;
+  * the synchronous `ocp.Checkpointer` has no `wait_until_finished` (save returns when done);
   * items saved inside a CheckpointManager step have no `_CHECKPOINT_METADATA` of their own, so
     reading their metadata logs an absl warning; it is harmless.
 """
@@ -47,7 +49,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from oxygen_jax.config import ExpertConfig, ModelConfig, SiglipConfig, model_config
+from oxygen_jax.config import DType, ExpertConfig, ModelConfig, PromptAttention, SiglipConfig, model_config
 from oxygen_jax.normalize import NormStats, load_norm_stats
 from oxygen_jax.params import (
     OPENPI_PATHS,
@@ -104,7 +106,9 @@ def _infer_siglip(shapes: Mapping[str, Iterable[int]]) -> SiglipConfig:
     pos_key = f"{_IMG}/pos_embedding"
     ph, pw, channels, width = _shape(shapes, stem_key, 4, "[p, p, 3, W] (HWIO)")
     if ph != pw or channels != 3:
-        raise ValueError(f"{stem_key!r} has shape {(ph, pw, channels, width)}: expected a square RGB patch [p, p, 3, W]")
+        raise ValueError(
+            f"{stem_key!r} has shape {(ph, pw, channels, width)}: expected a square RGB patch [p, p, 3, W]"
+        )
     depth, q_width, heads, head_dim = _shape(shapes, q_key, 4, "[L, W, Nv, Hv]")
     if q_width != width:
         raise ValueError(f"{q_key!r} has width {q_width} but {stem_key!r} has width {width}")
@@ -124,14 +128,15 @@ def _infer_siglip(shapes: Mapping[str, Iterable[int]]) -> SiglipConfig:
             width=width, depth=depth, mlp_dim=mlp_dim, num_heads=heads, patch_size=ph, image_size=side * ph
         )
     except ValueError as e:
-        raise ValueError(f"invalid SigLIP dimensions from {stem_key!r}, {q_key!r}, {mlp_key!r}, {pos_key!r}: {e}") from e
+        keys = ", ".join(repr(k) for k in (stem_key, q_key, mlp_key, pos_key))
+        raise ValueError(f"invalid SigLIP dimensions from {keys}: {e}") from e
 
 
 def infer_model_config(
     shapes: Mapping[str, Iterable[int]],
     *,
-    dtype: str = "float32",
-    prompt_attention: str = "bidirectional",
+    dtype: DType = "float32",
+    prompt_attention: PromptAttention = "bidirectional",
 ) -> ModelConfig:
     """Infers a π0.5 `ModelConfig` from openpi parameter shapes.
 
@@ -167,7 +172,7 @@ def infer_model_config(
     try:
         return ModelConfig(
             vlm=vlm, action_expert=act, siglip=siglip, vocab_size=vocab, action_dim=action_dim,
-            dtype=dtype, prompt_attention=prompt_attention,  # type: ignore[arg-type]
+            dtype=dtype, prompt_attention=prompt_attention,
         )
     except ValueError as e:
         raise ValueError(f"checkpoint shapes give an invalid ModelConfig: {e}") from e
@@ -257,10 +262,13 @@ def _missing_report(missing: list[str]) -> str:
 def load_openpi_params(
     path: PathLike,
     *,
-    dtype: str = "float32",
-    prompt_attention: str = "bidirectional",
+    dtype: DType = "float32",
+    prompt_attention: PromptAttention = "bidirectional",
 ) -> tuple[ModelConfig, Params]:
-    """Restores an openpi π0.5 checkpoint as host (numpy) arrays in `dtype`.
+    """Restores an openpi π0.5 checkpoint, every leaf cast to `dtype`.
+
+    Keys and shapes are checked from the orbax metadata before any array is read; arrays are then
+    restored as host numpy arrays already in `dtype` and handed to `params.from_openpi_dict`.
 
     Args:
       path: an openpi `params` item directory (released or training layout), or a directory that
@@ -271,13 +279,14 @@ def load_openpi_params(
       prompt_attention: the returned config's prompt attention ("bidirectional" = openpi).
 
     Returns:
-      (config inferred from the stored shapes, `Params` of `np.ndarray` leaves).
+      (config inferred from the stored shapes, `Params` built by `from_openpi_dict`, whose leaves
+      are arrays in `config.dtype`).
 
     Raises:
       FileNotFoundError: `path` does not exist.
       ValueError: not an orbax checkpoint, no `params` item, or keys missing / mis-shaped (every
         such key is listed, with expected and stored shapes). Extra keys are ignored; ignored LoRA
-        leaves additionally raise a warning, since the adapters are then not applied.
+        leaves additionally emit a UserWarning, since the adapters are then not applied.
     """
     item = _resolve_params_item(path)
     meta, has_value = _read_openpi_metadata(item)
@@ -288,7 +297,8 @@ def load_openpi_params(
         )
     except ValueError as e:
         if missing:  # report every missing key, not only the first one inference tripped on
-            raise ValueError(f"openpi checkpoint {item} does not match the π0.5 tree:\n{_missing_report(missing)}") from e
+            report = _missing_report(missing)
+            raise ValueError(f"openpi checkpoint {item} does not match the π0.5 tree:\n{report}") from e
         raise ValueError(f"openpi checkpoint {item}: {e}") from e
 
     wanted = set(OPENPI_PATHS)
@@ -463,7 +473,8 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
             want, have = openpi_shapes(config), openpi_shapes(stored)
             diff = [f"    {k}: stored {have[k]}, requested {want[k]}" for k in want if want[k] != have[k]]
             if diff:
-                raise ValueError(f"{src}: the requested config's dimensions differ from the stored ones:\n" + "\n".join(diff))
+                lines = "\n".join(diff)
+                raise ValueError(f"{src}: the requested config's dimensions differ from the stored ones:\n{lines}")
         # orbax casts into the target's dtype (from `config`), whatever dtype was stored.
         target = _nested_openpi(
             {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in to_openpi_dict(abstract_params(config)).items()}

@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from oxygen_jax.config import ModelConfig
 
@@ -251,43 +252,50 @@ def _get(params: Params, attr: tuple[str, ...]):
     return params
 
 
-def _init_leaf(leaf: _Leaf, shape: tuple[int, ...], key, dtype) -> jax.Array:
+def _init_leaf(leaf: _Leaf, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     kind = leaf.init
+    normal = lambda: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
     if kind.startswith("fan_in:"):
         axes = [int(a) % len(shape) for a in kind[len("fan_in:"):].split(",")]
-        fan_in = math.prod(shape[a] for a in axes)
-        return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+        return normal() / np.float32(math.sqrt(math.prod(shape[a] for a in axes)))
     if kind == "embed":  # table * sqrt(D) has unit scale, and tied logits have unit scale too
-        return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[-1])).astype(dtype)
+        return normal() / np.float32(math.sqrt(shape[-1]))
     if kind == "small":
-        return (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return np.float32(0.1) * normal()
     if kind == "one":
-        return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return np.float32(1.0) + np.float32(0.1) * normal()
     if kind == "pos":
-        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return np.float32(0.02) * normal()
     if kind == "gate_bias":  # (scale, shift, gate): an open gate so the action expert is not an identity
-        x = 0.1 * jax.random.normal(key, shape, jnp.float32)
-        d = shape[-1] // 3
-        return x.at[..., 2 * d:].add(1.0).astype(dtype)
+        x = np.float32(0.1) * normal()
+        x[..., 2 * (shape[-1] // 3):] += 1.0
+        return x
     raise AssertionError(kind)
 
 
-def init_params(config: ModelConfig, key: jax.Array) -> Params:
-    """Random parameters from a seed, in `config.dtype`.
+def init_params(config: ModelConfig, seed: int | jax.Array = 0) -> Params:
+    """Random parameters from a seed (an int or a JAX PRNG key), in `config.dtype`.
 
     Every leaf is random (norm scales, biases and adaRMS modulations included; adaRMS gates open
     around 1), so tests and benchmarks exercise the whole network. This is not openpi's training
     initialisation, which zero-initialises the adaRMS modulations (an identity action expert);
-    fine-tuning starts from a restored checkpoint instead.
+    fine-tuning starts from a restored checkpoint instead. Drawn with numpy (leaf i from
+    PCG64([seed, i])): deterministic everywhere and free of per-shape compilation.
     """
-    keys = jax.random.split(key, len(_SPEC))
+    if isinstance(seed, jax.Array):
+        seed = int(np.asarray(jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed).sum())
     dtype = config.jnp_dtype
-    return _build({leaf.attr: _init_leaf(leaf, leaf.shape(config), k, dtype) for leaf, k in zip(_SPEC, keys)}, config)
+    values = {}
+    for i, leaf in enumerate(_SPEC):
+        rng = np.random.default_rng([int(seed), i])
+        values[leaf.attr] = jnp.asarray(_init_leaf(leaf, tuple(leaf.shape(config)), rng), dtype)
+    return _build(values, config)
 
 
 def abstract_params(config: ModelConfig) -> Params:
     """`jax.ShapeDtypeStruct` leaves for `config`, without allocating anything."""
-    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    dtype = config.jnp_dtype
+    return _build({leaf.attr: jax.ShapeDtypeStruct(tuple(leaf.shape(config)), dtype) for leaf in _SPEC}, config)
 
 
 def to_openpi_dict(params: Params) -> dict[str, jax.Array]:

@@ -33,9 +33,8 @@ def _fixture(*parts: str) -> Path:
 
 def _leaves_equal(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
-    )
+    same = lambda x, y: x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))  # noqa: E731
+    return len(la) == len(lb) and all(same(x, y) for x, y in zip(la, lb))
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +310,8 @@ def test_openpi_tree_without_params_entry_is_rejected(tmp_path):
 
 
 def _write_norm_stats(root: Path, asset_id: str, dim: int) -> None:
-    stats = {k: {"mean": [0.0] * dim, "std": [1.0] * dim, "q01": [-1.0] * dim, "q99": [1.0] * dim} for k in ("state", "actions")}
+    entry = {"mean": [0.0] * dim, "std": [1.0] * dim, "q01": [-1.0] * dim, "q99": [1.0] * dim}
+    stats = {"state": entry, "actions": entry}
     path = root / "assets" / asset_id / "norm_stats.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"norm_stats": stats}))
