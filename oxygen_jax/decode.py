@@ -137,6 +137,10 @@ def _key_data(seed: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
+def _key_shape() -> tuple[int, ...]:
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
 def make_requests(
     size: int,
     prompt_capacity: int,
@@ -176,7 +180,7 @@ def make_requests(
         prompt_len[i] = len(p)
     if budgets is None and n:
         raise ValueError("make_requests needs a token budget per request")
-    key = np.zeros((size,) + _key_data(0).shape, np.uint32)
+    key = np.zeros((size,) + _key_shape(), np.uint32)
     for i in range(n):
         key[i] = _key_data(int(seeds[i]) if seeds is not None else int(request_ids[i]))
     return Requests(
@@ -199,7 +203,7 @@ def init_pool(params: Params, num_slots: int, prefix_len: int, max_new_tokens: i
         mask=jnp.zeros((num_slots, cap), bool), base_position=ints(), length=ints(), last_token=ints(),
         num_generated=ints(), budget=ints(), stop_token=ints(-1),
         temperature=jnp.zeros((num_slots,), jnp.float32), top_p=jnp.ones((num_slots,), jnp.float32),
-        key=jnp.zeros((num_slots,) + _key_data(0).shape, jnp.uint32), request_id=ints(-1),
+        key=jnp.zeros((num_slots,) + _key_shape(), jnp.uint32), request_id=ints(-1),
         adapter=ints(), active=jnp.zeros((num_slots,), bool),
         tokens=jnp.full((num_slots, max_new_tokens), -1, jnp.int32), prefix_len=prefix_len, prompt_len=prompt_len,
     )

@@ -47,3 +47,45 @@ def make_obs(
         tokens=jnp.asarray(tokens),
         token_mask=jnp.asarray(tokens > 0),
     )
+
+
+def diverse_text_params(params):
+    """Scales the VLM expert so that greedy decoding with random weights does not just repeat its
+    input token (with a tied LM head, a random network's residual stream is dominated by the input
+    embedding). Makes token-equality tests meaningful; not a model anyone should use."""
+    import dataclasses
+
+    layers = params.vlm.layers
+    layers = dataclasses.replace(
+        layers, q=layers.q * 3, kv=layers.kv.at[:, 0].multiply(3), linear=layers.linear * 20, out=layers.out * 10
+    )
+    return dataclasses.replace(params, vlm=dataclasses.replace(params.vlm, layers=layers))
+
+
+def recompute_greedy(params, obs, num_tokens: int, row: int = 0, prompt=()):
+    """Reference text decoding without any cache: every token re-runs the whole sequence
+    [prefix | request prompt | generated] through the VLM expert. Returns (tokens, logits [n, V])."""
+    import jax.numpy as jnp
+
+    from oxygen_jax import gemma, model
+    from oxygen_jax.masks import make_attn_mask, positions_from_mask
+
+    tokens, input_mask, ar = model.embed_prefix(params, obs)
+    tokens, input_mask = tokens[row:row + 1], input_mask[row:row + 1]
+    out, logits_all = [], []
+    for _ in range(num_tokens):
+        tail = list(prompt) + out
+        if tail:
+            emb = model.embed_tokens(params, jnp.asarray([tail], jnp.int32)).astype(tokens.dtype)
+            seq = jnp.concatenate([tokens, emb], 1)
+            mask = jnp.concatenate([input_mask, jnp.ones((1, len(tail)), bool)], 1)
+            seq_ar = jnp.concatenate([ar, jnp.ones(len(tail), bool)])
+        else:
+            seq, mask, seq_ar = tokens, input_mask, ar
+        h, _ = gemma.forward_prefill(params.vlm.layers, seq, positions_from_mask(mask), make_attn_mask(mask, seq_ar))
+        last = int(np.flatnonzero(np.asarray(mask[0]))[-1])
+        hn, _ = gemma.rms_norm(h[:, last:last + 1], params.vlm.final_norm)
+        logits = np.asarray(model.lm_logits(params, hn[:, 0]))[0]
+        logits_all.append(logits)
+        out.append(int(np.argmax(logits)))
+    return out, np.stack(logits_all)

@@ -1,0 +1,990 @@
+"""Benchmark the four execution settings side by side and write JSON results.
+
+    python -m eval.bench --quick --out results/tiny          # tiny preset, a few minutes on 2 CPU cores
+    python -m eval.bench --preset bench --out results/bench  # default grid (`figure`) on the bench preset
+    python -m eval.bench --grid paper --preset pi05 --dtype bfloat16 --out results/paper   # the §5 sweep
+
+A *group* is one (workload, S, N, arrival pattern). Within a group every selected setting (and
+continuous batching once per k) runs the same frames, interleaved frame by frame (the order rotates
+each frame), on the same observations, noise and requests:
+
+    isolated    action program, then a text program with its own prefill (each waited for)
+    shared_kv   one program: one prefill, actions, the frame's requests decoded to completion
+    parallel    action and text programs dispatched concurrently from two host threads
+    continuous  `schedule.frame_step` on a persistent decode pool: k tokens per active request per frame
+
+Frames without arrivals run the action program alone in the non-batched settings. A frame's time runs
+from its tick to actions and tokens on the host (`jax.device_get`, which waits for the device).
+
+Protocol (method_and_benchmark.md §5, §9.22-27): each compiled program's first call (trace, compile,
+one execution) is timed once per process and reported as `compile_s`, never mixed into frame times;
+warm-up frames (at least ceil(N/k) ramp frames when continuous runs) and requests arriving in them
+are excluded; random weights decode a fixed number of tokens (stop token disabled, recorded as
+`fixed_length_decode`); component times (prefill, S denoise steps, one decode step at batch B) are
+measured alone, warm, median of several runs, and give each setting's ideal frame time (§8.4).
+
+Output (`--out DIR`):
+
+    DIR/summary.json        one record per (setting, grid point): see `SUMMARY_KEYS`
+    DIR/components.json     component times per workload
+    DIR/environment.json    versions, backend, device, dtype, preset, commit, command line
+    DIR/runs/<group>.json   environment, configuration, per-frame and per-request records, summaries
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from eval import arrivals as arrivals_lib
+from eval import metrics
+
+SETTINGS = ("isolated", "shared_kv", "continuous", "parallel")
+WORKLOADS = ("libero", "droid", "aloha")
+PRESETS = ("tiny", "bench", "pi05")
+PAPER_K = (1, 2, 3, 5, 6, 10, 15, 30)
+
+SUMMARY_KEYS = (
+    "setting", "workload", "preset", "dtype", "S", "N", "k", "arrival", "frame_ms_median", "action_hz",
+    "tokens_per_s", "speedup_vs_isolated", "ideal_speedup", "compile_s",
+)
+"""Keys every `summary.json` record has (downstream scripts rely on them); records hold more."""
+
+
+# --- grids ----------------------------------------------------------------------------------------
+
+
+def _paper_ks(n: int) -> list[int]:
+    return [k for k in PAPER_K if n % k == 0]
+
+
+def _all_divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _figure_ks(n: int) -> list[int]:
+    return [1, 2, 3, 5, 10] if n == 30 else [5]
+
+
+_WORKLOAD_SWEEP = (
+    [f"uniform:{r:g}:tmax=30" for r in (0.25, 0.5, 1, 2, 4)]
+    + [f"poisson:{lam:g}:tmax=30" for lam in (0.5, 1, 1.5, 2)]
+    + [f"random_length:5,20@{p:g}" for p in (0.1, 0.3, 0.5, 0.7, 0.9)]
+)
+
+GRIDS: dict[str, dict] = {
+    # §5 default sweep: all workloads, S x N, k in the paper's set dividing N.
+    "paper": dict(workloads=WORKLOADS, S=(5, 10, 15, 20), N=(5, 10, 15, 20, 30), k=_paper_ks,
+                  arrivals=("uniform:1",), frames=50),
+    # The paper's figures: S = 10, k = 5 over N, and k in {1,2,3,5,10} at N = 30 (LIBERO).
+    "figure": dict(workloads=("libero",), S=(10,), N=(5, 10, 15, 20, 30), k=_figure_ks,
+                   arrivals=("uniform:1",), frames=30),
+    # §5 workload sweep: LIBERO, S = 10, N = 30, k = 5 under different arrival patterns.
+    "workload": dict(workloads=("libero",), S=(10,), N=(30,), k=lambda n: [5], arrivals=tuple(_WORKLOAD_SWEEP),
+                     frames=50),
+    # Small grid for the tiny preset: enough points for every table and plot.
+    "quick": dict(workloads=("libero",), S=(10,), N=(10, 20, 30), k=lambda n: [1, 5, 10],
+                  arrivals=("uniform:1",), frames=30),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One grid point shared by all settings: continuous batching runs once per k in `ks`."""
+
+    workload: str
+    S: int
+    N: int
+    arrival: str
+    ks: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        arrival = re.sub(r"[^A-Za-z0-9.]+", "-", self.arrival).strip("-")
+        return f"{self.workload}_S{self.S}_N{self.N}_{arrival}"
+
+
+def build_grid(args: argparse.Namespace) -> list[Group]:
+    """Groups from the named grid, with any explicit --workloads/--S/--N/--k/--arrival replacing its lists."""
+    grid = GRIDS[args.grid]
+    workloads = args.workloads or grid["workloads"]
+    steps = args.S or grid["S"]
+    lengths = args.N or grid["N"]
+    specs = args.arrival or grid["arrivals"]
+    if args.k is None:
+        k_of = grid["k"]
+    elif args.k == ["div"]:
+        k_of = _paper_ks
+    elif args.k == ["alldiv"]:
+        k_of = _all_divisors
+    else:
+        fixed = [int(k) for k in args.k]
+        k_of = lambda n: fixed  # noqa: E731
+    groups = []
+    for w in workloads:
+        for s in steps:
+            for n in lengths:
+                ks = tuple(sorted(set(k_of(n)))) if "continuous" in args.settings else ()
+                if "continuous" in args.settings and not ks:
+                    raise SystemExit(f"error: no tokens-per-frame k for N = {n}; pass --k explicitly")
+                for spec in specs:
+                    groups.append(Group(workload=w, S=s, N=n, arrival=str(arrivals_lib.parse(spec)), ks=ks))
+    return groups
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _k_value(text: str) -> str:
+    if text in ("div", "alldiv"):
+        return text
+    _positive_int(text)
+    return text
+
+
+def _arrival(text: str) -> str:
+    try:
+        return str(arrivals_lib.parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _batches(text: str) -> list[int]:
+    """'1-16' or '1,2,4,8' (or a mix: '1-4,8,16')."""
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)-(\d+)", part)
+        if m:
+            lo, hi = int(m.group(1)), int(m.group(2))
+            if lo < 1 or hi < lo:
+                raise argparse.ArgumentTypeError(f"bad batch range {part!r}")
+            out.update(range(lo, hi + 1))
+        else:
+            out.add(_positive_int(part))
+    return sorted(out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    grids = "\n".join(
+        f"  {name:9s} workloads={','.join(g['workloads'])} S={list(g['S'])} N={list(g['N'])} "
+        f"arrivals={len(g['arrivals'])} frames={g['frames']}" for name, g in GRIDS.items()
+    )
+    p = argparse.ArgumentParser(
+        prog="python -m eval.bench",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Measure the OxyGen execution settings (isolated, shared_kv, continuous, parallel) side by side.\n"
+            "Default: the `figure` grid (LIBERO, S=10; k=5 over N in {5,10,15,20,30}; k in {1,2,3,5,10} at\n"
+            "N=30) on the `bench` preset. `--grid paper` runs the paper's full §5 sweep (S in {5,10,15,20},\n"
+            "N in {5,10,15,20,30}, k in {1,2,3,5,6,10,15,30} dividing N, all workloads, 50 frames): hours\n"
+            "on a GPU with pi05, far too long for a CPU. `--quick` is the tiny-preset smoke grid."
+        ),
+        epilog=(
+            "named grids (explicit --workloads/--S/--N/--k/--arrival replace the grid's lists):\n" + grids + "\n\n"
+            "arrival patterns (one request = one language request decoded up to min(t_max, N) tokens):\n"
+            "  uniform:R        R >= 1: one request every int(R) frames; R < 1: round(1/R) per frame\n"
+            "  burst:4/8        4 requests every 8 frames      poisson:1.5   Poisson arrivals, seeded\n"
+            "  variable_length:5,20   t_max cycles             random_length:5,20@0.3   P(t_max=20) = 0.3\n"
+            "  options  :tmax=30  :seed=7  :rate=2 (the *_length kinds)        none   actions only\n\n"
+            "examples:\n"
+            "  python -m eval.bench --quick --out results/tiny && python -m eval.report results/tiny\n"
+            "  python -m eval.bench --preset bench --settings isolated continuous --N 30 --k 5 --frames 3 --warmup 1\n"
+            "  python -m eval.bench --grid workload --preset pi05 --dtype bfloat16 --out results/workload\n"
+            "  python -m eval.bench --ckpt ~/.cache/openpi/pi05_libero --workloads libero --N 30 --k 5 --dry-run"
+        ),
+    )
+    g = p.add_argument_group("what to run")
+    g.add_argument("--grid", choices=sorted(GRIDS), default=None, help="named grid (default: figure; quick with --quick)")
+    g.add_argument("--quick", action="store_true", help="the quick grid on the tiny preset (unless --preset/--ckpt)")
+    g.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS), metavar="SETTING",
+                   help=f"settings to measure (default: all of {', '.join(SETTINGS)})")
+    g.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None, metavar="WORKLOAD",
+                   help=f"robot workloads ({', '.join(WORKLOADS)}; Ha=10, 100 prompt tokens as in the paper)")
+    g.add_argument("--S", nargs="+", type=_positive_int, default=None, metavar="S", help="denoise steps")
+    g.add_argument("--N", nargs="+", type=_positive_int, default=None, metavar="N", help="decode length (tokens per request)")
+    g.add_argument("--k", nargs="+", type=_k_value, default=None, metavar="K",
+                   help="tokens per request per frame (continuous only): integers, 'div' (the paper's set "
+                        "{1,2,3,5,6,10,15,30} dividing N) or 'alldiv' (every divisor of N). A k that does not "
+                        "divide N runs and is recorded as k_divides_N=false")
+    g.add_argument("--arrival", nargs="+", type=_arrival, default=None, metavar="SPEC",
+                   help="arrival patterns (default uniform:1 = one request per frame); see below")
+    m = p.add_argument_group("model")
+    src = m.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=PRESETS, default=None, help="random-weight model preset (default: bench; tiny with --quick)")
+    src.add_argument("--ckpt", type=Path, default=None, help="restore an openpi pi0.5 checkpoint instead of a preset")
+    m.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="parameters and activations (auto: float32 on CPU, bfloat16 on accelerators)")
+    m.add_argument("--tokenizer", type=Path, default=None,
+                   help="SentencePiece model for the prompts (default: the offline demo tokenizer; latency is the same)")
+    m.add_argument("--eos", action="store_true",
+                   help="stop requests at EOS (default: fixed-length decode, the only fair mode with random weights)")
+    t = p.add_argument_group("measurement")
+    t.add_argument("--frames", type=_positive_int, default=None, help="measured frames per group (default: the grid's, >= 30)")
+    t.add_argument("--warmup", type=_nonnegative_int, default=2,
+                   help="warm-up frames after compilation (continuous adds its ceil(N/k) ramp; default 2)")
+    t.add_argument("--slots", default="auto",
+                   help="continuous-batching pool size: 'auto' (peak occupancy of the arrival pattern) or an integer")
+    t.add_argument("--component-batches", type=_batches, default=None, metavar="LIST",
+                   help="batch sizes B for the decode-step time t(B), e.g. '1-16' (default; quick: 1,2,4,8)")
+    t.add_argument("--component-repeats", type=_positive_int, default=5, help="timed runs per component (median)")
+    t.add_argument("--reuse-observation", action="store_true", help="one observation for every frame (saves memory)")
+    t.add_argument("--seed", type=_nonnegative_int, default=0, help="seed of weights, observations and noise")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=None, help="result directory (default: results/<preset>-<UTC time>)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--dry-run", action="store_true", help="print the grid and exit")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.grid is None:
+        args.grid = "quick" if args.quick else "figure"
+    if args.preset is None and args.ckpt is None:
+        args.preset = "tiny" if args.quick else "bench"
+    if args.k is not None and any(k in ("div", "alldiv") for k in args.k) and len(args.k) > 1:
+        parser.error("--k takes integers, or a single 'div' / 'alldiv'")
+    if args.slots != "auto":
+        try:
+            args.slots = _positive_int(args.slots)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"--slots: {e}")
+    if args.frames is None:
+        args.frames = GRIDS[args.grid]["frames"]
+    if args.component_batches is None:
+        args.component_batches = [1, 2, 4, 8] if args.grid == "quick" else list(range(1, 17))
+    if args.ckpt is not None and not args.ckpt.expanduser().exists():
+        parser.error(f"--ckpt: {args.ckpt} does not exist")
+    if args.tokenizer is not None and not args.tokenizer.expanduser().is_file():
+        parser.error(f"--tokenizer: {args.tokenizer} is not a file")
+    args.settings = [s for s in SETTINGS if s in args.settings]  # canonical order, no duplicates
+    return args
+
+
+# --- environment ----------------------------------------------------------------------------------
+
+
+def _git_commit() -> str:
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        commit = out.stdout.strip() if out.returncode == 0 else ""
+        if not commit:
+            return "unknown"
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                capture_output=True, text=True, timeout=10)
+        return commit + ("-dirty" if status.returncode == 0 and status.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(args: argparse.Namespace, dtype: str, preset: str) -> dict:
+    """Software and hardware facts recorded with every result file."""
+    import jax
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return {
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(), "dtype": dtype, "preset": preset,
+        "ckpt": str(args.ckpt) if args.ckpt else None, "commit": _git_commit(),
+        "command": " ".join([Path(sys.executable).name, "-m", "eval.bench", *sys.argv[1:]]),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "env": {k: os.environ[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION") if k in os.environ},
+    }
+
+
+# --- programs -------------------------------------------------------------------------------------
+
+
+class _Programs:
+    """The per-setting device programs; `oxygen_jax.schedule`'s when they trace, else local equivalents.
+
+    The local versions differ only in taking the empty text pool as an argument (built once on the
+    host) instead of building it inside the jitted program.
+    """
+
+    def __init__(self, params, probe_obs, probe_requests):
+        import jax
+
+        from oxygen_jax import schedule
+
+        self.params = params
+        self._empty_pools: dict[tuple[int, int, int], object] = {}
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        try:
+            jax.eval_shape(lambda o, r: schedule.text_program(params, o, r, max_new_tokens=2), probe_obs, probe_requests)
+            self.source, self.fallback_reason = "oxygen_jax.schedule", None
+        except Exception as e:  # noqa: BLE001 - any tracing failure selects the local programs
+            self.source = "eval.bench local programs"
+            self.fallback_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+
+    @property
+    def local(self) -> bool:
+        return self.fallback_reason is not None
+
+    def _empty_pool(self, size: int, prefix_len: int, max_new_tokens: int):
+        from oxygen_jax import decode
+
+        key = (size, prefix_len, max_new_tokens)
+        if key not in self._empty_pools:
+            self._empty_pools[key] = decode.init_pool(self.params, size, prefix_len, max_new_tokens, 0)
+        return self._empty_pools[key]
+
+    def action(self, obs, noise, num_steps: int):
+        from oxygen_jax import schedule
+
+        return schedule.action_program(self.params, obs, noise, num_steps=num_steps)
+
+    def text(self, obs, requests, max_new_tokens: int, prefix_len: int):
+        from oxygen_jax import schedule
+
+        if not self.local:
+            return schedule.text_program(self.params, obs, requests, max_new_tokens=max_new_tokens)
+        pool = self._empty_pool(requests.valid.shape[0], prefix_len, max_new_tokens)
+        return _local_text_program(self.params, obs, requests, pool)
+
+    def shared(self, obs, noise, requests, num_steps: int, max_new_tokens: int, prefix_len: int):
+        from oxygen_jax import schedule
+
+        if not self.local:
+            return schedule.shared_kv_program(self.params, obs, noise, requests, num_steps=num_steps,
+                                              max_new_tokens=max_new_tokens)
+        pool = self._empty_pool(requests.valid.shape[0], prefix_len, max_new_tokens)
+        return _local_shared_program(self.params, obs, noise, requests, pool, num_steps=num_steps)
+
+    def parallel(self, obs, noise, requests, num_steps: int, max_new_tokens: int, prefix_len: int):
+        import jax
+
+        from oxygen_jax import schedule
+
+        if not self.local:
+            return schedule.run_parallel(self.params, obs, noise, requests, num_steps=num_steps,
+                                         max_new_tokens=max_new_tokens)
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="eval-parallel")
+        act = self._threads.submit(lambda: jax.block_until_ready(self.action(obs, noise, num_steps)))
+        txt = self._threads.submit(
+            lambda: jax.block_until_ready(self.text(obs, requests, max_new_tokens, prefix_len)))
+        tokens, n = txt.result()
+        return act.result(), tokens, n
+
+
+def _text_from_cache(params, cache, requests, empty_pool):
+    from oxygen_jax import decode
+
+    pool, _, _ = decode.admit(params, empty_pool, cache, requests)
+    pool = decode.decode_to_completion(params, pool)
+    return pool.tokens, pool.num_generated
+
+
+@functools.cache
+def _local_jits():
+    import jax
+
+    from oxygen_jax.model import denoise, prefill
+
+    @jax.jit
+    def text(params, observation, requests, empty_pool):
+        return _text_from_cache(params, prefill(params, observation), requests, empty_pool)
+
+    @functools.partial(jax.jit, static_argnames=("num_steps",))
+    def shared(params, observation, noise, requests, empty_pool, *, num_steps):
+        cache = prefill(params, observation)
+        actions = denoise(params, cache, noise, num_steps)
+        tokens, n = _text_from_cache(params, cache, requests, empty_pool)
+        return actions, tokens, n
+
+    return text, shared
+
+
+def _local_text_program(params, obs, requests, pool):
+    return _local_jits()[0](params, obs, requests, pool)
+
+
+def _local_shared_program(params, obs, noise, requests, pool, *, num_steps):
+    return _local_jits()[1](params, obs, noise, requests, pool, num_steps=num_steps)
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+
+
+class _RequestTable:
+    """Every request of a group (ids 0..R-1 in arrival order) as numpy rows, sliced into `Requests` batches.
+
+    Built before timing so that sampling keys are not derived inside a frame.
+    """
+
+    def __init__(self, budgets: Sequence[int], fixed_length: bool):
+        from oxygen_jax import decode
+
+        r = len(budgets)
+        stops = [-1] * r if fixed_length else None
+        # One extra default row (valid False, id -1) pads batches.
+        table = decode.make_requests(r + 1, 0, list(range(r)), budgets=list(budgets), stop_tokens=stops)
+        self._fields = {f.name: np.asarray(getattr(table, f.name)) for f in dataclasses.fields(table)}
+        self._pad = r
+        self.budgets = list(budgets)
+
+    def batch(self, ids: Sequence[int], size: int):
+        from oxygen_jax import decode
+
+        if len(ids) > size:
+            raise ValueError(f"{len(ids)} requests do not fit a batch of {size}")
+        idx = np.asarray(list(ids) + [self._pad] * (size - len(ids)), np.int64)
+        return decode.Requests(**{name: arr[idx] for name, arr in self._fields.items()})
+
+
+@dataclasses.dataclass
+class _GroupInputs:
+    """Everything a group's frames read, prepared (and on the device) before timing."""
+
+    group: Group
+    num_frames: int
+    warmup: int
+    observations: list  # per frame (the same object repeated with --reuse-observation)
+    noise: list
+    arrivals: list[list[int]]  # request ids arriving in each frame
+    table: _RequestTable
+    frame_requests: list  # per frame: device `Requests` of exactly that frame's arrivals, or None
+    prefix_len: int
+
+
+def _observation_stream(robot, model_cfg, tokenizer, count: int, seed: int, reuse: bool) -> list:
+    """`count` synthetic client samples (seeded) converted to device observations."""
+    import jax
+
+    from oxygen_jax.transforms import make_observation, synthetic_sample
+
+    rng = np.random.default_rng([seed, 1 + WORKLOADS.index(robot.name)])
+    out = []
+    for _ in range(1 if reuse else count):
+        sample = synthetic_sample(robot, rng, image_size=224)
+        out.append(jax.device_put(make_observation(robot, model_cfg, tokenizer, [sample])))
+    return out * count if reuse else out
+
+
+def _peak_slots(budgets_per_frame: Sequence[Sequence[int]], k: int) -> int:
+    """Peak concurrent requests in continuous batching without queueing (one admission per arrival frame).
+
+    A request of T tokens admitted in frame a emits 1 + k tokens there and k per later frame, so it
+    holds a slot in frames a .. a + max(ceil((T − 1)/k), 1) − 1.
+    """
+    live: list[int] = []
+    peak = 0
+    for f, budgets in enumerate(budgets_per_frame):
+        live = [end for end in live if end >= f]
+        live += [f + max(math.ceil((t - 1) / k), 1) - 1 for t in budgets]
+        peak = max(peak, len(live))
+    return max(peak, 1)
+
+
+# --- runners --------------------------------------------------------------------------------------
+
+
+class _Runner:
+    """One setting of one group: compiles its programs, then runs frames and keeps the records."""
+
+    label: str
+
+    def __init__(self, setting: str, k: int | None = None):
+        self.setting, self.k = setting, k
+        self.label = setting if k is None else f"{setting}[k={k}]"
+        self.frames: list[dict] = []
+        self.requests: dict[int, dict] = {}
+        self.program_keys: list[str] = []
+
+    def _record(self, f: int, ms: float, tokens: int, batch: int, arrivals: int, steps: int, warm: bool):
+        self.frames.append({
+            "frame": f, "setting": self.setting, "k": self.k, "frame_ms": ms, "tokens": int(tokens),
+            "batch": int(batch), "arrivals": int(arrivals), "decode_steps": int(steps), "warmup": warm,
+        })
+
+
+class _ToCompletionRunner(_Runner):
+    """isolated, shared_kv and parallel: each frame decodes its own arrivals to completion."""
+
+    def __init__(self, setting: str, programs: _Programs, inputs: _GroupInputs):
+        super().__init__(setting)
+        self.p, self.x = programs, inputs
+
+    def _call(self, f: int):
+        import jax
+
+        g, x, p = self.x.group, self.x, self.p
+        obs, noise, req = x.observations[f], x.noise[f], x.frame_requests[f]
+        if req is None:
+            return jax.device_get(p.action(obs, noise, g.S)), None
+        if self.setting == "isolated":
+            actions = jax.device_get(p.action(obs, noise, g.S))  # the action task finishes first
+            return actions, jax.device_get(p.text(obs, req, g.N, x.prefix_len))[1]
+        if self.setting == "shared_kv":
+            actions, _, n = jax.device_get(p.shared(obs, noise, req, g.S, g.N, x.prefix_len))
+            return actions, n
+        actions, _, n = jax.device_get(p.parallel(obs, noise, req, g.S, g.N, x.prefix_len))
+        return actions, n
+
+    def compile(self, log: dict[str, float]) -> None:
+        """First calls of every program shape this runner will use (arrival counts differ per frame)."""
+        g, x = self.x.group, self.x
+        sizes = sorted({len(a) for a in x.arrivals})
+        wl = g.workload
+        keys: list[tuple[str, Callable]] = []
+        obs, noise = x.observations[0], x.noise[0]
+        if 0 in sizes or self.setting in ("isolated", "parallel"):
+            keys.append((f"action/{wl}/S={g.S}", lambda: self.p.action(obs, noise, g.S)))
+        for j in (s for s in sizes if s > 0):
+            req = x.table.batch([], j)  # shapes are all that matter here
+            if self.setting == "shared_kv":
+                keys.append((f"shared_kv/{wl}/S={g.S}/N={g.N}/J={j}",
+                             lambda req=req: self.p.shared(obs, noise, req, g.S, g.N, x.prefix_len)))
+            else:  # isolated and parallel share the action and text executables
+                keys.append((f"text/{wl}/N={g.N}/J={j}", lambda req=req: self.p.text(obs, req, g.N, x.prefix_len)))
+        for key, thunk in keys:
+            _first_call(log, key, thunk)
+            self.program_keys.append(key)
+        if self.setting == "parallel":  # also warm the thread pool outside the timed frames
+            j = next((s for s in sizes if s > 0), None)
+            if j is not None:
+                import jax
+
+                jax.device_get(self.p.parallel(obs, noise, x.table.batch([], j), g.S, g.N, x.prefix_len))
+
+    def frame(self, f: int) -> None:
+        x = self.x
+        ids = x.arrivals[f]
+        start = time.perf_counter()
+        _, generated = self._call(f)
+        ms = (time.perf_counter() - start) * 1e3
+        warm = f < x.warmup
+        n = [] if generated is None else [int(v) for v in np.asarray(generated)[: len(ids)]]
+        for rid, count in zip(ids, n):
+            self.requests[rid] = {"id": rid, "setting": self.setting, "arrival_frame": f, "admit_frame": f,
+                                  "finish_frame": f, "tokens": count, "budget": x.table.budgets[rid]}
+        self._record(f, ms, sum(n), len(ids), len(ids), max(n) - 1 if n else 0, warm)
+
+
+class _ContinuousRunner(_Runner):
+    """continuous batching with tokens-per-frame k on a persistent pool; FIFO queue when slots run out."""
+
+    def __init__(self, k: int, params, inputs: _GroupInputs, slots: int):
+        super().__init__("continuous", k)
+        self.params, self.x, self.slots = params, inputs, slots
+        self.admissions = max(1, max(len(a) for a in inputs.arrivals))
+        self.queue: collections.deque[int] = collections.deque()
+        self.pool = None
+
+    def _new_pool(self):
+        from oxygen_jax import decode
+
+        return decode.init_pool(self.params, self.slots, self.x.prefix_len, self.x.group.N, 0)
+
+    def compile(self, log: dict[str, float]) -> None:
+        import jax
+
+        from oxygen_jax.schedule import frame_step
+
+        g, x = self.x.group, self.x
+        key = f"frame_step/{g.workload}/S={g.S}/k={self.k}/N={g.N}/slots={self.slots}/J={self.admissions}"
+
+        def thunk():
+            # A throwaway pool with one admitted request, so the compiled program also ran its decode path.
+            req = x.table.batch([0] if x.table.budgets else [], self.admissions)
+            _, out = frame_step(self.params, self._new_pool(), x.observations[0], x.noise[0], req,
+                                num_steps=g.S, tokens_per_frame=self.k)
+            return jax.device_get(out)
+
+        _first_call(log, key, thunk)
+        self.program_keys.append(key)
+        self.pool = self._new_pool()
+
+    def frame(self, f: int) -> None:
+        import jax
+
+        from oxygen_jax.schedule import frame_step
+
+        g, x = self.x.group, self.x
+        self.queue.extend(x.arrivals[f])
+        start = time.perf_counter()
+        offered = [self.queue[i] for i in range(min(self.admissions, len(self.queue)))]
+        req = x.table.batch(offered, self.admissions)
+        self.pool, out = frame_step(self.params, self.pool, x.observations[f], x.noise[f], req,
+                                    num_steps=g.S, tokens_per_frame=self.k)
+        out = jax.device_get(out)  # the frame's single host sync: actions, tokens, flags
+        ms = (time.perf_counter() - start) * 1e3
+        for rid in x.arrivals[f]:
+            self.requests[rid] = {"id": rid, "setting": "continuous", "arrival_frame": f, "admit_frame": None,
+                                  "finish_frame": None, "tokens": 0, "budget": x.table.budgets[rid]}
+        for rid, ok in zip(offered, np.asarray(out.admitted)[: len(offered)]):
+            if ok:
+                self.queue.popleft()
+                self.requests[rid]["admit_frame"] = f
+        emitted = np.asarray(out.new_tokens) >= 0
+        tokens = 0
+        for slot, rid in enumerate(np.asarray(out.request_id)):
+            if rid < 0:
+                continue
+            rec = self.requests[int(rid)]
+            rec["tokens"] += int(emitted[slot].sum())
+            tokens += int(emitted[slot].sum())
+            if out.finished[slot]:
+                rec["finish_frame"] = f
+        steps = int(emitted[:, 1:].any(axis=0).sum())  # burst steps that ran (a step runs iff a slot is active)
+        self._record(f, ms, tokens, int(out.batch), len(x.arrivals[f]), steps, f < x.warmup)
+
+
+def _first_call(log: dict[str, float], key: str, thunk: Callable) -> None:
+    """Times a program's first call (trace + compile + one run, waited for) once per process."""
+    import jax
+
+    if key in log:
+        return
+    start = time.perf_counter()
+    jax.block_until_ready(thunk())
+    log[key] = time.perf_counter() - start
+
+
+# --- components -----------------------------------------------------------------------------------
+
+
+def _median_ms(fn: Callable, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # compile / warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times))
+
+
+def measure_components(params, obs, noise, *, steps: Sequence[int], batches: Sequence[int], max_new_tokens: int,
+                       repeats: int) -> metrics.Components:
+    """Warm medians of prefill, S denoise steps (each S) and one decode step with B active requests (each B)."""
+    import jax
+
+    from oxygen_jax import decode
+    from oxygen_jax.model import denoise, prefill
+
+    prefill_ms = _median_ms(lambda: prefill(params, obs), repeats)
+    cache = prefill(params, obs)
+    denoise_ms = {s: _median_ms(lambda s=s: denoise(params, cache, noise, s), repeats) for s in sorted(set(steps))}
+    g = max(max_new_tokens, repeats + 3)  # room for the compile step and every timed step
+    decode_ms = {}
+    for b in sorted(set(batches)):
+        pool = decode.init_pool(params, b, cache.length, g, 0)
+        req = decode.make_requests(b, 0, list(range(b)), budgets=[g] * b, stop_tokens=[-1] * b)
+        pool, _, _ = decode.admit(params, pool, cache, req)
+        pool, toks = decode.decode_burst(params, pool, num_tokens=1)  # compile
+        jax.block_until_ready((pool, toks))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            pool, toks = decode.decode_burst(params, pool, num_tokens=1)
+            jax.block_until_ready((pool, toks))
+            times.append((time.perf_counter() - start) * 1e3)
+        decode_ms[b] = float(np.median(times))
+    return metrics.Components(prefill_ms=prefill_ms, denoise_ms=denoise_ms, decode_step_ms=decode_ms)
+
+
+# --- one group ------------------------------------------------------------------------------------
+
+
+def _clean(obj):
+    """JSON-safe copy: NaN/inf -> None, numpy scalars -> Python."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
+
+
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_clean(obj), indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+
+
+def _virtual_isolated_frames(inputs: _GroupInputs) -> list[dict]:
+    """The isolated setting's per-frame work, from the schedule alone (for ideal speedups)."""
+    out = []
+    for f, ids in enumerate(inputs.arrivals):
+        budgets = [inputs.table.budgets[i] for i in ids]
+        out.append({"frame": f, "arrivals": len(ids), "batch": len(ids),
+                    "decode_steps": max(budgets) - 1 if budgets else 0, "warmup": f < inputs.warmup})
+    return out
+
+
+@dataclasses.dataclass
+class RunContext:
+    """Process-wide state of one bench invocation."""
+
+    args: argparse.Namespace
+    params: object
+    model_cfg: object
+    tokenizer: object
+    env: dict
+    programs: _Programs
+    compile_log: dict[str, float]
+    components: dict[str, metrics.Components]
+    observations: dict[str, list]
+    fixed_length: bool
+    preset: str
+    dtype: str
+
+
+def _group_inputs(ctx: RunContext, group: Group, robot) -> _GroupInputs:
+    import jax
+
+    from oxygen_jax.config import CAMERA_SLOTS
+
+    args = ctx.args
+    ramp = max((math.ceil(group.N / k) for k in group.ks), default=0)
+    warmup = max(args.warmup, ramp)
+    total = warmup + args.frames
+    stream = ctx.observations[group.workload]
+    if len(stream) < total:
+        stream[:] = _observation_stream(robot, ctx.model_cfg, ctx.tokenizer, total, args.seed, args.reuse_observation)
+    pattern = arrivals_lib.parse(group.arrival)
+    caps = pattern.schedule(total)
+    budgets, ids, next_id = [], [], 0
+    for frame_caps in caps:
+        frame_ids = []
+        for cap in frame_caps:
+            budgets.append(group.N if cap is None else min(cap, group.N))
+            frame_ids.append(next_id)
+            next_id += 1
+        ids.append(frame_ids)
+    table = _RequestTable(budgets, ctx.fixed_length)
+    frame_requests = [jax.device_put(table.batch(i, len(i))) if i else None for i in ids]
+    base = jax.random.key(args.seed)
+    shape = (1, robot.action_horizon, ctx.model_cfg.action_dim)
+    noise = [jax.random.normal(jax.random.fold_in(base, f), shape) for f in range(total)]
+    prefix_len = robot.num_cameras * ctx.model_cfg.siglip.num_patches + robot.max_token_len
+    assert robot.num_cameras <= len(CAMERA_SLOTS)
+    return _GroupInputs(group=group, num_frames=total, warmup=warmup, observations=stream[:total], noise=noise,
+                        arrivals=ids, table=table, frame_requests=frame_requests, prefix_len=prefix_len)
+
+
+def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list[dict], dict]:
+    """Compiles and runs every setting of `group` side by side; returns (summary records, run record)."""
+    args = ctx.args
+    inputs = _group_inputs(ctx, group, robot)
+    runners: list[_Runner] = []
+    for setting in args.settings:
+        if setting == "continuous":
+            for k in group.ks:
+                budgets = [[inputs.table.budgets[i] for i in ids] for ids in inputs.arrivals]
+                slots = _peak_slots(budgets, k) if args.slots == "auto" else args.slots
+                runners.append(_ContinuousRunner(k, ctx.params, inputs, slots))
+        else:
+            runners.append(_ToCompletionRunner(setting, ctx.programs, inputs))
+    for r in runners:
+        if progress is not None:
+            progress.set_postfix_str(f"compiling {r.label}")
+        r.compile(ctx.compile_log)
+    for f in range(inputs.num_frames):
+        shift = f % len(runners)  # rotate the order so no setting always runs right after another
+        for r in runners[shift:] + runners[:shift]:
+            r.frame(f)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix_str(" ".join(f"{r.label}={r.frames[-1]['frame_ms']:.1f}ms" for r in runners[:4]))
+
+    comp = ctx.components[group.workload]
+    pattern = arrivals_lib.parse(group.arrival)
+    iso_ideal = metrics.ideal_mean_frame_ms("isolated", comp, _virtual_isolated_frames(inputs), num_steps=group.S)
+    iso_frames = next((r.frames for r in runners if r.setting == "isolated"), None)
+    summaries = []
+    for r in runners:
+        reqs = list(r.requests.values())
+        s = metrics.summarize(r.frames, reqs, action_horizon=robot.action_horizon, comp=comp, setting=r.setting,
+                              num_steps=group.S)
+        steady = metrics.steady_state_ideal_ms(r.setting, comp, num_steps=group.S, decode_len=group.N,
+                                               tokens_per_frame=r.k or 1, arrivals_per_frame=pattern.arrivals_per_frame)
+        speed = metrics.speedup(iso_frames, r.frames) if iso_frames is not None else math.nan
+        ideal_speed = iso_ideal / s["ideal_frame_ms"] if s["ideal_frame_ms"] else math.nan
+        summaries.append({
+            "setting": r.setting, "workload": group.workload, "preset": ctx.preset, "dtype": ctx.dtype,
+            "S": group.S, "N": group.N, "k": r.k, "k_divides_N": (group.N % r.k == 0) if r.k else None,
+            "arrival": group.arrival, "arrivals_per_frame": pattern.arrivals_per_frame,
+            "action_horizon": robot.action_horizon, "warmup_frames": inputs.warmup,
+            "slots": getattr(r, "slots", None), "fixed_length_decode": ctx.fixed_length,
+            **s,
+            "ideal_frame_ms_steady": steady,
+            "ideal_isolated_ms": iso_ideal,
+            "speedup_vs_isolated": speed,
+            "ideal_speedup": ideal_speed,
+            "speedup_fraction": speed / ideal_speed if ideal_speed and not math.isnan(speed) else math.nan,
+            "compile_s": sum(ctx.compile_log[key] for key in r.program_keys),
+            "programs": r.program_keys,
+            "run_file": f"runs/{group.name}.json",
+        })
+    run = {
+        "environment": ctx.env,
+        "group": dataclasses.asdict(group) | {"name": group.name},
+        "config": {
+            "settings": [r.label for r in runners], "frames": args.frames, "warmup_frames": inputs.warmup,
+            "fixed_length_decode": ctx.fixed_length, "seed": args.seed, "reuse_observation": args.reuse_observation,
+            "prefix_len": inputs.prefix_len, "robot": dataclasses.asdict(robot),
+            "programs_source": ctx.programs.source, "programs_fallback_reason": ctx.programs.fallback_reason,
+            "frame_order": "settings interleaved per frame, order rotated each frame",
+        },
+        "components": comp.to_json(),
+        "compile_s": {key: ctx.compile_log[key] for r in runners for key in r.program_keys},
+        "summary": summaries,
+        "frames": [rec for r in runners for rec in r.frames],
+        "requests": [rec for r in runners for rec in sorted(r.requests.values(), key=lambda q: q["id"])],
+    }
+    return summaries, run
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+
+def _load_model(args: argparse.Namespace, dtype: str):
+    from oxygen_jax.config import model_config
+    from oxygen_jax.params import init_params
+
+    if args.ckpt is not None:
+        from oxygen_jax.checkpoint import load_openpi_params
+
+        cfg, params = load_openpi_params(args.ckpt.expanduser(), dtype=dtype)
+        return cfg, params, "ckpt"
+    cfg = model_config(args.preset, dtype=dtype)
+    return cfg, init_params(cfg, args.seed), args.preset
+
+
+def _tokenizer(args: argparse.Namespace):
+    from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
+
+    return Tokenizer.from_file(args.tokenizer.expanduser()) if args.tokenizer else train_demo_tokenizer()
+
+
+def _describe(groups: Sequence[Group], args: argparse.Namespace) -> str:
+    lines = [f"{len(groups)} group(s) x settings {', '.join(args.settings)}; {args.frames} measured frames each"]
+    for g in groups:
+        ks = f" k={list(g.ks)}" if g.ks else ""
+        bad = [k for k in g.ks if g.N % k]
+        flag = f"  (k={bad} does not divide N: recorded as k_divides_N=false)" if bad else ""
+        lines.append(f"  {g.name}{ks}{flag}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> Path | None:
+    """Runs the benchmark; returns the output directory (None for --dry-run)."""
+    args = parse_args(argv)
+    groups = build_grid(args)
+    print(_describe(groups, args), file=sys.stderr)
+    for g in groups:
+        for k in g.ks:
+            if g.N % k:
+                print(f"warning: {g.name}: k={k} does not divide N={g.N}; each request's last burst is short",
+                      file=sys.stderr)
+    if args.dry_run:
+        return None
+
+    import jax
+    from tqdm import tqdm
+
+    from oxygen_jax.config import oxygen_benchmark_robot
+
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    model_cfg, params, preset = _load_model(args, dtype)
+    out = args.out or Path("results") / f"{preset}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(args, dtype, preset)
+    env["fixed_length_decode"] = not args.eos
+    tokenizer = _tokenizer(args)
+
+    # Probe the runtime's text program once with real shapes (first workload).
+    first_robot = oxygen_benchmark_robot(groups[0].workload)
+    probe_obs = _observation_stream(first_robot, model_cfg, tokenizer, 1, args.seed, True)[0]
+    probe_req = _RequestTable([2], True).batch([0], 1)
+    programs = _Programs(params, probe_obs, probe_req)
+    env["programs_source"] = programs.source
+    if programs.local:
+        tqdm.write(f"note: oxygen_jax.schedule.text_program does not trace ({programs.fallback_reason}); "
+                   "using eval.bench's equivalent local programs", file=sys.stderr)
+    _write_json(out / "environment.json", env)
+
+    ctx = RunContext(args=args, params=params, model_cfg=model_cfg, tokenizer=tokenizer, env=env, programs=programs,
+                     compile_log={}, components={}, observations=collections.defaultdict(list),
+                     fixed_length=not args.eos, preset=preset, dtype=dtype)
+    total = 0
+    for g in groups:
+        ramp = max((math.ceil(g.N / k) for k in g.ks), default=0)
+        total += max(args.warmup, ramp) + args.frames
+    summary: list[dict] = []
+    with tqdm(total=total, unit="frame", disable=args.no_progress, dynamic_ncols=True, file=sys.stderr) as bar:
+        for workload in dict.fromkeys(g.workload for g in groups):
+            robot = oxygen_benchmark_robot(workload)
+            wgroups = [g for g in groups if g.workload == workload]
+            bar.set_description(f"{workload}: components")
+            obs = _observation_stream(robot, model_cfg, tokenizer, 1, args.seed, True)[0]
+            noise = jax.random.normal(jax.random.key(args.seed), (1, robot.action_horizon, model_cfg.action_dim))
+            ctx.components[workload] = measure_components(
+                params, obs, noise, steps=sorted({g.S for g in wgroups}), batches=args.component_batches,
+                max_new_tokens=max(g.N for g in wgroups), repeats=args.component_repeats)
+            _write_json(out / "components.json", {w: c.to_json() for w, c in ctx.components.items()})
+            for g in wgroups:
+                bar.set_description(g.name)
+                records, run = run_group(ctx, g, robot, bar)
+                _write_json(out / "runs" / f"{g.name}.json", run)
+                summary += records
+                _write_json(out / "summary.json", summary)  # rewritten after each group: partial runs stay usable
+            ctx.observations[workload].clear()
+    print(f"wrote {len(summary)} records to {out / 'summary.json'}", file=sys.stderr)
+    return out
+
+
+if __name__ == "__main__":
+    main()

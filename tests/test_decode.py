@@ -1,0 +1,224 @@
+"""Language decoding and the unified-KV runtime: cached decode, slot pool, frames, settings, engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import diverse_text_params, make_obs, recompute_greedy
+from oxygen_jax import decode, model, schedule
+from oxygen_jax.engine import Engine, EngineConfig
+from oxygen_jax.observation import Observation
+
+HA = 4  # action horizon used throughout (tiny)
+
+
+@pytest.fixture(scope="module")
+def params(tiny_params):
+    return diverse_text_params(tiny_params)
+
+
+def _decode_alone(params, obs, row, budget, prompt=(), stop=-1, temperature=0.0, top_p=1.0, rid=0, q_cap=None):
+    cache = model.prefill(params, obs)
+    q_cap = len(prompt) if q_cap is None else q_cap
+    pool = decode.init_pool(params, 1, cache.length, budget, q_cap)
+    req = decode.make_requests(1, q_cap, [rid], rows=[row], prompts=[list(prompt)], budgets=[budget],
+                               stop_tokens=[stop], temperatures=[temperature], top_ps=[top_p])
+    pool, _, _ = decode.admit(params, pool, cache, req)
+    pool = decode.decode_to_completion(params, pool)
+    return [int(t) for t in np.asarray(pool.tokens[0]) if t >= 0]
+
+
+# --- cached decode against a full recompute ----------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt_attention", ["bidirectional", "causal"])
+def test_cached_greedy_decode_equals_full_forward_recompute(params, prompt_attention):
+    p = params.with_config(prompt_attention=prompt_attention)
+    obs = make_obs(p.config, batch=2, cameras=2, lengths=[5, 9], image_masks=[[True, False], [True, True]])
+    cache = model.prefill(p, obs)
+    pool = decode.init_pool(p, 2, cache.length, 6)
+    req = decode.make_requests(2, 0, [0, 1], rows=[0, 1], budgets=[6, 6], stop_tokens=[-1, -1])
+    pool, _, _ = decode.admit(p, pool, cache, req)
+    logits = []
+    for _ in range(5):
+        pool, _, lg = decode.decode_step(p, pool)
+        logits.append(np.asarray(lg))
+    for row in range(2):
+        ref_tokens, ref_logits = recompute_greedy(p, obs, 6, row=row)
+        assert np.asarray(pool.tokens[row]).tolist() == ref_tokens
+        assert len(set(ref_tokens)) > 2  # a meaningful sequence, not one repeated token
+        np.testing.assert_allclose(np.stack(logits, 0)[:, row], ref_logits[1:], atol=2e-3, rtol=1e-4)
+
+
+def test_request_prompts_continue_the_shared_prefix_causally(params):
+    obs = make_obs(params.config, batch=1, cameras=2, lengths=[7], image_masks=[[True, False]])
+    cache = model.prefill(params, obs)
+    prompts = [[11, 12, 13], [40], []]
+    pool = decode.init_pool(params, 3, cache.length, 5, prompt_len=4)
+    req = decode.make_requests(3, 4, [0, 1, 2], prompts=prompts, budgets=[5, 5, 5], stop_tokens=[-1] * 3)
+    pool, _, _ = decode.admit(params, pool, cache, req)
+    pool = decode.decode_to_completion(params, pool)
+    for slot, prompt in enumerate(prompts):  # three language tasks share one observation prefix
+        assert np.asarray(pool.tokens[slot]).tolist() == recompute_greedy(params, obs, 5, prompt=prompt)[0]
+
+
+def test_masked_camera_gives_same_text_as_dropping_that_camera(params):
+    obs = make_obs(params.config, batch=1, cameras=2, lengths=[8], image_masks=[[True, False]])
+    dropped = Observation(obs.images[:, :1], obs.image_masks[:, :1], obs.tokens, obs.token_mask)
+    assert _decode_alone(params, obs, 0, 6) == _decode_alone(params, dropped, 0, 6)
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+
+def test_sampled_tokens_depend_on_the_request_not_on_its_batch(params):
+    obs = make_obs(params.config, batch=2, cameras=2)
+    alone = _decode_alone(params, obs, 1, 6, temperature=1.5, rid=7)
+    cache = model.prefill(params, obs)
+    pool = decode.init_pool(params, 3, cache.length, 6)
+    req = decode.make_requests(3, 0, [3, 7, 9], rows=[0, 1, 0], budgets=[6] * 3, stop_tokens=[-1] * 3,
+                               temperatures=[0.0, 1.5, 0.7])
+    pool, _, _ = decode.admit(params, pool, cache, req)
+    pool = decode.decode_to_completion(params, pool)
+    assert np.asarray(pool.tokens[1]).tolist() == alone
+    assert alone != _decode_alone(params, obs, 1, 6)  # temperature 1.5 is not greedy here
+
+
+def test_tiny_top_p_keeps_only_the_top_token():
+    from oxygen_jax.sampling import sample_tokens
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)), jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 4)
+    got = sample_tokens(logits, jnp.full((4,), 2.0), jnp.full((4,), 1e-6), keys)
+    np.testing.assert_array_equal(got, jnp.argmax(logits, -1))
+    free = sample_tokens(logits, jnp.full((4,), 50.0), jnp.ones(4), keys)
+    assert not np.array_equal(free, jnp.argmax(logits, -1))  # hot sampling without top-p wanders
+
+
+# --- the slot pool across frames -----------------------------------------------------------------
+
+
+def _frame_obs(cfg, frames):
+    return [make_obs(cfg, batch=1, cameras=2, seed=100 + f, lengths=[4 + f % 5], image_masks=[[True, f % 3 != 1]])
+            for f in range(frames)]
+
+
+def test_continuous_batching_gives_each_request_its_single_request_tokens(params):
+    frames, budget, k = 8, 7, 3  # budget % k != 0: a short final burst
+    obs = _frame_obs(params.config, frames)
+    noise = jax.random.normal(jax.random.key(0), (frames, 1, HA, 32))
+    arrivals = [0, 0, 1, 2, 2, 2, 3, 5]  # 3 slots and 2 admissions per frame: some requests queue
+    table = schedule.make_request_table(arrivals, [budget] * len(arrivals), stop_tokens=[-1] * len(arrivals))
+    pool = decode.init_pool(params, 3, obs[0].images.shape[1] * params.config.siglip.num_patches + 12, budget)
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *obs)
+    _, out = schedule.rollout(params, pool, stacked, noise, table, num_steps=2, tokens_per_frame=k, admissions_per_frame=2)
+    fr = jax.device_get(out.frames)
+    tokens, admit_frame = {}, {}
+    for f in range(frames):
+        for j in range(int(fr.admitted[f].sum())):
+            admit_frame[int(out.admitted_from[f]) + j] = f
+        for slot, rid in enumerate(fr.request_id[f]):
+            if rid >= 0:
+                tokens.setdefault(int(rid), []).extend(int(t) for t in fr.new_tokens[f, slot] if t >= 0)
+    assert sorted(tokens) == list(range(len(arrivals)))  # nobody dropped
+    assert max(admit_frame[r] - arrivals[r] for r in tokens) > 0  # some request did wait in the queue
+    for rid, toks in tokens.items():
+        assert toks == _decode_alone(params, obs[admit_frame[rid]], 0, budget), rid
+    # the actions of every frame are those of the plain sampler
+    for f in range(frames):
+        np.testing.assert_allclose(fr.actions[f], model.sample_actions(params, obs[f], noise[f], 2), atol=1e-5)
+
+
+def test_actions_and_greedy_tokens_identical_in_all_four_settings(params):
+    obs = make_obs(params.config, batch=1, cameras=2, image_masks=[[True, False]])
+    noise = jax.random.normal(jax.random.key(5), (1, HA, 32))
+    n, steps = 6, 3
+    req = decode.make_requests(1, 0, [0], budgets=[n], stop_tokens=[-1])
+    iso_a = schedule.action_program(params, obs, noise, num_steps=steps)
+    iso_t, _ = schedule.text_program(params, obs, req, max_new_tokens=n)
+    sh_a, sh_t, _ = schedule.shared_kv_program(params, obs, noise, req, num_steps=steps, max_new_tokens=n)
+    par_a, par_t, _ = schedule.run_parallel(params, obs, noise, req, num_steps=steps, max_new_tokens=n)
+    pool = decode.init_pool(params, 2, model.prefill(params, obs).length, n)
+    cb_tokens, cb_a = [], None
+    for f in range(3):
+        r = req if f == 0 else decode.make_requests(1, 0, [], budgets=[])
+        pool, out = schedule.frame_step(params, pool, obs, noise, r, num_steps=steps, tokens_per_frame=2)
+        cb_a = cb_a if cb_a is not None else out.actions
+        cb_tokens += [int(t) for t in np.asarray(out.new_tokens[0]) if t >= 0]
+    for a in (sh_a, par_a, cb_a):
+        np.testing.assert_allclose(a, iso_a, rtol=0, atol=1e-6)
+    expected = np.asarray(iso_t[0]).tolist()
+    assert np.asarray(sh_t[0]).tolist() == expected == np.asarray(par_t[0]).tolist() == cb_tokens
+
+
+# --- the engine ------------------------------------------------------------------------------------
+
+
+def test_eos_finishes_a_request_and_frees_its_slot(params):
+    obs = make_obs(params.config, batch=1, cameras=2, lengths=[6])
+    free_run = _decode_alone(params, obs, 0, 8)
+    stop = free_run[3]
+    first = free_run.index(stop)
+    eng = Engine(params, EngineConfig(num_slots=2, max_new_tokens=8, tokens_per_frame=2, num_steps=1, action_horizon=HA))
+    eng.submit(max_tokens=8, stop_token=stop)
+    done = []
+    for _ in range(5):
+        done += eng.step(obs).finished
+    assert len(done) == 1 and done[0].tokens == free_run[: first + 1]  # ends with the stop token
+    assert eng.num_active == 0 and eng._pool is not None and int(jnp.sum(eng._pool.request_id >= 0)) == 0
+
+
+def test_requests_queue_when_all_slots_are_busy_and_none_is_dropped(params):
+    obs = make_obs(params.config, batch=1, cameras=2)
+    eng = Engine(params, EngineConfig(num_slots=2, max_new_tokens=4, admissions_per_frame=4, tokens_per_frame=2,
+                                      num_steps=1, action_horizon=HA))
+    ids = [eng.submit(max_tokens=4, stop_token=None) for _ in range(5)]
+    finished, queued = [], []
+    for _ in range(8):
+        res = eng.step(obs)
+        finished += res.finished
+        queued.append(res.queued)
+        assert res.actions.shape == (1, HA, 32)  # actions every frame, whatever the text load
+    assert sorted(f.request_id for f in finished) == ids
+    assert queued[0] == 3 and queued[-1] == 0
+    assert [f.request_id for f in sorted(finished, key=lambda f: (f.admit_frame, f.request_id))] == ids  # FIFO
+    assert all(len(f.tokens) == 4 for f in finished)
+    # 4 tokens at k=2: token 0 at admission + 2 + 1 -> two frames per request
+    assert all(f.finish_frame - f.admit_frame == 1 for f in finished)
+
+
+def test_engine_rejects_malformed_requests_with_clear_errors(params):
+    eng = Engine(params, EngineConfig(num_slots=1, max_new_tokens=4, prompt_capacity=2, action_horizon=HA))
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.submit(max_tokens=5)
+    with pytest.raises(ValueError, match="prompt_capacity"):
+        eng.submit([5, 6, 7], max_tokens=2)
+    with pytest.raises(ValueError, match="temperature"):
+        eng.submit(max_tokens=2, temperature=float("nan"))
+    with pytest.raises(ValueError, match="tokenizer"):
+        eng.submit(prompt="hello", max_tokens=2)
+    with pytest.raises(ValueError, match="token ids"):
+        eng.submit([params.config.vocab_size], max_tokens=2)
+    assert eng.num_queued == 0  # nothing half-queued
+
+
+def test_fifty_frames_with_changing_occupancy_compile_the_frame_once(params):
+    before = schedule.frame_step._cache_size()
+    cfg = EngineConfig(num_slots=5, max_new_tokens=6, admissions_per_frame=3, tokens_per_frame=2, num_steps=1,
+                       action_horizon=HA)  # sizes no other test uses: the compile is this test's own
+    eng = Engine(params, cfg)
+    rng = np.random.default_rng(0)
+    obs = make_obs(params.config, batch=1, cameras=2)
+    batches = set()
+    for f in range(50):
+        for _ in range(rng.poisson(0.9)):
+            eng.submit(max_tokens=int(rng.integers(1, 7)), stop_token=None)
+        res = eng.step(dataclasses.replace(obs, image_masks=jnp.array([[True, f % 4 != 0]])))
+        batches.add(res.batch)
+    assert len(batches) >= 4  # occupancy really changed
+    assert schedule.frame_step._cache_size() - before == 1
