@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import dataclasses
 import datetime
-import functools
 import json
 import math
 import os
@@ -259,6 +257,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--frames", type=_positive_int, default=None, help="measured frames per group (default: the grid's, >= 30)")
     t.add_argument("--warmup", type=_nonnegative_int, default=2,
                    help="warm-up frames after compilation (continuous adds its ceil(N/k) ramp; default 2)")
+    t.add_argument("--drain", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the measured frames, run continuous batching ceil(N/k) more frames (not measured) "
+                        "so requests arriving while measuring finish and count in request latency (default: on)")
     t.add_argument("--slots", default="auto",
                    help="continuous-batching pool size: 'auto' (peak occupancy of the arrival pattern) or an integer")
     t.add_argument("--component-batches", type=_batches, default=None, metavar="LIST",
@@ -334,118 +335,6 @@ def environment(args: argparse.Namespace, dtype: str, preset: str) -> dict:
     }
 
 
-# --- programs -------------------------------------------------------------------------------------
-
-
-class _Programs:
-    """The per-setting device programs; `oxygen_jax.schedule`'s when they trace, else local equivalents.
-
-    The local versions differ only in taking the empty text pool as an argument (built once on the
-    host) instead of building it inside the jitted program.
-    """
-
-    def __init__(self, params, probe_obs, probe_requests):
-        import jax
-
-        from oxygen_jax import schedule
-
-        self.params = params
-        self._empty_pools: dict[tuple[int, int, int], object] = {}
-        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
-        try:
-            jax.eval_shape(lambda o, r: schedule.text_program(params, o, r, max_new_tokens=2), probe_obs, probe_requests)
-            self.source, self.fallback_reason = "oxygen_jax.schedule", None
-        except Exception as e:  # noqa: BLE001 - any tracing failure selects the local programs
-            self.source = "eval.bench local programs"
-            self.fallback_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-
-    @property
-    def local(self) -> bool:
-        return self.fallback_reason is not None
-
-    def _empty_pool(self, size: int, prefix_len: int, max_new_tokens: int):
-        from oxygen_jax import decode
-
-        key = (size, prefix_len, max_new_tokens)
-        if key not in self._empty_pools:
-            self._empty_pools[key] = decode.init_pool(self.params, size, prefix_len, max_new_tokens, 0)
-        return self._empty_pools[key]
-
-    def action(self, obs, noise, num_steps: int):
-        from oxygen_jax import schedule
-
-        return schedule.action_program(self.params, obs, noise, num_steps=num_steps)
-
-    def text(self, obs, requests, max_new_tokens: int, prefix_len: int):
-        from oxygen_jax import schedule
-
-        if not self.local:
-            return schedule.text_program(self.params, obs, requests, max_new_tokens=max_new_tokens)
-        pool = self._empty_pool(requests.valid.shape[0], prefix_len, max_new_tokens)
-        return _local_text_program(self.params, obs, requests, pool)
-
-    def shared(self, obs, noise, requests, num_steps: int, max_new_tokens: int, prefix_len: int):
-        from oxygen_jax import schedule
-
-        if not self.local:
-            return schedule.shared_kv_program(self.params, obs, noise, requests, num_steps=num_steps,
-                                              max_new_tokens=max_new_tokens)
-        pool = self._empty_pool(requests.valid.shape[0], prefix_len, max_new_tokens)
-        return _local_shared_program(self.params, obs, noise, requests, pool, num_steps=num_steps)
-
-    def parallel(self, obs, noise, requests, num_steps: int, max_new_tokens: int, prefix_len: int):
-        import jax
-
-        from oxygen_jax import schedule
-
-        if not self.local:
-            return schedule.run_parallel(self.params, obs, noise, requests, num_steps=num_steps,
-                                         max_new_tokens=max_new_tokens)
-        if self._threads is None:
-            self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="eval-parallel")
-        act = self._threads.submit(lambda: jax.block_until_ready(self.action(obs, noise, num_steps)))
-        txt = self._threads.submit(
-            lambda: jax.block_until_ready(self.text(obs, requests, max_new_tokens, prefix_len)))
-        tokens, n = txt.result()
-        return act.result(), tokens, n
-
-
-def _text_from_cache(params, cache, requests, empty_pool):
-    from oxygen_jax import decode
-
-    pool, _, _ = decode.admit(params, empty_pool, cache, requests)
-    pool = decode.decode_to_completion(params, pool)
-    return pool.tokens, pool.num_generated
-
-
-@functools.cache
-def _local_jits():
-    import jax
-
-    from oxygen_jax.model import denoise, prefill
-
-    @jax.jit
-    def text(params, observation, requests, empty_pool):
-        return _text_from_cache(params, prefill(params, observation), requests, empty_pool)
-
-    @functools.partial(jax.jit, static_argnames=("num_steps",))
-    def shared(params, observation, noise, requests, empty_pool, *, num_steps):
-        cache = prefill(params, observation)
-        actions = denoise(params, cache, noise, num_steps)
-        tokens, n = _text_from_cache(params, cache, requests, empty_pool)
-        return actions, tokens, n
-
-    return text, shared
-
-
-def _local_text_program(params, obs, requests, pool):
-    return _local_jits()[0](params, obs, requests, pool)
-
-
-def _local_shared_program(params, obs, noise, requests, pool, *, num_steps):
-    return _local_jits()[1](params, obs, noise, requests, pool, num_steps=num_steps)
-
-
 # --- inputs ---------------------------------------------------------------------------------------
 
 
@@ -480,8 +369,9 @@ class _GroupInputs:
     """Everything a group's frames read, prepared (and on the device) before timing."""
 
     group: Group
-    num_frames: int
+    num_frames: int  # warm-up + measured + drain
     warmup: int
+    measured_end: int  # frames warmup .. measured_end - 1 are measured; later ones drain
     observations: list  # per frame (the same object repeated with --reuse-observation)
     noise: list
     arrivals: list[list[int]]  # request ids arriving in each frame
@@ -534,61 +424,66 @@ class _Runner:
         self.requests: dict[int, dict] = {}
         self.program_keys: list[str] = []
 
-    def _record(self, f: int, ms: float, tokens: int, batch: int, arrivals: int, steps: int, warm: bool):
+    def _record(self, x: "_GroupInputs", f: int, ms: float, tokens: int, batch: int, arrivals: int, steps: int):
         self.frames.append({
             "frame": f, "setting": self.setting, "k": self.k, "frame_ms": ms, "tokens": int(tokens),
-            "batch": int(batch), "arrivals": int(arrivals), "decode_steps": int(steps), "warmup": warm,
+            "batch": int(batch), "arrivals": int(arrivals), "decode_steps": int(steps),
+            "warmup": f < x.warmup, "drain": f >= x.measured_end,
         })
 
 
 class _ToCompletionRunner(_Runner):
     """isolated, shared_kv and parallel: each frame decodes its own arrivals to completion."""
 
-    def __init__(self, setting: str, programs: _Programs, inputs: _GroupInputs):
+    def __init__(self, setting: str, params, inputs: _GroupInputs):
         super().__init__(setting)
-        self.p, self.x = programs, inputs
+        self.params, self.x = params, inputs
 
     def _call(self, f: int):
         import jax
 
-        g, x, p = self.x.group, self.x, self.p
+        from oxygen_jax import schedule
+
+        g, x, params = self.x.group, self.x, self.params
         obs, noise, req = x.observations[f], x.noise[f], x.frame_requests[f]
         if req is None:
-            return jax.device_get(p.action(obs, noise, g.S)), None
+            return jax.device_get(schedule.action_program(params, obs, noise, num_steps=g.S)), None
         if self.setting == "isolated":
-            actions = jax.device_get(p.action(obs, noise, g.S))  # the action task finishes first
-            return actions, jax.device_get(p.text(obs, req, g.N, x.prefix_len))[1]
-        if self.setting == "shared_kv":
-            actions, _, n = jax.device_get(p.shared(obs, noise, req, g.S, g.N, x.prefix_len))
+            # The action task finishes (on the host) before the text task starts.
+            actions = jax.device_get(schedule.action_program(params, obs, noise, num_steps=g.S))
+            _, n = jax.device_get(schedule.text_program(params, obs, req, max_new_tokens=g.N))
             return actions, n
-        actions, _, n = jax.device_get(p.parallel(obs, noise, req, g.S, g.N, x.prefix_len))
+        run = schedule.shared_kv_program if self.setting == "shared_kv" else schedule.run_parallel
+        actions, _, n = jax.device_get(run(params, obs, noise, req, num_steps=g.S, max_new_tokens=g.N))
         return actions, n
 
     def compile(self, log: dict[str, float]) -> None:
         """First calls of every program shape this runner will use (arrival counts differ per frame)."""
-        g, x = self.x.group, self.x
+        from oxygen_jax import schedule
+
+        g, x, params = self.x.group, self.x, self.params
         sizes = sorted({len(a) for a in x.arrivals})
         wl = g.workload
         keys: list[tuple[str, Callable]] = []
         obs, noise = x.observations[0], x.noise[0]
         if 0 in sizes or self.setting in ("isolated", "parallel"):
-            keys.append((f"action/{wl}/S={g.S}", lambda: self.p.action(obs, noise, g.S)))
+            keys.append((f"action/{wl}/S={g.S}",
+                         lambda: schedule.action_program(params, obs, noise, num_steps=g.S)))
         for j in (s for s in sizes if s > 0):
             req = x.table.batch([], j)  # shapes are all that matter here
             if self.setting == "shared_kv":
-                keys.append((f"shared_kv/{wl}/S={g.S}/N={g.N}/J={j}",
-                             lambda req=req: self.p.shared(obs, noise, req, g.S, g.N, x.prefix_len)))
-            else:  # isolated and parallel share the action and text executables
-                keys.append((f"text/{wl}/N={g.N}/J={j}", lambda req=req: self.p.text(obs, req, g.N, x.prefix_len)))
+                keys.append((f"shared_kv/{wl}/S={g.S}/N={g.N}/J={j}", lambda req=req: schedule.shared_kv_program(
+                    params, obs, noise, req, num_steps=g.S, max_new_tokens=g.N)))
+            else:  # isolated and parallel run the same action and text executables
+                keys.append((f"text/{wl}/N={g.N}/J={j}",
+                             lambda req=req: schedule.text_program(params, obs, req, max_new_tokens=g.N)))
         for key, thunk in keys:
             _first_call(log, key, thunk)
             self.program_keys.append(key)
-        if self.setting == "parallel":  # also warm the thread pool outside the timed frames
+        if self.setting == "parallel":  # start the dispatch threads outside the timed frames
             j = next((s for s in sizes if s > 0), None)
             if j is not None:
-                import jax
-
-                jax.device_get(self.p.parallel(obs, noise, x.table.batch([], j), g.S, g.N, x.prefix_len))
+                schedule.run_parallel(params, obs, noise, x.table.batch([], j), num_steps=g.S, max_new_tokens=g.N)
 
     def frame(self, f: int) -> None:
         x = self.x
@@ -596,12 +491,11 @@ class _ToCompletionRunner(_Runner):
         start = time.perf_counter()
         _, generated = self._call(f)
         ms = (time.perf_counter() - start) * 1e3
-        warm = f < x.warmup
         n = [] if generated is None else [int(v) for v in np.asarray(generated)[: len(ids)]]
         for rid, count in zip(ids, n):
             self.requests[rid] = {"id": rid, "setting": self.setting, "arrival_frame": f, "admit_frame": f,
                                   "finish_frame": f, "tokens": count, "budget": x.table.budgets[rid]}
-        self._record(f, ms, sum(n), len(ids), len(ids), max(n) - 1 if n else 0, warm)
+        self._record(x, f, ms, sum(n), len(ids), len(ids), max(n) - 1 if n else 0)
 
 
 class _ContinuousRunner(_Runner):
@@ -670,7 +564,7 @@ class _ContinuousRunner(_Runner):
             if out.finished[slot]:
                 rec["finish_frame"] = f
         steps = int(emitted[:, 1:].any(axis=0).sum())  # burst steps that ran (a step runs iff a slot is active)
-        self._record(f, ms, tokens, int(out.batch), len(x.arrivals[f]), steps, f < x.warmup)
+        self._record(x, f, ms, tokens, int(out.batch), len(x.arrivals[f]), steps)
 
 
 def _first_call(log: dict[str, float], key: str, thunk: Callable) -> None:
@@ -772,7 +666,6 @@ class RunContext:
     model_cfg: object
     tokenizer: object
     env: dict
-    programs: _Programs
     compile_log: dict[str, float]
     components: dict[str, metrics.Components]
     observations: dict[str, list]
@@ -781,15 +674,21 @@ class RunContext:
     dtype: str
 
 
+def _warmup_and_drain(args: argparse.Namespace, group: Group) -> tuple[int, int]:
+    """Warm-up covers continuous batching's ramp (ceil(N/k) frames to a steady batch); drain frames after
+    the measured ones (continuous only, arrivals continuing) let requests that arrived while measuring finish."""
+    ramp = max((math.ceil(group.N / k) for k in group.ks), default=0) if "continuous" in args.settings else 0
+    return max(args.warmup, ramp), (ramp if args.drain else 0)
+
+
 def _group_inputs(ctx: RunContext, group: Group, robot) -> _GroupInputs:
     import jax
 
     from oxygen_jax.config import CAMERA_SLOTS
 
     args = ctx.args
-    ramp = max((math.ceil(group.N / k) for k in group.ks), default=0)
-    warmup = max(args.warmup, ramp)
-    total = warmup + args.frames
+    warmup, drain = _warmup_and_drain(args, group)
+    total = warmup + args.frames + drain
     stream = ctx.observations[group.workload]
     if len(stream) < total:
         stream[:] = _observation_stream(robot, ctx.model_cfg, ctx.tokenizer, total, args.seed, args.reuse_observation)
@@ -810,7 +709,8 @@ def _group_inputs(ctx: RunContext, group: Group, robot) -> _GroupInputs:
     noise = [jax.random.normal(jax.random.fold_in(base, f), shape) for f in range(total)]
     prefix_len = robot.num_cameras * ctx.model_cfg.siglip.num_patches + robot.max_token_len
     assert robot.num_cameras <= len(CAMERA_SLOTS)
-    return _GroupInputs(group=group, num_frames=total, warmup=warmup, observations=stream[:total], noise=noise,
+    return _GroupInputs(group=group, num_frames=total, warmup=warmup, measured_end=warmup + args.frames,
+                        observations=stream[:total], noise=noise,
                         arrivals=ids, table=table, frame_requests=frame_requests, prefix_len=prefix_len)
 
 
@@ -826,18 +726,20 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
                 slots = _peak_slots(budgets, k) if args.slots == "auto" else args.slots
                 runners.append(_ContinuousRunner(k, ctx.params, inputs, slots))
         else:
-            runners.append(_ToCompletionRunner(setting, ctx.programs, inputs))
+            runners.append(_ToCompletionRunner(setting, ctx.params, inputs))
     for r in runners:
         if progress is not None:
             progress.set_postfix_str(f"compiling {r.label}")
         r.compile(ctx.compile_log)
     for f in range(inputs.num_frames):
-        shift = f % len(runners)  # rotate the order so no setting always runs right after another
-        for r in runners[shift:] + runners[:shift]:
+        active = runners if f < inputs.measured_end else [r for r in runners if r.setting == "continuous"]
+        shift = f % len(active)  # rotate the order so no setting always runs right after another
+        for r in active[shift:] + active[:shift]:
             r.frame(f)
         if progress is not None:
             progress.update(1)
-            progress.set_postfix_str(" ".join(f"{r.label}={r.frames[-1]['frame_ms']:.1f}ms" for r in runners[:4]))
+            progress.set_postfix_str(" ".join(f"{r.label}={r.frames[-1]['frame_ms']:.1f}ms" for r in active[:4]),
+                                     refresh=False)
 
     comp = ctx.components[group.workload]
     pattern = arrivals_lib.parse(group.arrival)
@@ -873,9 +775,9 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
         "group": dataclasses.asdict(group) | {"name": group.name},
         "config": {
             "settings": [r.label for r in runners], "frames": args.frames, "warmup_frames": inputs.warmup,
+            "drain_frames": inputs.num_frames - inputs.measured_end,
             "fixed_length_decode": ctx.fixed_length, "seed": args.seed, "reuse_observation": args.reuse_observation,
             "prefix_len": inputs.prefix_len, "robot": dataclasses.asdict(robot),
-            "programs_source": ctx.programs.source, "programs_fallback_reason": ctx.programs.fallback_reason,
             "frame_order": "settings interleaved per frame, order rotated each frame",
         },
         "components": comp.to_json(),
@@ -945,26 +847,17 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
     env["fixed_length_decode"] = not args.eos
     tokenizer = _tokenizer(args)
 
-    # Probe the runtime's text program once with real shapes (first workload).
-    first_robot = oxygen_benchmark_robot(groups[0].workload)
-    probe_obs = _observation_stream(first_robot, model_cfg, tokenizer, 1, args.seed, True)[0]
-    probe_req = _RequestTable([2], True).batch([0], 1)
-    programs = _Programs(params, probe_obs, probe_req)
-    env["programs_source"] = programs.source
-    if programs.local:
-        tqdm.write(f"note: oxygen_jax.schedule.text_program does not trace ({programs.fallback_reason}); "
-                   "using eval.bench's equivalent local programs", file=sys.stderr)
     _write_json(out / "environment.json", env)
 
-    ctx = RunContext(args=args, params=params, model_cfg=model_cfg, tokenizer=tokenizer, env=env, programs=programs,
+    ctx = RunContext(args=args, params=params, model_cfg=model_cfg, tokenizer=tokenizer, env=env,
                      compile_log={}, components={}, observations=collections.defaultdict(list),
                      fixed_length=not args.eos, preset=preset, dtype=dtype)
     total = 0
     for g in groups:
-        ramp = max((math.ceil(g.N / k) for k in g.ks), default=0)
-        total += max(args.warmup, ramp) + args.frames
+        total += args.frames + sum(_warmup_and_drain(args, g))
     summary: list[dict] = []
-    with tqdm(total=total, unit="frame", disable=args.no_progress, dynamic_ncols=True, file=sys.stderr) as bar:
+    with tqdm(total=total, unit="frame", disable=args.no_progress, dynamic_ncols=True, file=sys.stderr,
+              mininterval=0.5) as bar:
         for workload in dict.fromkeys(g.workload for g in groups):
             robot = oxygen_benchmark_robot(workload)
             wgroups = [g for g in groups if g.workload == workload]

@@ -4,13 +4,14 @@ Records are plain dicts, as written to the result JSON by `eval.bench`:
 
     frame    {"frame": f, "setting": str, "frame_ms": float, "tokens": int (emitted this frame),
               "batch": int (requests in this frame's decode), "arrivals": int, "decode_steps": int
-              (batched decode forwards run this frame), "warmup": bool}
+              (batched decode forwards run this frame), "warmup": bool, "drain": bool (optional)}
     request  {"id": int, "setting": str, "arrival_frame": f, "admit_frame": f | None,
               "finish_frame": f | None (None = still running at the end), "tokens": int, "budget": int}
 
 Rules (method_and_benchmark.md §6 and §9.22-24):
 
-* warm-up frames, and requests that arrive in them, are excluded everywhere;
+* warm-up frames, and requests that arrive in them, are excluded everywhere; so are drain frames
+  (run after the measured ones only so that requests arriving in measured frames can finish);
 * rates are ratios of sums: action Hz = Ha · n_frames / Σ frame time, tokens/s = Σ tokens / Σ time;
 * frames run back to back, so a request's latency in ms is the sum of its setting's frame times from
   its arrival frame to its finishing frame, both included (arrival = the tick of the arrival frame,
@@ -49,9 +50,13 @@ def percentile(values: Iterable[float], q: float) -> float:
     return float(np.percentile(arr, q))
 
 
+def _excluded(frame: Mapping) -> bool:
+    return bool(frame.get("warmup", False) or frame.get("drain", False))
+
+
 def measured(frames: Iterable[Mapping]) -> list[Mapping]:
-    """The frames that count: warm-up frames dropped."""
-    return [f for f in frames if not f.get("warmup", False)]
+    """The frames that count: warm-up and drain frames dropped."""
+    return [f for f in frames if not _excluded(f)]
 
 
 def frame_latency(frames: Iterable[Mapping]) -> dict[str, float]:
@@ -106,12 +111,12 @@ def speedup(reference: Iterable[Mapping], frames: Iterable[Mapping]) -> float:
 def request_latencies(requests: Iterable[Mapping], frames: Iterable[Mapping]) -> list[dict]:
     """Finished requests that arrived in a measured frame, with `latency_frames` and `latency_ms` added.
 
-    `frames` are the frame records of the same setting (warm-up ones included: they carry no weight
-    here, but every frame between arrival and finish must be present).
+    `frames` are the frame records of the same setting, warm-up and drain frames included (every
+    frame between a request's arrival and its finish must be present).
     """
     frames = list(frames)
     ms = {int(f["frame"]): float(f["frame_ms"]) for f in frames}
-    warm = {int(f["frame"]) for f in frames if f.get("warmup", False)}
+    warm = {int(f["frame"]) for f in frames if _excluded(f)}
     out = []
     for r in requests:
         a, fin = int(r["arrival_frame"]), r.get("finish_frame")
@@ -128,12 +133,12 @@ def request_latencies(requests: Iterable[Mapping], frames: Iterable[Mapping]) ->
 
 
 def request_latency(requests: Iterable[Mapping], frames: Iterable[Mapping]) -> dict[str, float]:
-    """Latency statistics of requests arriving after warm-up: counts, frames and ms (mean, median, p90, p99).
+    """Latency statistics of requests arriving in measured frames: counts, frames and ms (mean, median, p90, p99).
 
-    `unfinished` counts post-warm-up arrivals still running (or queued) when the run ended.
+    `unfinished` counts such requests still running (or queued) when the run ended.
     """
     requests, frames = list(requests), list(frames)
-    warm = {int(f["frame"]) for f in frames if f.get("warmup", False)}
+    warm = {int(f["frame"]) for f in frames if _excluded(f)}
     eligible = [r for r in requests if int(r["arrival_frame"]) not in warm]
     done = request_latencies(eligible, frames)
     lf = [r["latency_frames"] for r in done]

@@ -175,6 +175,13 @@ class Engine:
         if self._pool is None:
             prefix_len = observation.num_cameras * self.params.config.siglip.num_patches + observation.tokens.shape[1]
             self._pool = decode.init_pool(self.params, cfg.num_slots, prefix_len, cfg.max_new_tokens, cfg.prompt_capacity)
+        prefix_len = observation.num_cameras * self.params.config.siglip.num_patches + observation.tokens.shape[1]
+        if prefix_len != self._pool.prefix_len:
+            raise ValueError(
+                f"observation prefix length changed from {self._pool.prefix_len} to {prefix_len} tokens "
+                "(cameras or prompt length); in-flight requests hold caches of the old length. Keep the camera "
+                "set and the prompt length (or its bucket) fixed for an engine."
+            )
         if noise is None:
             shape = (b, cfg.action_horizon, self.params.config.action_dim)
             noise = jax.random.normal(jax.random.fold_in(self._base_key, self._frame), shape)

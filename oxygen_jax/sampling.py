@@ -34,10 +34,15 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, k
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     stochastic = temperature > 0
-    scaled = logits / jnp.where(stochastic, temperature, 1.0)[:, None]
-    # Sorting 257k logits per row is costly; only do it when some sampled row asks for top-p.
-    scaled = jax.lax.cond(
-        jnp.any(stochastic & (top_p < 1.0)), lambda s: _top_p_filter(s, top_p), lambda s: s, scaled
-    )
-    drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys, scaled).astype(jnp.int32)
-    return jnp.where(stochastic, drawn, greedy)
+
+    def draw(logits):
+        scaled = logits / jnp.where(stochastic, temperature, 1.0)[:, None]
+        # Sorting the vocabulary per row is costly; only do it when some sampled row asks for top-p.
+        scaled = jax.lax.cond(
+            jnp.any(stochastic & (top_p < 1.0)), lambda s: _top_p_filter(s, top_p), lambda s: s, scaled
+        )
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(stochastic, drawn, greedy)
+
+    # Gumbel noise over the whole vocabulary costs as much as a small matmul: skip it when all rows are greedy.
+    return jax.lax.cond(jnp.any(stochastic), draw, lambda _: greedy, logits)

@@ -266,3 +266,14 @@ def test_bad_observations_raise_errors_naming_the_problem(tiny_params):
         validate_observation(dataclasses.replace(good, images=good.images.at[0, 0, 0, 0, 0].set(jnp.nan)), cfg)
     with pytest.raises(ValueError, match="token ids must lie"):
         validate_observation(dataclasses.replace(good, tokens=good.tokens.at[0, 0].set(cfg.vocab_size)), cfg)
+
+
+def test_trimming_prompt_padding_changes_no_output(tiny_params):
+    from oxygen_jax.observation import trim_prompt_padding
+
+    obs = make_obs(tiny_params.config, batch=2, prompt_len=40, lengths=[5, 9])
+    short = trim_prompt_padding(obs, bucket=8)
+    assert short.tokens.shape == (2, 16)
+    noise = jax.random.normal(jax.random.key(6), (2, 4, 32))
+    np.testing.assert_allclose(model.sample_actions(tiny_params, short, noise, 2),
+                               model.sample_actions(tiny_params, obs, noise, 2), atol=1e-5)

@@ -1,0 +1,428 @@
+"""Markdown tables and PNG plots from an `eval.bench` result directory.
+
+    python -m eval.report RESULTS_DIR [--out DIR]
+
+Reads `summary.json` (required), `components.json`, `environment.json` and `runs/*.json`, and writes
+into DIR (default RESULTS_DIR):
+
+    report.md               environment, component times, every grid point, ablation, N and k sweeps
+    tradeoff.png            language tokens/s against action Hz per setting (the paper's main figure)
+    ablation.png            isolated / parallel / shared KV / continuous: frame time and speedup, with ideals
+    sweep_N.png             action Hz and tokens/s over the decode length N
+    sweep_k.png             continuous batching over tokens per frame k (other settings as lines)
+    latency_vs_batch.png    frame time against active requests, and the decode step t(B)
+
+The ablation and the sweeps are drawn at a reference point chosen from what was measured: S = 10,
+uniform:1 arrivals, the largest N, and k = 5 when present (otherwise the nearest values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+SETTING_ORDER = ("isolated", "parallel", "shared_kv", "continuous")
+LABELS = {"isolated": "isolated", "parallel": "parallel", "shared_kv": "shared KV", "continuous": "continuous batching"}
+COLORS = {"isolated": "#7f7f7f", "parallel": "#ff7f0e", "shared_kv": "#1f77b4", "continuous": "#2ca02c"}
+PLOTS = ("tradeoff.png", "ablation.png", "sweep_N.png", "sweep_k.png", "latency_vs_batch.png")
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+
+def load_results(results_dir: Path) -> dict:
+    """{"summary": [...], "components": {...}, "environment": {...}, "runs": [...]} from a result directory."""
+    results_dir = Path(results_dir)
+    path = results_dir / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run `python -m eval.bench --out {results_dir}` first")
+    summary = json.loads(path.read_text())
+    if not isinstance(summary, list) or not summary:
+        raise ValueError(f"{path} holds no records")
+
+    def optional(name):
+        p = results_dir / name
+        return json.loads(p.read_text()) if p.is_file() else {}
+
+    runs = [json.loads(p.read_text()) for p in sorted((results_dir / "runs").glob("*.json"))]
+    return {"summary": summary, "components": optional("components.json"),
+            "environment": optional("environment.json"), "runs": runs}
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def _num(x, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _setting_label(r: Mapping) -> str:
+    return LABELS[r["setting"]] + (f" (k={r['k']})" if r.get("k") else "")
+
+
+def _group_key(r: Mapping) -> tuple:
+    return (r["workload"], r["S"], r["N"], r["arrival"])
+
+
+def _sort_key(r: Mapping) -> tuple:
+    return (SETTING_ORDER.index(r["setting"]), r.get("k") or 0)
+
+
+def reference_point(summary: Sequence[Mapping]) -> dict:
+    """The (workload, S, N, arrival, k) the ablation and sweeps are drawn at (see the module docstring)."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in summary:
+        groups[_group_key(r)].append(r)
+
+    def score(key):
+        recs = groups[key]
+        workload, s, n, arrival = key
+        return (len({r["setting"] for r in recs}), arrival == "uniform:1", -abs(s - 10), n)
+
+    key = max(groups, key=score)
+    ks = sorted({r["k"] for r in groups[key] if r.get("k")})
+    k = min(ks, key=lambda v: (abs(v - 5), v)) if ks else None
+    return {"workload": key[0], "S": key[1], "N": key[2], "arrival": key[3], "k": k}
+
+
+def _at(summary, ref, **fixed) -> list[dict]:
+    keys = {"workload", "S", "N", "arrival"} - set(fixed)
+    return [r for r in summary if all(r[k] == ref[k] for k in keys) and all(r[k] == v for k, v in fixed.items())]
+
+
+def _pick_cb(records: Sequence[Mapping], k) -> list[dict]:
+    """Non-batched settings, plus continuous batching at tokens-per-frame k."""
+    return [r for r in records if r["setting"] != "continuous" or r.get("k") == k]
+
+
+# --- markdown -------------------------------------------------------------------------------------
+
+
+def _environment_md(env: Mapping) -> str:
+    if not env:
+        return "_environment.json missing_"
+    keys = ("preset", "dtype", "backend", "device_kind", "device_count", "cpu_count", "jax", "jaxlib", "commit",
+            "fixed_length_decode", "timestamp", "command")
+    return _table(("item", "value"), [(k, f"`{env[k]}`" if k == "command" else env.get(k, "–")) for k in keys if k in env])
+
+
+def _components_md(components: Mapping) -> str:
+    if not components:
+        return "_components.json missing_"
+    rows = []
+    for workload, c in components.items():
+        den = ", ".join(f"S={s}: {_num(v, 2)}" for s, v in c["denoise_ms"].items())
+        dec = ", ".join(f"{b}: {_num(v, 2)}" for b, v in c["decode_step_ms"].items())
+        rows.append((workload, _num(c["prefill_ms"], 2), den, dec))
+    return _table(("workload", "prefill T_pre (ms)", "denoise S steps (ms)", "decode step t(B) (ms), B: t"), rows)
+
+
+_MAIN_COLUMNS = (
+    ("setting", _setting_label),
+    ("frame ms p50", lambda r: _num(r["frame_ms_median"], 2)),
+    ("p90", lambda r: _num(r.get("frame_ms_p90"), 2)),
+    ("p99", lambda r: _num(r.get("frame_ms_p99"), 2)),
+    ("action Hz", lambda r: _num(r["action_hz"])),
+    ("tokens/s", lambda r: _num(r["tokens_per_s"])),
+    ("avg batch", lambda r: _num(r.get("avg_batch"), 1)),
+    ("req. latency (frames)", lambda r: _num(r.get("request_latency_frames_mean"), 1)),
+    ("req. latency (ms)", lambda r: _num(r.get("request_latency_ms_mean"), 1)),
+    ("speedup", lambda r: _num(r["speedup_vs_isolated"], 2)),
+    ("ideal speedup", lambda r: _num(r["ideal_speedup"], 2)),
+    ("ideal ms", lambda r: _num(r.get("ideal_frame_ms"), 2)),
+    ("achieved", lambda r: _num(r.get("achieved_fraction"), 2)),
+    ("compile s", lambda r: _num(r["compile_s"], 1)),
+)
+
+
+def _records_md(records: Sequence[Mapping]) -> str:
+    return _table([c for c, _ in _MAIN_COLUMNS], [[f(r) for _, f in _MAIN_COLUMNS] for r in sorted(records, key=_sort_key)])
+
+
+def _sweep_md(records: Sequence[Mapping], var: str) -> str:
+    rows = sorted(records, key=lambda r: (r[var] or 0, _sort_key(r)))
+    return _table(
+        (var, "setting", "frame ms p50", "action Hz", "tokens/s", "avg batch", "req. latency (frames)", "speedup",
+         "ideal speedup"),
+        [(r[var], _setting_label(r), _num(r["frame_ms_median"], 2), _num(r["action_hz"]), _num(r["tokens_per_s"]),
+          _num(r.get("avg_batch")), _num(r.get("request_latency_frames_mean")), _num(r["speedup_vs_isolated"], 2),
+          _num(r["ideal_speedup"], 2)) for r in rows],
+    )
+
+
+def markdown(results: Mapping, plots: Sequence[str]) -> str:
+    summary = results["summary"]
+    ref = reference_point(summary)
+    env = results["environment"]
+    out = [
+        "# OxyGen benchmark report", "",
+        f"Preset `{env.get('preset', summary[0].get('preset'))}`, dtype `{env.get('dtype', summary[0].get('dtype'))}`, "
+        f"{len(summary)} records. Frame times are wall time from the frame's tick to actions and tokens on the "
+        "host, over measured frames (warm-up excluded); Hz and tokens/s are ratios of sums; request latency runs "
+        "from the arrival frame's tick to the end of the frame emitting the last token. *speedup* = isolated mean "
+        "frame time / this setting's (same frames, same run); *ideal* values come from component times measured "
+        "alone (§8.4 of the method notes); *achieved* = ideal frame time / measured mean frame time.", "",
+        "## Environment", "", _environment_md(env), "",
+        "## Component times", "", _components_md(results["components"]), "",
+        "## Ablation at the reference point", "",
+        f"workload `{ref['workload']}`, S = {ref['S']}, N = {ref['N']}, arrivals `{ref['arrival']}`"
+        + (f", continuous batching at k = {ref['k']}" if ref["k"] else ""), "",
+        _records_md(_pick_cb(_at(summary, ref), ref["k"])), "",
+        f"## Sweep over N (S = {ref['S']}, k = {ref['k']})", "",
+        _sweep_md(_pick_cb(_at(summary, ref, N=None) if False else
+                           [r for r in summary if (r["workload"], r["S"], r["arrival"]) ==
+                            (ref["workload"], ref["S"], ref["arrival"])], ref["k"]), "N"), "",
+        f"## Sweep over k (S = {ref['S']}, N = {ref['N']})", "",
+        _sweep_md([r for r in _at(summary, ref) if r["setting"] == "continuous"], "k"), "",
+        "## Every grid point", "",
+    ]
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in summary:
+        groups[_group_key(r)].append(r)
+    for (workload, s, n, arrival), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])):
+        out += [f"### {workload}, S = {s}, N = {n}, arrivals `{arrival}`", "", _records_md(recs), ""]
+    notes = []
+    bad = sorted({(r["N"], r["k"]) for r in summary if r.get("k_divides_N") is False})
+    if bad:
+        notes.append("k does not divide N (each request's last burst is short) at (N, k) = " + ", ".join(map(str, bad)))
+    unfinished = sum(r.get("requests_unfinished") or 0 for r in summary)
+    if unfinished:
+        notes.append(f"{unfinished} requests arriving in measured frames had not finished when the run ended "
+                     "(excluded from request latency; pass more frames, --drain or more --slots)")
+    if summary[0].get("fixed_length_decode", True):
+        notes.append("fixed-length decode: every request decodes exactly min(t_max, N) tokens (stop token disabled)")
+    notes.append("parallel reuses the isolated action and text executables, so its compile time is theirs")
+    out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+# --- plots ----------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_tradeoff(summary: Sequence[Mapping], path: Path) -> None:
+    """Tokens/s against action Hz, one panel per workload, colour = setting, labels = (N, k)."""
+    plt = _pyplot()
+    workloads = sorted({r["workload"] for r in summary})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.8), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        recs = [r for r in summary if r["workload"] == w and r["action_hz"] is not None and r["tokens_per_s"] is not None]
+        annotate = len(recs) <= 40
+        for setting in SETTING_ORDER:
+            pts = [r for r in recs if r["setting"] == setting]
+            if not pts:
+                continue
+            ax.scatter([r["action_hz"] for r in pts], [r["tokens_per_s"] for r in pts], color=COLORS[setting],
+                       label=LABELS[setting], s=36, alpha=0.85, edgecolors="none")
+            if annotate:
+                for r in pts:
+                    text = f"N{r['N']}" + (f",k{r['k']}" if r.get("k") else "")
+                    ax.annotate(text, (r["action_hz"], r["tokens_per_s"]), fontsize=6, xytext=(3, 2),
+                                textcoords="offset points", color=COLORS[setting])
+        ax.set_xlabel("action frequency (Hz)")
+        ax.set_ylabel("language tokens / s")
+        ax.set_title(f"{w}: language throughput vs action rate")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ablation(summary: Sequence[Mapping], ref: Mapping, path: Path) -> None:
+    """Bars at the reference point: measured frame time (ideal as a marker) and speedup (ideal as a marker)."""
+    plt = _pyplot()
+    recs = sorted(_pick_cb(_at(summary, ref), ref["k"]), key=_sort_key)
+    names = [_setting_label(r) for r in recs]
+    colors = [COLORS[r["setting"]] for r in recs]
+    x = list(range(len(recs)))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    a1.bar(x, [r["frame_ms_median"] or 0 for r in recs], color=colors)
+    a1.scatter(x, [r.get("ideal_frame_ms") or math.nan for r in recs], marker="_", s=600, color="black",
+               label="ideal (components)", zorder=3)
+    a1.set_ylabel("frame time, median (ms)")
+    a2.bar(x, [r["speedup_vs_isolated"] or 0 for r in recs], color=colors)
+    a2.scatter(x, [r["ideal_speedup"] or math.nan for r in recs], marker="_", s=600, color="black",
+               label="ideal speedup", zorder=3)
+    a2.axhline(1.0, color="gray", lw=0.8, ls="--")
+    a2.set_ylabel("speedup over isolated")
+    for ax in (a1, a2):
+        ax.set_xticks(x, names, rotation=15, fontsize=8)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"ablation: {ref['workload']}, S={ref['S']}, N={ref['N']}, {ref['arrival']}"
+                 + (f", k={ref['k']}" if ref["k"] else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _lines(ax, recs, var: str, metric: str) -> None:
+    by: dict[str, list] = defaultdict(list)
+    for r in recs:
+        by[r["setting"]].append(r)
+    for setting in SETTING_ORDER:
+        pts = sorted((r for r in by.get(setting, []) if r[metric] is not None), key=lambda r: r[var])
+        if pts:
+            ax.plot([r[var] for r in pts], [r[metric] for r in pts], marker="o", color=COLORS[setting],
+                    label=LABELS[setting])
+
+
+def plot_sweep_n(summary: Sequence[Mapping], ref: Mapping, path: Path) -> None:
+    """Action Hz and tokens/s over N at the reference S, arrival and k."""
+    plt = _pyplot()
+    recs = _pick_cb([r for r in summary if (r["workload"], r["S"], r["arrival"]) ==
+                     (ref["workload"], ref["S"], ref["arrival"])], ref["k"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    _lines(a1, recs, "N", "action_hz")
+    _lines(a2, recs, "N", "tokens_per_s")
+    a1.set_ylabel("action frequency (Hz)")
+    a2.set_ylabel("language tokens / s")
+    for ax in (a1, a2):
+        ax.set_xlabel("decode length N")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"sweep over N: {ref['workload']}, S={ref['S']}, {ref['arrival']}"
+                 + (f", continuous at k={ref['k']}" if ref["k"] else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep_k(summary: Sequence[Mapping], ref: Mapping, path: Path) -> None:
+    """Continuous batching over k at the reference N: Hz, tokens/s and request latency; others as lines."""
+    plt = _pyplot()
+    recs = _at(summary, ref)
+    cb = sorted((r for r in recs if r["setting"] == "continuous"), key=lambda r: r["k"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, metric, label in zip(axes, ("action_hz", "tokens_per_s", "request_latency_frames_mean"),
+                                 ("action frequency (Hz)", "language tokens / s", "request latency (frames)")):
+        if cb:
+            ax.plot([r["k"] for r in cb], [r[metric] if r[metric] is not None else math.nan for r in cb], marker="o",
+                    color=COLORS["continuous"], label=LABELS["continuous"])
+        for r in recs:
+            if r["setting"] != "continuous" and r[metric] is not None:
+                ax.axhline(r[metric], color=COLORS[r["setting"]], ls="--", lw=1, label=LABELS[r["setting"]])
+        ax.set_xlabel("tokens per request per frame k")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"sweep over k: {ref['workload']}, S={ref['S']}, N={ref['N']}, {ref['arrival']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_latency_vs_batch(runs: Sequence[Mapping], components: Mapping, path: Path) -> None:
+    """Left: measured frame time against requests in the frame's decode (all settings, medians as lines).
+    Right: the decode step t(B) measured alone, per workload."""
+    plt = _pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    points: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        for f in run.get("frames", []):
+            if not f.get("warmup") and not f.get("drain"):
+                points[f["setting"]][int(f["batch"])].append(float(f["frame_ms"]))
+    for setting in SETTING_ORDER:
+        if setting not in points:
+            continue
+        by_batch = points[setting]
+        xs = [b for b, v in by_batch.items() for _ in v]
+        ys = [ms for v in by_batch.values() for ms in v]
+        a1.scatter(xs, ys, s=6, alpha=0.25, color=COLORS[setting], edgecolors="none")
+        bs = sorted(by_batch)
+        meds = [sorted(by_batch[b])[len(by_batch[b]) // 2] for b in bs]
+        a1.plot(bs, meds, marker="o", color=COLORS[setting], label=f"{LABELS[setting]} (median)")
+    a1.set_xlabel("active requests in the frame")
+    a1.set_ylabel("frame time (ms)")
+    a1.set_title("frame latency vs active requests", fontsize=10)
+    a1.grid(alpha=0.3)
+    if points:
+        a1.legend(fontsize=7)
+    for workload, c in components.items():
+        bs = sorted(int(b) for b in c["decode_step_ms"])
+        a2.plot(bs, [c["decode_step_ms"][str(b)] for b in bs], marker="o", label=workload)
+    a2.set_xlabel("batch B")
+    a2.set_ylabel("one decode step t(B) (ms)")
+    a2.set_ylim(bottom=0)
+    a2.set_title("decode step vs batch (measured alone)", fontsize=10)
+    a2.grid(alpha=0.3)
+    if components:
+        a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+
+def write_report(results_dir: Path, out_dir: Path | None = None) -> Path:
+    """Writes report.md and the PNG plots; returns the path of report.md."""
+    results = load_results(Path(results_dir))
+    out = Path(out_dir) if out_dir else Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = results["summary"]
+    missing = [k for k in ("setting", "workload", "S", "N", "k", "arrival", "frame_ms_median", "action_hz",
+                           "tokens_per_s", "speedup_vs_isolated", "ideal_speedup", "compile_s") if k not in summary[0]]
+    if missing:
+        raise ValueError(f"summary.json records lack {missing}; was it written by eval.bench?")
+    ref = reference_point(summary)
+    plot_tradeoff(summary, out / "tradeoff.png")
+    plot_ablation(summary, ref, out / "ablation.png")
+    plot_sweep_n(summary, ref, out / "sweep_N.png")
+    plot_sweep_k(summary, ref, out / "sweep_k.png")
+    plot_latency_vs_batch(results["runs"], results["components"], out / "latency_vs_batch.png")
+    md = out / "report.md"
+    md.write_text(markdown(results, PLOTS))
+    return md
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.report",
+        description="Markdown tables and PNG plots from an eval.bench result directory (reads summary.json, "
+                    "components.json, environment.json and runs/*.json).",
+    )
+    parser.add_argument("results", type=Path, help="directory written by `python -m eval.bench --out DIR`")
+    parser.add_argument("--out", type=Path, default=None, help="where to write report.md and the PNGs (default: RESULTS)")
+    args = parser.parse_args(argv)
+    try:
+        md = write_report(args.results, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    print(f"wrote {md} and {len(PLOTS)} plots")
+    return md
+
+
+if __name__ == "__main__":
+    main()
