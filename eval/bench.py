@@ -48,10 +48,19 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import jax
+import jaxlib
 import numpy as np
+from tqdm import tqdm
 
 from eval import arrivals as arrivals_lib
 from eval import metrics
+from oxygen_jax import decode, schedule
+from oxygen_jax.config import model_config, oxygen_benchmark_robot
+from oxygen_jax.model import denoise, prefill
+from oxygen_jax.params import init_params
+from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
+from oxygen_jax.transforms import make_observation, synthetic_sample
 
 SETTINGS = ("isolated", "shared_kv", "continuous", "parallel")
 WORKLOADS = ("libero", "droid", "aloha")
@@ -319,9 +328,6 @@ def _git_commit() -> str:
 
 def environment(args: argparse.Namespace, dtype: str, preset: str) -> dict:
     """Software and hardware facts recorded with every result file."""
-    import jax
-    import jaxlib
-
     dev = jax.devices()[0]
     return {
         "jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__,
@@ -345,8 +351,6 @@ class _RequestTable:
     """
 
     def __init__(self, budgets: Sequence[int], fixed_length: bool):
-        from oxygen_jax import decode
-
         r = len(budgets)
         stops = [-1] * r if fixed_length else None
         # One extra default row (valid False, id -1) pads batches.
@@ -356,8 +360,6 @@ class _RequestTable:
         self.budgets = list(budgets)
 
     def batch(self, ids: Sequence[int], size: int):
-        from oxygen_jax import decode
-
         if len(ids) > size:
             raise ValueError(f"{len(ids)} requests do not fit a batch of {size}")
         idx = np.asarray(list(ids) + [self._pad] * (size - len(ids)), np.int64)
@@ -382,10 +384,6 @@ class _GroupInputs:
 
 def _observation_stream(robot, model_cfg, tokenizer, count: int, seed: int, reuse: bool) -> list:
     """`count` synthetic client samples (seeded) converted to device observations."""
-    import jax
-
-    from oxygen_jax.transforms import make_observation, synthetic_sample
-
     rng = np.random.default_rng([seed, 1 + WORKLOADS.index(robot.name)])
     out = []
     for _ in range(1 if reuse else count):
@@ -440,10 +438,6 @@ class _ToCompletionRunner(_Runner):
         self.params, self.x = params, inputs
 
     def _call(self, f: int):
-        import jax
-
-        from oxygen_jax import schedule
-
         g, x, params = self.x.group, self.x, self.params
         obs, noise, req = x.observations[f], x.noise[f], x.frame_requests[f]
         if req is None:
@@ -459,8 +453,6 @@ class _ToCompletionRunner(_Runner):
 
     def compile(self, log: dict[str, float]) -> None:
         """First calls of every program shape this runner will use (arrival counts differ per frame)."""
-        from oxygen_jax import schedule
-
         g, x, params = self.x.group, self.x, self.params
         sizes = sorted({len(a) for a in x.arrivals})
         wl = g.workload
@@ -509,22 +501,16 @@ class _ContinuousRunner(_Runner):
         self.pool = None
 
     def _new_pool(self):
-        from oxygen_jax import decode
-
         return decode.init_pool(self.params, self.slots, self.x.prefix_len, self.x.group.N, 0)
 
     def compile(self, log: dict[str, float]) -> None:
-        import jax
-
-        from oxygen_jax.schedule import frame_step
-
         g, x = self.x.group, self.x
         key = f"frame_step/{g.workload}/S={g.S}/k={self.k}/N={g.N}/slots={self.slots}/J={self.admissions}"
 
         def thunk():
             # A throwaway pool with one admitted request, so the compiled program also ran its decode path.
             req = x.table.batch([0] if x.table.budgets else [], self.admissions)
-            _, out = frame_step(self.params, self._new_pool(), x.observations[0], x.noise[0], req,
+            _, out = schedule.frame_step(self.params, self._new_pool(), x.observations[0], x.noise[0], req,
                                 num_steps=g.S, tokens_per_frame=self.k)
             return jax.device_get(out)
 
@@ -533,16 +519,12 @@ class _ContinuousRunner(_Runner):
         self.pool = self._new_pool()
 
     def frame(self, f: int) -> None:
-        import jax
-
-        from oxygen_jax.schedule import frame_step
-
         g, x = self.x.group, self.x
         self.queue.extend(x.arrivals[f])
         start = time.perf_counter()
         offered = [self.queue[i] for i in range(min(self.admissions, len(self.queue)))]
         req = x.table.batch(offered, self.admissions)
-        self.pool, out = frame_step(self.params, self.pool, x.observations[f], x.noise[f], req,
+        self.pool, out = schedule.frame_step(self.params, self.pool, x.observations[f], x.noise[f], req,
                                     num_steps=g.S, tokens_per_frame=self.k)
         out = jax.device_get(out)  # the frame's single host sync: actions, tokens, flags
         ms = (time.perf_counter() - start) * 1e3
@@ -569,8 +551,6 @@ class _ContinuousRunner(_Runner):
 
 def _first_call(log: dict[str, float], key: str, thunk: Callable) -> None:
     """Times a program's first call (trace + compile + one run, waited for) once per process."""
-    import jax
-
     if key in log:
         return
     start = time.perf_counter()
@@ -582,8 +562,6 @@ def _first_call(log: dict[str, float], key: str, thunk: Callable) -> None:
 
 
 def _median_ms(fn: Callable, repeats: int) -> float:
-    import jax
-
     jax.block_until_ready(fn())  # compile / warm
     times = []
     for _ in range(repeats):
@@ -596,11 +574,6 @@ def _median_ms(fn: Callable, repeats: int) -> float:
 def measure_components(params, obs, noise, *, steps: Sequence[int], batches: Sequence[int], max_new_tokens: int,
                        repeats: int) -> metrics.Components:
     """Warm medians of prefill, S denoise steps (each S) and one decode step with B active requests (each B)."""
-    import jax
-
-    from oxygen_jax import decode
-    from oxygen_jax.model import denoise, prefill
-
     prefill_ms = _median_ms(lambda: prefill(params, obs), repeats)
     cache = prefill(params, obs)
     denoise_ms = {s: _median_ms(lambda s=s: denoise(params, cache, noise, s), repeats) for s in sorted(set(steps))}
@@ -682,10 +655,6 @@ def _warmup_and_drain(args: argparse.Namespace, group: Group) -> tuple[int, int]
 
 
 def _group_inputs(ctx: RunContext, group: Group, robot) -> _GroupInputs:
-    import jax
-
-    from oxygen_jax.config import CAMERA_SLOTS
-
     args = ctx.args
     warmup, drain = _warmup_and_drain(args, group)
     total = warmup + args.frames + drain
@@ -708,7 +677,6 @@ def _group_inputs(ctx: RunContext, group: Group, robot) -> _GroupInputs:
     shape = (1, robot.action_horizon, ctx.model_cfg.action_dim)
     noise = [jax.random.normal(jax.random.fold_in(base, f), shape) for f in range(total)]
     prefix_len = robot.num_cameras * ctx.model_cfg.siglip.num_patches + robot.max_token_len
-    assert robot.num_cameras <= len(CAMERA_SLOTS)
     return _GroupInputs(group=group, num_frames=total, warmup=warmup, measured_end=warmup + args.frames,
                         observations=stream[:total], noise=noise,
                         arrivals=ids, table=table, frame_requests=frame_requests, prefix_len=prefix_len)
@@ -793,9 +761,6 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
 
 
 def _load_model(args: argparse.Namespace, dtype: str):
-    from oxygen_jax.config import model_config
-    from oxygen_jax.params import init_params
-
     if args.ckpt is not None:
         from oxygen_jax.checkpoint import load_openpi_params
 
@@ -806,8 +771,6 @@ def _load_model(args: argparse.Namespace, dtype: str):
 
 
 def _tokenizer(args: argparse.Namespace):
-    from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
-
     return Tokenizer.from_file(args.tokenizer.expanduser()) if args.tokenizer else train_demo_tokenizer()
 
 
@@ -834,10 +797,7 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
     if args.dry_run:
         return None
 
-    import jax
-    from tqdm import tqdm
 
-    from oxygen_jax.config import oxygen_benchmark_robot
 
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     model_cfg, params, preset = _load_model(args, dtype)

@@ -104,9 +104,14 @@ def reference_point(summary: Sequence[Mapping]) -> dict:
     return {"workload": key[0], "S": key[1], "N": key[2], "arrival": key[3], "k": k}
 
 
-def _at(summary, ref, **fixed) -> list[dict]:
-    keys = {"workload", "S", "N", "arrival"} - set(fixed)
-    return [r for r in summary if all(r[k] == ref[k] for k in keys) and all(r[k] == v for k, v in fixed.items())]
+def _at(summary, ref) -> list[dict]:
+    """Records of the reference grid point (every setting and k)."""
+    return [r for r in summary if _group_key(r) == (ref["workload"], ref["S"], ref["N"], ref["arrival"])]
+
+
+def _n_series(summary, ref) -> list[dict]:
+    """Records at the reference workload, S and arrival, any N."""
+    return [r for r in summary if (r["workload"], r["S"], r["arrival"]) == (ref["workload"], ref["S"], ref["arrival"])]
 
 
 def _pick_cb(records: Sequence[Mapping], k) -> list[dict]:
@@ -188,9 +193,7 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
         + (f", continuous batching at k = {ref['k']}" if ref["k"] else ""), "",
         _records_md(_pick_cb(_at(summary, ref), ref["k"])), "",
         f"## Sweep over N (S = {ref['S']}, k = {ref['k']})", "",
-        _sweep_md(_pick_cb(_at(summary, ref, N=None) if False else
-                           [r for r in summary if (r["workload"], r["S"], r["arrival"]) ==
-                            (ref["workload"], ref["S"], ref["arrival"])], ref["k"]), "N"), "",
+        _sweep_md(_pick_cb(_n_series(summary, ref), ref["k"]), "N"), "",
         f"## Sweep over k (S = {ref['S']}, N = {ref['N']})", "",
         _sweep_md([r for r in _at(summary, ref) if r["setting"] == "continuous"], "k"), "",
         "## Every grid point", "",
@@ -300,8 +303,7 @@ def _lines(ax, recs, var: str, metric: str) -> None:
 def plot_sweep_n(summary: Sequence[Mapping], ref: Mapping, path: Path) -> None:
     """Action Hz and tokens/s over N at the reference S, arrival and k."""
     plt = _pyplot()
-    recs = _pick_cb([r for r in summary if (r["workload"], r["S"], r["arrival"]) ==
-                     (ref["workload"], ref["S"], ref["arrival"])], ref["k"])
+    recs = _pick_cb(_n_series(summary, ref), ref["k"])
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
     _lines(a1, recs, "N", "action_hz")
     _lines(a2, recs, "N", "tokens_per_s")
@@ -362,6 +364,9 @@ def plot_latency_vs_batch(runs: Sequence[Mapping], components: Mapping, path: Pa
         bs = sorted(by_batch)
         meds = [sorted(by_batch[b])[len(by_batch[b]) // 2] for b in bs]
         a1.plot(bs, meds, marker="o", color=COLORS[setting], label=f"{LABELS[setting]} (median)")
+    every = sorted(ms for by_batch in points.values() for v in by_batch.values() for ms in v)
+    if every:  # keep rare host hiccups from flattening the plot
+        a1.set_ylim(0, 1.25 * every[min(len(every) - 1, int(0.99 * len(every)))])
     a1.set_xlabel("active requests in the frame")
     a1.set_ylabel("frame time (ms)")
     a1.set_title("frame latency vs active requests", fontsize=10)

@@ -35,7 +35,7 @@ import numpy as np
 from oxygen_jax import gemma
 from oxygen_jax.config import EOS_ID
 from oxygen_jax.kv_cache import PrefixCache
-from oxygen_jax.model import embed_tokens, lm_logits
+from oxygen_jax.model import embed_tokens, lm_logits_vocab_major
 from oxygen_jax.params import Params
 from oxygen_jax.sampling import sample_tokens
 
@@ -252,9 +252,9 @@ def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests)
     slot = jnp.where(admitted, free_slots[jnp.minimum(rank, s - 1)], s)  # s = out of range: dropped
 
     ck, cv, seed = _extend_with_prompts(params, prefix, req, q_cap)
-    logits = lm_logits(params, seed)
+    logits = lm_logits_vocab_major(params, seed)
     budget = jnp.clip(req.budget, 1, g)
-    token0 = sample_tokens(logits, req.temperature, req.top_p, _step_keys(req.key, jnp.zeros_like(req.row)))
+    token0 = sample_tokens(logits, req.temperature, req.top_p, _step_keys(req.key, jnp.zeros_like(req.row)), vocab_axis=0)
     active = (token0 != req.stop_token) & (budget > 1)
 
     cap = pool.capacity
@@ -306,7 +306,7 @@ def admit(params: Params, pool: DecodePool, prefix: PrefixCache, requests: Reque
 
 
 def step_logits(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array]:
-    """Feeds every active slot's last token: writes its K/V and returns logits float32 [S, V].
+    """Feeds every active slot's last token: writes its K/V and returns logits float32 [V, S].
 
     The pool's mask and length are not advanced here (see `_decode_step`); inactive slots write
     nothing.
@@ -319,13 +319,13 @@ def step_logits(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array
     write_index = jnp.where(pool.active, write, cap)[:, None]
     h, (k, v) = gemma.forward_write(params.vlm.layers, x, positions, attend[:, None, :], pool.k, pool.v, write_index)
     h, _ = gemma.rms_norm(h, params.vlm.final_norm)
-    return dataclasses.replace(pool, k=k, v=v), lm_logits(params, h[:, 0])
+    return dataclasses.replace(pool, k=k, v=v), lm_logits_vocab_major(params, h[:, 0])
 
 
 def _decode_step(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array, jax.Array]:
     """One token for every active slot: (pool, token int32 [S] (-1 for inactive slots), logits [S, V])."""
     pool, logits = step_logits(params, pool)
-    tok = sample_tokens(logits, pool.temperature, pool.top_p, _step_keys(pool.key, pool.num_generated))
+    tok = sample_tokens(logits, pool.temperature, pool.top_p, _step_keys(pool.key, pool.num_generated), vocab_axis=0)
     act = pool.active
     rows = jnp.arange(pool.num_slots)
     write = jnp.where(act, pool.prefix_len + pool.length, pool.capacity)
@@ -339,7 +339,7 @@ def _decode_step(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Arra
         last_token=jnp.where(act, tok, pool.last_token),
         active=act & (tok != pool.stop_token) & (n < pool.budget),
     )
-    return pool, jnp.where(act, tok, -1), logits
+    return pool, jnp.where(act, tok, -1), logits.T
 
 
 decode_step = functools.partial(jax.jit, donate_argnames=("pool",))(_decode_step)

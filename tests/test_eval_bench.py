@@ -1,0 +1,160 @@
+"""eval.bench and eval.report: grid and CLI handling, and a tiny end-to-end run (JSON, then tables and PNGs)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from eval import bench, report
+
+
+# --- grid and command line -----------------------------------------------------------------------
+
+
+def _grid(*argv):
+    return bench.build_grid(bench.parse_args(list(argv)))
+
+
+def test_paper_grid_keeps_ks_of_the_paper_set_that_divide_n():
+    groups = _grid("--grid", "paper")
+    assert len(groups) == 3 * 4 * 5  # workloads x S x N
+    ks = {g.N: g.ks for g in groups}
+    assert ks[30] == (1, 2, 3, 5, 6, 10, 15, 30)
+    assert ks[20] == (1, 2, 5, 10)
+    assert ks[5] == (1, 5)
+    assert {g.arrival for g in groups} == {"uniform:1"}
+
+
+def test_default_grid_is_the_paper_figures_on_the_bench_preset():
+    args = bench.parse_args([])
+    assert (args.grid, args.preset, args.frames) == ("figure", "bench", 30)
+    groups = bench.build_grid(args)
+    assert [g.N for g in groups] == [5, 10, 15, 20, 30]
+    assert groups[-1].ks == (1, 2, 3, 5, 10) and groups[0].ks == (5,)
+    quick = bench.parse_args(["--quick"])
+    assert (quick.grid, quick.preset) == ("quick", "tiny")
+
+
+def test_explicit_lists_replace_the_grid_and_non_dividing_k_is_kept():
+    groups = _grid("--N", "10", "--k", "3", "4", "--S", "5", "--arrival", "poisson:1.5", "burst:4/8")
+    assert [(g.S, g.N, g.ks, g.arrival) for g in groups] == [
+        (5, 10, (3, 4), "poisson:1.5"), (5, 10, (3, 4), "burst:4/8")]
+    assert _grid("--N", "20", "--k", "alldiv")[0].ks == (1, 2, 4, 5, 10, 20)
+    assert _grid("--settings", "isolated", "shared_kv")[0].ks == ()  # no continuous, no k
+
+
+@pytest.mark.parametrize("argv", [
+    ["--settings", "baseline"], ["--workloads", "arx"], ["--preset", "huge"], ["--arrival", "poison:1"],
+    ["--k", "div", "3"], ["--k", "0"], ["--N", "-1"], ["--slots", "many"], ["--ckpt", "/nonexistent/ckpt"],
+    ["--component-batches", "4-2"], ["--preset", "tiny", "--ckpt", "x"],
+])
+def test_bad_command_lines_exit_with_an_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_peak_slots_follow_request_lifetimes():
+    one_per_frame = [[30]] * 40
+    assert bench._peak_slots(one_per_frame, 5) == 6  # N/k
+    assert bench._peak_slots(one_per_frame, 1) == 29  # N - 1: token 0 comes from the prefill
+    assert bench._peak_slots([[10] * 4] + [[]] * 7, 5) == 4
+    assert bench._peak_slots([[1], [1], [1]], 5) == 1
+    assert bench._peak_slots([[]] * 3, 5) == 1
+
+
+# --- tiny end-to-end run -------------------------------------------------------------------------
+
+_N, _K, _FRAMES = 6, 3, 4
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One bench run: tiny preset, all four settings, bursts of 2 requests every 2 frames."""
+    out = tmp_path_factory.mktemp("bench")
+    bench.main([
+        "--preset", "tiny", "--workloads", "libero", "--S", "2", "--N", str(_N), "--k", str(_K),
+        "--arrival", "burst:2/2", "--frames", str(_FRAMES), "--warmup", "1", "--component-batches", "1,2",
+        "--component-repeats", "2", "--no-progress", "--out", str(out),
+    ])
+    return out
+
+
+def test_bench_writes_summary_components_environment_and_run_files(tiny_run):
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    assert [(r["setting"], r["k"]) for r in summary] == [
+        ("isolated", None), ("shared_kv", None), ("continuous", _K), ("parallel", None)]
+    for r in summary:
+        assert set(bench.SUMMARY_KEYS) <= set(r)
+        assert (r["workload"], r["preset"], r["S"], r["N"], r["arrival"]) == ("libero", "tiny", 2, _N, "burst:2/2")
+        assert r["frames_measured"] == _FRAMES
+        assert r["frame_ms_median"] > 0 and r["action_hz"] > 0 and r["tokens_per_s"] > 0
+        assert r["compile_s"] > 0 and r["ideal_speedup"] > 0 and r["ideal_frame_ms"] > 0
+        assert r["fixed_length_decode"] is True
+        assert r["requests_unfinished"] == 0
+    iso = summary[0]
+    assert iso["speedup_vs_isolated"] == pytest.approx(1.0) and iso["ideal_speedup"] == pytest.approx(1.0)
+    cb = summary[2]
+    # A burst's 2 requests hold their slots for ceil((N-1)/k) = 2 frames, until the next burst.
+    assert cb["k_divides_N"] is True and cb["slots"] == 2 and cb["avg_batch"] == pytest.approx(2.0)
+    assert cb["request_latency_frames_mean"] == pytest.approx(math.ceil((_N - 1) / _K))
+    assert summary[1]["request_latency_frames_mean"] == 1.0  # decoded within the arrival frame
+
+    comps = json.loads((tiny_run / "components.json").read_text())["libero"]
+    assert set(comps["decode_step_ms"]) == {"1", "2"} and set(comps["denoise_ms"]) == {"2"}
+    assert comps["prefill_ms"] > 0
+
+    env = json.loads((tiny_run / "environment.json").read_text())
+    for key in ("jax", "jaxlib", "backend", "device_kind", "cpu_count", "dtype", "preset", "commit", "command",
+                "timestamp"):
+        assert env[key] not in (None, "")
+    assert (env["dtype"], env["preset"], env["backend"]) == ("float32", "tiny", "cpu")
+
+
+def test_run_file_holds_frames_and_requests_of_every_setting(tiny_run):
+    run = json.loads((tiny_run / "runs" / "libero_S2_N6_burst-2-2.json").read_text())
+    assert run["environment"]["preset"] == "tiny"
+    frames, requests = run["frames"], run["requests"]
+    warmup = run["config"]["warmup_frames"]
+    assert warmup == math.ceil(_N / _K)  # continuous ramp, longer than --warmup 1
+    for setting in bench.SETTINGS:
+        mine = [f for f in frames if f["setting"] == setting]
+        assert sum(not f["warmup"] and not f["drain"] for f in mine) == _FRAMES
+        assert all(f["frame_ms"] > 0 for f in mine)
+        # Bursts: frames alternate between two arrivals and none, in every setting alike.
+        assert [f["arrivals"] for f in mine[:4]] == [2, 0, 2, 0]
+    assert any(f["drain"] for f in frames if f["setting"] == "continuous")
+    end = warmup + _FRAMES  # continuous alone runs the drain frames, with their own arrivals
+    by_setting = {s: sorted((q["id"], q["arrival_frame"], q["budget"]) for q in requests
+                            if q["setting"] == s and q["arrival_frame"] < end) for s in bench.SETTINGS}
+    assert all(v == by_setting["isolated"] for v in by_setting.values())  # the same requests everywhere
+    assert all(q["tokens"] == _N for q in requests if q["finish_frame"] is not None)  # fixed-length decode
+    assert run["compile_s"] and all(v > 0 for v in run["compile_s"].values())
+
+
+def test_report_writes_tables_and_plots(tiny_run, tmp_path):
+    md_path = report.write_report(tiny_run, tmp_path)
+    for name in report.PLOTS:
+        png = tmp_path / name
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = md_path.read_text()
+    for label in ("isolated", "parallel", "shared KV", f"continuous batching (k={_K})"):
+        assert label in md
+    assert "## Ablation" in md and "## Component times" in md and "tradeoff.png" in md
+
+
+def test_report_explains_a_missing_summary(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path)])
+    assert "summary.json" in capsys.readouterr().err
+
+
+def test_checkpoint_option_restores_an_openpi_checkpoint():
+    from helpers import openpi_fixture
+
+    args = bench.parse_args(["--ckpt", str(openpi_fixture()), "--dry-run"])
+    cfg, params, preset = bench._load_model(args, "float32")
+    assert preset == "ckpt" and cfg.vlm.depth == 3 and cfg.vocab_size == 1024
