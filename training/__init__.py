@@ -1,0 +1,1 @@
+"""Training utilities (flow-matching fine-tuning today; the textual-memory LoRA comes later)."""
