@@ -170,7 +170,8 @@ def parse(spec: str) -> ArrivalPattern:
                 raise ValueError(f"arrival pattern {spec!r}: unknown option {key!r}; options are {', '.join(_OPTIONS)}")
             options[key] = value
     if len(args) > 1:
-        raise ValueError(f"arrival pattern {spec!r}: expected KIND:ARGS[:key=value]..., got {len(args)} argument groups")
+        raise ValueError(
+            f"arrival pattern {spec!r}: expected KIND:ARGS[:key=value]..., got {len(args)} argument groups")
     arg = args[0] if args else None
     fields: dict = {"kind": kind}
     if "tmax" in options:

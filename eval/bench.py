@@ -19,7 +19,9 @@ from its tick to actions and tokens on the host (`jax.device_get`, which waits f
 Protocol (method_and_benchmark.md §5, §9.22-27): each compiled program's first call (trace, compile,
 one execution) is timed once per process and reported as `compile_s`, never mixed into frame times;
 warm-up frames (at least ceil(N/k) ramp frames when continuous runs) and requests arriving in them
-are excluded; random weights decode a fixed number of tokens (stop token disabled, recorded as
+are excluded; after the measured frames continuous batching alone runs ceil(N/k) drain frames (not
+measured, arrivals continuing) so that every request arriving while measuring finishes and has a
+latency; random weights decode a fixed number of tokens (stop token disabled, recorded as
 `fixed_length_decode`); component times (prefill, S denoise steps, one decode step at batch B) are
 measured alone, warm, median of several runs, and give each setting's ideal frame time (§8.4).
 
@@ -71,7 +73,12 @@ SUMMARY_KEYS = (
     "setting", "workload", "preset", "dtype", "S", "N", "k", "arrival", "frame_ms_median", "action_hz",
     "tokens_per_s", "speedup_vs_isolated", "ideal_speedup", "compile_s",
 )
-"""Keys every `summary.json` record has (downstream scripts rely on them); records hold more."""
+"""Keys every `summary.json` record has (downstream scripts rely on them); records hold more.
+
+`k` is null for isolated, shared_kv and parallel (they decode each frame's requests to completion);
+`compile_s` sums the first-call times of the programs a setting uses (parallel runs the isolated
+executables, so it reports theirs); `speedup_vs_isolated` is null when isolated was not measured.
+"""
 
 
 # --- grids ----------------------------------------------------------------------------------------
@@ -219,9 +226,11 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Measure the OxyGen execution settings (isolated, shared_kv, continuous, parallel) side by side.\n"
             "Default: the `figure` grid (LIBERO, S=10; k=5 over N in {5,10,15,20,30}; k in {1,2,3,5,10} at\n"
-            "N=30) on the `bench` preset. `--grid paper` runs the paper's full §5 sweep (S in {5,10,15,20},\n"
-            "N in {5,10,15,20,30}, k in {1,2,3,5,6,10,15,30} dividing N, all workloads, 50 frames): hours\n"
-            "on a GPU with pi05, far too long for a CPU. `--quick` is the tiny-preset smoke grid."
+            "N=30) on the `bench` preset: about 1.5 h on 2 CPU cores (a bench frame takes seconds there).\n"
+            "`--grid paper` runs the paper's full §5 sweep (S in {5,10,15,20}, N in {5,10,15,20,30}, k in\n"
+            "{1,2,3,5,6,10,15,30} dividing N, all workloads, 50 frames): hours on a GPU with pi05, far too\n"
+            "long for a CPU. `--quick` is the tiny-preset grid (about 1.5 min on 2 CPU cores).\n"
+            "Use --dry-run to list the grid before running it."
         ),
         epilog=(
             "named grids (explicit --workloads/--S/--N/--k/--arrival replace the grid's lists):\n" + grids + "\n\n"
@@ -238,14 +247,16 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     g = p.add_argument_group("what to run")
-    g.add_argument("--grid", choices=sorted(GRIDS), default=None, help="named grid (default: figure; quick with --quick)")
+    g.add_argument("--grid", choices=sorted(GRIDS), default=None,
+                   help="named grid (default: figure; quick with --quick)")
     g.add_argument("--quick", action="store_true", help="the quick grid on the tiny preset (unless --preset/--ckpt)")
     g.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS), metavar="SETTING",
                    help=f"settings to measure (default: all of {', '.join(SETTINGS)})")
     g.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None, metavar="WORKLOAD",
                    help=f"robot workloads ({', '.join(WORKLOADS)}; Ha=10, 100 prompt tokens as in the paper)")
     g.add_argument("--S", nargs="+", type=_positive_int, default=None, metavar="S", help="denoise steps")
-    g.add_argument("--N", nargs="+", type=_positive_int, default=None, metavar="N", help="decode length (tokens per request)")
+    g.add_argument("--N", nargs="+", type=_positive_int, default=None, metavar="N",
+                   help="decode length (tokens per request)")
     g.add_argument("--k", nargs="+", type=_k_value, default=None, metavar="K",
                    help="tokens per request per frame (continuous only): integers, 'div' (the paper's set "
                         "{1,2,3,5,6,10,15,30} dividing N) or 'alldiv' (every divisor of N). A k that does not "
@@ -254,16 +265,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="arrival patterns (default uniform:1 = one request per frame); see below")
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=PRESETS, default=None, help="random-weight model preset (default: bench; tiny with --quick)")
+    src.add_argument("--preset", choices=PRESETS, default=None,
+                     help="random-weight model preset (default: bench; tiny with --quick)")
     src.add_argument("--ckpt", type=Path, default=None, help="restore an openpi pi0.5 checkpoint instead of a preset")
     m.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="parameters and activations (auto: float32 on CPU, bfloat16 on accelerators)")
     m.add_argument("--tokenizer", type=Path, default=None,
-                   help="SentencePiece model for the prompts (default: the offline demo tokenizer; latency is the same)")
+                   help="SentencePiece model for the prompts (default: the offline demo tokenizer; "
+                        "latency is the same)")
     m.add_argument("--eos", action="store_true",
                    help="stop requests at EOS (default: fixed-length decode, the only fair mode with random weights)")
     t = p.add_argument_group("measurement")
-    t.add_argument("--frames", type=_positive_int, default=None, help="measured frames per group (default: the grid's, >= 30)")
+    t.add_argument("--frames", type=_positive_int, default=None,
+                   help="measured frames per group (default: the grid's, >= 30)")
     t.add_argument("--warmup", type=_nonnegative_int, default=2,
                    help="warm-up frames after compilation (continuous adds its ceil(N/k) ramp; default 2)")
     t.add_argument("--drain", action=argparse.BooleanOptionalAction, default=True,
@@ -326,6 +340,9 @@ def _git_commit() -> str:
         return "unknown"
 
 
+_ENV_VARS = ("XLA_FLAGS", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "CUDA_VISIBLE_DEVICES")
+
+
 def environment(args: argparse.Namespace, dtype: str, preset: str) -> dict:
     """Software and hardware facts recorded with every result file."""
     dev = jax.devices()[0]
@@ -337,7 +354,7 @@ def environment(args: argparse.Namespace, dtype: str, preset: str) -> dict:
         "ckpt": str(args.ckpt) if args.ckpt else None, "commit": _git_commit(),
         "command": " ".join([Path(sys.executable).name, "-m", "eval.bench", *sys.argv[1:]]),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "env": {k: os.environ[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION") if k in os.environ},
+        "env": {k: os.environ[k] for k in _ENV_VARS if k in os.environ},
     }
 
 

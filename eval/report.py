@@ -127,7 +127,8 @@ def _environment_md(env: Mapping) -> str:
         return "_environment.json missing_"
     keys = ("preset", "dtype", "backend", "device_kind", "device_count", "cpu_count", "jax", "jaxlib", "commit",
             "fixed_length_decode", "timestamp", "command")
-    return _table(("item", "value"), [(k, f"`{env[k]}`" if k == "command" else env.get(k, "–")) for k in keys if k in env])
+    rows = [(k, f"`{env[k]}`" if k == "command" else env[k]) for k in keys if k in env]
+    return _table(("item", "value"), rows)
 
 
 def _components_md(components: Mapping) -> str:
@@ -160,7 +161,8 @@ _MAIN_COLUMNS = (
 
 
 def _records_md(records: Sequence[Mapping]) -> str:
-    return _table([c for c, _ in _MAIN_COLUMNS], [[f(r) for _, f in _MAIN_COLUMNS] for r in sorted(records, key=_sort_key)])
+    rows = [[f(r) for _, f in _MAIN_COLUMNS] for r in sorted(records, key=_sort_key)]
+    return _table([c for c, _ in _MAIN_COLUMNS], rows)
 
 
 def _sweep_md(records: Sequence[Mapping], var: str) -> str:
@@ -201,7 +203,7 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
     groups: dict[tuple, list] = defaultdict(list)
     for r in summary:
         groups[_group_key(r)].append(r)
-    for (workload, s, n, arrival), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])):
+    for (workload, s, n, arrival), recs in sorted(groups.items()):
         out += [f"### {workload}, S = {s}, N = {n}, arrivals `{arrival}`", "", _records_md(recs), ""]
     notes = []
     bad = sorted({(r["N"], r["k"]) for r in summary if r.get("k_divides_N") is False})
@@ -238,7 +240,8 @@ def plot_tradeoff(summary: Sequence[Mapping], path: Path) -> None:
     workloads = sorted({r["workload"] for r in summary})
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.8), squeeze=False)
     for ax, w in zip(axes[0], workloads):
-        recs = [r for r in summary if r["workload"] == w and r["action_hz"] is not None and r["tokens_per_s"] is not None]
+        recs = [r for r in summary
+                if r["workload"] == w and r["action_hz"] is not None and r["tokens_per_s"] is not None]
         annotate = len(recs) <= 40
         for setting in SETTING_ORDER:
             pts = [r for r in recs if r["setting"] == setting]
@@ -419,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
                     "components.json, environment.json and runs/*.json).",
     )
     parser.add_argument("results", type=Path, help="directory written by `python -m eval.bench --out DIR`")
-    parser.add_argument("--out", type=Path, default=None, help="where to write report.md and the PNGs (default: RESULTS)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write report.md and the PNGs (default: RESULTS)")
     args = parser.parse_args(argv)
     try:
         md = write_report(args.results, args.out)
