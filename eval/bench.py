@@ -60,8 +60,9 @@ from eval import metrics
 from oxygen_jax import decode, schedule
 from oxygen_jax.config import model_config, oxygen_benchmark_robot
 from oxygen_jax.model import denoise, prefill
-from oxygen_jax.params import init_params
+from oxygen_jax.params import for_backend, init_params
 from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
+from oxygen_jax.observation import trim_prompt_padding
 from oxygen_jax.transforms import make_observation, synthetic_sample
 
 SETTINGS = ("isolated", "shared_kv", "continuous", "parallel")
@@ -289,6 +290,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="batch sizes B for the decode-step time t(B), e.g. '1-16' (default; quick: 1,2,4,8)")
     t.add_argument("--component-repeats", type=_positive_int, default=5, help="timed runs per component (median)")
     t.add_argument("--reuse-observation", action="store_true", help="one observation for every frame (saves memory)")
+    t.add_argument("--prompt-bucket", type=_nonnegative_int, default=0,
+                   help="trim prompt padding to a multiple of this many tokens (0: keep max_token_len, as the paper)")
     t.add_argument("--seed", type=_nonnegative_int, default=0, help="seed of weights, observations and noise")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None, help="result directory (default: results/<preset>-<UTC time>)")
@@ -399,13 +402,20 @@ class _GroupInputs:
     prefix_len: int
 
 
-def _observation_stream(robot, model_cfg, tokenizer, count: int, seed: int, reuse: bool) -> list:
-    """`count` synthetic client samples (seeded) converted to device observations."""
+def _observation_stream(robot, model_cfg, tokenizer, count: int, seed: int, reuse: bool, prompt_bucket: int = 0) -> list:
+    """`count` synthetic client samples (seeded) converted to device observations.
+
+    `prompt_bucket` > 0 trims prompt padding to that bucket (`trim_prompt_padding`); 0 keeps the
+    workload's full max_token_len as the paper does.
+    """
     rng = np.random.default_rng([seed, 1 + WORKLOADS.index(robot.name)])
     out = []
     for _ in range(1 if reuse else count):
         sample = synthetic_sample(robot, rng, image_size=224)
-        out.append(jax.device_put(make_observation(robot, model_cfg, tokenizer, [sample])))
+        obs = make_observation(robot, model_cfg, tokenizer, [sample])
+        if prompt_bucket:
+            obs = trim_prompt_padding(obs, prompt_bucket)
+        out.append(jax.device_put(obs))
     return out * count if reuse else out
 
 
@@ -677,7 +687,8 @@ def _group_inputs(ctx: RunContext, group: Group, robot) -> _GroupInputs:
     total = warmup + args.frames + drain
     stream = ctx.observations[group.workload]
     if len(stream) < total:
-        stream[:] = _observation_stream(robot, ctx.model_cfg, ctx.tokenizer, total, args.seed, args.reuse_observation)
+        stream[:] = _observation_stream(robot, ctx.model_cfg, ctx.tokenizer, total, args.seed, args.reuse_observation,
+                                        args.prompt_bucket)
     pattern = arrivals_lib.parse(group.arrival)
     caps = pattern.schedule(total)
     budgets, ids, next_id = [], [], 0
@@ -762,6 +773,7 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
             "settings": [r.label for r in runners], "frames": args.frames, "warmup_frames": inputs.warmup,
             "drain_frames": inputs.num_frames - inputs.measured_end,
             "fixed_length_decode": ctx.fixed_length, "seed": args.seed, "reuse_observation": args.reuse_observation,
+            "prompt_bucket": args.prompt_bucket,
             "prefix_len": inputs.prefix_len, "robot": dataclasses.asdict(robot),
             "frame_order": "settings interleaved per frame, order rotated each frame",
         },
@@ -782,9 +794,10 @@ def _load_model(args: argparse.Namespace, dtype: str):
         from oxygen_jax.checkpoint import load_openpi_params
 
         cfg, params = load_openpi_params(args.ckpt.expanduser(), dtype=dtype)
-        return cfg, params, "ckpt"
+        return cfg, for_backend(params), "ckpt"
     cfg = model_config(args.preset, dtype=dtype)
-    return cfg, init_params(cfg, args.seed), args.preset
+    # Layer loop per backend (scan on accelerators, unrolled on CPU): the same for every setting.
+    return cfg, for_backend(init_params(cfg, args.seed)), args.preset
 
 
 def _tokenizer(args: argparse.Namespace):

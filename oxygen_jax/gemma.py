@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.params import AdaRMSNorm, ExpertLayers, RMSNorm
+from oxygen_jax.params import AdaRMSNorm, ExpertLayers, RMSNorm, Unstacked, scan_layers
 
 _MASK_FILL = -2.3819763e38  # openpi's fill: finite, so a row with no valid key stays finite
 _RMS_EPS = 1e-6
@@ -92,8 +92,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 
 def _mlp(x: jax.Array, gating: jax.Array, linear: jax.Array) -> jax.Array:
-    gate = jax.nn.gelu(x @ gating[0].astype(x.dtype), approximate=True)
-    return (gate * (x @ gating[1].astype(x.dtype))) @ linear.astype(x.dtype)
+    """Gated MLP `(gelu(x W0) * (x W1)) W2` with gating = [W0; W1] of shape [2, D, F].
+
+    Both branches run as one batched matmul over the leading 2: XLA's CPU backend lowers
+    `x @ gating[0]`, `x @ gating[1]` followed by the gelu product about 10x slower at decode batch
+    sizes (measured 17 ms against 1.5 ms per bench-size layer at batch 1).
+    """
+    lead, d = x.shape[:-1], x.shape[-1]
+    xb = jnp.broadcast_to(x.reshape(1, -1, d), (2, x.size // d, d))
+    gate, up = jnp.einsum("CND,CDF->CNF", xb, gating.astype(x.dtype))
+    h = jax.nn.gelu(gate, approximate=True) * up
+    return (h @ linear.astype(x.dtype)).reshape(lead + (linear.shape[-1],))
 
 
 def _residual(x, y, gate):
@@ -117,7 +126,7 @@ def _block(lp: ExpertLayers, x, cond, positions, mask, kv_fn: KVFn) -> jax.Array
     return _residual(x, _mlp(h, lp.gating, lp.linear), gate)
 
 
-def forward_prefill(layers: ExpertLayers, x, positions, mask, cond=None):
+def forward_prefill(layers: ExpertLayers | Unstacked, x, positions, mask, cond=None):
     """Runs all layers over `x` with self-attention only.
 
     Args:
@@ -126,7 +135,7 @@ def forward_prefill(layers: ExpertLayers, x, positions, mask, cond=None):
       (hidden [B, T, D] before the final norm, (k, v) each [L, B, T, K, H]).
     """
 
-    def body(x, lp):
+    def body(x, lp, _, __):
         out = {}
 
         def kv_fn(k, v):
@@ -136,10 +145,10 @@ def forward_prefill(layers: ExpertLayers, x, positions, mask, cond=None):
         x = _block(lp, x, cond, positions, mask, kv_fn)
         return x, out["kv"]
 
-    return jax.lax.scan(body, x, layers)
+    return scan_layers(body, x, layers)
 
 
-def forward_read(layers: ExpertLayers, x, positions, mask, cache_k, cache_v, cond=None):
+def forward_read(layers: ExpertLayers | Unstacked, x, positions, mask, cache_k, cache_v, cond=None):
     """Runs all layers over `x`, attending to the read-only cache followed by `x` itself.
 
     Args:
@@ -149,16 +158,16 @@ def forward_read(layers: ExpertLayers, x, positions, mask, cache_k, cache_v, con
       hidden [B, T, D] before the final norm.
     """
 
-    def body(x, inputs):
-        lp, ck, cv = inputs
+    def body(x, lp, cache, _):
+        ck, cv = cache
         kv_fn = lambda k, v: (jnp.concatenate([ck, k], axis=1), jnp.concatenate([cv, v], axis=1))  # noqa: E731
         return _block(lp, x, cond, positions, mask, kv_fn), None
 
-    x, _ = jax.lax.scan(body, x, (layers, cache_k, cache_v))
+    x, _ = scan_layers(body, x, layers, (cache_k, cache_v))
     return x
 
 
-def forward_write(layers: ExpertLayers, x, positions, mask, cache_k, cache_v, write_index, cond=None):
+def forward_write(layers: ExpertLayers | Unstacked, x, positions, mask, cache_k, cache_v, write_index, cond=None):
     """Writes the K/V of `x` into the cache, then attends to the whole cache.
 
     Args:
@@ -172,9 +181,8 @@ def forward_write(layers: ExpertLayers, x, positions, mask, cache_k, cache_v, wr
     """
     rows = jnp.arange(x.shape[0])[:, None]
 
-    def body(carry, inputs):
+    def body(carry, lp, _, layer):
         x, ck, cv = carry
-        lp, layer = inputs
         new = {}
 
         def kv_fn(k, v):
@@ -186,6 +194,5 @@ def forward_write(layers: ExpertLayers, x, positions, mask, cache_k, cache_v, wr
         x = _block(lp, x, cond, positions, mask, kv_fn)
         return (x, new["k"], new["v"]), None
 
-    depth = cache_k.shape[0]
-    (x, cache_k, cache_v), _ = jax.lax.scan(body, (x, cache_k, cache_v), (layers, jnp.arange(depth)))
+    (x, cache_k, cache_v), _ = scan_layers(body, (x, cache_k, cache_v), layers)
     return x, (cache_k, cache_v)

@@ -112,6 +112,35 @@ class Params:
         return dataclasses.replace(self, config=self.config.replace(**changes))
 
 
+@_pytree
+class Unstacked:
+    """Per-layer parameter trees: a tuple of L trees without the layer axis (see `unstack_layers`)."""
+
+    layers: tuple
+
+
+def scan_layers(body, carry, layers, extra=None):
+    """Runs `body(carry, layer_params, extra_l, index) -> (carry, y)` over the layers.
+
+    Stacked layers (leaves [L, ...]) run as one `lax.scan`: a small program, and on GPUs the
+    per-layer weight slice feeds the matmul directly. `Unstacked` layers run as an unrolled loop
+    over separate per-layer buffers: XLA's CPU backend copies every dynamic weight slice of a
+    scan (3x the bytes of a memory-bound decode step), so on CPUs this is the fast form.
+    `extra` (e.g. per-layer cache slices, leaves [L, ...]) is sliced alongside. Returns
+    (carry, ys stacked on a leading L axis, or None).
+    """
+    if isinstance(layers, Unstacked):
+        ys = []
+        for i, lp in enumerate(layers.layers):
+            x_i = None if extra is None else jax.tree.map(lambda a: a[i], extra)
+            carry, y = body(carry, lp, x_i, i)
+            ys.append(y)
+        stacked = None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
+        return carry, stacked
+    depth = jax.tree.leaves(layers)[0].shape[0]
+    return jax.lax.scan(lambda c, xs: body(c, xs[0], xs[1], xs[2]), carry, (layers, extra, jnp.arange(depth)))
+
+
 class _Leaf(NamedTuple):
     openpi: str  # "/"-joined path inside the openpi `params` tree
     attr: tuple[str, ...]  # attribute path inside `Params`
@@ -298,8 +327,51 @@ def abstract_params(config: ModelConfig) -> Params:
     return _build({leaf.attr: jax.ShapeDtypeStruct(tuple(leaf.shape(config)), dtype) for leaf in _SPEC}, config)
 
 
+def _map_layer_stacks(params: Params, fn) -> Params:
+    def expert(e: Expert) -> Expert:
+        return dataclasses.replace(e, layers=fn(e.layers))
+
+    return dataclasses.replace(
+        params, vlm=expert(params.vlm), action_expert=expert(params.action_expert),
+        siglip=dataclasses.replace(params.siglip, layers=fn(params.siglip.layers)),
+    )
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same parameters with every layer stack split into separate per-layer buffers.
+
+    Use on CPUs (see `scan_layers`); `stack_layers` inverts it. Outputs are unchanged.
+    """
+
+    def split(layers):
+        if isinstance(layers, Unstacked):
+            return layers
+        depth = jax.tree.leaves(layers)[0].shape[0]
+        return Unstacked(layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(depth)))
+
+    return _map_layer_stacks(params, split)
+
+
+def stack_layers(params: Params) -> Params:
+    """Inverse of `unstack_layers` (a no-op on stacked parameters)."""
+
+    def join(layers):
+        if not isinstance(layers, Unstacked):
+            return layers
+        return jax.tree.map(lambda *a: jnp.stack(a), *layers.layers)
+
+    return _map_layer_stacks(params, join)
+
+
+def for_backend(params: Params, backend: str | None = None) -> Params:
+    """Unstacked layers on the CPU backend, stacked (scanned) elsewhere."""
+    backend = backend or jax.default_backend()
+    return unstack_layers(params) if backend == "cpu" else stack_layers(params)
+
+
 def to_openpi_dict(params: Params) -> dict[str, jax.Array]:
     """Flat {openpi path: array} view of `params` (the layout openpi's `restore_params` returns)."""
+    params = stack_layers(params)
     return {leaf.openpi: _get(params, leaf.attr) for leaf in _SPEC}
 
 

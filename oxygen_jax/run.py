@@ -23,7 +23,7 @@ import numpy as np
 from oxygen_jax import checkpoint, transforms
 from oxygen_jax.config import model_config, robot_config
 from oxygen_jax.engine import Engine, EngineConfig
-from oxygen_jax.params import init_params, param_count
+from oxygen_jax.params import for_backend, init_params, param_count
 from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
 
 
@@ -58,6 +58,7 @@ def main(argv=None) -> int:
         print(f"initialising random '{args.preset}' parameters ...", flush=True)
         params, norm_stats = init_params(cfg, args.seed), None
         print("random weights: actions and text are meaningless; this run shows the pipeline and its timing")
+    params = for_backend(params)  # unrolled layer loop on CPU, scanned on accelerators
     tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else train_demo_tokenizer()
     if tok.vocab_size > cfg.vocab_size:
         raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}")

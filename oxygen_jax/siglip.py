@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.params import LayerNorm, Siglip
+from oxygen_jax.params import LayerNorm, Siglip, scan_layers
 
 _LN_EPS = 1e-6
 
@@ -73,7 +73,7 @@ def encode_stages(params: Siglip, images: jax.Array, dtype) -> dict[str, jax.Arr
             "resize images to the model's image size"
         )
     x = (s + params.pos_embedding.astype(jnp.float32)).astype(dtype)
-    x, _ = jax.lax.scan(lambda x, lp: (_encoder_block(x, lp), None), x, params.layers)
+    x, _ = scan_layers(lambda x, lp, _, __: (_encoder_block(x, lp), None), x, params.layers)
     encoded = _layer_norm(x, params.norm)
     tokens = encoded @ params.head.kernel.astype(dtype) + params.head.bias.astype(dtype)
     return {"stem": s, "encoded": encoded, "tokens": tokens}

@@ -277,3 +277,24 @@ def test_trimming_prompt_padding_changes_no_output(tiny_params):
     noise = jax.random.normal(jax.random.key(6), (2, 4, 32))
     np.testing.assert_allclose(model.sample_actions(tiny_params, short, noise, 2),
                                model.sample_actions(tiny_params, obs, noise, 2), atol=1e-5)
+
+
+def test_unstacked_layer_loop_gives_the_same_outputs_and_checkpoint_tree(tiny_params):
+    from oxygen_jax import decode
+    from oxygen_jax.params import stack_layers, to_openpi_dict, unstack_layers
+
+    unstacked = unstack_layers(tiny_params)
+    obs = make_obs(tiny_params.config, batch=1, image_masks=[[True, False]])
+    noise = jax.random.normal(jax.random.key(7), (1, 4, 32))
+    np.testing.assert_allclose(model.sample_actions(unstacked, obs, noise, 2),
+                               model.sample_actions(tiny_params, obs, noise, 2), atol=1e-6)
+    tokens = []
+    for p in (tiny_params, unstacked):
+        cache = model.prefill(p, obs)
+        pool = decode.init_pool(p, 1, cache.length, 5)
+        pool, _, _ = decode.admit(p, pool, cache, decode.make_requests(1, 0, [0], budgets=[5], stop_tokens=[-1]))
+        tokens.append(np.asarray(decode.decode_to_completion(p, pool).tokens).tolist())
+    assert tokens[0] == tokens[1]
+    a, b = to_openpi_dict(tiny_params), to_openpi_dict(unstacked)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert jax.tree.structure(stack_layers(unstacked)) == jax.tree.structure(tiny_params)
