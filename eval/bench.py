@@ -65,7 +65,8 @@ from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
 from oxygen_jax.observation import trim_prompt_padding
 from oxygen_jax.transforms import make_observation, synthetic_sample
 
-SETTINGS = ("isolated", "shared_kv", "continuous", "parallel")
+SETTINGS = ("isolated", "shared_kv", "continuous", "parallel", "actions_only")
+DEFAULT_SETTINGS = SETTINGS[:4]  # actions_only (prefill + denoise, no text) is an opt-in reference
 WORKLOADS = ("libero", "droid", "aloha")
 PRESETS = ("tiny", "bench", "pi05")
 PAPER_K = (1, 2, 3, 5, 6, 10, 15, 30)
@@ -251,8 +252,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--grid", choices=sorted(GRIDS), default=None,
                    help="named grid (default: figure; quick with --quick)")
     g.add_argument("--quick", action="store_true", help="the quick grid on the tiny preset (unless --preset/--ckpt)")
-    g.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS), metavar="SETTING",
-                   help=f"settings to measure (default: all of {', '.join(SETTINGS)})")
+    g.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(DEFAULT_SETTINGS), metavar="SETTING",
+                   help=f"settings to measure (default: {', '.join(DEFAULT_SETTINGS)}; add actions_only for the "
+                        "prefill + denoise reference frame without language)")
     g.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None, metavar="WORKLOAD",
                    help=f"robot workloads ({', '.join(WORKLOADS)}; Ha=10, 100 prompt tokens as in the paper)")
     g.add_argument("--S", nargs="+", type=_positive_int, default=None, metavar="S", help="denoise steps")
@@ -467,7 +469,7 @@ class _ToCompletionRunner(_Runner):
     def _call(self, f: int):
         g, x, params = self.x.group, self.x, self.params
         obs, noise, req = x.observations[f], x.noise[f], x.frame_requests[f]
-        if req is None:
+        if req is None or self.setting == "actions_only":
             return jax.device_get(schedule.action_program(params, obs, noise, num_steps=g.S)), None
         if self.setting == "isolated":
             # The action task finishes (on the host) before the text task starts.
@@ -485,10 +487,10 @@ class _ToCompletionRunner(_Runner):
         wl = g.workload
         keys: list[tuple[str, Callable]] = []
         obs, noise = x.observations[0], x.noise[0]
-        if 0 in sizes or self.setting in ("isolated", "parallel"):
+        if 0 in sizes or self.setting in ("isolated", "parallel", "actions_only"):
             keys.append((f"action/{wl}/S={g.S}",
                          lambda: schedule.action_program(params, obs, noise, num_steps=g.S)))
-        for j in (s for s in sizes if s > 0):
+        for j in (s for s in sizes if s > 0 and self.setting != "actions_only"):
             req = x.table.batch([], j)  # shapes are all that matter here
             if self.setting == "shared_kv":
                 keys.append((f"shared_kv/{wl}/S={g.S}/N={g.N}/J={j}", lambda req=req: schedule.shared_kv_program(
@@ -514,7 +516,8 @@ class _ToCompletionRunner(_Runner):
         for rid, count in zip(ids, n):
             self.requests[rid] = {"id": rid, "setting": self.setting, "arrival_frame": f, "admit_frame": f,
                                   "finish_frame": f, "tokens": count, "budget": x.table.budgets[rid]}
-        self._record(x, f, ms, sum(n), len(ids), len(ids), max(n) - 1 if n else 0)
+        batch = len(ids) if generated is not None else 0
+        self._record(x, f, ms, sum(n), batch, len(ids), max(n) - 1 if n else 0)
 
 
 class _ContinuousRunner(_Runner):

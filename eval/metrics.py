@@ -34,7 +34,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-SETTINGS = ("isolated", "shared_kv", "continuous", "parallel")
+SETTINGS = ("isolated", "shared_kv", "continuous", "parallel", "actions_only")
+"""`actions_only` is a reference, not a setting of the paper: prefill + denoise, no language."""
 
 
 # --- frame statistics ----------------------------------------------------------------------------
@@ -225,6 +226,7 @@ def ideal_frame_ms(
         shared_kv   T_pre + S·T_d  + steps·t(B)
         continuous  T_pre + S·T_d  + steps·t(B)      (steps <= k, B = active requests)
         parallel    max(T_pre + S·T_d, T_pre + steps·t(B)), a lower bound (no contention)
+        actions_only T_pre + S·T_d
 
     Args:
       arrivals: requests arriving this frame (isolated and parallel run a text prefill only then).
@@ -234,6 +236,8 @@ def ideal_frame_ms(
     _check_setting(setting)
     act = comp.prefill_ms + comp.denoise(num_steps)
     text = decode_steps * comp.decode_step(batch) if decode_steps > 0 else 0.0
+    if setting == "actions_only":
+        return act
     if setting in ("shared_kv", "continuous"):
         return act + text
     if arrivals <= 0:

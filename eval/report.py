@@ -26,9 +26,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-SETTING_ORDER = ("isolated", "parallel", "shared_kv", "continuous")
-LABELS = {"isolated": "isolated", "parallel": "parallel", "shared_kv": "shared KV", "continuous": "continuous batching"}
-COLORS = {"isolated": "#7f7f7f", "parallel": "#ff7f0e", "shared_kv": "#1f77b4", "continuous": "#2ca02c"}
+SETTING_ORDER = ("isolated", "parallel", "shared_kv", "continuous", "actions_only")
+LABELS = {"isolated": "isolated", "parallel": "parallel", "shared_kv": "shared KV", "continuous": "continuous batching",
+          "actions_only": "actions only (reference)"}
+COLORS = {"isolated": "#7f7f7f", "parallel": "#ff7f0e", "shared_kv": "#1f77b4", "continuous": "#2ca02c", "actions_only": "#9467bd"}
 PLOTS = ("tradeoff.png", "ablation.png", "sweep_N.png", "sweep_k.png", "latency_vs_batch.png")
 
 

@@ -234,3 +234,9 @@ def test_canonical_spec_round_trips(spec):
 def test_bad_arrival_specs_are_rejected_with_a_clear_message(spec, message):
     with pytest.raises(ValueError, match=message):
         arrivals.parse(spec)
+
+
+def test_actions_only_reference_frame_is_prefill_plus_denoise_whatever_arrives():
+    for arrivals, steps in ((0, 0), (3, 29)):
+        got = metrics.ideal_frame_ms("actions_only", _COMP, num_steps=10, arrivals=arrivals, decode_steps=steps, batch=3)
+        assert got == 15.0
