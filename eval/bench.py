@@ -591,6 +591,12 @@ def _first_call(log: dict[str, float], key: str, thunk: Callable) -> None:
 # --- components -----------------------------------------------------------------------------------
 
 
+def _compiled_programs() -> int:
+    """How many executables the frame programs hold (all settings): must not grow after warm-up."""
+    fns = (schedule.frame_step, schedule.action_program, schedule.text_program, schedule.shared_kv_program)
+    return sum(fn._cache_size() for fn in fns)
+
+
 _BURST = 4  # decode steps per timed burst (see measure_components)
 
 
@@ -738,7 +744,10 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
         if progress is not None:
             progress.set_postfix_str(f"compiling {r.label}")
         r.compile(ctx.compile_log)
+    compiled_after_warmup = None
     for f in range(inputs.num_frames):
+        if f == inputs.warmup:
+            compiled_after_warmup = _compiled_programs()
         active = runners if f < inputs.measured_end else [r for r in runners if r.setting == "continuous"]
         shift = f % len(active)  # rotate the order so no setting always runs right after another
         for r in active[shift:] + active[:shift]:
@@ -748,6 +757,9 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
             progress.set_postfix_str(" ".join(f"{r.label}={r.frames[-1]['frame_ms']:.1f}ms" for r in active[:4]),
                                      refresh=False)
 
+    recompiles = _compiled_programs() - compiled_after_warmup if compiled_after_warmup is not None else 0
+    if recompiles:
+        print(f"warning: {recompiles} program(s) compiled after warm-up in {group.name}", file=sys.stderr)
     comp = ctx.components[group.workload]
     pattern = arrivals_lib.parse(group.arrival)
     iso_ideal = metrics.ideal_mean_frame_ms("isolated", comp, _virtual_isolated_frames(inputs), num_steps=group.S)
@@ -774,6 +786,7 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
             "ideal_speedup": ideal_speed,
             "speedup_fraction": speed / ideal_speed if ideal_speed and not math.isnan(speed) else math.nan,
             "compile_s": sum(ctx.compile_log[key] for key in r.program_keys),
+            "recompiles_after_warmup": recompiles,
             "programs": r.program_keys,
             "run_file": f"runs/{group.name}.json",
         })
