@@ -120,7 +120,7 @@ def test_run_file_holds_frames_and_requests_of_every_setting(tiny_run):
     frames, requests = run["frames"], run["requests"]
     warmup = run["config"]["warmup_frames"]
     assert warmup == math.ceil(_N / _K)  # continuous ramp, longer than --warmup 1
-    for setting in bench.SETTINGS:
+    for setting in bench.DEFAULT_SETTINGS:
         mine = [f for f in frames if f["setting"] == setting]
         assert sum(not f["warmup"] and not f["drain"] for f in mine) == _FRAMES
         assert all(f["frame_ms"] > 0 for f in mine)
@@ -129,7 +129,7 @@ def test_run_file_holds_frames_and_requests_of_every_setting(tiny_run):
     assert any(f["drain"] for f in frames if f["setting"] == "continuous")
     end = warmup + _FRAMES  # continuous alone runs the drain frames, with their own arrivals
     by_setting = {s: sorted((q["id"], q["arrival_frame"], q["budget"]) for q in requests
-                            if q["setting"] == s and q["arrival_frame"] < end) for s in bench.SETTINGS}
+                            if q["setting"] == s and q["arrival_frame"] < end) for s in bench.DEFAULT_SETTINGS}
     assert all(v == by_setting["isolated"] for v in by_setting.values())  # the same requests everywhere
     assert all(q["tokens"] == _N for q in requests if q["finish_frame"] is not None)  # fixed-length decode
     assert run["compile_s"] and all(v > 0 for v in run["compile_s"].values())
