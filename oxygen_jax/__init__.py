@@ -1,0 +1,30 @@
+"""oxygen_jax: π0.5 with one prefix KV cache shared by actions and language, in pure JAX.
+
+Public API, by concept (submodules hold the details):
+"""
+
+# Configuration
+from oxygen_jax.config import ModelConfig, RobotConfig, model_config, oxygen_benchmark_robot, robot_config
+
+# Parameters and checkpoints
+from oxygen_jax.params import Params, abstract_params, for_backend, init_params, stack_layers, unstack_layers
+from oxygen_jax.checkpoint import load_openpi_norm_stats, load_openpi_params, restore_params, save_params
+
+# The model: prefill once, denoise from the cache
+from oxygen_jax.observation import Observation, trim_prompt_padding
+from oxygen_jax.kv_cache import PrefixCache
+from oxygen_jax.model import compute_loss, denoise, prefill, sample_actions
+
+# Language decoding and the unified-KV runtime
+from oxygen_jax.decode import DecodePool, Requests, admit, decode_burst, init_pool, make_requests, release_finished
+from oxygen_jax.schedule import frame_step, rollout
+from oxygen_jax.engine import Engine, EngineConfig
+
+__all__ = [
+    "ModelConfig", "RobotConfig", "model_config", "robot_config", "oxygen_benchmark_robot",
+    "Params", "init_params", "abstract_params", "for_backend", "stack_layers", "unstack_layers",
+    "load_openpi_params", "load_openpi_norm_stats", "save_params", "restore_params",
+    "Observation", "trim_prompt_padding", "PrefixCache", "prefill", "denoise", "sample_actions", "compute_loss",
+    "DecodePool", "Requests", "init_pool", "make_requests", "admit", "decode_burst", "release_finished",
+    "frame_step", "rollout", "Engine", "EngineConfig",
+]

@@ -17,7 +17,6 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax import decode

@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from oxygen_jax import decode
 from oxygen_jax.decode import DecodePool, Requests
@@ -112,8 +113,6 @@ def make_request_table(arrival_frames, budgets, prompt_capacity: int = 0, **fiel
 
     `fields` are forwarded to `decode.make_requests` (rows, prompts, stop_tokens, temperatures, ...).
     """
-    import numpy as np
-
     arrival = np.asarray(arrival_frames, np.int32)
     if arrival.size and np.any(np.diff(arrival) < 0):
         raise ValueError("arrival_frames must be sorted (non-decreasing)")

@@ -237,6 +237,6 @@ def test_bad_arrival_specs_are_rejected_with_a_clear_message(spec, message):
 
 
 def test_actions_only_reference_frame_is_prefill_plus_denoise_whatever_arrives():
-    for arrivals, steps in ((0, 0), (3, 29)):
-        got = metrics.ideal_frame_ms("actions_only", _COMP, num_steps=10, arrivals=arrivals, decode_steps=steps, batch=3)
+    for n_arrivals, steps in ((0, 0), (3, 29)):
+        got = metrics.ideal_frame_ms("actions_only", _COMP, num_steps=10, arrivals=n_arrivals, decode_steps=steps, batch=3)
         assert got == 15.0
