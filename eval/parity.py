@@ -30,6 +30,7 @@ from oxygen_jax import checkpoint, decode, gemma, model, siglip
 from oxygen_jax.config import CAMERA_SLOTS
 from oxygen_jax.masks import last_valid_index
 from oxygen_jax.observation import Observation
+from oxygen_jax.params import to_openpi_dict
 
 # (atol, rtol) per family, from the fixture README's suggested float32 tolerances.
 _TOL = {
@@ -227,7 +228,7 @@ def run_fixture(fixture: Path) -> list[Row]:
     for layout, path in _layouts(fixture):
         cfg, params = checkpoint.load_openpi_params(path)
         chk = _Checker(layout)
-        flat = {k: np.asarray(v) for k, v in _flat(params).items()}
+        flat = {k: np.asarray(v) for k, v in to_openpi_dict(params).items()}
         if flat_first is None:
             flat_first = flat
         else:
@@ -242,12 +243,6 @@ def run_fixture(fixture: Path) -> list[Row]:
         print(f"[{layout}] {path}: vlm {cfg.vlm}, action expert {cfg.action_expert}, siglip {cfg.siglip}, vocab {cfg.vocab_size}",
               file=sys.stderr)
     return rows
-
-
-def _flat(params):
-    from oxygen_jax.params import to_openpi_dict
-
-    return to_openpi_dict(params)
 
 
 def format_table(rows: list[Row]) -> str:
