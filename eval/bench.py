@@ -58,15 +58,16 @@ from tqdm import tqdm
 from eval import arrivals as arrivals_lib
 from eval import metrics
 from oxygen_jax import decode, schedule
-from oxygen_jax.config import model_config, oxygen_benchmark_robot
-from oxygen_jax.model import denoise, prefill
+from oxygen_jax.config import EOS_ID, model_config, oxygen_benchmark_robot
+from oxygen_jax.model import denoise, prefill, prefix_length
 from oxygen_jax.params import for_backend, init_params
+from oxygen_jax.scheduler import Scheduler, Ticket
 from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
 from oxygen_jax.observation import trim_prompt_padding
 from oxygen_jax.transforms import make_observation, synthetic_sample
 
-SETTINGS = ("isolated", "shared_kv", "continuous", "parallel", "actions_only")
-DEFAULT_SETTINGS = SETTINGS[:4]  # actions_only (prefill + denoise, no text) is an opt-in reference
+SETTINGS = schedule.BENCH_SETTINGS
+DEFAULT_SETTINGS = schedule.SETTINGS  # actions_only (prefill + denoise, no text) is an opt-in reference
 WORKLOADS = ("libero", "droid", "aloha")
 PRESETS = ("tiny", "bench", "pi05")
 PAPER_K = (1, 2, 3, 5, 6, 10, 15, 30)
@@ -374,15 +375,20 @@ class _RequestTable:
         stops = [-1] * r if fixed_length else None
         # One extra default row (valid False, id -1) pads batches.
         table = decode.make_requests(r + 1, 0, list(range(r)), budgets=list(budgets), stop_tokens=stops)
-        self._fields = {f.name: np.asarray(getattr(table, f.name)) for f in dataclasses.fields(table)}
+        self._fields = {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
         self._pad = r
         self.budgets = list(budgets)
+
+    def tickets(self) -> list[Ticket]:
+        """Fresh host tickets for every request (one set per continuous runner), keys derived here."""
+        stop = None if self._fields["sampling"].stop_token[0] == -1 else EOS_ID
+        return [Ticket.make(rid, budget=b, stop_token=stop) for rid, b in enumerate(self.budgets)]
 
     def batch(self, ids: Sequence[int], size: int):
         if len(ids) > size:
             raise ValueError(f"{len(ids)} requests do not fit a batch of {size}")
         idx = np.asarray(list(ids) + [self._pad] * (size - len(ids)), np.int64)
-        return decode.Requests(**{name: arr[idx] for name, arr in self._fields.items()})
+        return decode.Requests(**{name: jax.tree.map(lambda a: np.asarray(a)[idx], v) for name, v in self._fields.items()})
 
 
 @dataclasses.dataclass
@@ -518,13 +524,15 @@ class _ToCompletionRunner(_Runner):
 
 
 class _ContinuousRunner(_Runner):
-    """continuous batching with tokens-per-frame k on a persistent pool; FIFO queue when slots run out."""
+    """continuous batching with tokens-per-frame k on a persistent pool, queued by `scheduler.Scheduler`
+    (the engine's own FIFO and output bookkeeping)."""
 
     def __init__(self, k: int, params, inputs: _GroupInputs, slots: int):
         super().__init__("continuous", k)
         self.params, self.x, self.slots = params, inputs, slots
         self.admissions = max(1, max(len(a) for a in inputs.arrivals))
-        self.queue: collections.deque[int] = collections.deque()
+        self.sched = Scheduler(slots, self.admissions, 0)
+        self.tickets: list[Ticket] = []
         self.pool = None
 
     def _new_pool(self):
@@ -538,42 +546,35 @@ class _ContinuousRunner(_Runner):
             # A throwaway pool with one admitted request, so the compiled program also ran its decode path.
             req = x.table.batch([0] if x.table.budgets else [], self.admissions)
             _, out = schedule.frame_step(self.params, self._new_pool(), x.observations[0], x.noise[0], req,
-                                num_steps=g.S, tokens_per_frame=self.k)
+                                         np.zeros((self.slots,), bool), num_steps=g.S, tokens_per_frame=self.k)
             return jax.device_get(out)
 
         _first_call(log, key, thunk)
         self.program_keys.append(key)
         self.pool = self._new_pool()
+        self.tickets = x.table.tickets()
 
     def frame(self, f: int) -> None:
         g, x = self.x.group, self.x
-        self.queue.extend(x.arrivals[f])
-        start = time.perf_counter()
-        offered = [self.queue[i] for i in range(min(self.admissions, len(self.queue)))]
-        req = x.table.batch(offered, self.admissions)
-        self.pool, out = schedule.frame_step(self.params, self.pool, x.observations[f], x.noise[f], req,
-                                    num_steps=g.S, tokens_per_frame=self.k)
-        out = jax.device_get(out)  # the frame's single host sync: actions, tokens, flags
-        ms = (time.perf_counter() - start) * 1e3
         for rid in x.arrivals[f]:
+            self.sched.enqueue(self.tickets[rid])
             self.requests[rid] = {"id": rid, "setting": "continuous", "arrival_frame": f, "admit_frame": None,
                                   "finish_frame": None, "tokens": 0, "budget": x.table.budgets[rid]}
-        for rid, ok in zip(offered, np.asarray(out.admitted)[: len(offered)]):
-            if ok:
-                self.queue.popleft()
-                self.requests[rid]["admit_frame"] = f
-        emitted = np.asarray(out.new_tokens) >= 0
-        tokens = 0
-        for slot, rid in enumerate(np.asarray(out.request_id)):
-            if rid < 0:
-                continue
-            rec = self.requests[int(rid)]
-            rec["tokens"] += int(emitted[slot].sum())
-            tokens += int(emitted[slot].sum())
-            if out.finished[slot]:
-                rec["finish_frame"] = f
-        steps = int(emitted[:, 1:].any(axis=0).sum())  # burst steps that ran (a step runs iff a slot is active)
-        self._record(x, f, ms, tokens, int(out.batch), len(x.arrivals[f]), steps)
+        start = time.perf_counter()
+        req, evict = self.sched.offer(1)
+        self.pool, out = schedule.frame_step(self.params, self.pool, x.observations[f], x.noise[f], req, evict,
+                                             num_steps=g.S, tokens_per_frame=self.k)
+        out = jax.device_get(out)  # the frame's single host sync: actions, tokens, flags
+        ms = (time.perf_counter() - start) * 1e3
+        ev = self.sched.absorb(out, f)
+        for t in ev.admitted:
+            self.requests[t.request_id]["admit_frame"] = f
+        for rid, toks in ev.emitted.items():
+            self.requests[rid]["tokens"] += len(toks)
+        for t in ev.finished:
+            self.requests[t.request_id]["finish_frame"] = f
+        tokens = sum(len(toks) for toks in ev.emitted.values())
+        self._record(x, f, ms, tokens, ev.batch, len(x.arrivals[f]), ev.steps)
 
 
 def _first_call(log: dict[str, float], key: str, thunk: Callable) -> None:
@@ -718,7 +719,7 @@ def _group_inputs(ctx: RunContext, group: Group, robot) -> _GroupInputs:
     base = jax.random.key(args.seed)
     shape = (1, robot.action_horizon, ctx.model_cfg.action_dim)
     noise = [jax.random.normal(jax.random.fold_in(base, f), shape) for f in range(total)]
-    prefix_len = robot.num_cameras * ctx.model_cfg.siglip.num_patches + robot.max_token_len
+    prefix_len = prefix_length(ctx.params, stream[0])  # from the cache itself (prompt buckets included)
     return _GroupInputs(group=group, num_frames=total, warmup=warmup, measured_end=warmup + args.frames,
                         observations=stream[:total], noise=noise,
                         arrivals=ids, table=table, frame_requests=frame_requests, prefix_len=prefix_len)

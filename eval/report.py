@@ -26,7 +26,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-SETTING_ORDER = ("isolated", "parallel", "shared_kv", "continuous", "actions_only")
+from oxygen_jax.schedule import BENCH_SETTINGS
+
+SETTING_ORDER = BENCH_SETTINGS
 LABELS = {"isolated": "isolated", "parallel": "parallel", "shared_kv": "shared KV", "continuous": "continuous batching",
           "actions_only": "actions only (reference)"}
 COLORS = {"isolated": "#7f7f7f", "parallel": "#ff7f0e", "shared_kv": "#1f77b4", "continuous": "#2ca02c", "actions_only": "#9467bd"}

@@ -1,7 +1,8 @@
 """Language decoding on a fixed pool of slots that continue prefix caches.
 
-Axis legend: L layers, S slots, P prefix length, Q request-prompt capacity, G max new tokens,
-C = P + Q + G slot length, K KV heads, H head dim, D VLM width, V vocabulary, A admissions per call.
+Axes (the package glossary, `oxygen_jax.axes`): L layers, Ns slots, P prefix tokens, Q request-prompt
+capacity, M max new tokens, C = P + Q + M slot length, K KV heads, H head dim, D VLM width, V vocabulary,
+J requests per admission call.
 
 A slot's sequence is a copy of one observation's prefix followed by its own suffix:
 
@@ -18,8 +19,9 @@ request stops at its stop token (default EOS = 1; -1 disables it), or after `bud
 last token is never fed back (no wasted forward). Finished slots are released at the end of the
 frame that finished them.
 
-Everything per request (row, prompt, budget, stop token, temperature, top-p, RNG key, id) is an
-array, so occupancy, arrivals and finishing never change a compiled shape. Sampling keys are
+Everything per request is an array: where it reads (row, prompt) in `Requests`, how it samples
+(budget, stop token, temperature, top-p, RNG key) in one `Sampling` pytree that requests and the pool
+share. Occupancy, arrivals and finishing therefore never change a compiled shape. Sampling keys are
 `fold_in(request key, token index)`: a request samples the same tokens in any batch.
 """
 
@@ -44,24 +46,54 @@ _STATIC = dict(static=True)
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How each request samples, one entry per request or slot (leading axis J or Ns).
+
+    Attributes:
+      budget: int32 max new tokens (1 <= budget <= M once admitted).
+      stop_token: int32 stop id, -1 = none (decode exactly `budget` tokens).
+      temperature: float32, 0 = greedy.
+      top_p: float32 in (0, 1], 1 = no nucleus filtering.
+      key: uint32 [..., 2] raw PRNG key data of the request (token i uses fold_in(key, i)).
+    """
+
+    budget: jax.Array
+    stop_token: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    key: jax.Array
+
+
+def _key_shape() -> tuple[int, ...]:
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
+def _empty_sampling(n: int, xp=jnp) -> Sampling:
+    """Placeholder values for n unused entries (free slots, padding requests)."""
+    return Sampling(
+        budget=xp.ones((n,), xp.int32), stop_token=xp.full((n,), -1, xp.int32),
+        temperature=xp.zeros((n,), xp.float32), top_p=xp.ones((n,), xp.float32),
+        key=xp.zeros((n,) + _key_shape(), xp.uint32),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodePool:
     """Per-slot decode state. A slot is free when `request_id < 0`.
 
     Attributes:
-      k, v: [L, S, C, K, H] slot caches.
-      mask: bool [S, C] positions a decode query may attend to.
-      base_position: int32 [S] RoPE position of suffix entry 0.
-      length: int32 [S] suffix entries written (request prompt + fed-back tokens).
-      last_token: int32 [S] the token the next decode step feeds.
-      num_generated: int32 [S] tokens sampled so far.
-      budget: int32 [S] token budget of the request (<= G).
-      stop_token: int32 [S] stop id, -1 = none.
-      temperature, top_p: float32 [S].
-      key: uint32 [S, 2] raw PRNG key data of the request.
-      request_id: int32 [S], -1 = free.
-      adapter: int32 [S] language adapter id (0 = base weights; the only one until adapters exist).
-      active: bool [S] occupied and still generating.
-      tokens: int32 [S, G] generated tokens, -1 beyond num_generated.
+      k, v: [L, Ns, C, K, H] slot caches.
+      mask: bool [Ns, C] positions a decode query may attend to.
+      base_position: int32 [Ns] RoPE position of suffix entry 0.
+      length: int32 [Ns] suffix entries written (request prompt + fed-back tokens).
+      last_token: int32 [Ns] the token the next decode step feeds.
+      num_generated: int32 [Ns] tokens sampled so far.
+      sampling: `Sampling` with [Ns] leaves: the request each slot serves.
+      request_id: int32 [Ns], -1 = free.
+      adapter: int32 [Ns] language adapter id (0 = base weights).
+      active: bool [Ns] occupied and still generating.
+      tokens: int32 [Ns, M] generated tokens, -1 beyond num_generated.
       prefix_len, prompt_len: static P and Q.
     """
 
@@ -72,11 +104,7 @@ class DecodePool:
     length: jax.Array
     last_token: jax.Array
     num_generated: jax.Array
-    budget: jax.Array
-    stop_token: jax.Array
-    temperature: jax.Array
-    top_p: jax.Array
-    key: jax.Array
+    sampling: Sampling
     request_id: jax.Array
     adapter: jax.Array
     active: jax.Array
@@ -104,27 +132,21 @@ class DecodePool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Requests:
-    """A fixed-size batch of A language requests to admit; valid entries come first.
+    """A fixed-size batch of J language requests to admit; valid entries come first.
 
     Attributes:
-      valid: bool [A].
-      row: int32 [A] prefix-cache batch row (which observation) the request continues.
-      prompt: int32 [A, Q] request prompt written after the prefix; prompt_len int32 [A] (0 = none).
-      budget: int32 [A] max new tokens; stop_token int32 [A] (-1 = none).
-      temperature, top_p: float32 [A].
-      key: uint32 [A, 2] raw PRNG key data.
-      request_id: int32 [A] >= 0; adapter int32 [A].
+      valid: bool [J].
+      row: int32 [J] prefix-cache batch row (which observation) the request continues.
+      prompt: int32 [J, Q] request prompt written after the prefix; prompt_len int32 [J] (0 = none).
+      sampling: `Sampling` with [J] leaves.
+      request_id: int32 [J] >= 0; adapter int32 [J] (0 = base weights).
     """
 
     valid: jax.Array
     row: jax.Array
     prompt: jax.Array
     prompt_len: jax.Array
-    budget: jax.Array
-    stop_token: jax.Array
-    temperature: jax.Array
-    top_p: jax.Array
-    key: jax.Array
+    sampling: Sampling
     request_id: jax.Array
     adapter: jax.Array
 
@@ -133,12 +155,9 @@ class Requests:
         return self.valid.shape[0]
 
 
-def _key_data(seed: int) -> np.ndarray:
+def key_data(seed: int) -> np.ndarray:
+    """uint32 raw key data of `jax.random.key(seed)` (what `Sampling.key` stores)."""
     return np.asarray(jax.random.key_data(jax.random.key(seed)))
-
-
-def _key_shape() -> tuple[int, ...]:
-    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
 
 
 def make_requests(
@@ -155,9 +174,10 @@ def make_requests(
     seeds=None,
     adapters=None,
 ) -> Requests:
-    """Host helper: pads per-request lists into a `Requests` batch of `size` entries.
+    """Host helper: pads per-request lists into a `Requests` batch of `size` entries (numpy leaves).
 
-    Defaults: row 0, no prompt, budget must be given, EOS stop, greedy, top-p 1, seed = request id.
+    Defaults: row 0, no prompt, budget must be given, EOS stop, greedy, top-p 1, seed = request id,
+    adapter 0.
     """
     n = len(request_ids)
     if n > size:
@@ -182,17 +202,23 @@ def make_requests(
         raise ValueError("make_requests needs a token budget per request")
     key = np.zeros((size,) + _key_shape(), np.uint32)
     for i in range(n):
-        key[i] = _key_data(int(seeds[i]) if seeds is not None else int(request_ids[i]))
-    return Requests(
-        valid=np.arange(size) < n, row=col(rows, 0, np.int32), prompt=prompt, prompt_len=prompt_len,
+        key[i] = key_data(int(seeds[i]) if seeds is not None else int(request_ids[i]))
+    sampling = Sampling(
         budget=col(budgets, 1, np.int32), stop_token=col(stop_tokens, EOS_ID, np.int32),
         temperature=col(temperatures, 0.0, np.float32), top_p=col(top_ps, 1.0, np.float32), key=key,
-        request_id=col(request_ids, -1, np.int32), adapter=col(adapters, 0, np.int32),
+    )
+    return Requests(
+        valid=np.arange(size) < n, row=col(rows, 0, np.int32), prompt=prompt, prompt_len=prompt_len,
+        sampling=sampling, request_id=col(request_ids, -1, np.int32), adapter=col(adapters, 0, np.int32),
     )
 
 
 def init_pool(params: Params, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> DecodePool:
-    """An empty pool of `num_slots` slots for prefixes of `prefix_len` tokens."""
+    """An empty pool of `num_slots` slots for prefixes of `prefix_len` tokens.
+
+    Take `prefix_len` from the prefix cache the pool will serve (`PrefixCache.length`, or
+    `model.prefix_length(params, observation)` before any prefill).
+    """
     cfg = params.config.vlm
     cap = prefix_len + prompt_len + max_new_tokens
     kv_shape = (cfg.depth, num_slots, cap, cfg.num_kv_heads, cfg.head_dim)
@@ -201,20 +227,20 @@ def init_pool(params: Params, num_slots: int, prefix_len: int, max_new_tokens: i
     return DecodePool(
         k=jnp.zeros(kv_shape, params.config.jnp_dtype), v=jnp.zeros(kv_shape, params.config.jnp_dtype),
         mask=jnp.zeros((num_slots, cap), bool), base_position=ints(), length=ints(), last_token=ints(),
-        num_generated=ints(), budget=ints(), stop_token=ints(-1),
-        temperature=jnp.zeros((num_slots,), jnp.float32), top_p=jnp.ones((num_slots,), jnp.float32),
-        key=jnp.zeros((num_slots,) + _key_shape(), jnp.uint32), request_id=ints(-1),
+        num_generated=ints(), sampling=_empty_sampling(num_slots), request_id=ints(-1),
         adapter=ints(), active=jnp.zeros((num_slots,), bool),
         tokens=jnp.full((num_slots, max_new_tokens), -1, jnp.int32), prefix_len=prefix_len, prompt_len=prompt_len,
     )
 
 
-def _step_keys(key_data: jax.Array, index: jax.Array) -> jax.Array:
-    return jax.vmap(lambda k, i: jax.random.fold_in(jax.random.wrap_key_data(k), i))(key_data, index)
+def _sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array:
+    """Token `index` of each request from vocabulary-major logits [V, n]: int32 [n]."""
+    keys = jax.vmap(lambda k, i: jax.random.fold_in(jax.random.wrap_key_data(k), i))(sampling.key, index)
+    return sample_tokens(logits, sampling.temperature, sampling.top_p, keys, vocab_axis=0)
 
 
 def _extend_with_prompts(params: Params, prefix: PrefixCache, req: Requests, q_cap: int):
-    """Runs the request prompts after their prefixes: returns slot caches [L, A, P+Q, K, H] and seed hidden [A, D]."""
+    """Runs the request prompts after their prefixes: returns slot caches [L, J, P+Q, K, H] and seed hidden [J, D]."""
     pk, pv = prefix.k[:, req.row], prefix.v[:, req.row]
     seed_prefix = prefix.last_hidden[req.row]
     if q_cap == 0:
@@ -253,9 +279,9 @@ def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests)
 
     ck, cv, seed = _extend_with_prompts(params, prefix, req, q_cap)
     logits = lm_logits_vocab_major(params, seed)
-    budget = jnp.clip(req.budget, 1, g)
-    token0 = sample_tokens(logits, req.temperature, req.top_p, _step_keys(req.key, jnp.zeros_like(req.row)), vocab_axis=0)
-    active = (token0 != req.stop_token) & (budget > 1)
+    sampling = dataclasses.replace(req.sampling, budget=jnp.clip(req.sampling.budget, 1, g))
+    token0 = _sample(logits, sampling, jnp.zeros_like(req.row))
+    active = (token0 != sampling.stop_token) & (sampling.budget > 1)
 
     cap = pool.capacity
     suffix_valid = jnp.arange(cap - p)[None, :] < req.prompt_len[:, None]
@@ -274,11 +300,7 @@ def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests)
         length=put(pool.length, req.prompt_len),
         last_token=put(pool.last_token, token0),
         num_generated=put(pool.num_generated, jnp.ones_like(token0)),
-        budget=put(pool.budget, budget),
-        stop_token=put(pool.stop_token, req.stop_token),
-        temperature=put(pool.temperature, req.temperature),
-        top_p=put(pool.top_p, req.top_p),
-        key=put(pool.key, req.key),
+        sampling=jax.tree.map(put, pool.sampling, sampling),
         request_id=put(pool.request_id, req.request_id),
         adapter=put(pool.adapter, req.adapter),
         active=put(pool.active, active),
@@ -296,7 +318,7 @@ def admit(params: Params, pool: DecodePool, prefix: PrefixCache, requests: Reque
     it, and samples its first token. Donates `pool`.
 
     Returns:
-      (pool, admitted bool [A], first_token int32 [S]: the token sampled in each slot, -1 elsewhere).
+      (pool, admitted bool [J], first_token int32 [Ns]: the token sampled in each slot, -1 elsewhere).
     """
     return jax.lax.cond(
         jnp.any(requests.valid),
@@ -306,7 +328,7 @@ def admit(params: Params, pool: DecodePool, prefix: PrefixCache, requests: Reque
 
 
 def step_logits(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array]:
-    """Feeds every active slot's last token: writes its K/V and returns logits float32 [V, S].
+    """Feeds every active slot's last token: writes its K/V and returns logits float32 [V, Ns].
 
     The pool's mask and length are not advanced here (see `_decode_step`); inactive slots write
     nothing.
@@ -323,9 +345,9 @@ def step_logits(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array
 
 
 def _decode_step(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array, jax.Array]:
-    """One token for every active slot: (pool, token int32 [S] (-1 for inactive slots), logits [S, V])."""
+    """One token for every active slot: (pool, token int32 [Ns] (-1 for inactive slots), logits [Ns, V])."""
     pool, logits = step_logits(params, pool)
-    tok = sample_tokens(logits, pool.temperature, pool.top_p, _step_keys(pool.key, pool.num_generated), vocab_axis=0)
+    tok = _sample(logits, pool.sampling, pool.num_generated)
     act = pool.active
     rows = jnp.arange(pool.num_slots)
     write = jnp.where(act, pool.prefix_len + pool.length, pool.capacity)
@@ -337,13 +359,13 @@ def _decode_step(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Arra
         tokens=pool.tokens.at[rows, jnp.where(act, pool.num_generated, pool.max_new_tokens)].set(tok, mode="drop"),
         num_generated=n,
         last_token=jnp.where(act, tok, pool.last_token),
-        active=act & (tok != pool.stop_token) & (n < pool.budget),
+        active=act & (tok != pool.sampling.stop_token) & (n < pool.sampling.budget),
     )
     return pool, jnp.where(act, tok, -1), logits.T
 
 
 decode_step = functools.partial(jax.jit, donate_argnames=("pool",))(_decode_step)
-"""Jitted single step: (pool, token [S], logits float32 [S, V]). Donates `pool`."""
+"""Jitted single step: (pool, token [Ns], logits float32 [Ns, V]). Donates `pool`."""
 
 
 def _maybe_step(params: Params, pool: DecodePool):
@@ -360,7 +382,7 @@ def decode_burst(params: Params, pool: DecodePool, num_tokens: int) -> tuple[Dec
     """Advances every active slot by up to `num_tokens` tokens in one batched scan. Donates `pool`.
 
     Returns:
-      (pool, tokens int32 [S, num_tokens]: what each slot emitted per step, -1 when it did not).
+      (pool, tokens int32 [Ns, num_tokens]: what each slot emitted per step, -1 when it did not).
     """
     pool, toks = jax.lax.scan(lambda p, _: _maybe_step(params, p), pool, None, length=num_tokens)
     return pool, toks.T
@@ -375,12 +397,20 @@ def decode_to_completion(params: Params, pool: DecodePool) -> DecodePool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Released:
-    """Slots released at the end of a frame: done bool [S], request_id int32 [S], tokens int32 [S, G]."""
+    """Slots released at the end of a frame: done bool [Ns], request_id int32 [Ns], tokens int32 [Ns, M],
+    num_generated int32 [Ns]."""
 
     done: jax.Array
     request_id: jax.Array
     tokens: jax.Array
     num_generated: jax.Array
+
+
+def evict(pool: DecodePool, slots: jax.Array) -> DecodePool:
+    """Frees the slots where `slots` (bool [Ns]) is True without reporting them (cancelled requests)."""
+    return dataclasses.replace(
+        pool, request_id=jnp.where(slots, -1, pool.request_id), active=pool.active & ~slots,
+    )
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))

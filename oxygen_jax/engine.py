@@ -3,37 +3,56 @@
     engine = Engine(params, EngineConfig(num_slots=8, max_new_tokens=30, tokens_per_frame=5))
     rid = engine.submit(prompt_tokens=[...], max_tokens=20)       # any time, from the host
     result = engine.step(observation)                            # one compiled frame
-    result.actions          # [B, Ha, A] this frame's action chunk (never waits for text)
+    result.actions          # [B, Ha, Ad] this frame's action chunk (never waits for text)
     result.finished         # list of FinishedRequest (tokens, text, latency in frames and ms)
 
-Requests wait in a FIFO queue while every slot is busy; none is dropped, and memory is bounded by
-the pool. One device→host transfer per frame brings back actions, new tokens and finish flags.
+Requests wait in a FIFO queue (`scheduler.Scheduler`) while every slot is busy; none is dropped, and
+memory is bounded by the pool. One device→host transfer per frame brings back actions, new tokens and
+finish flags.
+
+Nothing a caller sends can stop the actions: every request field is checked at `submit` (one-line
+`RequestError`), a request that still cannot run at `step` is dropped and reported in
+`StepResult.errors` while that frame's actions are returned, `cancel` frees a request's slot, and noise
+and the returned actions are checked (shape, dtype, finite values).
+
+Several robots (streams) can share one engine: `step(observation, rows=[...])` names the stream of
+each batch row, and a request submitted with `row=stream` is admitted in a frame where that stream
+has a row, continuing that robot's observation.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import math
+import numbers
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from oxygen_jax import decode
+from oxygen_jax import decode, model
 from oxygen_jax.config import EOS_ID
 from oxygen_jax.observation import Observation, validate_observation
 from oxygen_jax.params import Params
 from oxygen_jax.schedule import FrameOutput, frame_step
+from oxygen_jax.scheduler import Scheduler, Ticket
+
+MAX_SEED = 2**32 - 1
+
+
+class RequestError(ValueError):
+    """A language request that cannot be accepted; the message names the field and the allowed range."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    num_slots: int = 8  # S: concurrent language requests
-    max_new_tokens: int = 32  # G: per-request token cap (budgets above it are rejected)
+    num_slots: int = 8  # Ns: concurrent language requests
+    max_new_tokens: int = 32  # M: per-request token cap (budgets above it are rejected)
     prompt_capacity: int = 0  # Q: max request-prompt tokens written after the shared prefix
     admissions_per_frame: int = 4  # J: requests admitted per frame at most
     tokens_per_frame: int = 5  # k
-    num_steps: int = 10  # denoising steps S
+    num_steps: int = 10  # denoising steps per action chunk
     action_horizon: int = 10  # Ha, for the noise the engine draws when step() gets none
     seed: int = 0  # noise seed (frame f uses fold_in(seed, f))
 
@@ -43,16 +62,6 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
         if self.prompt_capacity < 0:
             raise ValueError("EngineConfig.prompt_capacity must be >= 0")
-
-
-@dataclasses.dataclass
-class _Record:
-    request_id: int
-    arrival_frame: int
-    arrival_time: float
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    admit_frame: int | None = None
-    detok: object | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,27 +74,56 @@ class FinishedRequest:
     finish_frame: int
     latency_frames: int  # finish frame - arrival frame + 1 (a request finished in its arrival frame took 1)
     latency_ms: float  # arrival (submit) to the end of the frame that emitted its last token
+    row: int = 0  # the stream (robot) the request continued
+    owner: object = None  # what the caller passed to submit(owner=...)
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedRequest:
+    request_id: int
+    reason: str
+    owner: object = None
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    actions: np.ndarray  # [B, Ha, A]
+    actions: np.ndarray  # [B, Ha, Ad]
     finished: list[FinishedRequest]
     new_text: dict[int, str]  # request id -> text completed this frame (with a tokenizer)
     frame: int
     frame_ms: float
     batch: int  # active slots in this frame's decode burst
     queued: int  # requests still waiting for a slot after this frame
+    errors: list[FailedRequest] = dataclasses.field(default_factory=list)  # dropped this frame
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 class Engine:
-    """Continuous-batching engine over `schedule.frame_step` (one compiled program per frame)."""
+    """Continuous-batching engine over `schedule.frame_step` (one compiled program per frame shape)."""
 
-    def __init__(self, params: Params, config: EngineConfig = EngineConfig(), tokenizer=None):
+    def __init__(self, params: Params, config: EngineConfig = EngineConfig(), tokenizer=None, *,
+                 adapter_names: Sequence[str] = ()):
+        """Args:
+          params: model parameters (`params.for_backend` form recommended).
+          config: pool and frame sizes.
+          tokenizer: for text prompts and detokenised results (optional).
+          adapter_names: names of the language adapters 1..E (id 0 is "base", the model's own weights).
+        """
         self.params, self.config, self.tokenizer = params, config, tokenizer
+        self.adapters: dict[str, int] = {"base": 0, **{n: i + 1 for i, n in enumerate(adapter_names)}}
+        if len(self.adapters) != len(adapter_names) + 1:
+            raise ValueError(f"adapter names must be unique and not 'base', got {list(adapter_names)}")
+        self._sched = Scheduler(config.num_slots, config.admissions_per_frame, config.prompt_capacity)
         self._pool: decode.DecodePool | None = None
-        self._queue: collections.deque[tuple[_Record, dict]] = collections.deque()
-        self._live: dict[int, _Record] = {}
+        self._prefix_key: tuple | None = None
+        self._detok: dict[int, object] = {}
         self._next_id = 0
         self._frame = 0
         self._base_key = jax.random.key(config.seed)
@@ -103,131 +141,232 @@ class Engine:
         stop_token: int | None = EOS_ID,
         seed: int | None = None,
         row: int = 0,
+        adapter: str | int = 0,
+        owner: object = None,
     ) -> int:
-        """Queues a language request on the observation row `row`; returns its id.
+        """Queues a language request on stream `row`; returns its id.
 
-        The request continues the prefix of the observation of the frame that admits it. Its own
-        prompt (`prompt_tokens`, or `prompt` text with a tokenizer) is written after that prefix.
-        `stop_token=None` decodes exactly `max_tokens` tokens.
+        The request continues the prefix of that stream's observation in the frame that admits it.
+        Its own prompt (`prompt_tokens`, or `prompt` text with a tokenizer) is written after that
+        prefix. `stop_token=None` decodes exactly `max_tokens` tokens. `adapter` is a name given to
+        the engine (or "base") or an adapter id.
+
+        Raises:
+          RequestError: naming the first invalid field; nothing is queued.
         """
-        cfg = self.config
+        cfg, vocab = self.config, self.params.config.vocab_size
+        if prompt is not None and prompt_tokens is not None:
+            raise RequestError("give either prompt (text) or prompt_tokens, not both")
         if prompt is not None:
+            if not isinstance(prompt, str):
+                raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass prompt_tokens or Engine(..., tokenizer=...)")
+                raise RequestError("a text prompt needs a tokenizer; pass prompt_tokens or Engine(..., tokenizer=...)")
             prompt_tokens = self.tokenizer.encode(prompt)
-        prompt_tokens = list(prompt_tokens or [])
+        if prompt_tokens is None:
+            prompt_tokens = []
+        if isinstance(prompt_tokens, np.ndarray):
+            if prompt_tokens.ndim != 1 or not np.issubdtype(prompt_tokens.dtype, np.integer):
+                raise RequestError(f"prompt_tokens must be a 1-D integer array, got {prompt_tokens.dtype} {prompt_tokens.shape}")
+            prompt_tokens = prompt_tokens.tolist()
+        if not isinstance(prompt_tokens, (list, tuple)) or not all(_is_int(t) for t in prompt_tokens):
+            raise RequestError("prompt_tokens must be a list of integer token ids")
+        prompt_tokens = [int(t) for t in prompt_tokens]
         if len(prompt_tokens) > cfg.prompt_capacity:
-            raise ValueError(
-                f"request prompt has {len(prompt_tokens)} tokens but EngineConfig.prompt_capacity is {cfg.prompt_capacity}"
-            )
-        vocab = self.params.config.vocab_size
+            raise RequestError(
+                f"request prompt has {len(prompt_tokens)} tokens but EngineConfig.prompt_capacity is {cfg.prompt_capacity}")
         if any(not 0 <= t < vocab for t in prompt_tokens):
-            raise ValueError(f"request prompt token ids must lie in [0, {vocab})")
-        if not 1 <= max_tokens <= cfg.max_new_tokens:
-            raise ValueError(f"max_tokens must be in [1, {cfg.max_new_tokens}] (EngineConfig.max_new_tokens), got {max_tokens}")
-        if not (temperature >= 0 and np.isfinite(temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+            raise RequestError(f"request prompt token ids must lie in [0, {vocab})")
+        if not _is_int(max_tokens) or not 1 <= max_tokens <= cfg.max_new_tokens:
+            raise RequestError(
+                f"max_tokens must be an integer in [1, {cfg.max_new_tokens}] (EngineConfig.max_new_tokens), got {max_tokens!r}")
+        if not _is_real(temperature) or not (math.isfinite(temperature) and temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not _is_real(top_p) or not 0 < top_p <= 1:
+            raise RequestError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        if stop_token is not None and (not _is_int(stop_token) or not -1 <= stop_token < vocab):
+            raise RequestError(f"stop_token must be None, -1 or a token id in [0, {vocab}), got {stop_token!r}")
+        if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+            raise RequestError(f"seed must be None or an integer in [0, {MAX_SEED}], got {seed!r}")
+        if not _is_int(row) or row < 0:
+            raise RequestError(f"row must be a non-negative integer (the stream / batch row), got {row!r}")
+        adapter_id = self.adapter_id(adapter)
         rid = self._next_id
         self._next_id += 1
-        rec = _Record(rid, self._frame, time.perf_counter())
-        if self.tokenizer is not None:
-            from oxygen_jax.tokenizer import StreamDetokenizer
-
-            rec.detok = StreamDetokenizer(self.tokenizer)
-        fields = dict(
-            rows=[row], prompts=[prompt_tokens], budgets=[max_tokens],
-            stop_tokens=[-1 if stop_token is None else stop_token], temperatures=[temperature], top_ps=[top_p],
-            seeds=[rid if seed is None else seed],
-        )
-        self._queue.append((rec, fields))
+        self._sched.enqueue(Ticket.make(
+            rid, budget=int(max_tokens), row=int(row), prompt=prompt_tokens, stop_token=stop_token,
+            temperature=float(temperature), top_p=float(top_p), seed=seed, adapter=adapter_id,
+            arrival_frame=self._frame, owner=owner,
+        ))
         return rid
+
+    def adapter_id(self, adapter: str | int) -> int:
+        """The id of an adapter name or id; RequestError for unknown ones."""
+        if isinstance(adapter, str):
+            if adapter not in self.adapters:
+                raise RequestError(f"unknown adapter {adapter!r}; this engine has {sorted(self.adapters)}")
+            return self.adapters[adapter]
+        if not _is_int(adapter) or not 0 <= adapter < len(self.adapters):
+            raise RequestError(f"adapter id must be an integer in [0, {len(self.adapters)}), got {adapter!r}")
+        return int(adapter)
+
+    def cancel(self, request_id: int) -> bool:
+        """Drops a queued request, or frees a running one's slot at the next step. False if unknown/finished."""
+        self._detok.pop(request_id, None)
+        return self._sched.cancel(request_id)
 
     @property
     def num_queued(self) -> int:
-        return len(self._queue)
+        return self._sched.num_queued
 
     @property
     def num_active(self) -> int:
-        return len(self._live)
+        return self._sched.num_live
+
+    @property
+    def frame(self) -> int:
+        """Index of the next frame."""
+        return self._frame
 
     # -- frames ---------------------------------------------------------------------------------
 
-    def _offer(self, free: int) -> tuple[decode.Requests, list[_Record]]:
-        take = [self._queue[i] for i in range(min(free, self.config.admissions_per_frame, len(self._queue)))]
-        merged = {k: [v for _, f in take for v in f[k]] for k in (take[0][1] if take else {})}
-        reqs = decode.make_requests(
-            self.config.admissions_per_frame, self.config.prompt_capacity, [r.request_id for r, _ in take],
-            **(merged or {}),
-        )
-        return reqs, [r for r, _ in take]
+    def _check_noise(self, noise, b: int) -> jax.Array:
+        shape = (b, self.config.action_horizon, self.params.config.action_dim)
+        if noise is None:
+            return jax.random.normal(jax.random.fold_in(self._base_key, self._frame), shape)
+        if tuple(noise.shape) != shape:
+            raise ValueError(f"noise must have shape [B, Ha, Ad] = {shape}, got {tuple(noise.shape)}")
+        if not np.issubdtype(np.dtype(noise.dtype), np.floating):
+            raise ValueError(f"noise must be floating point, got dtype {noise.dtype}")
+        if not isinstance(noise, jax.core.Tracer) and not np.isfinite(np.asarray(noise, np.float32)).all():
+            raise ValueError("noise contains NaN or inf")
+        return noise
 
-    def step(self, observation: Observation, noise: jax.Array | None = None) -> StepResult:
-        """Runs one control frame with this frame's observation; returns actions and finished texts."""
-        validate_observation(observation, self.params.config)
-        b = observation.batch_size
-        for rec, fields in self._queue:
-            if fields["rows"][0] >= b:
-                raise ValueError(f"request {rec.request_id} targets observation row {fields['rows'][0]} but the batch has {b}")
-        cfg = self.config
-        if self._pool is None:
-            prefix_len = observation.num_cameras * self.params.config.siglip.num_patches + observation.tokens.shape[1]
-            self._pool = decode.init_pool(self.params, cfg.num_slots, prefix_len, cfg.max_new_tokens, cfg.prompt_capacity)
-        prefix_len = observation.num_cameras * self.params.config.siglip.num_patches + observation.tokens.shape[1]
-        if prefix_len != self._pool.prefix_len:
+    def _ensure_pool(self, observation: Observation) -> None:
+        key = (observation.num_cameras, observation.tokens.shape[1])
+        if self._pool is not None and key == self._prefix_key:
+            return
+        prefix_len = model.prefix_length(self.params, observation)
+        if self._pool is not None and prefix_len != self._pool.prefix_len:
             raise ValueError(
                 f"observation prefix length changed from {self._pool.prefix_len} to {prefix_len} tokens "
                 "(cameras or prompt length); in-flight requests hold caches of the old length. Keep the camera "
                 "set and the prompt length (or its bucket) fixed for an engine."
             )
-        if noise is None:
-            shape = (b, cfg.action_horizon, self.params.config.action_dim)
-            noise = jax.random.normal(jax.random.fold_in(self._base_key, self._frame), shape)
-        free = cfg.num_slots - len(self._live)
-        requests, offered = self._offer(free)
-        start = time.perf_counter()
-        self._pool, out = frame_step(
-            self.params, self._pool, observation, noise, requests, num_steps=cfg.num_steps,
-            tokens_per_frame=cfg.tokens_per_frame,
-        )
-        out: FrameOutput = jax.device_get(out)  # the frame's single host sync
-        end = time.perf_counter()
-        return self._absorb(out, offered, start, end)
+        if self._pool is None:
+            cfg = self.config
+            self._pool = decode.init_pool(self.params, cfg.num_slots, prefix_len, cfg.max_new_tokens, cfg.prompt_capacity)
+        self._prefix_key = key
 
-    def _absorb(self, out: FrameOutput, offered: list[_Record], start: float, end: float) -> StepResult:
+    def _drop_unservable(self, rows: Sequence[int] | None, b: int) -> list[FailedRequest]:
+        """Without explicit streams, row r means batch row r: requests beyond the batch cannot run."""
+        if rows is not None:
+            return []
+        errors = []
+        for t in self._sched.queued():
+            if t.row >= b:
+                self._sched.cancel(t.request_id)
+                self._detok.pop(t.request_id, None)
+                errors.append(FailedRequest(t.request_id, f"observation row {t.row} is not in this frame's batch of {b}",
+                                            t.owner))
+        return errors
+
+    def step(self, observation: Observation, noise: jax.Array | None = None, *,
+             rows: Sequence[int] | None = None) -> StepResult:
+        """Runs one control frame with this frame's observation; returns actions and finished texts.
+
+        Args:
+          observation: B rows (robots).
+          noise: float [B, Ha, Ad], finite; default drawn from the engine's seed and frame index.
+          rows: stream id of each batch row (-1 = padding); default rows 0..B-1.
+        """
+        validate_observation(observation, self.params.config)
+        b = observation.batch_size
+        if rows is not None and len(rows) != b:
+            raise ValueError(f"rows names {len(rows)} streams but the observation has {b} rows")
+        noise = self._check_noise(noise, b)
+        self._ensure_pool(observation)
+        errors = self._drop_unservable(rows, b)
+        cfg = self.config
+        requests, evict = self._sched.offer(b if rows is None else rows)
+        start = time.perf_counter()
+        try:
+            pool, out = frame_step(self.params, self._pool, observation, noise, requests, evict,
+                                   num_steps=cfg.num_steps, tokens_per_frame=cfg.tokens_per_frame)
+            out: FrameOutput = jax.device_get(out)  # the frame's single host sync
+        except Exception as e:  # noqa: BLE001 - the actions must survive a failing request
+            if not np.any(requests.valid):
+                raise
+            errors += self._retry_without_requests(e)
+            requests, evict = self._sched.offer([])
+            pool, out = frame_step(self.params, self._pool, observation, noise, requests, evict,
+                                   num_steps=cfg.num_steps, tokens_per_frame=cfg.tokens_per_frame)
+            out = jax.device_get(out)
+        self._pool = pool
+        end = time.perf_counter()
+        if not np.isfinite(out.actions).all():
+            raise FloatingPointError(
+                f"frame {self._frame}: the model returned non-finite actions (NaN/inf); check the parameters "
+                "and the observation (images in [-1, 1], normalised state)")
+        return self._absorb(out, start, end, errors)
+
+    def _retry_without_requests(self, error: Exception) -> list[FailedRequest]:
+        """Drops the offered requests after a failed frame; rebuilds the pool if donation consumed it."""
+        offered = self._sched.offered()
+        errors = []
+        for t in offered:
+            self._sched.cancel(t.request_id)
+            self._detok.pop(t.request_id, None)
+            errors.append(FailedRequest(t.request_id, f"{type(error).__name__}: {error}", t.owner))
+        if any(x.is_deleted() for x in jax.tree.leaves(self._pool) if isinstance(x, jax.Array)):
+            for t in self._sched.reset_live():
+                errors.append(FailedRequest(t.request_id, "decode state lost after a failed frame", t.owner))
+            p = self._pool
+            self._pool = decode.init_pool(self.params, p.num_slots, p.prefix_len, p.max_new_tokens, p.prompt_len)
+        return errors
+
+    def _text(self, ticket: Ticket, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        detok = self._detok.get(ticket.request_id)
+        if detok is None:
+            from oxygen_jax.tokenizer import StreamDetokenizer
+
+            detok = self._detok[ticket.request_id] = StreamDetokenizer(self.tokenizer)
+        return detok.push(tokens)
+
+    def _absorb(self, out: FrameOutput, start: float, end: float, errors: list[FailedRequest]) -> StepResult:
         frame = self._frame
-        for rec, ok in zip(offered, out.admitted[: len(offered)]):
-            if ok:
-                self._queue.popleft()
-                rec.admit_frame = frame
-                self._live[rec.request_id] = rec
-        finished, new_text = [], {}
-        for slot, rid in enumerate(out.request_id):
-            if rid < 0:
-                continue
-            rec = self._live[int(rid)]
-            toks = [int(t) for t in out.new_tokens[slot] if t >= 0]
-            rec.tokens += toks
-            if rec.detok is not None and toks:
-                new_text[rec.request_id] = rec.detok.push(toks)
-            if out.finished[slot]:
-                del self._live[rec.request_id]
-                text = None
-                if rec.detok is not None:
-                    tail = rec.detok.flush()
+        events = self._sched.absorb(out, frame)
+        new_text: dict[int, str] = {}
+        by_id = {t.request_id: t for t in self._sched.live() + events.finished}
+        for rid, toks in events.emitted.items():
+            if self.tokenizer is not None:
+                new_text[rid] = self._text(by_id[rid], toks)
+        finished = []
+        for t in events.finished:
+            text = None
+            if self.tokenizer is not None:
+                detok = self._detok.pop(t.request_id, None)
+                if detok is not None:
+                    tail = detok.flush()
                     if tail:
-                        new_text[rec.request_id] = new_text.get(rec.request_id, "") + tail
-                    text = rec.detok.text
-                finished.append(
-                    FinishedRequest(
-                        request_id=rec.request_id, tokens=rec.tokens, text=text, arrival_frame=rec.arrival_frame,
-                        admit_frame=rec.admit_frame, finish_frame=frame, latency_frames=frame - rec.arrival_frame + 1,
-                        latency_ms=(end - rec.arrival_time) * 1e3,
-                    )
-                )
+                        new_text[t.request_id] = new_text.get(t.request_id, "") + tail
+                    text = detok.text
+                else:
+                    text = ""
+            finished.append(FinishedRequest(
+                request_id=t.request_id, tokens=t.tokens, text=text, arrival_frame=t.arrival_frame,
+                admit_frame=t.admit_frame, finish_frame=frame, latency_frames=frame - t.arrival_frame + 1,
+                latency_ms=(end - t.arrival_time) * 1e3, row=t.row, owner=t.owner,
+            ))
         self._frame += 1
         return StepResult(
             actions=np.asarray(out.actions), finished=finished, new_text=new_text, frame=frame,
-            frame_ms=(end - start) * 1e3, batch=int(out.batch), queued=len(self._queue),
+            frame_ms=(end - start) * 1e3, batch=events.batch, queued=self._sched.num_queued, errors=errors,
         )
+
+    def requests_of(self, owner: object) -> list[int]:
+        """Ids of the queued and running requests submitted with `owner` (e.g. to cancel a robot's)."""
+        return [t.request_id for t in self._sched.queued() + self._sched.live() if t.owner is owner]
+

@@ -107,6 +107,15 @@ def prefill(params: Params, observation: Observation) -> PrefixCache:
     )
 
 
+def prefix_length(params: Params, observation: Observation) -> int:
+    """P of the cache `prefill(params, observation)` builds, read off the traced cache (nothing runs).
+
+    The one source of the prefix length: decode pools are sized from it, so it can never disagree
+    with the cache a pool is asked to continue (cameras, dropped padding cameras, prompt buckets).
+    """
+    return jax.eval_shape(prefill, params, observation).length
+
+
 def posemb_sincos(t: jax.Array, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> jax.Array:
     """Sine-cosine embedding of scalar times t [B] -> float32 [B, dim], sine half first."""
     fraction = jnp.linspace(0.0, 1.0, dim // 2)

@@ -1,12 +1,12 @@
 """Per-frame programs and the four execution settings, all built from the same pure functions.
 
-Axis legend: F frames, B observation rows (robots), Ha action horizon, A model action dim (32),
-S decode slots, R requests in a rollout table, J admissions per frame, G max new tokens, k tokens
-per frame.
+Axes (`oxygen_jax.axes`): Fr frames, B observation rows (robots), Ha action horizon, Ad model
+action dim (32), Ns decode slots, Rq requests in a rollout table, J admissions per frame, M max new
+tokens; k = tokens_per_frame.
 
 One control frame of the `continuous` setting (one compiled program, the pool donated):
 
-    observation ──prefill──► prefix KV ──denoise (S steps, read-only)──► actions
+    observation ──prefill──► prefix KV ──denoise (num_steps, read-only)──► actions
                                  │
                                  └──admit this frame's requests (copy prefix rows into free slots,
                                     run request prompts, sample token 0)
@@ -37,7 +37,11 @@ from oxygen_jax.model import denoise, prefill, sample_actions
 from oxygen_jax.observation import Observation
 from oxygen_jax.params import Params
 
-SETTINGS = ("isolated", "shared_kv", "continuous", "parallel")
+SETTINGS = ("isolated", "parallel", "shared_kv", "continuous")
+"""The four execution settings, baselines first (the one list every module uses)."""
+
+BENCH_SETTINGS = SETTINGS + ("actions_only",)
+"""What `eval.bench` can measure: the four settings plus the opt-in actions-only reference frame."""
 
 
 @jax.tree_util.register_dataclass
@@ -46,13 +50,13 @@ class FrameOutput:
     """What one continuous-batching frame returns to the host (one transfer).
 
     Attributes:
-      actions: float32 [B, Ha, A].
+      actions: float32 [B, Ha, Ad].
       admitted: bool [J] which of this frame's offered requests got a slot.
-      request_id: int32 [S] the request each slot served this frame (-1 = none).
-      new_tokens: int32 [S, 1 + k] tokens emitted this frame: column 0 is token 0 of a request
+      request_id: int32 [Ns] the request each slot served this frame (-1 = none).
+      new_tokens: int32 [Ns, 1 + k] tokens emitted this frame: column 0 is token 0 of a request
         admitted this frame, columns 1.. the burst; -1 = nothing.
-      finished: bool [S] the slot's request finished this frame (the slot is free again).
-      num_generated: int32 [S] tokens of the slot's request so far.
+      finished: bool [Ns] the slot's request finished this frame (the slot is free again).
+      num_generated: int32 [Ns] tokens of the slot's request so far.
       batch: int32 [] active slots in this frame's decode burst.
     """
 
@@ -65,7 +69,9 @@ class FrameOutput:
     batch: jax.Array
 
 
-def _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame):
+def _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame, evict=None):
+    if evict is not None:
+        pool = decode.evict(pool, evict)
     cache = prefill(params, observation)
     actions = denoise(params, cache, noise, num_steps)
     pool, admitted, first = decode.admit(params, pool, cache, requests)
@@ -84,14 +90,17 @@ def _frame(params, pool, observation, noise, requests, num_steps, tokens_per_fra
 @functools.partial(jax.jit, static_argnames=("num_steps", "tokens_per_frame"), donate_argnames=("pool",))
 def frame_step(
     params: Params, pool: DecodePool, observation: Observation, noise: jax.Array, requests: Requests,
-    *, num_steps: int, tokens_per_frame: int,
+    evict: jax.Array | None = None, *, num_steps: int, tokens_per_frame: int,
 ) -> tuple[DecodePool, FrameOutput]:
     """One control frame of continuous batching: prefill once, actions, admissions, k-token burst.
 
-    Donates `pool`. Occupancy, arrivals and finishing are array values: this compiles once per
-    (shapes, num_steps, tokens_per_frame).
+    Args:
+      evict: optional bool [Ns]: slots to free before admitting (cancelled requests); pass an array
+        every frame (all False when nothing is cancelled) so the program never changes.
+    Donates `pool`. Occupancy, arrivals, cancellations and finishing are array values: this compiles
+    once per (shapes, num_steps, tokens_per_frame).
     """
-    return _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame)
+    return _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame, evict)
 
 
 @jax.tree_util.register_dataclass
@@ -100,8 +109,8 @@ class RequestTable:
     """All requests of a rollout, sorted by arrival frame (a FIFO queue on device).
 
     Attributes:
-      requests: `Requests` of size R (valid = real entry).
-      arrival_frame: int32 [R] non-decreasing.
+      requests: `Requests` of size Rq (valid = real entry).
+      arrival_frame: int32 [Rq] non-decreasing.
     """
 
     requests: Requests
@@ -109,7 +118,7 @@ class RequestTable:
 
 
 def make_request_table(arrival_frames, budgets, prompt_capacity: int = 0, **fields) -> RequestTable:
-    """Host helper: a table with request ids 0..R-1 (seeds default to the ids).
+    """Host helper: a table with request ids 0..Rq-1 (seeds default to the ids).
 
     `fields` are forwarded to `decode.make_requests` (rows, prompts, stop_tokens, temperatures, ...).
     """
@@ -138,9 +147,9 @@ def _window(table: RequestTable, start, size: int, frame) -> Requests:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RolloutOutput:
-    """Per-frame outputs of `rollout` ([F, ...] versions of `FrameOutput`) plus admission indices.
+    """Per-frame outputs of `rollout` ([Fr, ...] versions of `FrameOutput`) plus admission indices.
 
-    `admitted_from` int32 [F]: table index of the first request offered in that frame.
+    `admitted_from` int32 [Fr]: table index of the first request offered in that frame.
     """
 
     frames: FrameOutput
@@ -157,12 +166,12 @@ def rollout(
     """`frame_step` scanned over F frames: one compile for the whole rollout.
 
     Args:
-      observations: `Observation` with a leading frame axis [F, B, ...].
-      noise: [F, B, Ha, A].
+      observations: `Observation` with a leading frame axis [Fr, B, ...].
+      noise: [Fr, B, Ha, Ad].
       table: requests sorted by arrival; waiting requests queue (FIFO) until a slot is free and are
         then admitted with the observation of the frame that admits them.
     Returns:
-      (pool, RolloutOutput with [F, ...] leaves).
+      (pool, RolloutOutput with [Fr, ...] leaves).
     """
 
     def body(carry, inputs):
@@ -195,7 +204,7 @@ def text_program(params: Params, observation: Observation, requests: Requests, *
     """Isolated text task: its own prefill, the requests decoded to completion.
 
     Returns:
-      (tokens int32 [J, G], num_generated int32 [J]); row j is request j.
+      (tokens int32 [J, M], num_generated int32 [J]); row j is request j.
     """
     return _text_to_completion(params, prefill(params, observation), requests, max_new_tokens)
 
@@ -213,7 +222,7 @@ def shared_kv_program(
     """Shared KV without batching: one prefill serves the actions and the text (to completion).
 
     Returns:
-      (actions [B, Ha, A], tokens [J, G], num_generated [J]).
+      (actions [B, Ha, Ad], tokens [J, M], num_generated [J]).
     """
     cache = prefill(params, observation)
     actions = denoise(params, cache, noise, num_steps)

@@ -1,4 +1,4 @@
-"""Language decoding and the unified-KV runtime: cached decode, slot pool, frames, settings, engine."""
+"""Language decoding and the unified-KV runtime: cached decode, slot pool, frames, settings."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 
 from helpers import diverse_text_params, make_obs, recompute_greedy
 from oxygen_jax import decode, model, schedule
-from oxygen_jax.engine import Engine, EngineConfig
 from oxygen_jax.observation import Observation
 
 HA = 4  # action horizon used throughout (tiny)
@@ -114,7 +113,7 @@ def test_continuous_batching_gives_each_request_its_single_request_tokens(params
     noise = jax.random.normal(jax.random.key(0), (frames, 1, HA, 32))
     arrivals = [0, 0, 1, 2, 2, 2, 3, 5]  # 3 slots and 2 admissions per frame: some requests queue
     table = schedule.make_request_table(arrivals, [budget] * len(arrivals), stop_tokens=[-1] * len(arrivals))
-    pool = decode.init_pool(params, 3, obs[0].images.shape[1] * params.config.siglip.num_patches + 12, budget)
+    pool = decode.init_pool(params, 3, model.prefix_length(params, obs[0]), budget)
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *obs)
     _, out = schedule.rollout(params, pool, stacked, noise, table, num_steps=2, tokens_per_frame=k, admissions_per_frame=2)
     fr = jax.device_get(out.frames)
@@ -155,70 +154,3 @@ def test_actions_and_greedy_tokens_identical_in_all_four_settings(params):
     expected = np.asarray(iso_t[0]).tolist()
     assert np.asarray(sh_t[0]).tolist() == expected == np.asarray(par_t[0]).tolist() == cb_tokens
 
-
-# --- the engine ------------------------------------------------------------------------------------
-
-
-def test_eos_finishes_a_request_and_frees_its_slot(params):
-    obs = make_obs(params.config, batch=1, cameras=2, lengths=[6])
-    free_run = _decode_alone(params, obs, 0, 8)
-    stop = free_run[3]
-    first = free_run.index(stop)
-    eng = Engine(params, EngineConfig(num_slots=2, max_new_tokens=8, tokens_per_frame=2, num_steps=1, action_horizon=HA))
-    eng.submit(max_tokens=8, stop_token=stop)
-    done = []
-    for _ in range(5):
-        done += eng.step(obs).finished
-    assert len(done) == 1 and done[0].tokens == free_run[: first + 1]  # ends with the stop token
-    assert eng.num_active == 0 and eng._pool is not None and int(jnp.sum(eng._pool.request_id >= 0)) == 0
-
-
-def test_requests_queue_when_all_slots_are_busy_and_none_is_dropped(params):
-    obs = make_obs(params.config, batch=1, cameras=2)
-    eng = Engine(params, EngineConfig(num_slots=2, max_new_tokens=4, admissions_per_frame=4, tokens_per_frame=2,
-                                      num_steps=1, action_horizon=HA))
-    ids = [eng.submit(max_tokens=4, stop_token=None) for _ in range(5)]
-    finished, queued = [], []
-    for _ in range(8):
-        res = eng.step(obs)
-        finished += res.finished
-        queued.append(res.queued)
-        assert res.actions.shape == (1, HA, 32)  # actions every frame, whatever the text load
-    assert sorted(f.request_id for f in finished) == ids
-    assert queued[0] == 3 and queued[-1] == 0
-    assert [f.request_id for f in sorted(finished, key=lambda f: (f.admit_frame, f.request_id))] == ids  # FIFO
-    assert all(len(f.tokens) == 4 for f in finished)
-    # 4 tokens at k=2: token 0 at admission + 2 + 1 -> two frames per request
-    assert all(f.finish_frame - f.admit_frame == 1 for f in finished)
-
-
-def test_engine_rejects_malformed_requests_with_clear_errors(params):
-    eng = Engine(params, EngineConfig(num_slots=1, max_new_tokens=4, prompt_capacity=2, action_horizon=HA))
-    with pytest.raises(ValueError, match="max_tokens"):
-        eng.submit(max_tokens=5)
-    with pytest.raises(ValueError, match="prompt_capacity"):
-        eng.submit([5, 6, 7], max_tokens=2)
-    with pytest.raises(ValueError, match="temperature"):
-        eng.submit(max_tokens=2, temperature=float("nan"))
-    with pytest.raises(ValueError, match="tokenizer"):
-        eng.submit(prompt="hello", max_tokens=2)
-    with pytest.raises(ValueError, match="token ids"):
-        eng.submit([params.config.vocab_size], max_tokens=2)
-    assert eng.num_queued == 0  # nothing half-queued
-
-
-def test_fifty_frames_with_changing_occupancy_compile_the_frame_once(params):
-    before = schedule.frame_step._cache_size()
-    cfg = EngineConfig(num_slots=5, max_new_tokens=6, admissions_per_frame=3, tokens_per_frame=2, num_steps=1,
-                       action_horizon=HA)  # sizes no other test uses: the compile is this test's own
-    eng = Engine(params, cfg)
-    rng = np.random.default_rng(0)
-    obs = make_obs(params.config, batch=1, cameras=2)
-    batches = set()
-    for f in range(50):
-        for _ in range(rng.poisson(0.9)):
-            eng.submit(max_tokens=int(rng.integers(1, 7)), stop_token=None)
-        res = eng.step(dataclasses.replace(obs, image_masks=jnp.array([[True, f % 4 != 0]])))
-        batches.add(res.batch)
-    assert len(batches) >= 4  # occupancy really changed
-    assert schedule.frame_step._cache_size() - before == 1

@@ -73,12 +73,13 @@ _N, _K, _FRAMES = 6, 3, 4
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """One bench run: tiny preset, all four settings, bursts of 2 requests every 2 frames."""
+    """One bench run: tiny preset, all four settings, bursts of 2 requests every 2 frames; prompts trimmed to a
+    16-token bucket, so every setting (continuous batching's pool included) sees the shorter prefix."""
     out = tmp_path_factory.mktemp("bench")
     bench.main([
         "--preset", "tiny", "--workloads", "libero", "--S", "2", "--N", str(_N), "--k", str(_K),
         "--arrival", "burst:2/2", "--frames", str(_FRAMES), "--warmup", "1", "--component-batches", "1,2",
-        "--component-repeats", "2", "--no-progress", "--out", str(out),
+        "--component-repeats", "2", "--prompt-bucket", "16", "--no-progress", "--out", str(out),
     ])
     return out
 
@@ -86,7 +87,7 @@ def tiny_run(tmp_path_factory):
 def test_bench_writes_summary_components_environment_and_run_files(tiny_run):
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert [(r["setting"], r["k"]) for r in summary] == [
-        ("isolated", None), ("shared_kv", None), ("continuous", _K), ("parallel", None)]
+        ("isolated", None), ("parallel", None), ("shared_kv", None), ("continuous", _K)]
     for r in summary:
         assert set(bench.SUMMARY_KEYS) <= set(r)
         assert (r["workload"], r["preset"], r["S"], r["N"], r["arrival"]) == ("libero", "tiny", 2, _N, "burst:2/2")
@@ -97,11 +98,11 @@ def test_bench_writes_summary_components_environment_and_run_files(tiny_run):
         assert r["requests_unfinished"] == 0
     iso = summary[0]
     assert iso["speedup_vs_isolated"] == pytest.approx(1.0) and iso["ideal_speedup"] == pytest.approx(1.0)
-    cb = summary[2]
+    cb = summary[3]
     # A burst's 2 requests hold their slots for ceil((N-1)/k) = 2 frames, until the next burst.
     assert cb["k_divides_N"] is True and cb["slots"] == 2 and cb["avg_batch"] == pytest.approx(2.0)
     assert cb["request_latency_frames_mean"] == pytest.approx(math.ceil((_N - 1) / _K))
-    assert summary[1]["request_latency_frames_mean"] == 1.0  # decoded within the arrival frame
+    assert summary[2]["request_latency_frames_mean"] == 1.0  # shared KV decodes within the arrival frame
 
     comps = json.loads((tiny_run / "components.json").read_text())["libero"]
     assert set(comps["decode_step_ms"]) == {"1", "2"} and set(comps["denoise_ms"]) == {"2"}
@@ -119,6 +120,7 @@ def test_run_file_holds_frames_and_requests_of_every_setting(tiny_run):
     assert run["environment"]["preset"] == "tiny"
     frames, requests = run["frames"], run["requests"]
     warmup = run["config"]["warmup_frames"]
+    assert run["config"]["prefix_len"] == 2 * 16 + 16  # two 16-patch cameras + the 16-token prompt bucket
     assert warmup == math.ceil(_N / _K)  # continuous ramp, longer than --warmup 1
     for setting in bench.DEFAULT_SETTINGS:
         mine = [f for f in frames if f["setting"] == setting]
