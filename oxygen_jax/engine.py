@@ -258,6 +258,24 @@ class Engine:
             self._pool = decode.init_pool(self.params, cfg.num_slots, prefix_len, cfg.max_new_tokens, cfg.prompt_capacity)
         self._prefix_key = key
 
+    def warmup(self, observation: Observation) -> float:
+        """Compiles the frame program for this observation's shapes without touching any request.
+
+        Runs one frame on a scratch pool (no requests, nothing emitted), so a server can compile every
+        batch bucket before it reports healthy. Returns the seconds it took.
+        """
+        start = time.perf_counter()
+        validate_observation(observation, self.params.config)
+        self._ensure_pool(observation)
+        p, b = self._pool, observation.batch_size
+        scratch = decode.init_pool(self.params, p.num_slots, p.prefix_len, p.max_new_tokens, p.prompt_len)
+        requests, _ = Scheduler(p.num_slots, self.config.admissions_per_frame, p.prompt_len).offer(b)
+        noise = jax.random.normal(jax.random.key(0), (b, self.config.action_horizon, self.params.config.action_dim))
+        _, out = frame_step(self.params, scratch, observation, noise, requests, np.zeros((p.num_slots,), bool),
+                            num_steps=self.config.num_steps, tokens_per_frame=self.config.tokens_per_frame)
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
     def _drop_unservable(self, rows: Sequence[int] | None, b: int) -> list[FailedRequest]:
         """Without explicit streams, row r means batch row r: requests beyond the batch cannot run."""
         if rows is not None:

@@ -197,3 +197,15 @@ def test_a_frame_that_fails_with_requests_is_rerun_without_them(params, obs1, mo
     assert [e.request_id for e in res.errors] == [rid] and "boom" in res.errors[0].reason
     assert res.actions.shape == (1, HA, 32) and np.isfinite(res.actions).all()
     assert eng.num_queued == eng.num_active == 0
+
+
+def test_warmup_compiles_a_batch_shape_without_touching_requests(params):
+    eng = Engine(params, CFG)
+    rid = eng.submit(max_tokens=2)
+    obs3 = make_obs(params.config, batch=3, cameras=2, seed=9)
+    assert eng.warmup(obs3) > 0
+    assert eng.num_queued == 1 and eng.frame == 0  # nothing admitted, no frame counted
+    before = schedule.frame_step._cache_size()
+    res = eng.step(obs3)
+    assert schedule.frame_step._cache_size() == before  # already compiled
+    assert [f.request_id for f in res.finished] == [rid]
