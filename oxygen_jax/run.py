@@ -1,13 +1,17 @@
-"""The main job: a short robot loop on synthetic observations, actions and language together.
+"""The main job: a robot control loop that acts and talks from one prefix cache per frame.
 
-    python -m oxygen_jax.run                       # tiny random model, LIBERO-shaped inputs
-    python -m oxygen_jax.run --preset bench --frames 5
+    python -m oxygen_jax.run                                   # the embedded default (see below)
+    python -m oxygen_jax.run --prompt "Subtask: " --frames 20 --tokens-per-frame 2
     python -m oxygen_jax.run --ckpt /path/to/pi05_libero --robot libero --tokenizer paligemma_tokenizer.model
 
-Every frame: a synthetic client observation (random images and state, a task prompt) goes through
-the robot's input transform, is prefilled once, yields an action chunk, and serves the language
-requests that are in flight (one new request every `--request-every` frames). Prints actions and
-timing per frame, then a summary with compile time kept separate from steady-state frame time.
+Every frame one observation (two cameras, state, task prompt) goes through the robot's input
+transform and is prefilled once; the action expert denoises an action chunk from that prefix cache,
+and the language requests in flight (one new request every `--request-every` frames, with the
+`--prompt` written after the observation) decode `--tokens-per-frame` tokens each from copies of the
+same cache. Requests that do not finish keep their slot and continue next frame.
+
+Embedded default: a tiny π0.5 (random weights) on synthetic LIBERO-shaped observations. Its actions
+and text are meaningless; it shows the pipeline, the output format and the timing on any machine.
 """
 
 from __future__ import annotations
@@ -15,83 +19,205 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
-import jax
 import numpy as np
 
-from oxygen_jax import checkpoint, transforms
-from oxygen_jax.config import model_config, robot_config
-from oxygen_jax.engine import Engine, EngineConfig
-from oxygen_jax.params import for_backend, init_params, param_count
-from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
+_EMBEDDED = (
+    "embedded default: a tiny pi0.5 with RANDOM weights on synthetic LIBERO-shaped observations: actions and text\n"
+    "are meaningless; the run shows one prefill per frame feeding both the action chunk and the language requests."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage block) and exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (value >= 0 and np.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _existing(kind: str):
+    def parse(text: str) -> Path:
+        path = Path(text).expanduser()
+        if kind == "file" and not path.is_file():
+            raise argparse.ArgumentTypeError(f"no such file: {path}")
+        if kind == "dir" and not path.is_dir():
+            raise argparse.ArgumentTypeError(f"no such directory: {path}")
+        return path
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m oxygen_jax.run", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--preset", default="tiny", choices=["tiny", "bench", "pi05"], help="random-weight model size")
-    ap.add_argument("--ckpt", help="openpi checkpoint (params dir or its parent); overrides --preset")
-    ap.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 on GPUs")
-    ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"])
-    ap.add_argument("--frames", type=int, default=8, help="control frames to run")
-    ap.add_argument("--steps", type=int, default=10, help="denoising steps per action chunk")
-    ap.add_argument("--tokens-per-frame", type=int, default=4, help="k: language tokens per request per frame")
-    ap.add_argument("--max-new-tokens", type=int, default=12, help="token budget per language request")
-    ap.add_argument("--slots", type=int, default=4, help="decode slots (concurrent language requests)")
-    ap.add_argument("--request-every", type=int, default=1, help="a new language request every N frames (0: none)")
-    ap.add_argument("--task", default="pick up the black bowl and place it on the plate")
-    ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model; default: a tiny demo tokenizer trained offline")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = _Parser(prog="python -m oxygen_jax.run", description=__doc__.split("\n\n")[0] + "\n\n" + _EMBEDDED,
+                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog="Output: one line per frame (see the legend printed before the first frame), a line per "
+                        "finished request, then a summary with compile time apart from steady-state frame time.")
+    m = ap.add_argument_group("model")
+    m.add_argument("--preset", default="tiny", choices=["tiny", "bench", "pi05"],
+                   help="random-weight model size (default: tiny)")
+    m.add_argument("--ckpt", type=_existing("dir"),
+                   help="an openpi checkpoint (params dir or its parent) or one saved by oxygen_jax; replaces --preset")
+    m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 on GPUs")
+    m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
+                   help="openpi's bidirectional prompt, or OxyGen's causal variant")
+    m.add_argument("--tokenizer", type=_existing("file"),
+                   help="PaliGemma SentencePiece model (default: a tiny demo tokenizer trained offline)")
+    r = ap.add_argument_group("loop")
+    r.add_argument("--frames", type=_int_at_least(1), default=8, help="control frames to run (default: 8)")
+    r.add_argument("--steps", type=_int_at_least(1), default=10, help="denoising steps per action chunk (default: 10)")
+    r.add_argument("--task", default="pick up the black bowl and place it on the plate",
+                   help="the task instruction in the observation prompt")
+    r.add_argument("--seed", type=_int_at_least(0), default=0, help="weights, observations and noise (default: 0)")
+    t = ap.add_argument_group("language")
+    t.add_argument("--prompt", default="Subtask: ",
+                   help="text written after the observation for each language request (default: 'Subtask: ')")
+    t.add_argument("--request-every", type=_int_at_least(0), default=1,
+                   help="a new language request every N frames; 0: actions only (default: 1)")
+    t.add_argument("--max-new-tokens", type=_int_at_least(1), default=12, help="token budget per request (default: 12)")
+    t.add_argument("--tokens-per-frame", type=_int_at_least(1), default=4,
+                   help="k: tokens each running request advances per frame (default: 4)")
+    t.add_argument("--slots", type=_int_at_least(1), default=4,
+                   help="decode slots: requests decoding at once; more wait in a FIFO queue (default: 4)")
+    t.add_argument("--temperature", type=_nonnegative_float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--cache-dir", type=Path, default=None,
+                    help="persistent compilation cache (default: $OXYGEN_JAX_CACHE_DIR or ~/.cache/oxygen_jax/xla)")
+    ap.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
     return ap
+
+
+def _fail(message: str) -> int:
+    print(f"python -m oxygen_jax.run: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _load(args):
+    """(config, params, norm_stats, what) from --ckpt or the preset; errors as ValueError/OSError."""
+    from oxygen_jax import checkpoint
+    from oxygen_jax.config import model_config
+    from oxygen_jax.params import init_params
+
+    if args.ckpt is None:
+        cfg = model_config(args.preset, dtype=args.dtype, prompt_attention=args.prompt_attention)
+        return cfg, init_params(cfg, args.seed), None, f"random '{args.preset}' weights"
+    if (args.ckpt / "config").is_dir():  # saved by oxygen_jax
+        cfg, params = checkpoint.restore_params(args.ckpt)
+        cfg = cfg.replace(dtype=args.dtype, prompt_attention=args.prompt_attention)
+        _, params = checkpoint.restore_params(args.ckpt, cfg)
+        return cfg, params, checkpoint.load_openpi_norm_stats(args.ckpt), f"checkpoint {args.ckpt}"
+    cfg, params = checkpoint.load_openpi_params(args.ckpt, dtype=args.dtype, prompt_attention=args.prompt_attention)
+    return cfg, params, checkpoint.load_openpi_norm_stats(args.ckpt), f"openpi checkpoint {args.ckpt}"
+
+
+_ACTION_NAMES = {
+    "libero": "dx dy dz droll dpitch dyaw grip",
+    "droid": "7 joint velocities + gripper",
+    "aloha": "14 joints (2 arms x 6 + grippers)",
+}
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    print(_EMBEDDED if args.ckpt is None and args.preset == "tiny" else
+          f"oxygen_jax main job: {'checkpoint ' + str(args.ckpt) if args.ckpt else args.preset + ' preset, random weights'}",
+          flush=True)
+
+    import jax
+
+    from oxygen_jax import compile_cache, transforms
+    from oxygen_jax.config import robot_config
+    from oxygen_jax.engine import Engine, EngineConfig, RequestError
+    from oxygen_jax.params import for_backend, param_count
+    from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
+
+    cache = None if args.no_cache else compile_cache.enable(args.cache_dir)
     robot = robot_config(args.robot)
-    if args.ckpt:
-        cfg, params = checkpoint.load_openpi_params(args.ckpt, dtype=args.dtype, prompt_attention=args.prompt_attention)
-        norm_stats = checkpoint.load_openpi_norm_stats(args.ckpt)
-    else:
-        cfg = model_config(args.preset, dtype=args.dtype, prompt_attention=args.prompt_attention)
-        print(f"initialising random '{args.preset}' parameters ...", flush=True)
-        params, norm_stats = init_params(cfg, args.seed), None
-        print("random weights: actions and text are meaningless; this run shows the pipeline and its timing")
-    params = for_backend(params)  # unrolled layer loop on CPU, scanned on accelerators
-    tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else train_demo_tokenizer()
+    try:
+        tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else train_demo_tokenizer()
+    except (ValueError, OSError) as e:
+        return _fail(f"--tokenizer {args.tokenizer}: {e}")
+    try:
+        cfg, params, norm_stats, what = _load(args)
+    except (ValueError, OSError) as e:
+        return _fail(f"--ckpt {args.ckpt}: {str(e).splitlines()[0]}")
     if tok.vocab_size > cfg.vocab_size:
-        raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}")
-    print(f"model: {param_count(params) / 1e6:.1f} M params, {cfg.dtype}, prompt attention {cfg.prompt_attention}; "
-          f"robot: {robot.name} ({robot.num_cameras} cameras, Ha={robot.action_horizon}); "
+        return _fail(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}; "
+                     "pass the tokenizer the model was trained with (--tokenizer)")
+    params = for_backend(params)  # unrolled layer loop on CPU, scanned on accelerators
+    print(f"model: {what}, {param_count(params) / 1e6:.1f} M params, {cfg.dtype}; robot: {robot.name} "
+          f"({robot.num_cameras} cameras, {robot.action_horizon} actions per chunk); "
           f"backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
 
     eng = Engine(params, EngineConfig(
-        num_slots=args.slots, max_new_tokens=args.max_new_tokens, tokens_per_frame=args.tokens_per_frame,
-        num_steps=args.steps, action_horizon=robot.action_horizon, seed=args.seed), tokenizer=tok)
+        num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=max(len(tok.encode(args.prompt)), 1),
+        tokens_per_frame=args.tokens_per_frame, num_steps=args.steps, action_horizon=robot.action_horizon,
+        seed=args.seed), tokenizer=tok)
     rng = np.random.default_rng(args.seed)
+
+    def observation():
+        sample = transforms.synthetic_sample(robot, rng, prompt=args.task)
+        return sample, transforms.make_observation(robot, cfg, tok, [sample], norm_stats)
+
+    sample, obs = observation()
+    print(f"compiling the frame program (prefill + {args.steps} denoise steps + admission + "
+          f"{args.tokens_per_frame}-token decode) ...", end=" ", flush=True)
+    compile_s = eng.warmup(obs)
+    print(f"{compile_s:.1f} s" + (f" (persistent cache: {cache})" if cache else ""), flush=True)
+
+    print("\nlegend: frame = control frame; ms = frame time, observation in -> actions and new tokens on the host;\n"
+          "        decoding = language requests that advanced this frame (one batched decode); queued = waiting for a\n"
+          f"        slot; action[0] = first action of the chunk ({_ACTION_NAMES[robot.name]}); a finished request\n"
+          "        prints its latency in frames (arrival to last token) and its text.")
+    print(f"{'frame':>5} {'ms':>8} {'decoding':>8} {'queued':>6}  action[0]")
     frame_ms = []
     for f in range(args.frames):
-        sample = transforms.synthetic_sample(robot, rng, prompt=args.task)
-        obs = transforms.make_observation(robot, cfg, tok, [sample], norm_stats)  # host arrays: validated without a device round trip
+        if f:
+            sample, obs = observation()
         if args.request_every and f % args.request_every == 0:
-            eng.submit(max_tokens=args.max_new_tokens)
-        t0 = time.perf_counter()
+            try:
+                eng.submit(prompt=args.prompt, max_tokens=args.max_new_tokens, temperature=args.temperature,
+                           stop_token=None if args.ckpt is None else 1)
+            except RequestError as e:
+                return _fail(f"--prompt: {e}")
         res = eng.step(obs)
-        wall = (time.perf_counter() - t0) * 1e3
         actions = transforms.robot_outputs(robot, res.actions, transforms.client_state(robot, sample)[None], norm_stats)
         frame_ms.append(res.frame_ms)
         head = np.array2string(actions[0, 0], precision=3, suppress_small=True, max_line_width=200)
-        print(f"frame {f:3d}  {wall:9.1f} ms{'  (includes compile)' if f == 0 else ''}  batch {res.batch}  "
-              f"queued {res.queued}  action[0] {head}")
+        print(f"{f:5d} {res.frame_ms:8.1f} {res.batch:8d} {res.queued:6d}  {head}")
         for done in res.finished:
-            print(f"    request {done.request_id} finished after {done.latency_frames} frames "
-                  f"({done.latency_ms:.0f} ms): {done.text!r}")
-    if len(frame_ms) > 1:
-        steady = np.asarray(frame_ms[1:])
-        med = float(np.median(steady))
-        print(f"\ncompile + first frame {frame_ms[0] / 1e3:.2f} s; steady state over {len(steady)} frames: "
-              f"median {med:.1f} ms, p90 {np.percentile(steady, 90):.1f} ms -> "
-              f"{robot.action_horizon / med * 1e3:.1f} actions/s (Ha={robot.action_horizon})")
+            print(f"      request {done.request_id} done after {done.latency_frames} frames "
+                  f"({done.latency_ms:.0f} ms): {args.prompt!r} -> {done.text!r}")
+        for err in res.errors:
+            print(f"      request {err.request_id} dropped: {err.reason}")
+    steady = np.asarray(frame_ms)
+    med = float(np.median(steady))
+    print(f"\ncompile (once, before frame 0): {compile_s:.2f} s; {len(steady)} frames: median {med:.1f} ms, "
+          f"p90 {np.percentile(steady, 90):.1f} ms -> {1e3 / med:.1f} action chunks/s, action Hz "
+          f"{robot.action_horizon * 1e3 / med:.0f} (= {robot.action_horizon} actions per chunk / frame time)")
     return 0
 
 
