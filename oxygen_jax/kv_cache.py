@@ -1,6 +1,6 @@
 """The prefix KV cache: what one observation's prefill leaves for the action expert and the decoder.
 
-Axis legend: L layers, B batch, P prefix tokens, K KV heads, H head dim, D VLM width.
+Axes (`oxygen_jax.axes`): L layers, B batch, P prefix tokens, K KV heads, H head dim, D VLM width.
 
     k, v         [L, B, P, K, H]  compute dtype; K after RoPE
     mask         bool [B, P]      True where a prefix token is valid (padding and masked cameras False)
@@ -8,7 +8,7 @@ Axis legend: L layers, B batch, P prefix tokens, K KV heads, H head dim, D VLM w
     last_hidden  [B, D]           final-normed VLM output at the last valid prefix token: the
                                   logits of the first decoded token come from it
 
-Consumers never write this cache: `denoise` reads it for all S steps; the decode pool copies it
+Consumers never write this cache: `denoise` reads it for all `num_steps` steps; the decode pool copies it
 into its own slots at admission.
 """
 

@@ -1,11 +1,12 @@
 """π0.5 as pure functions: prefill an observation once, then denoise actions from its cache.
 
-Axis legend: B batch, C cameras, Np patches per camera, T prompt tokens, P = C*Np + T prefix
-tokens, Ha action horizon, A model action dim (32), D VLM width, Da action-expert width.
+Axes (`oxygen_jax.axes`): B batch, Nc cameras, Np patches per camera, Tp prompt tokens,
+P = Nc*Np + Tp prefix tokens, Ha action horizon, Ad model action dim (32), D VLM width, Da action-expert
+width.
 
 Sequence layout and attention (openpi π0.5, with padding cameras dropped rather than masked):
 
-    prefix  [cam_0 Np | cam_1 Np | ... | prompt T]   expert 0, bidirectional over valid tokens
+    prefix  [cam_0 Np | cam_1 Np | ... | prompt Tp]   expert 0, bidirectional over valid tokens
             (prompt tokens are causal instead when config.prompt_attention == "causal")
     suffix  [Ha noisy-action tokens]                  expert 1, sees every valid prefix token and
                                                       the whole suffix; prefix never sees suffix
@@ -94,9 +95,9 @@ def prefill(params: Params, observation: Observation) -> PrefixCache:
 
     Args:
       params: model parameters (their static `config` selects dtype and prompt attention).
-      observation: images [B, C, S, S, 3], masks, prompt tokens [B, T].
+      observation: images [B, Nc, Px, Px, 3], masks, prompt tokens [B, Tp].
     Returns:
-      The prefix cache, P = C * Np + T slots.
+      The prefix cache, P = Nc * Np + Tp positions.
     """
     out = prefix_forward(params, observation)
     last = last_valid_index(out["input_mask"])
@@ -132,11 +133,11 @@ def time_condition(params: Params, t: jax.Array) -> jax.Array:
 
 
 def velocity(params: Params, cache: PrefixCache, x_t: jax.Array, t: jax.Array) -> jax.Array:
-    """Flow-matching velocity v(x_t, t) [B, Ha, A] from the action expert reading the prefix cache.
+    """Flow-matching velocity v(x_t, t) [B, Ha, Ad] from the action expert reading the prefix cache.
 
     Args:
       cache: read-only prefix cache.
-      x_t: noisy actions [B, Ha, A].
+      x_t: noisy actions [B, Ha, Ad].
       t: times [B].
     """
     dt = params.config.jnp_dtype
@@ -159,10 +160,10 @@ def denoise(params: Params, cache: PrefixCache, noise: jax.Array, num_steps: int
     The cache is read, never written, and not donated: text decoding can share it.
 
     Args:
-      noise: x(t=1) [B, Ha, A].
+      noise: x(t=1) [B, Ha, Ad].
       num_steps: static step count.
     Returns:
-      normalised, padded actions float32 [B, Ha, A].
+      normalised, padded actions float32 [B, Ha, Ad].
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -180,7 +181,7 @@ def denoise(params: Params, cache: PrefixCache, noise: jax.Array, num_steps: int
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
 def sample_actions(params: Params, observation: Observation, noise: jax.Array, num_steps: int = 10) -> jax.Array:
-    """`denoise(prefill(observation))`: one action chunk [B, Ha, A] per observation row."""
+    """`denoise(prefill(observation))`: one action chunk [B, Ha, Ad] per observation row."""
     return denoise(params, prefill(params, observation), noise, num_steps)
 
 
@@ -191,7 +192,7 @@ def compute_loss(params: Params, observation: Observation, actions: jax.Array, n
     x_t = t * noise + (1 - t) * actions; target u_t = noise - actions.
 
     Args:
-      actions, noise: [B, Ha, A]; time: [B] in (0, 1].
+      actions, noise: [B, Ha, Ad]; time: [B] in (0, 1].
     Returns:
       per-step loss [B, Ha] = mean over A of (v_t - u_t)^2.
     """

@@ -1,7 +1,7 @@
 """Normalisation statistics (openpi's `norm_stats.json`) and the state/action normalisers.
 
 Axes: D the last (feature) dimension of the array being normalised; Ds/Da the robot's native state
-and action dims (the length of the stats vectors); A = 32 the model's padded dim.
+and action dims (the length of the stats vectors); Ad = 32 the model's padded dim (`oxygen_jax.axes`).
 
 File format (one file per asset, `assets/<asset_id>/norm_stats.json`):
 

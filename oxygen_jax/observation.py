@@ -1,12 +1,12 @@
 """The model-side observation: camera images, their masks and the tokenized prompt.
 
-Axes: B batch, C present cameras (the robot's real camera slots, padding slots already dropped),
-S image side in pixels, T prompt tokens.
+Axes (`oxygen_jax.axes`): B batch, Nc present cameras (the robot's real camera slots, padding slots
+already dropped), Px image side in pixels, Tp prompt tokens.
 
-    images      float [B, C, S, S, 3]  in [-1, 1] (compute dtype or float32)
-    image_masks bool  [B, C]           False = this camera is absent for this row (masked, not dropped)
-    tokens      int32 [B, T]           prompt ids, 0-padded
-    token_mask  bool  [B, T]           True on real prompt tokens
+    images      float [B, Nc, Px, Px, 3]  in [-1, 1] (compute dtype or float32)
+    image_masks bool  [B, Nc]             False = this camera is absent for this row (masked, not dropped)
+    tokens      int32 [B, Tp]             prompt ids, 0-padded
+    token_mask  bool  [B, Tp]             True on real prompt tokens
 
 `oxygen_jax.transforms` builds this from robot (client) dictionaries.
 """

@@ -1,8 +1,8 @@
 """π0.5 parameters as registered-dataclass pytrees, described once by a table.
 
-Axis legend: L layers (stacked for `lax.scan`), D expert width, F MLP hidden, N query heads,
-K KV heads, H head dim, V vocabulary, W SigLIP width, Fv SigLIP MLP, Nv SigLIP heads, Hv SigLIP head
-dim, p patch size, Np patches per image, A model action dim, Dc adaRMS condition width (= action
+Axes (`oxygen_jax.axes`): L layers (stacked for `lax.scan`), D expert width, F MLP hidden, N query
+heads, K KV heads, H head dim, V vocabulary, W SigLIP width, Fv SigLIP MLP, Nv SigLIP heads, Hv SigLIP
+head dim, p patch size, Np patches per image, Ad model action dim, Dc adaRMS condition width (= action
 expert width).
 
 `_SPEC` is the single description of every leaf: its openpi checkpoint path, its attribute path in
@@ -98,10 +98,10 @@ class Params:
     vlm: Expert  # expert 0: prefix and text (plain RMSNorm)
     action_expert: Expert  # expert 1: action suffix (adaRMSNorm)
     siglip: Siglip
-    action_in: Dense  # [A, D_act]
-    time_mlp_in: Dense  # [D_act, D_act]
-    time_mlp_out: Dense  # [D_act, D_act]
-    action_out: Dense  # [D_act, A]
+    action_in: Dense  # [Ad, Da]
+    time_mlp_in: Dense  # [Da, Da]
+    time_mlp_out: Dense  # [Da, Da]
+    action_out: Dense  # [Da, Ad]
     config: ModelConfig = dataclasses.field(metadata=dict(static=True))  # static: part of the treedef
 
     def replace(self, **changes) -> "Params":

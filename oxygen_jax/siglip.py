@@ -1,7 +1,7 @@
 """SigLIP image encoder (ViT, no class token, no pooling) with a Dense head into the VLM width.
 
-Axis legend: B images, S image side, p patch size, Np = (S / p)^2 patches, W width, Nv heads,
-Hv head dim, Fv MLP hidden, D VLM width.
+Axes (`oxygen_jax.axes`): B images, Px image side, p patch size, Np = (Px / p)^2 patches, W width,
+Nv heads, Hv head dim, Fv MLP hidden, D VLM width.
 
 The stem (patch projection + position embedding) runs in float32, like openpi; the encoder runs in
 the compute dtype. The patch "convolution" (kernel p, stride p, VALID) is computed as a reshape into
@@ -27,7 +27,7 @@ def _layer_norm(x: jax.Array, ln: LayerNorm) -> jax.Array:
 
 
 def _patchify(images: jax.Array, p: int) -> jax.Array:
-    """[B, S, S, 3] -> [B, Np, p*p*3], patches in row-major order, pixels as (row, col, channel)."""
+    """[B, Px, Px, 3] -> [B, Np, p*p*3], patches in row-major order, pixels as (row, col, channel)."""
     b, s, _, c = images.shape
     g = s // p
     x = images.reshape(b, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5)
@@ -35,7 +35,7 @@ def _patchify(images: jax.Array, p: int) -> jax.Array:
 
 
 def stem(params: Siglip, images: jax.Array) -> jax.Array:
-    """Patch embedding before the position embedding: [B, S, S, 3] -> float32 [B, Np, W]."""
+    """Patch embedding before the position embedding: [B, Px, Px, 3] -> float32 [B, Np, W]."""
     p = params.patch.kernel.shape[0]
     w = params.patch.kernel.reshape(-1, params.patch.kernel.shape[-1]).astype(jnp.float32)
     return _patchify(images.astype(jnp.float32), p) @ w + params.patch.bias.astype(jnp.float32)
@@ -61,7 +61,7 @@ def encode_stages(params: Siglip, images: jax.Array, dtype) -> dict[str, jax.Arr
     """All intermediate outputs, for parity checks.
 
     Args:
-      images: [B, S, S, 3] in [-1, 1].
+      images: [B, Px, Px, 3] in [-1, 1].
     Returns:
       {"stem": [B, Np, W] float32, "encoded": [B, Np, W] (after the final LayerNorm),
        "tokens": [B, Np, D] (after the head)}.
@@ -80,5 +80,5 @@ def encode_stages(params: Siglip, images: jax.Array, dtype) -> dict[str, jax.Arr
 
 
 def encode(params: Siglip, images: jax.Array, dtype) -> jax.Array:
-    """Image tokens [B, Np, D] for images [B, S, S, 3] in [-1, 1]."""
+    """Image tokens [B, Np, D] for images [B, Px, Px, 3] in [-1, 1]."""
     return encode_stages(params, images, dtype)["tokens"]

@@ -1,14 +1,14 @@
 """Per-robot host-side transforms between openpi client samples and the model (numpy, never jitted).
 
-Axes: B batch, C the robot's real camera slots (`RobotConfig.cameras`, padding slots dropped), S model
-image side, H/W client image height/width, T prompt tokens, Ha action horizon, A padded model
-state/action dim (32), Ds/Da native state/action dims.
+Axes (`oxygen_jax.axes`): B batch, Nc the robot's real camera slots (`RobotConfig.cameras`, padding
+slots dropped), Px model image side, Hi/Wi client image height/width, Tp prompt tokens, Ha action
+horizon, Ad padded model state/action dim (32), Ds/Da native state/action dims.
 
-    client sample ──robot_inputs──▶ {"images": {slot: uint8 [H, W, 3]}, "image_masks": {slot: bool},
+    client sample ──robot_inputs──▶ {"images": {slot: uint8 [Hi, Wi, 3]}, "image_masks": {slot: bool},
                                      "state": float32 [Ds], "prompt": str[, "actions": float32 [Ha, Da]]}
-    [sample, …]   ──make_observation──▶ Observation(images float32 [B, C, S, S, 3] in [-1, 1],
-                                     image_masks [B, C], tokens int32 [B, T], token_mask [B, T])
-    model actions float [B, Ha, A] (normalised) ──robot_outputs──▶ float32 [B, Ha, Da]
+    [sample, …]   ──make_observation──▶ Observation(images float32 [B, Nc, Px, Px, 3] in [-1, 1],
+                                     image_masks [B, Nc], tokens int32 [B, Tp], token_mask [B, Tp])
+    model actions float [B, Ha, Ad] (normalised) ──robot_outputs──▶ float32 [B, Ha, Da]
 
 Order (openpi's pipelines): robot inputs → delta actions → quantile normalise → resize → tokenize;
 and unnormalise → absolute actions → robot outputs. So the state discretised into the π0.5 prompt is
@@ -52,7 +52,7 @@ _BASE, _LEFT, _RIGHT = CAMERA_SLOTS
 
 
 def _resize_bilinear(img: np.ndarray, height: int, width: int) -> np.ndarray:
-    """One [H, W, c] image → [height, width, c] with PIL's bilinear filter (antialiased when shrinking)."""
+    """One [Hi, Wi, c] image → [height, width, c] with PIL's bilinear filter (antialiased when shrinking)."""
     if img.dtype == np.uint8 and img.shape[-1] == 3:
         return np.asarray(Image.fromarray(img).resize((width, height), Image.BILINEAR))
     chans = []
@@ -102,7 +102,7 @@ def _parse_image(sample: Mapping, key: str, layout: str, *, where: str = "") -> 
     if key not in sample:
         raise ValueError(f"missing camera image {name!r} (expected a {layout} uint8 image)")
     arr = np.asarray(sample[key])
-    expected = "[3, H, W] (CHW)" if layout == "CHW" else "[H, W, 3] (HWC)"
+    expected = "[3, Hi, Wi] (CHW)" if layout == "CHW" else "[Hi, Wi, 3] (HWC)"
     if arr.ndim != 3:
         raise ValueError(f"{name}: expected a {expected} image, got shape {arr.shape}")
     if layout == "CHW":
@@ -306,7 +306,7 @@ def robot_inputs(robot: RobotConfig, sample: Mapping, *, default_prompt: str | N
         [Ha, Da] entry (training data) is converted too: ALOHA actions go to π convention with delta joints.
       default_prompt: used when the sample has no "prompt".
     Returns:
-      {"images": {slot: uint8 [H, W, 3]}, "image_masks": {slot: bool}} for the slots in `robot.cameras`,
+      {"images": {slot: uint8 [Hi, Wi, 3]}, "image_masks": {slot: bool}} for the slots in `robot.cameras`,
       "state": float32 [Ds] (native dims, π convention: ALOHA after adapt_to_pi, unnormalised),
       "prompt": str, and "actions": float32 [Ha, Da] if the sample had actions.
     Raises:
@@ -354,13 +354,13 @@ def make_observation(
 ) -> Observation:
     """Batches client samples into the model's `Observation` (numpy arrays; the caller places them on device).
 
-    Per sample: `robot_inputs`; each real camera slot resized with pad to S = model_config.siglip.image_size
+    Per sample: `robot_inputs`; each real camera slot resized with pad to Px = model_config.siglip.image_size
     and mapped uint8 → x/255·2−1; the state normalised with norm_stats["state"] (quantile, or z-score with
     `quantile=False`) when `norm_stats` is given; the prompt tokenized to `robot.max_token_len`, in the π0.5
     format with the discretised state if `robot.discrete_state_input`, else the π0 format.
 
     Returns:
-      Observation(images float32 [B, C, S, S, 3], image_masks bool [B, C], tokens int32 [B, T], token_mask bool [B, T]).
+      Observation(images float32 [B, Nc, Px, Px, 3], image_masks bool [B, Nc], tokens int32 [B, Tp], token_mask bool [B, Tp]).
     Raises:
       ValueError naming the sample index and the key at fault.
     """
@@ -406,7 +406,7 @@ def robot_outputs(
 
     Args:
       robot: the robot whose commands to produce.
-      actions: float [B, Ha, A] or [Ha, A], normalised model output (A >= robot.action_dim).
+      actions: float [B, Ha, Ad] or [Ha, Ad], normalised model output (Ad >= robot.action_dim).
       states_native: the client states `client_state(robot, sample)`, [B, Ds] or [Ds]. Required for ALOHA
         (delta joint actions are relative to the state); unused otherwise.
       norm_stats: {"actions": NormStats, ...}; None skips unnormalisation (actions already unnormalised).
