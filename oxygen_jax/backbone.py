@@ -1,0 +1,608 @@
+"""One transformer decoder stack described by a `BackboneSpec`: π0.5's Gemma, Qwen3, Qwen3-VL text.
+
+Axis legend: B batch, T query tokens, S key tokens, D width, F MLP hidden, N query heads, K KV heads,
+G = N / K query heads per KV head, H head dim, L layers, V vocabulary, R = 3 M-RoPE axes (t, h, w),
+E DeepStack layers.
+
+What differs between the families is data in the spec, not code paths:
+
+| spec field        | π0.5 Gemma            | Qwen3 / Qwen3-VL text                      |
+|-------------------|-----------------------|--------------------------------------------|
+| `mlp`             | `geglu_tanh`          | `swiglu`                                   |
+| `norm_plus_one`   | `x̂ * (1 + w)` (f32)   | `w * x̂` (x̂ cast to the activation dtype)   |
+| `qk_norm`         | no                    | RMSNorm over H on q and k, before RoPE     |
+| `rope`            | 1-D, theta 1e4        | 1-D (Qwen3) / interleaved M-RoPE (Qwen3-VL) |
+| `embed_scale`     | `x * sqrt(D)`         | none                                       |
+| `tie_embeddings`  | tied                  | either                                     |
+| `prefix_attention`| bidirectional/causal  | causal                                     |
+
+The three stack entry points mirror `gemma.py` (same arguments, same K/V layout [L, B, T, K, H],
+K stored after q/k-norm and RoPE, 1/sqrt(H) folded into q) so `decode.py` can call either:
+
+* `forward_prefill` — no cache in; returns the stacked K/V it computed;
+* `forward_read`    — attends to a read-only cache ‖ its own K/V (denoising);
+* `forward_write`   — scatters its K/V into a slot cache, then attends to the cache (decoding).
+
+Positions are int [B, T] (1-D RoPE) or [R, B, T] (M-RoPE; [B, T] is accepted and means equal
+axes, which is what text tokens and decode steps use). Layers may be stacked (`lax.scan`) or
+`params.Unstacked` (an unrolled loop, the fast form on XLA's CPU backend; see `params.scan_layers`).
+`params.ExpertLayers` (π0.5's VLM and action experts) is accepted as is: it is `DecoderLayers`
+without q/k-norm, and its adaRMSNorm runs when a `cond` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxygen_jax.config import ModelConfig, SiglipConfig
+from oxygen_jax.masks import make_attn_mask, positions_from_mask
+from oxygen_jax.params import AdaRMSNorm, ExpertLayers, RMSNorm, Unstacked, scan_layers
+
+_MASK_FILL = -2.3819763e38  # openpi's fill: finite, so a row with no valid key stays finite
+
+Family = Literal["gemma", "qwen3", "qwen3_vl"]
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Specs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeSpec:
+    """Rotary embedding over the half-split head (rotate_half convention of Gemma and HF Qwen).
+
+    Interleaved M-RoPE (Qwen3-VL): frequency i of the H/2 rotates by the position of axis
+    h if i % 3 == 1 and i < 3 * section[1], of axis w if i % 3 == 2 and i < 3 * section[2], else of
+    axis t. With all three axes equal it is exactly 1-D RoPE.
+    """
+
+    theta: float = 10_000.0  # base wavelength
+    kind: Literal["1d", "mrope_interleaved"] = "1d"
+    mrope_section: tuple[int, ...] = ()  # (t, h, w) frequency counts, summing to H/2; M-RoPE only
+
+    def __post_init__(self):
+        _require(self.theta > 0, f"RopeSpec.theta must be positive, got {self.theta}")
+        _require(self.kind in ("1d", "mrope_interleaved"), f"RopeSpec.kind must be '1d' or 'mrope_interleaved', got {self.kind!r}")
+        if self.kind == "1d":
+            _require(not self.mrope_section, "RopeSpec.mrope_section is only meaningful with kind='mrope_interleaved'")
+        else:
+            _require(len(self.mrope_section) == 3, f"RopeSpec.mrope_section needs 3 entries (t, h, w), got {self.mrope_section}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3VisionSpec:
+    """The Qwen3-VL ViT: patch embed, learned position grid + 2-D RoPE, LayerNorm blocks, 2x2 mergers."""
+
+    depth: int  # ViT blocks
+    width: int  # W
+    num_heads: int  # Nv; head dim W / Nv
+    mlp_dim: int  # Fv (gelu-tanh MLP)
+    out_width: int  # LLM width D that the mergers project to
+    num_position_embeddings: int  # learned grid G*G (2304 = 48x48 for Qwen3-VL-4B)
+    deepstack_layers: tuple[int, ...] = ()  # ViT blocks whose outputs feed DeepStack mergers, in order
+    patch_size: int = 16  # P pixels per side
+    temporal_patch_size: int = 2  # Tp frames per patch (an image is repeated to fill it)
+    spatial_merge_size: int = 2  # m: m x m patches -> one LLM token
+    in_channels: int = 3
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for f in ("depth", "width", "num_heads", "mlp_dim", "out_width", "patch_size", "temporal_patch_size", "spatial_merge_size"):
+            _require(getattr(self, f) > 0, f"Qwen3VisionSpec.{f} must be positive, got {getattr(self, f)}")
+        _require(self.width % self.num_heads == 0, f"Qwen3VisionSpec.width ({self.width}) must be a multiple of num_heads ({self.num_heads})")
+        _require(self.head_dim % 4 == 0, f"Qwen3VisionSpec head dim ({self.head_dim}) must be a multiple of 4 for 2-D RoPE")
+        side = math.isqrt(self.num_position_embeddings)
+        _require(side * side == self.num_position_embeddings,
+                 f"Qwen3VisionSpec.num_position_embeddings must be a square grid, got {self.num_position_embeddings}")
+        _require(all(0 <= i < self.depth for i in self.deepstack_layers) and len(set(self.deepstack_layers)) == len(self.deepstack_layers),
+                 f"Qwen3VisionSpec.deepstack_layers must be distinct block indices in [0, {self.depth}), got {self.deepstack_layers}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.num_heads
+
+    @property
+    def grid_side(self) -> int:
+        return math.isqrt(self.num_position_embeddings)
+
+    @property
+    def patch_dim(self) -> int:
+        """Pd = C * Tp * P * P: one flattened patch, in (C, Tp, P, P) order (HF's Conv3d input)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_width(self) -> int:
+        """m² W: one merged token before the merger MLP."""
+        return self.width * self.spatial_merge_size ** 2
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BackboneSpec:
+    """One transformer stack (a causal or prefix LM) and its vision encoder. Hashable and static."""
+
+    family: Family
+    width: int  # D
+    depth: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K (N % K == 0)
+    head_dim: int  # H
+    mlp_dim: int  # F
+    vocab_size: int  # V
+    mlp: Literal["geglu_tanh", "swiglu"]  # gate activation: gelu(tanh approx.) or silu
+    norm_plus_one: bool  # RMSNorm scale applied as (1 + w) (Gemma) or w (Qwen)
+    qk_norm: bool  # RMSNorm over H on q and k before RoPE (Qwen3)
+    rope: RopeSpec
+    embed_scale: bool  # multiply embeddings by sqrt(D) (Gemma)
+    tie_embeddings: bool  # LM head = embedding table
+    prefix_attention: Literal["bidirectional", "causal"] = "causal"
+    norm_eps: float = 1e-6
+    vision: SiglipConfig | Qwen3VisionSpec | None = None
+
+    def __post_init__(self):
+        for f in ("width", "depth", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size"):
+            _require(getattr(self, f) > 0, f"BackboneSpec.{f} must be positive, got {getattr(self, f)}")
+        _require(self.num_heads % self.num_kv_heads == 0,
+                 f"BackboneSpec.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        _require(self.head_dim % 2 == 0, f"BackboneSpec.head_dim must be even for RoPE, got {self.head_dim}")
+        _require(self.mlp in ("geglu_tanh", "swiglu"), f"BackboneSpec.mlp must be 'geglu_tanh' or 'swiglu', got {self.mlp!r}")
+        _require(self.prefix_attention in ("bidirectional", "causal"),
+                 f"BackboneSpec.prefix_attention must be 'bidirectional' or 'causal', got {self.prefix_attention!r}")
+        if self.rope.kind == "mrope_interleaved":
+            _mrope_axis_map(self.rope.mrope_section, self.head_dim)  # raises if the sections do not fit H
+        if isinstance(self.vision, Qwen3VisionSpec):
+            _require(self.vision.out_width == self.width,
+                     f"vision.out_width ({self.vision.out_width}) must equal the LLM width ({self.width})")
+            _require(len(self.vision.deepstack_layers) <= self.depth,
+                     f"{len(self.vision.deepstack_layers)} DeepStack features need at least as many LLM layers, got {self.depth}")
+
+    def replace(self, **changes) -> "BackboneSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def _mrope_axis_map(section: tuple[int, ...], head_dim: int) -> np.ndarray:
+    """int [H/2]: which position axis (0 t, 1 h, 2 w) rotates each frequency (see `RopeSpec`)."""
+    half = head_dim // 2
+    axis = np.zeros(half, np.int32)
+    axis[1:3 * section[1]:3] = 1
+    axis[2:3 * section[2]:3] = 2
+    counts = tuple(int(np.sum(axis == a)) for a in range(3))
+    _require(sum(section) == half and counts == tuple(section),
+             f"mrope_section {tuple(section)} does not interleave over head_dim/2 = {half} frequencies "
+             f"(it gives t/h/w counts {counts}); the sections must sum to head_dim/2 with h, w <= head_dim/6")
+    return axis
+
+
+def pi05_spec(config: ModelConfig, expert: Literal["vlm", "action_expert"] = "vlm") -> BackboneSpec:
+    """π0.5's VLM expert (with the embedder, SigLIP and the tied head) or its action expert as a spec.
+
+    The action expert has no embedder or head of its own; its spec only drives the stack (with
+    adaRMSNorm through `cond`). Run the stack on `params.vlm.layers` / `params.action_expert.layers`.
+    """
+    e = getattr(config, expert)
+    return BackboneSpec(
+        family="gemma", width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
+        head_dim=e.head_dim, mlp_dim=e.mlp_dim, vocab_size=config.vocab_size, mlp="geglu_tanh",
+        norm_plus_one=True, qk_norm=False, rope=RopeSpec(theta=10_000.0), embed_scale=True, tie_embeddings=True,
+        prefix_attention=config.prompt_attention, vision=config.siglip if expert == "vlm" else None,
+    )
+
+
+def _qwen3(width, depth, heads, kv_heads, head_dim, mlp_dim, vocab, theta, tie, section=(), vision=None) -> BackboneSpec:
+    rope = RopeSpec(theta=theta, kind="mrope_interleaved", mrope_section=section) if section else RopeSpec(theta=theta)
+    return BackboneSpec(
+        family="qwen3_vl" if vision is not None else "qwen3", width=width, depth=depth, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, mlp_dim=mlp_dim, vocab_size=vocab, mlp="swiglu", norm_plus_one=False,
+        qk_norm=True, rope=rope, embed_scale=False, tie_embeddings=tie, prefix_attention="causal", vision=vision,
+    )
+
+
+_PRESETS: dict[str, Callable[[], BackboneSpec]] = {
+    # The dims of ../shared/fixtures/qwen3_tiny (untied head) and qwen3vl_tiny (tied, DeepStack [0, 1]).
+    "qwen3_tiny": lambda: _qwen3(64, 3, 4, 2, 16, 128, 512, 1e6, tie=False),
+    "qwen3vl_tiny": lambda: _qwen3(
+        64, 3, 4, 2, 16, 128, 512, 5e6, tie=True, section=(4, 2, 2),
+        vision=Qwen3VisionSpec(depth=3, width=32, num_heads=2, mlp_dim=64, out_width=64, num_position_embeddings=64,
+                               deepstack_layers=(0, 1)),
+    ),
+    # Qwen3-VL-4B-Instruct (its config.json): text 36 x 2560, ViT 24 x 1024, DeepStack [5, 11, 17].
+    "qwen3_vl_4b": lambda: _qwen3(
+        2560, 36, 32, 8, 128, 9728, 151_936, 5e6, tie=True, section=(24, 20, 20),
+        vision=Qwen3VisionSpec(depth=24, width=1024, num_heads=16, mlp_dim=4096, out_width=2560,
+                               num_position_embeddings=2304, deepstack_layers=(5, 11, 17)),
+    ),
+}
+
+
+def preset(name: str) -> BackboneSpec:
+    """A named spec: 'qwen3_tiny', 'qwen3vl_tiny' (test sizes) or 'qwen3_vl_4b' (full size)."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown backbone preset {name!r}; choose one of {sorted(_PRESETS)}")
+    return _PRESETS[name]()
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _pytree(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_pytree
+class DecoderLayers:
+    """Per-layer weights stacked on a leading L axis (the layout of `params.ExpertLayers` plus q/k-norm)."""
+
+    q: jax.Array  # [L, N, D, H]
+    kv: jax.Array  # [L, 2, K, D, H]; index 0 = K, 1 = V
+    out: jax.Array  # [L, N, H, D]
+    attn_norm: RMSNorm | AdaRMSNorm  # scale [L, D]
+    ffw_norm: RMSNorm | AdaRMSNorm  # scale [L, D]
+    gating: jax.Array  # [L, 2, D, F]; index 0 = gate (gelu or silu), 1 = up
+    linear: jax.Array  # [L, F, D]
+    q_norm: RMSNorm | None = None  # scale [L, H]
+    k_norm: RMSNorm | None = None  # scale [L, H]
+
+
+@_pytree
+class Decoder:
+    """A language model's weights: embedder, layer stack, final norm, optional untied head."""
+
+    embedding: jax.Array  # [V, D]
+    layers: DecoderLayers | ExpertLayers | Unstacked
+    final_norm: RMSNorm  # scale [D]
+    lm_head: jax.Array | None = None  # [V, D]; None when the head is tied to `embedding`
+
+
+def from_expert_layers(layers: ExpertLayers | Unstacked) -> DecoderLayers | Unstacked:
+    """π0.5's `ExpertLayers` as `DecoderLayers` (no q/k-norm); the same arrays, no copy."""
+    if isinstance(layers, Unstacked):
+        return Unstacked(layers=tuple(from_expert_layers(lp) for lp in layers.layers))
+    return DecoderLayers(q=layers.q, kv=layers.kv, out=layers.out, attn_norm=layers.attn_norm,
+                         ffw_norm=layers.ffw_norm, gating=layers.gating, linear=layers.linear)
+
+
+def unstack_layers(layers):
+    """Stacked layers -> `params.Unstacked` (separate per-layer buffers; the fast form on CPU)."""
+    if isinstance(layers, Unstacked):
+        return layers
+    depth = jax.tree.leaves(layers)[0].shape[0]
+    return Unstacked(layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(depth)))
+
+
+def stack_layers(layers):
+    """Inverse of `unstack_layers` (a no-op on stacked layers)."""
+    if not isinstance(layers, Unstacked):
+        return layers
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers.layers)
+
+
+def init_decoder(spec: BackboneSpec, key: jax.Array, dtype: str = "float32") -> Decoder:
+    """Random weights for `spec` (fan-in scaled normals; norm scales around their identity value).
+
+    Traceable, so `jax.eval_shape(lambda: init_decoder(spec, jax.random.key(0)))` gives the full-size
+    tree without allocating it. Not a training initialisation.
+    """
+    keys = (jax.random.fold_in(key, i) for i in itertools.count())
+    d, n, k, h, f, v, depth = spec.width, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.mlp_dim, spec.vocab_size, spec.depth
+
+    def normal(shape, fan_in):
+        return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+    def norm(shape):
+        w = 0.1 * jax.random.normal(next(keys), shape, jnp.float32)
+        return RMSNorm(scale=(w if spec.norm_plus_one else 1.0 + w).astype(dtype))
+
+    layers = DecoderLayers(
+        q=normal((depth, n, d, h), d), kv=normal((depth, 2, k, d, h), d), out=normal((depth, n, h, d), n * h),
+        attn_norm=norm((depth, d)), ffw_norm=norm((depth, d)), gating=normal((depth, 2, d, f), d),
+        linear=normal((depth, f, d), f),
+        q_norm=norm((depth, h)) if spec.qk_norm else None, k_norm=norm((depth, h)) if spec.qk_norm else None,
+    )
+    return Decoder(
+        embedding=normal((v, d), d), layers=layers, final_norm=norm((d,)),
+        lm_head=None if spec.tie_embeddings else normal((v, d), d),
+    )
+
+
+def abstract_decoder(spec: BackboneSpec, dtype: str = "float32") -> Decoder:
+    """`jax.ShapeDtypeStruct` leaves of `init_decoder(spec)`, without allocating anything."""
+    return jax.eval_shape(lambda: init_decoder(spec, jax.random.key(0), dtype))
+
+
+# --------------------------------------------------------------------------------------------------
+# Norms, RoPE, attention, MLP
+
+
+def rms_norm(spec: BackboneSpec, x: jax.Array, norm: RMSNorm | AdaRMSNorm, cond: jax.Array | None = None):
+    """RMSNorm over the last axis, `(1 + w)` or `w` by `spec.norm_plus_one`, or π0.5's adaRMSNorm.
+
+    Args:
+      x: [..., D]; norm: `RMSNorm` (scale [D]) or `AdaRMSNorm` (needs `cond` [B, Dc], x [B, T, D]).
+    Returns:
+      (normed x in x.dtype, gate [B, 1, D] or None). The adaptive norm's gate multiplies the
+      residual branch (no sigmoid).
+    """
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + spec.norm_eps)
+    if isinstance(norm, RMSNorm):
+        if spec.norm_plus_one:
+            return (normed * (1 + norm.scale.astype(jnp.float32))).astype(x.dtype), None
+        # HF Qwen: the normalised activations are cast back first, then scaled by w.
+        return normed.astype(x.dtype) * norm.scale.astype(x.dtype), None
+    _require(spec.norm_plus_one, "adaRMSNorm is defined for (1 + scale) norms only")
+    if cond is None:
+        raise ValueError("adaRMSNorm needs a condition (the time embedding)")
+    mod = cond.astype(x.dtype) @ norm.modulation.kernel.astype(x.dtype) + norm.modulation.bias.astype(x.dtype)
+    scale, shift, gate = jnp.split(mod[:, None, :], 3, axis=-1)
+    out = normed * (1 + scale.astype(jnp.float32)) + shift.astype(jnp.float32)
+    return out.astype(x.dtype), gate
+
+
+def rope_angles(rope: RopeSpec, positions: jax.Array, head_dim: int) -> jax.Array:
+    """Rotation angles float32 [B, T, H/2] for int positions [B, T] or [R, B, T].
+
+    Angle i = position / theta^(2i/H), the position being that of the axis frequency i belongs
+    to (M-RoPE) or the only one (1-D). A [B, T] position with M-RoPE means all axes equal.
+    """
+    timescale = rope.theta ** ((2.0 / head_dim) * jnp.arange(head_dim // 2, dtype=jnp.float32))
+    if rope.kind == "1d":
+        if positions.ndim != 2:
+            raise ValueError(f"1-D RoPE needs positions [B, T], got shape {positions.shape}")
+        return positions[..., None].astype(jnp.float32) / timescale
+    if positions.ndim == 2:
+        positions = jnp.broadcast_to(positions, (3,) + positions.shape)
+    if positions.ndim != 3 or positions.shape[0] != 3:
+        raise ValueError(f"M-RoPE needs positions [3, B, T] (or [B, T]), got shape {positions.shape}")
+    per_freq = jnp.take(positions, jnp.asarray(_mrope_axis_map(rope.mrope_section, head_dim)), axis=0)  # [H/2, B, T]
+    return jnp.moveaxis(per_freq, 0, -1).astype(jnp.float32) / timescale
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Half-split rotation: x [B, T, N, H] with sin, cos [B, T, 1, H/2] (float32 maths)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention with float32 logits and softmax.
+
+    Args:
+      q: [B, T, N, H], already scaled by 1/sqrt(H).
+      k, v: [B, S, K, H].
+      mask: bool [B, T, S]; masked logits get a large finite negative value.
+    Returns:
+      [B, T, N, H].
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    if mask.shape != (b, t, k.shape[1]):
+        raise ValueError(f"attention mask must be [B, T, S] = {(b, t, k.shape[1])}, got {mask.shape}")
+    qg = q.reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask[:, None, None, :, :], logits, _MASK_FILL)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array) -> jax.Array:
+    """Gated MLP `(act(x W0) * (x W1)) W2` with gating = [W0; W1] of shape [2, D, F].
+
+    Both branches run as one batched matmul (about 10x faster than two on XLA's CPU backend at
+    decode batch sizes; see gemma._mlp).
+    """
+    lead, d = x.shape[:-1], x.shape[-1]
+    xb = jnp.broadcast_to(x.reshape(1, -1, d), (2, x.size // d, d))
+    gate, up = jnp.einsum("CND,CDF->CNF", xb, gating.astype(x.dtype))
+    act = jax.nn.gelu(gate, approximate=True) if spec.mlp == "geglu_tanh" else jax.nn.silu(gate)
+    return ((act * up) @ linear.astype(x.dtype)).reshape(lead + (linear.shape[-1],))
+
+
+def _residual(x, y, gate):
+    return x + y if gate is None else x + y * gate.astype(y.dtype)
+
+
+KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def _block(spec: BackboneSpec, lp, x, cond, rope, mask, kv_fn: KVFn) -> jax.Array:
+    """One decoder layer; `kv_fn(k, v) -> (keys, values)` chooses what it attends to."""
+    sin, cos = rope
+    h, gate = rms_norm(spec, x, lp.attn_norm, cond)
+    q = jnp.einsum("BTD,NDH->BTNH", h, lp.q.astype(h.dtype))
+    k, v = jnp.einsum("BSD,2KDH->2BSKH", h, lp.kv.astype(h.dtype))
+    q_norm, k_norm = getattr(lp, "q_norm", None), getattr(lp, "k_norm", None)
+    if spec.qk_norm:
+        if q_norm is None or k_norm is None:
+            raise ValueError(f"spec {spec.family!r} has q/k-norm but the layer weights have none")
+        q, _ = rms_norm(spec, q, q_norm)
+        k, _ = rms_norm(spec, k, k_norm)
+    q = apply_rope(q, sin, cos) * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    k = apply_rope(k, sin, cos)
+    keys, values = kv_fn(k, v)
+    a = attention(q, keys, values, mask)
+    x = _residual(x, jnp.einsum("BTNH,NHD->BTD", a, lp.out.astype(a.dtype)), gate)
+    h, gate = rms_norm(spec, x, lp.ffw_norm, cond)
+    return _residual(x, _mlp(spec, h, lp.gating, lp.linear), gate)
+
+
+def _rope_tables(spec: BackboneSpec, positions: jax.Array):
+    radians = rope_angles(spec.rope, positions, spec.head_dim)[..., None, :]  # [B, T, 1, H/2]
+    return jnp.sin(radians), jnp.cos(radians)
+
+
+def _add_deepstack(x: jax.Array, deepstack: jax.Array | None, layer) -> jax.Array:
+    """x + deepstack[layer] after the first E layers (E = deepstack.shape[0]); `layer` may be traced."""
+    if deepstack is None:
+        return x
+    e = deepstack.shape[0]
+    if isinstance(layer, int):
+        return x + deepstack[layer].astype(x.dtype) if layer < e else x
+    return jnp.where(layer < e, x + deepstack[jnp.minimum(layer, e - 1)].astype(x.dtype), x)
+
+
+# --------------------------------------------------------------------------------------------------
+# The stack
+
+
+def forward_prefill(spec: BackboneSpec, layers, x, positions, mask, *, cond=None, deepstack=None, return_hidden=False):
+    """Runs all layers over `x` with self-attention only.
+
+    Args:
+      x: [B, T, D] embeddings; positions: int [B, T] or [R, B, T]; mask: bool [B, T, T].
+      cond: [B, Dc] adaRMS condition (π0.5's action expert only).
+      deepstack: [E, B, T, D] added to the residual after layers 0..E-1 (Qwen3-VL; zero off-image).
+      return_hidden: also return every layer's output, recorded before the DeepStack addition
+        (HF's `output_hidden_states` convention).
+    Returns:
+      (hidden [B, T, D] before the final norm, (k, v) each [L, B, T, K, H]) and, with
+      `return_hidden`, layer outputs [L, B, T, D] as a third element.
+    """
+    rope = _rope_tables(spec, positions)
+
+    def body(x, lp, _, layer):
+        out = {}
+
+        def kv_fn(k, v):
+            out["kv"] = (k, v)
+            return k, v
+
+        x = _block(spec, lp, x, cond, rope, mask, kv_fn)
+        ys = out["kv"] + ((x,) if return_hidden else ())
+        return _add_deepstack(x, deepstack, layer), ys
+
+    x, ys = scan_layers(body, x, layers)
+    return (x, ys[:2], ys[2]) if return_hidden else (x, ys)
+
+
+def forward_read(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache_v, cond=None):
+    """Runs all layers over `x`, attending to the read-only cache followed by `x` itself.
+
+    Args:
+      x: [B, T, D]; positions: int [B, T] or [R, B, T]; mask: bool [B, T, S + T].
+      cache_k, cache_v: [L, B, S, K, H] (never written).
+    Returns:
+      hidden [B, T, D] before the final norm.
+    """
+    rope = _rope_tables(spec, positions)
+
+    def body(x, lp, cache, _):
+        ck, cv = cache
+        kv_fn = lambda k, v: (jnp.concatenate([ck, k], axis=1), jnp.concatenate([cv, v], axis=1))  # noqa: E731
+        return _block(spec, lp, x, cond, rope, mask, kv_fn), None
+
+    x, _ = scan_layers(body, x, layers, (cache_k, cache_v))
+    return x
+
+
+def forward_write(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache_v, write_index, cond=None):
+    """Writes the K/V of `x` into the cache, then attends to the whole cache.
+
+    Args:
+      x: [B, T, D]; positions: int [B, T] or [R, B, T]; mask: bool [B, T, S] over the cache slots
+        (it must allow the slots being written, e.g. causally).
+      cache_k, cache_v: [L, B, S, K, H].
+      write_index: int [B, T] cache slot for each new token; an index >= S drops that write.
+    Returns:
+      (hidden [B, T, D] before the final norm, (cache_k, cache_v) updated).
+    """
+    rope = _rope_tables(spec, positions)
+    rows = jnp.arange(x.shape[0])[:, None]
+
+    def body(carry, lp, _, layer):
+        x, ck, cv = carry
+        new = {}
+
+        def kv_fn(k, v):
+            # Scatter into the carried full cache so XLA updates it in place (no per-layer copy).
+            new["k"] = ck.at[layer, rows, write_index].set(k.astype(ck.dtype), mode="drop")
+            new["v"] = cv.at[layer, rows, write_index].set(v.astype(cv.dtype), mode="drop")
+            return new["k"][layer], new["v"][layer]
+
+        x = _block(spec, lp, x, cond, rope, mask, kv_fn)
+        return (x, new["k"], new["v"]), None
+
+    (x, cache_k, cache_v), _ = scan_layers(body, (x, cache_k, cache_v), layers)
+    return x, (cache_k, cache_v)
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedding, head, masks and positions
+
+
+def embed_tokens(spec: BackboneSpec, decoder: Decoder, tokens: jax.Array) -> jax.Array:
+    """Token embeddings [..., D], scaled by sqrt(D) (rounded to the table dtype first) for Gemma."""
+    table = decoder.embedding
+    x = table[tokens]
+    return x * jnp.asarray(math.sqrt(table.shape[-1]), table.dtype) if spec.embed_scale else x
+
+
+def _head(spec: BackboneSpec, decoder: Decoder) -> jax.Array:
+    if spec.tie_embeddings:
+        return decoder.embedding
+    if decoder.lm_head is None:
+        raise ValueError(f"spec {spec.family!r} has an untied head but the weights have no lm_head")
+    return decoder.lm_head
+
+
+def final_norm(spec: BackboneSpec, decoder: Decoder, hidden: jax.Array) -> jax.Array:
+    """The final RMSNorm: [..., D] -> [..., D]."""
+    return rms_norm(spec, hidden, decoder.final_norm)[0]
+
+
+def lm_logits(spec: BackboneSpec, decoder: Decoder, hidden: jax.Array) -> jax.Array:
+    """Final-normed hidden [..., D] -> float32 logits [..., V] (tied or untied head by the spec)."""
+    return jnp.einsum("...D,VD->...V", hidden, _head(spec, decoder).astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def lm_logits_vocab_major(spec: BackboneSpec, decoder: Decoder, hidden: jax.Array) -> jax.Array:
+    """`lm_logits(...).T` for hidden [B, D] -> [V, B]: the fast contraction order for decode batches on CPU."""
+    return jnp.einsum("VD,BD->VB", _head(spec, decoder).astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)
+
+
+def prefix_mask(spec: BackboneSpec, input_mask: jax.Array) -> jax.Array:
+    """bool [B, T, T] for a text-only prefix: causal or bidirectional over its valid tokens."""
+    ar = jnp.full(input_mask.shape[-1:], spec.prefix_attention == "causal")
+    return make_attn_mask(input_mask, ar)
+
+
+def text_positions(input_mask: jax.Array) -> jax.Array:
+    """int32 [B, T] positions `cumsum(mask) - 1` of a text-only prefix (any RoPE kind: equal M-RoPE axes)."""
+    return positions_from_mask(input_mask)
+
+
+def prefill(spec: BackboneSpec, decoder: Decoder, x, positions, input_mask, *, mask=None, deepstack=None, return_hidden=False):
+    """The prefix pass: stack, final norm, and (optionally) HF-convention hidden states.
+
+    Args:
+      x: [B, T, D] input embeddings (`embed_tokens`, or `qwen3_vl.embed_multimodal`).
+      positions: int [B, T] or [R, B, T]; input_mask: bool [B, T] real tokens.
+      mask: bool [B, T, T]; default `prefix_mask(spec, input_mask)`.
+    Returns:
+      dict with `hidden` (pre final norm) and `normed` [B, T, D], `k`, `v` [L, B, T, K, H]; with
+      `return_hidden`, `hidden_states` [L + 1, B, T, D] as HF reports them: the input embeddings,
+      each layer's output before any DeepStack addition, and the final-normed output in place of
+      the last layer's.
+    """
+    mask = prefix_mask(spec, input_mask) if mask is None else mask
+    out = forward_prefill(spec, decoder.layers, x, positions, mask, deepstack=deepstack, return_hidden=return_hidden)
+    hidden, (k, v) = out[:2]
+    normed = final_norm(spec, decoder, hidden)
+    result = dict(hidden=hidden, normed=normed, k=k, v=v)
+    if return_hidden:
+        result["hidden_states"] = jnp.concatenate([x[None], out[2][:-1], normed[None]], axis=0)
+    return result

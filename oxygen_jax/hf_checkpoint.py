@@ -1,0 +1,484 @@
+"""Hugging Face Qwen3 / Qwen3-VL checkpoints: safetensors I/O, config.json -> spec, HF names <-> pytrees.
+
+Everything is derived from the checkpoint directory: `config.json` gives the `BackboneSpec`
+(`spec_from_config`), the safetensors give the weights. `_ENTRIES` is the one table of HF
+names: each row names an HF tensor (with `{i}` for a layer / ViT block and `{j}` for a DeepStack
+merger), the leaf of `backbone.Decoder` / `qwen3_vl.Vision` it fills, and the layout change
+between them (HF linears are torch `(out, in)`; ours are `[in, out]` with heads split). Loading,
+export (`to_hf`) and the expected names and shapes (`hf_shapes`) all come from it, and every
+converted array is checked against `backbone.abstract_decoder` / `qwen3_vl.abstract_vision`.
+
+A checkpoint that does not fit the spec (another family, other dims) fails with one line naming
+every missing, unexpected and mis-shaped tensor (layer indices collapsed to `{0..N}`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxygen_jax import backbone, qwen3_vl
+from oxygen_jax.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
+
+# --------------------------------------------------------------------------------------------------
+# safetensors (format: u64 LE header length, JSON header, raw little-endian buffers)
+
+_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(jnp.bfloat16),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """{name: array} of one .safetensors file, memory-mapped (read-only, no copy until converted)."""
+    path = Path(path)
+    header, start = _header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        lo, hi = info["data_offsets"]
+        out[name] = data[lo:hi].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def write_safetensors(path: str | Path, tensors: Mapping[str, Any], metadata: dict[str, str] | None = None) -> None:
+    """Writes {name: array} as one .safetensors file (names sorted, header padded to 8 bytes)."""
+    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in sorted(tensors.items())}
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, a in arrays.items():
+        if a.dtype not in _CODES:
+            raise ValueError(f"tensor {name}: dtype {a.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _CODES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for a in arrays.values():
+            f.write(a.tobytes())
+
+
+def read_checkpoint_tensors(directory: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint directory: `model.safetensors` or a sharded index."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    out: dict[str, np.ndarray] = {}
+    for f in files:
+        out.update(read_safetensors(directory / f))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json -> spec
+
+HFFamily = Literal["qwen3", "qwen3_vl"]
+_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3Model": "qwen3", "Qwen3VLForConditionalGeneration": "qwen3_vl",
+                  "Qwen3VLModel": "qwen3_vl"}
+
+
+def detect_family(config: Mapping | None, names=()) -> HFFamily:
+    """The checkpoint family from config.json (`model_type`, else `architectures`) and the tensor names.
+
+    Vision tensors (`model.visual.*`) mean Qwen3-VL. The two sources must agree when both speak.
+    """
+    names = list(names)
+    from_names = None
+    if names:
+        from_names = "qwen3_vl" if any(n.startswith("model.visual.") for n in names) else (
+            "qwen3" if any(n.startswith("model.layers.") for n in names) else None)
+    from_config = None
+    if config:
+        mt = config.get("model_type")
+        from_config = mt if mt in ("qwen3", "qwen3_vl") else None
+        if from_config is None:
+            found = {_ARCHITECTURES[a] for a in config.get("architectures") or () if a in _ARCHITECTURES}
+            from_config = found.pop() if len(found) == 1 else None
+    if from_config and from_names and from_config != from_names:
+        raise ValueError(f"config.json says {from_config!r} but the tensors look like {from_names!r} "
+                         f"({'with' if from_names == 'qwen3_vl' else 'without'} model.visual.* weights)")
+    family = from_config or from_names
+    if family is None:
+        raise ValueError("not a Qwen3 / Qwen3-VL checkpoint: config.json model_type is "
+                         f"{(config or {}).get('model_type')!r} and no model.layers.* or model.visual.* tensors")
+    return family
+
+
+def _rope_params(text: Mapping) -> dict:
+    """rope_parameters (transformers 5) merged over the older rope_theta / rope_scaling fields."""
+    params = dict(text.get("rope_scaling") or {})
+    if "rope_theta" in text:
+        params["rope_theta"] = text["rope_theta"]
+    params.update(text.get("rope_parameters") or {})
+    return params
+
+
+def _unsupported(cond: bool, what: str) -> None:
+    if cond:
+        raise ValueError(f"unsupported checkpoint: {what}")
+
+
+def spec_from_config(config: Mapping, names=()) -> BackboneSpec:
+    """A `BackboneSpec` from an HF config.json dict (Qwen3 or Qwen3-VL); `names` settle a missing tie flag."""
+    family = detect_family(config, names)
+    text = config["text_config"] if family == "qwen3_vl" else config
+    _unsupported(text.get("hidden_act", "silu") != "silu", f"hidden_act {text.get('hidden_act')!r} (Qwen3 uses 'silu')")
+    _unsupported(bool(text.get("attention_bias", False)), "attention_bias=true")
+    _unsupported(bool(text.get("use_sliding_window", False)), "use_sliding_window=true")
+    _unsupported(any(t != "full_attention" for t in text.get("layer_types") or ()), f"layer_types {text.get('layer_types')}")
+    rope = _rope_params(text)
+    _unsupported(rope.get("rope_type", "default") != "default", f"rope_type {rope.get('rope_type')!r}")
+    theta = float(rope.get("rope_theta", 10_000.0))
+    if family == "qwen3_vl":
+        _unsupported(not rope.get("mrope_interleaved", False), "non-interleaved M-RoPE (Qwen2-VL style); Qwen3-VL interleaves")
+        rope_spec = RopeSpec(theta=theta, kind="mrope_interleaved", mrope_section=tuple(int(s) for s in rope["mrope_section"]))
+    else:
+        rope_spec = RopeSpec(theta=theta)
+    ties = [c["tie_word_embeddings"] for c in (config, text) if "tie_word_embeddings" in c]
+    if len(set(ties)) > 1:
+        raise ValueError(f"config.json disagrees with itself on tie_word_embeddings: {ties}")
+    tie = bool(ties[0]) if ties else ("lm_head.weight" not in set(names))
+    heads = int(text["num_attention_heads"])
+    vision = None
+    if family == "qwen3_vl":
+        v = config["vision_config"]
+        _unsupported(v.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh", f"vision hidden_act {v.get('hidden_act')!r}")
+        vrope = v.get("rope_parameters") or {}
+        vision = Qwen3VisionSpec(
+            depth=int(v["depth"]), width=int(v["hidden_size"]), num_heads=int(v["num_heads"]),
+            mlp_dim=int(v["intermediate_size"]), out_width=int(v["out_hidden_size"]),
+            num_position_embeddings=int(v["num_position_embeddings"]),
+            deepstack_layers=tuple(int(i) for i in v.get("deepstack_visual_indexes") or ()),
+            patch_size=int(v.get("patch_size", 16)), temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(v.get("spatial_merge_size", 2)), in_channels=int(v.get("in_channels", 3)),
+            rope_theta=float(vrope.get("rope_theta", 10_000.0)),
+        )
+    return BackboneSpec(
+        family=family, width=int(text["hidden_size"]), depth=int(text["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads", heads)),
+        head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads), mlp_dim=int(text["intermediate_size"]),
+        vocab_size=int(text["vocab_size"]), mlp="swiglu", norm_plus_one=False, qk_norm=True, rope=rope_spec,
+        embed_scale=False, tie_embeddings=tie, prefix_attention="causal", norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        vision=vision,
+    )
+
+
+def config_from_spec(spec: BackboneSpec, **extra) -> dict:
+    """An HF config.json dict (transformers 5 field names) for a Qwen3 / Qwen3-VL `spec`; inverse of
+    `spec_from_config`. `extra` adds top-level fields (e.g. `image_token_id` for Qwen3-VL)."""
+    _require_family(spec)
+    rope: dict[str, Any] = {"rope_theta": spec.rope.theta, "rope_type": "default"}
+    if spec.rope.kind == "mrope_interleaved":
+        rope.update(mrope_interleaved=True, mrope_section=list(spec.rope.mrope_section))
+    text = {
+        "hidden_size": spec.width, "num_hidden_layers": spec.depth, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "intermediate_size": spec.mlp_dim,
+        "vocab_size": spec.vocab_size, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": spec.norm_eps,
+        "rope_parameters": rope, "tie_word_embeddings": spec.tie_embeddings,
+    }
+    if spec.family == "qwen3":
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **text, **extra}
+    v = spec.vision
+    vision = {
+        "model_type": "qwen3_vl_vision", "depth": v.depth, "hidden_size": v.width, "num_heads": v.num_heads,
+        "intermediate_size": v.mlp_dim, "out_hidden_size": v.out_width, "num_position_embeddings": v.num_position_embeddings,
+        "deepstack_visual_indexes": list(v.deepstack_layers), "patch_size": v.patch_size,
+        "temporal_patch_size": v.temporal_patch_size, "spatial_merge_size": v.spatial_merge_size,
+        "in_channels": v.in_channels, "hidden_act": "gelu_pytorch_tanh",
+        "rope_parameters": {"rope_theta": v.rope_theta, "rope_type": "axial"},
+    }
+    return {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+            "text_config": {"model_type": "qwen3_vl_text", **text}, "vision_config": vision,
+            "tie_word_embeddings": spec.tie_embeddings, **extra}
+
+
+def _require_family(spec: BackboneSpec) -> None:
+    if spec.family not in ("qwen3", "qwen3_vl") or (spec.family == "qwen3_vl") != isinstance(spec.vision, Qwen3VisionSpec):
+        raise ValueError(f"HF Qwen checkpoints hold family 'qwen3' (no vision) or 'qwen3_vl' (Qwen3-VL ViT), got "
+                         f"{spec.family!r} with vision {type(spec.vision).__name__}")
+    maths = dict(mlp=spec.mlp, norm_plus_one=spec.norm_plus_one, qk_norm=spec.qk_norm, embed_scale=spec.embed_scale)
+    if maths != dict(mlp="swiglu", norm_plus_one=False, qk_norm=True, embed_scale=False):
+        raise ValueError(f"HF Qwen3 weights need mlp='swiglu', norm_plus_one=False, qk_norm=True, embed_scale=False; the spec has {maths}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The name table
+
+
+class _Layout(NamedTuple):
+    to_ours: Callable  # (hf array, spec) -> our leaf slice
+    to_hf: Callable  # (our leaf slice, spec) -> hf array
+
+
+_SAME = _Layout(lambda w, s: w, lambda w, s: w)
+_LINEAR = _Layout(lambda w, s: w.T, lambda w, s: w.T)  # torch (out, in) <-> [in, out]
+
+
+def _heads_in(n: Callable) -> _Layout:  # (n*H, D) <-> [n, D, H]
+    return _Layout(lambda w, s: w.reshape(n(s), s.head_dim, -1).transpose(0, 2, 1),
+                   lambda w, s: w.transpose(0, 2, 1).reshape(n(s) * s.head_dim, -1))
+
+
+_HEADS_OUT = _Layout(lambda w, s: w.T.reshape(s.num_heads, s.head_dim, -1),  # (D, N*H) <-> [N, H, D]
+                     lambda w, s: w.reshape(s.num_heads * s.head_dim, -1).T)
+_QKV = _Layout(lambda w, s: w.reshape(3, s.vision.num_heads, s.vision.head_dim, -1).transpose(3, 0, 1, 2),  # (3W, W) <-> [W, 3, Nv, Hv]
+               lambda w, s: w.transpose(1, 2, 3, 0).reshape(3 * s.vision.width, -1))
+_QKV_BIAS = _Layout(lambda w, s: w.reshape(3, s.vision.num_heads, s.vision.head_dim), lambda w, s: w.reshape(-1))
+_PROJ = _Layout(lambda w, s: w.T.reshape(s.vision.num_heads, s.vision.head_dim, -1),  # (W, W) <-> [Nv, Hv, W]
+                lambda w, s: w.reshape(s.vision.width, -1).T)
+_PATCH = _Layout(lambda w, s: w.reshape(w.shape[0], -1).T,  # Conv3d (W, C, Tp, P, P) <-> [Pd, W]
+                 lambda w, s: w.T.reshape(-1, s.vision.in_channels, s.vision.temporal_patch_size, s.vision.patch_size, s.vision.patch_size))
+
+
+class _Entry(NamedTuple):
+    hf: str  # name after the family prefix; {i} layer or ViT block, {j} DeepStack merger
+    part: Literal["text", "vision", "head"]
+    attr: tuple[str, ...]  # leaf path in Decoder ("text", "head") or Vision ("vision")
+    sub: int | None  # index on the axis after the stacking axis (kv: 0 = K, 1 = V; gating: 0 = gate, 1 = up)
+    layout: _Layout
+
+
+def _text_entries() -> list[_Entry]:
+    lyr = "layers.{i}."
+    rows = [
+        ("embed_tokens.weight", ("embedding",), None, _SAME),
+        ("norm.weight", ("final_norm", "scale"), None, _SAME),
+        (lyr + "self_attn.q_proj.weight", ("layers", "q"), None, _heads_in(lambda s: s.num_heads)),
+        (lyr + "self_attn.k_proj.weight", ("layers", "kv"), 0, _heads_in(lambda s: s.num_kv_heads)),
+        (lyr + "self_attn.v_proj.weight", ("layers", "kv"), 1, _heads_in(lambda s: s.num_kv_heads)),
+        (lyr + "self_attn.o_proj.weight", ("layers", "out"), None, _HEADS_OUT),
+        (lyr + "self_attn.q_norm.weight", ("layers", "q_norm", "scale"), None, _SAME),
+        (lyr + "self_attn.k_norm.weight", ("layers", "k_norm", "scale"), None, _SAME),
+        (lyr + "mlp.gate_proj.weight", ("layers", "gating"), 0, _LINEAR),
+        (lyr + "mlp.up_proj.weight", ("layers", "gating"), 1, _LINEAR),
+        (lyr + "mlp.down_proj.weight", ("layers", "linear"), None, _LINEAR),
+        (lyr + "input_layernorm.weight", ("layers", "attn_norm", "scale"), None, _SAME),
+        (lyr + "post_attention_layernorm.weight", ("layers", "ffw_norm", "scale"), None, _SAME),
+    ]
+    return [_Entry(n, "text", a, sub, lay) for n, a, sub, lay in rows]
+
+
+def _vision_entries() -> list[_Entry]:
+    blk = "blocks.{i}."
+    rows = [
+        ("patch_embed.proj.weight", ("patch", "kernel"), _PATCH), ("patch_embed.proj.bias", ("patch", "bias"), _SAME),
+        ("pos_embed.weight", ("pos_embed",), _SAME),
+        (blk + "norm1.weight", ("blocks", "ln1", "scale"), _SAME), (blk + "norm1.bias", ("blocks", "ln1", "bias"), _SAME),
+        (blk + "norm2.weight", ("blocks", "ln2", "scale"), _SAME), (blk + "norm2.bias", ("blocks", "ln2", "bias"), _SAME),
+        (blk + "attn.qkv.weight", ("blocks", "qkv", "kernel"), _QKV), (blk + "attn.qkv.bias", ("blocks", "qkv", "bias"), _QKV_BIAS),
+        (blk + "attn.proj.weight", ("blocks", "out", "kernel"), _PROJ), (blk + "attn.proj.bias", ("blocks", "out", "bias"), _SAME),
+        (blk + "mlp.linear_fc1.weight", ("blocks", "fc1", "kernel"), _LINEAR), (blk + "mlp.linear_fc1.bias", ("blocks", "fc1", "bias"), _SAME),
+        (blk + "mlp.linear_fc2.weight", ("blocks", "fc2", "kernel"), _LINEAR), (blk + "mlp.linear_fc2.bias", ("blocks", "fc2", "bias"), _SAME),
+    ]
+    for hf, ours in (("merger.", "merger"), ("deepstack_merger_list.{j}.", "deepstack")):
+        rows += [
+            (hf + "norm.weight", (ours, "norm", "scale"), _SAME), (hf + "norm.bias", (ours, "norm", "bias"), _SAME),
+            (hf + "linear_fc1.weight", (ours, "fc1", "kernel"), _LINEAR), (hf + "linear_fc1.bias", (ours, "fc1", "bias"), _SAME),
+            (hf + "linear_fc2.weight", (ours, "fc2", "kernel"), _LINEAR), (hf + "linear_fc2.bias", (ours, "fc2", "bias"), _SAME),
+        ]
+    return [_Entry(n, "vision", a, None, lay) for n, a, lay in rows]
+
+
+_ENTRIES: tuple[_Entry, ...] = tuple(
+    _text_entries() + _vision_entries() + [_Entry("lm_head.weight", "head", ("lm_head",), None, _SAME)]
+)
+_PREFIX = {("qwen3", "text"): "model.", ("qwen3_vl", "text"): "model.language_model.", ("qwen3_vl", "vision"): "model.visual.",
+           ("qwen3", "head"): "", ("qwen3_vl", "head"): ""}
+
+
+def _abstract(spec: BackboneSpec, dtype: str) -> dict[str, Any]:
+    trees = {"text": backbone.abstract_decoder(spec, dtype)}
+    if isinstance(spec.vision, Qwen3VisionSpec):
+        trees["vision"] = qwen3_vl.abstract_vision(spec.vision, dtype)
+    return trees
+
+
+def _leaf_paths(tree) -> dict[tuple[str, ...], Any]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        out[tuple(k.name for k in path)] = leaf
+    return out
+
+
+def _expand(entry: _Entry, spec: BackboneSpec) -> list[tuple[str, int | None]]:
+    """(full HF name, stacking index) for every tensor of one table row under `spec`."""
+    if entry.part == "head" and spec.tie_embeddings:
+        return []
+    if entry.part == "vision" and not isinstance(spec.vision, Qwen3VisionSpec):
+        return []
+    prefix = _PREFIX[(spec.family, entry.part)]
+    if "{i}" in entry.hf:
+        count = spec.depth if entry.part == "text" else spec.vision.depth
+        return [(prefix + entry.hf.format(i=i), i) for i in range(count)]
+    if "{j}" in entry.hf:
+        return [(prefix + entry.hf.format(j=j), j) for j in range(len(spec.vision.deepstack_layers))]
+    return [(prefix + entry.hf, None)]
+
+
+def _part_of(entry: _Entry) -> str:
+    return "vision" if entry.part == "vision" else "text"
+
+
+def _slice_shape(leaf_shape: tuple[int, ...], index: int | None, sub: int | None) -> tuple[int, ...]:
+    shape = leaf_shape[1:] if index is not None else leaf_shape
+    return shape[1:] if sub is not None else shape
+
+
+def hf_shapes(spec: BackboneSpec) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name `spec` expects, with its HF-layout shape (derived, never allocated)."""
+    _require_family(spec)
+    trees = {k: _leaf_paths(t) for k, t in _abstract(spec, "float32").items()}
+    out = {}
+    for e in _ENTRIES:
+        for name, index in _expand(e, spec):
+            ours = trees[_part_of(e)][e.attr]
+            sds = jax.ShapeDtypeStruct(_slice_shape(ours.shape, index, e.sub), ours.dtype)
+            out[name] = tuple(jax.eval_shape(lambda w: e.layout.to_hf(w, spec), sds).shape)
+    return out
+
+
+def _collapse(names) -> list[str]:
+    """Groups names that differ only in integer components: layers.0.x, layers.1.x -> layers.{0..1}.x."""
+    groups: dict[str, list[tuple[int, ...]]] = {}
+    for n in names:
+        key = re.sub(r"(?<=[./])\d+(?=[./]|$)", "#", n)
+        groups.setdefault(key, []).append(tuple(int(d) for d in re.findall(r"(?<=[./])\d+(?=[./]|$)", n)))
+    out = []
+    for key, idx in sorted(groups.items()):
+        if len(idx) == 1:
+            parts = iter(idx[0])
+            out.append(re.sub("#", lambda _: str(next(parts)), key))
+            continue
+        columns = list(zip(*idx))
+        parts = iter(columns)
+
+        def fmt(_):
+            vals = sorted(set(next(parts)))
+            if len(vals) == 1:
+                return str(vals[0])
+            return f"{{{vals[0]}..{vals[-1]}}}" if vals == list(range(vals[0], vals[-1] + 1)) else "{" + ",".join(map(str, vals)) + "}"
+
+        out.append(re.sub("#", fmt, key))
+    return out
+
+
+def check_names(spec: BackboneSpec, tensors: Mapping[str, Any]) -> None:
+    """Raises a one-line ValueError naming every missing, unexpected and mis-shaped tensor for `spec`.
+
+    A tied spec ignores a stored `lm_head.weight` (HF saves it for some tied models).
+    """
+    expected = hf_shapes(spec)
+    got = {k: tuple(np.shape(v)) for k, v in tensors.items()}
+    if spec.tie_embeddings:
+        got.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    misshaped = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
+    if not (missing or unexpected or misshaped):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)}: " + ", ".join(_collapse(missing)))
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)}: " + ", ".join(_collapse(unexpected)))
+    if misshaped:
+        parts.append(f"mis-shaped {len(misshaped)}: " + ", ".join(f"{k} {got[k]} (expected {expected[k]})" for k in misshaped))
+    raise ValueError(f"checkpoint does not match the {spec.family} spec (width {spec.width}, depth {spec.depth}): "
+                     + "; ".join(parts) + " — load it with the spec of its own family (hf_checkpoint.load reads it from config.json)")
+
+
+def from_hf(spec: BackboneSpec, tensors: Mapping[str, Any], dtype: str = "float32") -> tuple[Decoder, qwen3_vl.Vision | None]:
+    """Builds (decoder, vision or None) from {HF name: array}; names and shapes are checked first."""
+    check_names(spec, tensors)
+    trees = _abstract(spec, dtype)
+    values: dict[str, dict[tuple[str, ...], Any]] = {k: {} for k in trees}
+    pieces: dict[tuple[str, tuple[str, ...]], dict[tuple[int | None, int | None], np.ndarray]] = {}
+    for e in _ENTRIES:
+        for name, index in _expand(e, spec):
+            pieces.setdefault((_part_of(e), e.attr), {})[(index, e.sub)] = e.layout.to_ours(np.asarray(tensors[name]), spec)
+    for (part, attr), got in pieces.items():
+        subs = sorted({s for _, s in got}, key=lambda s: -1 if s is None else s)
+        indices = sorted({i for i, _ in got}, key=lambda i: -1 if i is None else i)
+        slices = [got[(i, None)] if subs == [None] else np.stack([got[(i, s)] for s in subs]) for i in indices]
+        arr = slices[0] if indices == [None] else np.stack(slices)
+        want = _leaf_paths(trees[part])[attr]
+        if tuple(arr.shape) != tuple(want.shape):  # a table/layout bug, not a user error
+            raise AssertionError(f"{part}.{'.'.join(attr)}: converted {arr.shape}, expected {want.shape}")
+        values[part][attr] = jnp.asarray(arr, dtype)
+    built = {part: jax.tree_util.tree_map_with_path(lambda p, _, part=part: values[part][tuple(k.name for k in p)], tree)
+             for part, tree in trees.items()}
+    return built["text"], built.get("vision")
+
+
+def to_hf(spec: BackboneSpec, decoder: Decoder, vision: qwen3_vl.Vision | None = None) -> dict[str, np.ndarray]:
+    """{HF name: numpy array in HF layout} of our weights (stacked layers); inverse of `from_hf`."""
+    trees = {"text": _leaf_paths(_stacked(decoder))}
+    if vision is not None:
+        trees["vision"] = _leaf_paths(_stacked(vision))
+    out = {}
+    for e in _ENTRIES:
+        if _part_of(e) not in trees:
+            continue
+        for name, index in _expand(e, spec):
+            leaf = np.asarray(trees[_part_of(e)][e.attr])
+            leaf = leaf[index] if index is not None else leaf
+            leaf = leaf[e.sub] if e.sub is not None else leaf
+            out[name] = np.ascontiguousarray(e.layout.to_hf(leaf, spec))
+    return out
+
+
+def _stacked(tree):
+    return dataclasses.replace(tree, **{f: backbone.stack_layers(getattr(tree, f)) for f in ("layers", "blocks") if hasattr(tree, f)})
+
+
+# --------------------------------------------------------------------------------------------------
+# A checkpoint directory
+
+
+class HFCheckpoint(NamedTuple):
+    spec: BackboneSpec
+    decoder: Decoder
+    vision: qwen3_vl.Vision | None
+    config: dict  # config.json as read (token ids such as image_token_id live here)
+
+
+def load(directory: str | Path, dtype: str = "float32", spec: BackboneSpec | None = None) -> HFCheckpoint:
+    """Reads config.json and the safetensors of an HF Qwen3 / Qwen3-VL directory.
+
+    `spec` defaults to `spec_from_config`; passing another family's spec raises `check_names`' error.
+    """
+    directory = Path(directory)
+    cfg_path = directory / "config.json"
+    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    tensors = read_checkpoint_tensors(directory)
+    spec = spec or spec_from_config(config, tensors.keys())
+    decoder, vision = from_hf(spec, tensors, dtype)
+    return HFCheckpoint(spec=spec, decoder=decoder, vision=vision, config=config)
+
