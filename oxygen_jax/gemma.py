@@ -11,7 +11,9 @@ decomposition, and they differ only in what happens to keys and values:
 * `forward_prefill` — no cache in; returns the stacked K/V it computed ([L, B, T, K, H]).
 * `forward_read`    — attends to a read-only cache ‖ its own K/V; returns no cache (denoising).
 * `forward_write`   — scatters its K/V into a cache at given slots, then attends to the cache;
-                      returns the updated cache (text decoding and prompt extension).
+                      returns the updated cache (text decoding and prompt extension). It alone
+                      takes per-row LoRA adapters (`lora.RowAdapters`): the prefix cache and
+                      the actions cannot depend on them, by signature.
 
 K is stored after RoPE; the 1/sqrt(H) scale is applied to q.
 """
@@ -23,6 +25,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from oxygen_jax.lora import LayerRows, RowAdapters, check_bank_fits
 from oxygen_jax.params import AdaRMSNorm, ExpertLayers, RMSNorm, Unstacked, scan_layers
 
 _MASK_FILL = -2.3819763e38  # openpi's fill: finite, so a row with no valid key stays finite
@@ -91,18 +94,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(b, t, n, h)
 
 
-def _mlp(x: jax.Array, gating: jax.Array, linear: jax.Array) -> jax.Array:
+def _mlp(x: jax.Array, gating: jax.Array, linear: jax.Array, lora: LayerRows | None = None) -> jax.Array:
     """Gated MLP `(gelu(x W0) * (x W1)) W2` with gating = [W0; W1] of shape [2, D, F].
 
     Both branches run as one batched matmul over the leading 2: XLA's CPU backend lowers
     `x @ gating[0]`, `x @ gating[1]` followed by the gelu product about 10x slower at decode batch
-    sizes (measured 17 ms against 1.5 ms per bench-size layer at batch 1).
+    sizes (measured 17 ms against 1.5 ms per bench-size layer at batch 1). `lora` adds per-row
+    adapter terms to both branches and to the output projection.
     """
     lead, d = x.shape[:-1], x.shape[-1]
     xb = jnp.broadcast_to(x.reshape(1, -1, d), (2, x.size // d, d))
-    gate, up = jnp.einsum("CND,CDF->CNF", xb, gating.astype(x.dtype))
+    gate_up = jnp.einsum("CND,CDF->CNF", xb, gating.astype(x.dtype))
+    if lora is not None:
+        gate_up = lora.add("gating", gate_up, x.reshape(-1, d))
+    gate, up = gate_up
     h = jax.nn.gelu(gate, approximate=True) * up
-    return (h @ linear.astype(x.dtype)).reshape(lead + (linear.shape[-1],))
+    out = h @ linear.astype(x.dtype)
+    if lora is not None:
+        out = lora.add("linear", out, h)
+    return out.reshape(lead + (linear.shape[-1],))
 
 
 def _residual(x, y, gate):
@@ -112,18 +122,28 @@ def _residual(x, y, gate):
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def _block(lp: ExpertLayers, x, cond, positions, mask, kv_fn: KVFn) -> jax.Array:
-    """One decoder layer of one expert; `kv_fn(k, v) -> (keys, values)` chooses what it attends to."""
+def _block(lp: ExpertLayers, x, cond, positions, mask, kv_fn: KVFn, lora: LayerRows | None = None) -> jax.Array:
+    """One decoder layer of one expert; `kv_fn(k, v) -> (keys, values)` chooses what it attends to.
+
+    `lora` (this layer's bank slice and the row ids) adds each row's adapter term to the q, kv,
+    attention-output and MLP projections; None leaves the program exactly the LoRA-free one.
+    """
     h, gate = rms_norm(x, lp.attn_norm, cond)
     q = jnp.einsum("BTD,NDH->BTNH", h, lp.q.astype(h.dtype))
-    k, v = jnp.einsum("BSD,2KDH->2BSKH", h, lp.kv.astype(h.dtype))
+    kv = jnp.einsum("BSD,2KDH->2BSKH", h, lp.kv.astype(h.dtype))
+    if lora is not None:
+        q, kv = lora.add("q", q, h), lora.add("kv", kv, h)
+    k, v = kv
     q = apply_rope(q, positions) * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
     k = apply_rope(k, positions)
     keys, values = kv_fn(k, v)
     a = attention(q, keys, values, mask)
-    x = _residual(x, jnp.einsum("BTNH,NHD->BTD", a, lp.out.astype(a.dtype)), gate)
+    o = jnp.einsum("BTNH,NHD->BTD", a, lp.out.astype(a.dtype))
+    if lora is not None:
+        o = lora.add("out", o, a)
+    x = _residual(x, o, gate)
     h, gate = rms_norm(x, lp.ffw_norm, cond)
-    return _residual(x, _mlp(h, lp.gating, lp.linear), gate)
+    return _residual(x, _mlp(h, lp.gating, lp.linear, lora), gate)
 
 
 def forward_prefill(layers: ExpertLayers | Unstacked, x, positions, mask, cond=None):
@@ -167,7 +187,10 @@ def forward_read(layers: ExpertLayers | Unstacked, x, positions, mask, cache_k, 
     return x
 
 
-def forward_write(layers: ExpertLayers | Unstacked, x, positions, mask, cache_k, cache_v, write_index, cond=None):
+def forward_write(
+    layers: ExpertLayers | Unstacked, x, positions, mask, cache_k, cache_v, write_index, cond=None,
+    lora: RowAdapters | None = None,
+):
     """Writes the K/V of `x` into the cache, then attends to the whole cache.
 
     Args:
@@ -176,12 +199,20 @@ def forward_write(layers: ExpertLayers | Unstacked, x, positions, mask, cache_k,
       cache_k, cache_v: [L, B, S, K, H].
       write_index: int [B, T] cache slot for each new token; an index >= S drops that write (rows
         that must not touch the cache).
+      lora: per-row adapters of this expert: `RowAdapters(bank, ids)` with bank leaves
+        [L, A, ...] and ids int32 [B] (0 = base weights, n = bank adapter n). Row b then runs
+        with adapter ids[b] on q, kv, attention output, gate/up and down; rows on id 0 get
+        exactly (bit for bit) the LoRA-free result. None: the LoRA-free program, unchanged.
     Returns:
       (hidden [B, T, D] before the final norm, (cache_k, cache_v) updated).
     """
     rows = jnp.arange(x.shape[0])[:, None]
+    if lora is not None:
+        check_bank_fits(lora.bank, layers)
+        if lora.ids.shape != (x.shape[0],):
+            raise ValueError(f"RowAdapters.ids must be [B] = ({x.shape[0]},), got {lora.ids.shape}")
 
-    def body(carry, lp, _, layer):
+    def body(carry, lp, bank_layer, layer):
         x, ck, cv = carry
         new = {}
 
@@ -191,8 +222,11 @@ def forward_write(layers: ExpertLayers | Unstacked, x, positions, mask, cache_k,
             new["v"] = cv.at[layer, rows, write_index].set(v.astype(cv.dtype), mode="drop")
             return new["k"][layer], new["v"][layer]
 
-        x = _block(lp, x, cond, positions, mask, kv_fn)
+        row_lora = None if lora is None else LayerRows(bank_layer, lora.ids)
+        x = _block(lp, x, cond, positions, mask, kv_fn, row_lora)
         return (x, new["k"], new["v"]), None
 
-    (x, cache_k, cache_v), _ = scan_layers(body, (x, cache_k, cache_v), layers)
+    # The bank travels with the layer loop: its leaves are [L, A, ...], sliced per layer.
+    extra = None if lora is None else lora.bank.adapters
+    (x, cache_k, cache_v), _ = scan_layers(body, (x, cache_k, cache_v), layers, extra)
     return x, (cache_k, cache_v)

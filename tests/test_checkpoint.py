@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -156,15 +157,28 @@ def test_full_size_manifest_maps_exactly_onto_pi05_tree():
     assert {k: tuple(v.shape) for k, v in tree.items()} == {k: tuple(v["shape"]) for k, v in leaves.items()}
 
 
-def test_lora_manifest_reports_unsupported_lora_leaves():
+def test_lora_manifest_checks_every_lora_leaf_against_its_expert_and_rank(tmp_path):
     path = _fixture("pi05_lora_param_manifest.json")
     result = ckpt.check_manifest(path)
-    assert not result.ok
-    assert len(result.lora) == 20 and all(r.note == "unsupported LoRA leaf" and not r.ok for r in result.lora)
-    assert not result.missing and not result.misshaped and not result.unexpected
-    assert "unsupported LoRA leaf" in result.summary()
-    tolerant = ckpt.check_manifest(path, allow_lora=True)
-    assert tolerant.ok and tolerant.matches_preset and len(tolerant.lora) == 20
+    assert result.ok and result.matches_preset, result.summary()
+    assert len(result.lora) == 20 and all(r.note == "LoRA leaf" for r in result.lora)
+    ranks = {r.path: r.got[-1] for r in result.lora if r.path.endswith("lora_a")}
+    assert ranks["PaliGemma/llm/layers/attn/q_einsum/lora_a"] == 16  # gemma_2b_lora
+    assert ranks["PaliGemma/llm/layers/attn/q_einsum_1/lora_a"] == 32  # gemma_300m_lora
+    # A factor of the wrong rank and a path openpi never writes are both reported.
+    leaves = json.loads(path.read_text())["leaves"]
+    leaves["PaliGemma/llm/layers/mlp/linear_lora_b"]["shape"] = [18, 8, 2048]
+    leaves["PaliGemma/llm/layers/attn/extra_lora_a"] = {"shape": [1], "dtype": "float32"}
+    damaged = tmp_path / "manifest.json"
+    damaged.write_text(json.dumps({"leaves": leaves}))
+    result = ckpt.check_manifest(damaged)
+    notes = {r.path: r.note for r in result.rows if not r.ok}
+    assert notes == {
+        "PaliGemma/llm/layers/mlp/linear_lora_b": "mis-shaped LoRA leaf",
+        "PaliGemma/llm/layers/attn/extra_lora_a": "unknown LoRA leaf",
+    }
+    row = next(r for r in result.rows if r.path == "PaliGemma/llm/layers/mlp/linear_lora_b")
+    assert row.expected == (18, 16, 2048) and row.got == (18, 8, 2048)
 
 
 def test_manifest_reports_mismatch_against_given_config(tmp_path):
@@ -268,12 +282,12 @@ def test_openpi_extra_keys_are_ignored(tmp_path, tiny, tiny_flat):
     assert config == tiny[0] and _leaves_equal(params, tiny[1])
 
 
-def test_openpi_lora_leaves_are_ignored_with_a_warning(tmp_path, tiny, tiny_flat):
+def test_openpi_lora_factor_without_its_partner_is_named(tmp_path, tiny_flat):
     tiny_flat["PaliGemma/llm/layers/attn/q_einsum/lora_a"] = jnp.ones((2, 4, 64, 4))
     _write_openpi(tmp_path / "params", tiny_flat)
-    with pytest.warns(UserWarning, match="LoRA"):
-        _, params = ckpt.load_openpi_params(tmp_path / "params")
-    assert _leaves_equal(params, tiny[1])
+    with pytest.raises(ValueError, match="LoRA") as e:
+        ckpt.load_openpi_params(tmp_path / "params")
+    assert "PaliGemma/llm/layers/attn/q_einsum/lora_b: missing" in str(e.value)
 
 
 def test_openpi_dtype_argument_is_honoured(tmp_path, tiny_flat):
@@ -336,3 +350,130 @@ def test_norm_stats_found_beside_params(tmp_path):
 def test_every_openpi_path_is_checked_by_the_manifest_rows():
     rows = ckpt.check_manifest(_fixture("pi05_param_manifest.json")).rows
     assert [r.path for r in rows] == list(OPENPI_PATHS)
+
+
+# --------------------------------------------------------------------------------------------
+# Damaged checkpoints: never a silent load, never a TensorStore dump
+# --------------------------------------------------------------------------------------------
+
+
+def _largest_data_file(item: Path) -> Path:
+    return max((item / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+
+
+def _flip_bytes(path: Path, *, count: int = 64, at: float = 0.5, mask: int = 0xFF) -> None:
+    data = bytearray(path.read_bytes())
+    start = int(len(data) * at)
+    for i in range(start, start + count):
+        data[i] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def _assert_one_line(err: pytest.ExceptionInfo, *names: str) -> None:
+    msg = str(err.value)
+    assert isinstance(err.value, ckpt.CheckpointError) and isinstance(err.value, ValueError)
+    assert "\n" not in msg and "tensorstore_spec" not in msg and len(msg) < 600, msg
+    assert any(n in msg for n in names), msg
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory, tiny):
+    config, params = tiny
+    return ckpt.save_params(tmp_path_factory.mktemp("own") / "ckpt", params, config)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for p in dst.rglob("*"):
+        p.chmod(p.stat().st_mode | 0o200)  # fixtures are read-only
+    return dst
+
+
+@pytest.mark.parametrize("mask", [0x01, 0xFF], ids=["low-bits", "all-bits"])
+def test_own_checkpoint_with_flipped_bytes_in_a_data_file_names_the_leaf(tmp_path, saved_tiny, mask):
+    path = _copy(saved_tiny, tmp_path / "ckpt")
+    _flip_bytes(_largest_data_file(path / "params"), mask=mask)  # 64 bytes in the middle: raw float data
+    with pytest.raises(ckpt.CheckpointError, match="SHA-256") as e:
+        ckpt.restore_params(path)
+    _assert_one_line(e, *OPENPI_PATHS)
+
+
+def test_own_checkpoint_without_checksums_loads_with_a_warning(tmp_path, saved_tiny, tiny):
+    path = _copy(saved_tiny, tmp_path / "ckpt")
+    shutil.rmtree(path / "checksums")
+    with pytest.warns(UserWarning, match="no checksums"):
+        config, params = ckpt.restore_params(path)
+    assert config == tiny[0] and _leaves_equal(params, tiny[1])
+
+
+def test_openpi_checkpoint_with_flipped_bytes_names_the_leaf(tmp_path, tiny_flat):
+    # openpi checkpoints carry no checksum: a flipped exponent byte shows as NaN/inf or ~1e36.
+    item = _write_openpi(tmp_path / "params", tiny_flat)
+    _flip_bytes(_largest_data_file(item))
+    with pytest.raises(ckpt.CheckpointError, match="non-finite|max \\|x\\|") as e:
+        ckpt.load_openpi_params(item)
+    _assert_one_line(e, *OPENPI_PATHS)
+
+
+def test_openpi_fixture_with_flipped_bytes_names_the_leaf(tmp_path):
+    item = _copy(_fixture("openpi_tiny_pi05", "params"), tmp_path / "params")
+    _flip_bytes(_largest_data_file(item), at=0.3)
+    with pytest.raises(ckpt.CheckpointError, match="damaged") as e:
+        ckpt.load_openpi_params(item)
+    _assert_one_line(e, *OPENPI_PATHS)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, 4.8e36, -2e4])
+def test_non_finite_or_implausible_leaf_is_refused_naming_the_leaf(tmp_path, tiny_flat, value):
+    key = "PaliGemma/llm/layers/mlp_1/linear"
+    tiny_flat[key] = np.asarray(tiny_flat[key]).copy()
+    tiny_flat[key][1, 5, 7] = value
+    _write_openpi(tmp_path / "params", tiny_flat)
+    for dtype in ("float32", "bfloat16"):
+        with pytest.raises(ckpt.CheckpointError, match="non-finite" if not np.isfinite(value) else "above 10000") as e:
+            ckpt.load_openpi_params(tmp_path / "params", dtype=dtype)
+        _assert_one_line(e, key)
+    if np.isfinite(value):  # a caller who knows better can raise the bound
+        ckpt.load_openpi_params(tmp_path / "params", max_abs=1e37)
+
+
+def _garble(path: Path) -> None:
+    path.write_bytes(b"\x00\x9f not what was written {")
+
+
+_DAMAGE = {
+    "_METADATA garbage": (lambda item: _garble(item / "_METADATA"), "_METADATA"),
+    "_METADATA truncated": (lambda item: (item / "_METADATA").write_bytes((item / "_METADATA").read_bytes()[:500]), "_METADATA"),
+    "_METADATA missing": (lambda item: (item / "_METADATA").unlink(), "_METADATA"),
+    "_sharding garbage": (lambda item: _garble(item / "_sharding"), "_sharding"),
+    "manifest.ocdbt missing": (lambda item: (item / "manifest.ocdbt").unlink(), "manifest.ocdbt"),
+    "manifest.ocdbt garbage": (lambda item: _garble(item / "manifest.ocdbt"), "manifest"),
+    "b-tree node garbage": (lambda item: [_garble(p) for p in (item / "d").iterdir()], "/d/"),
+    "data file truncated": (lambda item: _largest_data_file(item).write_bytes(_largest_data_file(item).read_bytes()[:999]), "array"),
+    "data file garbage": (lambda item: _largest_data_file(item).write_bytes(os.urandom(4096)), "array"),
+    "data file missing": (lambda item: _largest_data_file(item).unlink(), "array"),
+}
+
+
+@pytest.mark.parametrize("damage", list(_DAMAGE))
+def test_damaged_orbax_directory_gives_one_line_naming_file_and_cause(tmp_path, saved_tiny, damage):
+    fn, names = _DAMAGE[damage]
+    path = _copy(saved_tiny, tmp_path / "ckpt")
+    fn(path / "params")
+    for load in (ckpt.restore_params, ckpt.load_openpi_params):
+        with pytest.raises(ckpt.CheckpointError) as e:
+            load(path)
+        _assert_one_line(e, names)
+        assert str(path) in str(e.value)
+
+
+def test_damaged_json_items_of_own_checkpoint_are_named(tmp_path, saved_tiny):
+    path = _copy(saved_tiny, tmp_path / "ckpt")
+    _garble(path / "checksums" / "metadata")
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.restore_params(path)
+    _assert_one_line(e, "checksums/metadata")
+    _garble(path / "config" / "metadata")
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.restore_params(path)
+    _assert_one_line(e, "config/metadata")
