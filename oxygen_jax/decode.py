@@ -37,6 +37,7 @@ import numpy as np
 from oxygen_jax import gemma
 from oxygen_jax.config import EOS_ID
 from oxygen_jax.kv_cache import PrefixCache
+from oxygen_jax.lora import LoraBank, RowAdapters
 from oxygen_jax.model import embed_tokens, lm_logits_vocab_major
 from oxygen_jax.params import Params
 from oxygen_jax.sampling import sample_tokens
@@ -239,24 +240,51 @@ def _sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Arra
     return sample_tokens(logits, sampling.temperature, sampling.top_p, keys, vocab_axis=0)
 
 
-def _extend_with_prompts(params: Params, prefix: PrefixCache, req: Requests, q_cap: int):
-    """Runs the request prompts after their prefixes: returns slot caches [L, J, P+Q, K, H] and seed hidden [J, D]."""
-    pk, pv = prefix.k[:, req.row], prefix.v[:, req.row]
-    seed_prefix = prefix.last_hidden[req.row]
-    if q_cap == 0:
-        return pk, pv, seed_prefix
-    a, p = req.row.shape[0], prefix.length
+def _row_adapters(bank, ids):
+    """`gemma.forward_write`'s per-row LoRA argument, or None (the adapter-free program) without a bank."""
+    return None if bank is None else RowAdapters(bank, ids)
+
+
+def suffix_forward(params: Params, prefix: PrefixCache, rows: jax.Array, tokens: jax.Array,
+                   bank: LoraBank | None = None, adapter: jax.Array | None = None):
+    """Runs suffix tokens causally after prefix rows through the VLM expert: the request-prompt pass.
+
+    This is the one forward of a request's own tokens: admission runs it on request prompts, and
+    the memory-LoRA training runs it teacher-forced on [prompt | answer], so a trained adapter sees
+    exactly the computation it is served with.
+
+    Args:
+      rows: int32 [J] prefix row each sequence continues.
+      tokens: int32 [J, Q] suffix tokens (entries beyond a sequence's length are padding: they are
+        computed but nothing before them attends to them).
+      bank, adapter: optional LoRA bank and int32 [J] adapter ids (0 = base weights).
+    Returns:
+      (k, v [L, J, P + Q, K, H]: the prefix rows followed by the suffix, hidden [J, Q, D] before the
+      final norm).
+    """
+    pk, pv = prefix.k[:, rows], prefix.v[:, rows]
+    j, q_cap, p = rows.shape[0], tokens.shape[1], prefix.length
     pad = [(0, 0), (0, 0), (0, q_cap), (0, 0), (0, 0)]
     ck, cv = jnp.pad(pk, pad), jnp.pad(pv, pad)
     steps = jnp.arange(q_cap, dtype=jnp.int32)
     causal = steps[None, :] <= steps[:, None]  # [Q, Q]
     mask = jnp.concatenate(
-        [jnp.broadcast_to(prefix.mask[req.row][:, None, :], (a, q_cap, p)), jnp.broadcast_to(causal, (a, q_cap, q_cap))], -1
+        [jnp.broadcast_to(prefix.mask[rows][:, None, :], (j, q_cap, p)), jnp.broadcast_to(causal, (j, q_cap, q_cap))], -1
     )
-    positions = prefix.num_valid[req.row][:, None] + steps[None]
-    x = embed_tokens(params, req.prompt).astype(params.config.jnp_dtype)
-    write = jnp.broadcast_to(p + steps, (a, q_cap))
-    h, (ck, cv) = gemma.forward_write(params.vlm.layers, x, positions, mask, ck, cv, write)
+    positions = prefix.num_valid[rows][:, None] + steps[None]
+    x = embed_tokens(params, tokens).astype(params.config.jnp_dtype)
+    write = jnp.broadcast_to(p + steps, (j, q_cap))
+    lora = _row_adapters(bank, jnp.zeros((j,), jnp.int32) if adapter is None else adapter)
+    h, (ck, cv) = gemma.forward_write(params.vlm.layers, x, positions, mask, ck, cv, write, lora=lora)
+    return ck, cv, h
+
+
+def _extend_with_prompts(params: Params, prefix: PrefixCache, req: Requests, q_cap: int, bank=None):
+    """Runs the request prompts after their prefixes: returns slot caches [L, J, P+Q, K, H] and seed hidden [J, D]."""
+    seed_prefix = prefix.last_hidden[req.row]
+    if q_cap == 0:
+        return prefix.k[:, req.row], prefix.v[:, req.row], seed_prefix
+    ck, cv, h = suffix_forward(params, prefix, req.row, req.prompt, bank, req.adapter)
     last = jnp.clip(req.prompt_len - 1, 0, q_cap - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
     h_last, _ = gemma.rms_norm(h_last, params.vlm.final_norm)
@@ -264,7 +292,7 @@ def _extend_with_prompts(params: Params, prefix: PrefixCache, req: Requests, q_c
     return ck, cv, seed
 
 
-def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests):
+def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests, bank=None):
     s, g = pool.num_slots, pool.max_new_tokens
     p, q_cap = pool.prefix_len, pool.prompt_len
     if prefix.length != p:
@@ -277,7 +305,7 @@ def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests)
     admitted = req.valid & (rank < jnp.sum(free))
     slot = jnp.where(admitted, free_slots[jnp.minimum(rank, s - 1)], s)  # s = out of range: dropped
 
-    ck, cv, seed = _extend_with_prompts(params, prefix, req, q_cap)
+    ck, cv, seed = _extend_with_prompts(params, prefix, req, q_cap, bank)
     logits = lm_logits_vocab_major(params, seed)
     sampling = dataclasses.replace(req.sampling, budget=jnp.clip(req.sampling.budget, 1, g))
     token0 = _sample(logits, sampling, jnp.zeros_like(req.row))
@@ -311,24 +339,28 @@ def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def admit(params: Params, pool: DecodePool, prefix: PrefixCache, requests: Requests):
+def admit(params: Params, pool: DecodePool, prefix: PrefixCache, requests: Requests, bank: LoraBank | None = None):
     """Admits valid requests into free slots (lowest index first), in order, while slots last.
 
     Each admitted request copies its prefix row into the slot, runs its own prompt (if any) after
-    it, and samples its first token. Donates `pool`.
+    it with its adapter (`requests.adapter`, 0 = base weights; a bank is needed for other ids), and
+    samples its first token. Donates `pool`.
 
     Returns:
       (pool, admitted bool [J], first_token int32 [Ns]: the token sampled in each slot, -1 elsewhere).
     """
     return jax.lax.cond(
         jnp.any(requests.valid),
-        lambda: _admit(params, pool, prefix, requests),
+        lambda: _admit(params, pool, prefix, requests, bank),
         lambda: (pool, jnp.zeros_like(requests.valid), jnp.full((pool.num_slots,), -1, jnp.int32)),
     )
 
 
-def step_logits(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array]:
+def step_logits(params: Params, pool: DecodePool, bank: LoraBank | None = None) -> tuple[DecodePool, jax.Array]:
     """Feeds every active slot's last token: writes its K/V and returns logits float32 [V, Ns].
+
+    Each slot runs with its own adapter (`pool.adapter`) from `bank`; slots on adapter 0 compute
+    exactly the adapter-free step.
 
     The pool's mask and length are not advanced here (see `_decode_step`); inactive slots write
     nothing.
@@ -339,14 +371,15 @@ def step_logits(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array
     positions = (pool.base_position + pool.length)[:, None]
     attend = pool.mask | (jnp.arange(cap)[None, :] == write[:, None])
     write_index = jnp.where(pool.active, write, cap)[:, None]
-    h, (k, v) = gemma.forward_write(params.vlm.layers, x, positions, attend[:, None, :], pool.k, pool.v, write_index)
+    h, (k, v) = gemma.forward_write(params.vlm.layers, x, positions, attend[:, None, :], pool.k, pool.v, write_index,
+                                    lora=_row_adapters(bank, pool.adapter))
     h, _ = gemma.rms_norm(h, params.vlm.final_norm)
     return dataclasses.replace(pool, k=k, v=v), lm_logits_vocab_major(params, h[:, 0])
 
 
-def _decode_step(params: Params, pool: DecodePool) -> tuple[DecodePool, jax.Array, jax.Array]:
+def _decode_step(params: Params, pool: DecodePool, bank=None) -> tuple[DecodePool, jax.Array, jax.Array]:
     """One token for every active slot: (pool, token int32 [Ns] (-1 for inactive slots), logits [Ns, V])."""
-    pool, logits = step_logits(params, pool)
+    pool, logits = step_logits(params, pool, bank)
     tok = _sample(logits, pool.sampling, pool.num_generated)
     act = pool.active
     rows = jnp.arange(pool.num_slots)
@@ -368,30 +401,31 @@ decode_step = functools.partial(jax.jit, donate_argnames=("pool",))(_decode_step
 """Jitted single step: (pool, token [Ns], logits float32 [Ns, V]). Donates `pool`."""
 
 
-def _maybe_step(params: Params, pool: DecodePool):
+def _maybe_step(params: Params, pool: DecodePool, bank=None):
     return jax.lax.cond(
         jnp.any(pool.active),
-        lambda p: _decode_step(params, p)[:2],
+        lambda p: _decode_step(params, p, bank)[:2],
         lambda p: (p, jnp.full((p.num_slots,), -1, jnp.int32)),
         pool,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens",), donate_argnames=("pool",))
-def decode_burst(params: Params, pool: DecodePool, num_tokens: int) -> tuple[DecodePool, jax.Array]:
+def decode_burst(params: Params, pool: DecodePool, num_tokens: int, bank: LoraBank | None = None
+                 ) -> tuple[DecodePool, jax.Array]:
     """Advances every active slot by up to `num_tokens` tokens in one batched scan. Donates `pool`.
 
     Returns:
       (pool, tokens int32 [Ns, num_tokens]: what each slot emitted per step, -1 when it did not).
     """
-    pool, toks = jax.lax.scan(lambda p, _: _maybe_step(params, p), pool, None, length=num_tokens)
+    pool, toks = jax.lax.scan(lambda p, _: _maybe_step(params, p, bank), pool, None, length=num_tokens)
     return pool, toks.T
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def decode_to_completion(params: Params, pool: DecodePool) -> DecodePool:
+def decode_to_completion(params: Params, pool: DecodePool, bank: LoraBank | None = None) -> DecodePool:
     """Steps until no slot is active (at most max_new_tokens - 1 steps). Donates `pool`."""
-    return jax.lax.while_loop(lambda p: jnp.any(p.active), lambda p: _decode_step(params, p)[0], pool)
+    return jax.lax.while_loop(lambda p: jnp.any(p.active), lambda p: _decode_step(params, p, bank)[0], pool)
 
 
 @jax.tree_util.register_dataclass

@@ -33,6 +33,7 @@ import numpy as np
 
 from oxygen_jax import decode, model
 from oxygen_jax.config import EOS_ID
+from oxygen_jax.lora import LoraBank
 from oxygen_jax.observation import Observation, validate_observation
 from oxygen_jax.params import Params
 from oxygen_jax.schedule import FrameOutput, frame_step
@@ -109,14 +110,19 @@ class Engine:
     """Continuous-batching engine over `schedule.frame_step` (one compiled program per frame shape)."""
 
     def __init__(self, params: Params, config: EngineConfig = EngineConfig(), tokenizer=None, *,
-                 adapter_names: Sequence[str] = ()):
+                 bank: LoraBank | None = None, adapter_names: Sequence[str] = ()):
         """Args:
           params: model parameters (`params.for_backend` form recommended).
           config: pool and frame sizes.
           tokenizer: for text prompts and detokenised results (optional).
-          adapter_names: names of the language adapters 1..E (id 0 is "base", the model's own weights).
+          bank: language adapters of the VLM expert (`lora.LoraBank`, E stored adapters), served per
+            request on the suffix path only; actions and the prefix cache never see them.
+          adapter_names: names of the bank's adapters 1..E (id 0 is "base", the model's own weights).
         """
-        self.params, self.config, self.tokenizer = params, config, tokenizer
+        self.params, self.config, self.tokenizer, self.bank = params, config, tokenizer, bank
+        stored = 0 if bank is None else bank.num_adapters
+        if len(adapter_names) != stored:
+            raise ValueError(f"adapter_names names {len(adapter_names)} adapters but the bank stores {stored}")
         self.adapters: dict[str, int] = {"base": 0, **{n: i + 1 for i, n in enumerate(adapter_names)}}
         if len(self.adapters) != len(adapter_names) + 1:
             raise ValueError(f"adapter names must be unique and not 'base', got {list(adapter_names)}")
@@ -272,7 +278,7 @@ class Engine:
         requests, _ = Scheduler(p.num_slots, self.config.admissions_per_frame, p.prompt_len).offer(b)
         noise = jax.random.normal(jax.random.key(0), (b, self.config.action_horizon, self.params.config.action_dim))
         _, out = frame_step(self.params, scratch, observation, noise, requests, np.zeros((p.num_slots,), bool),
-                            num_steps=self.config.num_steps, tokens_per_frame=self.config.tokens_per_frame)
+                            self.bank, num_steps=self.config.num_steps, tokens_per_frame=self.config.tokens_per_frame)
         jax.block_until_ready(out)
         return time.perf_counter() - start
 
@@ -309,7 +315,7 @@ class Engine:
         requests, evict = self._sched.offer(b if rows is None else rows)
         start = time.perf_counter()
         try:
-            pool, out = frame_step(self.params, self._pool, observation, noise, requests, evict,
+            pool, out = frame_step(self.params, self._pool, observation, noise, requests, evict, self.bank,
                                    num_steps=cfg.num_steps, tokens_per_frame=cfg.tokens_per_frame)
             out: FrameOutput = jax.device_get(out)  # the frame's single host sync
         except Exception as e:  # noqa: BLE001 - the actions must survive a failing request
@@ -317,7 +323,7 @@ class Engine:
                 raise
             errors += self._retry_without_requests(e)
             requests, evict = self._sched.offer([])
-            pool, out = frame_step(self.params, self._pool, observation, noise, requests, evict,
+            pool, out = frame_step(self.params, self._pool, observation, noise, requests, evict, self.bank,
                                    num_steps=cfg.num_steps, tokens_per_frame=cfg.tokens_per_frame)
             out = jax.device_get(out)
         self._pool = pool

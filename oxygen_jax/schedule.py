@@ -33,6 +33,7 @@ import numpy as np
 
 from oxygen_jax import decode
 from oxygen_jax.decode import DecodePool, Requests
+from oxygen_jax.lora import LoraBank
 from oxygen_jax.model import denoise, prefill, sample_actions
 from oxygen_jax.observation import Observation
 from oxygen_jax.params import Params
@@ -69,15 +70,16 @@ class FrameOutput:
     batch: jax.Array
 
 
-def _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame, evict=None):
+def _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame, evict=None, bank=None):
     if evict is not None:
         pool = decode.evict(pool, evict)
+    # prefill and denoise never see the bank: actions and the prefix cache cannot depend on adapters.
     cache = prefill(params, observation)
     actions = denoise(params, cache, noise, num_steps)
-    pool, admitted, first = decode.admit(params, pool, cache, requests)
+    pool, admitted, first = decode.admit(params, pool, cache, requests, bank)
     served = pool.request_id
     batch = jnp.sum(pool.active, dtype=jnp.int32)
-    pool, burst = decode.decode_burst(params, pool, tokens_per_frame)
+    pool, burst = decode.decode_burst(params, pool, tokens_per_frame, bank)
     pool, released = decode.release_finished(pool)
     out = FrameOutput(
         actions=actions, admitted=admitted, request_id=served,
@@ -90,17 +92,19 @@ def _frame(params, pool, observation, noise, requests, num_steps, tokens_per_fra
 @functools.partial(jax.jit, static_argnames=("num_steps", "tokens_per_frame"), donate_argnames=("pool",))
 def frame_step(
     params: Params, pool: DecodePool, observation: Observation, noise: jax.Array, requests: Requests,
-    evict: jax.Array | None = None, *, num_steps: int, tokens_per_frame: int,
+    evict: jax.Array | None = None, bank: LoraBank | None = None, *, num_steps: int, tokens_per_frame: int,
 ) -> tuple[DecodePool, FrameOutput]:
     """One control frame of continuous batching: prefill once, actions, admissions, k-token burst.
 
     Args:
       evict: optional bool [Ns]: slots to free before admitting (cancelled requests); pass an array
         every frame (all False when nothing is cancelled) so the program never changes.
+      bank: optional language adapters (`lora.LoraBank` of the VLM expert) for the requests' and
+        slots' adapter ids; only admission and decoding read it.
     Donates `pool`. Occupancy, arrivals, cancellations and finishing are array values: this compiles
     once per (shapes, num_steps, tokens_per_frame).
     """
-    return _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame, evict)
+    return _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame, evict, bank)
 
 
 @jax.tree_util.register_dataclass
@@ -161,7 +165,7 @@ class RolloutOutput:
 )
 def rollout(
     params: Params, pool: DecodePool, observations: Observation, noise: jax.Array, table: RequestTable,
-    *, num_steps: int, tokens_per_frame: int, admissions_per_frame: int,
+    bank: LoraBank | None = None, *, num_steps: int, tokens_per_frame: int, admissions_per_frame: int,
 ) -> tuple[DecodePool, RolloutOutput]:
     """`frame_step` scanned over F frames: one compile for the whole rollout.
 
@@ -178,7 +182,7 @@ def rollout(
         pool, next_req = carry
         f, obs, nz = inputs
         offered = _window(table, next_req, admissions_per_frame, f)
-        pool, out = _frame(params, pool, obs, nz, offered, num_steps, tokens_per_frame)
+        pool, out = _frame(params, pool, obs, nz, offered, num_steps, tokens_per_frame, bank=bank)
         return (pool, next_req + jnp.sum(out.admitted, dtype=jnp.int32)), (out, next_req)
 
     frames = noise.shape[0]
@@ -191,22 +195,23 @@ def rollout(
 # --- settings that decode each frame's requests to completion ------------------------------------
 
 
-def _text_to_completion(params, cache, requests: Requests, max_new_tokens: int):
+def _text_to_completion(params, cache, requests: Requests, max_new_tokens: int, bank=None):
     pool = decode.init_pool(params, requests.size, cache.length, max_new_tokens, requests.prompt.shape[1])
-    pool, _, _ = decode.admit(params, pool, cache, requests)
-    pool = decode.decode_to_completion(params, pool)
+    pool, _, _ = decode.admit(params, pool, cache, requests, bank)
+    pool = decode.decode_to_completion(params, pool, bank)
     # Slots are filled in request order, so slot j holds request j.
     return pool.tokens, pool.num_generated
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens",))
-def text_program(params: Params, observation: Observation, requests: Requests, *, max_new_tokens: int):
+def text_program(params: Params, observation: Observation, requests: Requests, bank: LoraBank | None = None, *,
+                 max_new_tokens: int):
     """Isolated text task: its own prefill, the requests decoded to completion.
 
     Returns:
       (tokens int32 [J, M], num_generated int32 [J]); row j is request j.
     """
-    return _text_to_completion(params, prefill(params, observation), requests, max_new_tokens)
+    return _text_to_completion(params, prefill(params, observation), requests, max_new_tokens, bank)
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
@@ -217,7 +222,8 @@ def action_program(params: Params, observation: Observation, noise: jax.Array, *
 
 @functools.partial(jax.jit, static_argnames=("num_steps", "max_new_tokens"))
 def shared_kv_program(
-    params: Params, observation: Observation, noise: jax.Array, requests: Requests, *, num_steps: int, max_new_tokens: int
+    params: Params, observation: Observation, noise: jax.Array, requests: Requests, bank: LoraBank | None = None, *,
+    num_steps: int, max_new_tokens: int,
 ):
     """Shared KV without batching: one prefill serves the actions and the text (to completion).
 
@@ -226,14 +232,14 @@ def shared_kv_program(
     """
     cache = prefill(params, observation)
     actions = denoise(params, cache, noise, num_steps)
-    tokens, n = _text_to_completion(params, cache, requests, max_new_tokens)
+    tokens, n = _text_to_completion(params, cache, requests, max_new_tokens, bank)
     return actions, tokens, n
 
 
 _PARALLEL_POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def run_parallel(params, observation, noise, requests, *, num_steps: int, max_new_tokens: int):
+def run_parallel(params, observation, noise, requests, bank=None, *, num_steps: int, max_new_tokens: int):
     """Action and text programs dispatched concurrently from two host threads; waits for both.
 
     Returns:
@@ -246,7 +252,7 @@ def run_parallel(params, observation, noise, requests, *, num_steps: int, max_ne
         lambda: jax.block_until_ready(action_program(params, observation, noise, num_steps=num_steps))
     )
     txt = _PARALLEL_POOL.submit(
-        lambda: jax.block_until_ready(text_program(params, observation, requests, max_new_tokens=max_new_tokens))
+        lambda: jax.block_until_ready(text_program(params, observation, requests, bank, max_new_tokens=max_new_tokens))
     )
     tokens, n = txt.result()
     return act.result(), tokens, n
