@@ -134,8 +134,12 @@ def test_every_request_field_is_checked_at_submit(params, kwargs, field):
 
 
 def test_noise_is_checked_and_named_adapters_resolve(params, obs1):
-    eng = Engine(params, CFG, adapter_names=("memory",))
+    from oxygen_jax.lora import init_bank
+
+    eng = Engine(params, CFG, bank=init_bank(params.config, 1, rank=2), adapter_names=("memory",))
     assert eng.adapter_id("memory") == 1 and eng.adapter_id("base") == 0
+    with pytest.raises(ValueError, match="bank stores 0"):
+        Engine(params, CFG, adapter_names=("memory",))  # names without a bank
     with pytest.raises(ValueError, match="shape"):
         eng.step(obs1, jnp.zeros((1, HA + 1, 32)))
     with pytest.raises(ValueError, match="NaN"):
@@ -143,7 +147,7 @@ def test_noise_is_checked_and_named_adapters_resolve(params, obs1):
     with pytest.raises(ValueError, match="floating"):
         eng.step(obs1, jnp.zeros((1, HA, 32), jnp.int32))
     with pytest.raises(ValueError, match="unique"):
-        Engine(params, CFG, adapter_names=("base",))
+        Engine(params, CFG, bank=init_bank(params.config, 1, rank=2), adapter_names=("base",))
 
 
 def test_fifty_frames_with_changing_occupancy_compile_the_frame_once(params):
