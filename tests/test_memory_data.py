@@ -175,10 +175,10 @@ def synthetic_config():
 def written(tmp_path_factory, synthetic_config):
     frames = synthetic_splits(synthetic_config)
     for i, f in enumerate(frames["train"]):
-        f["scene"] = f"Scene: layout {f['init_index']} ünïcode"  # an extra str metadata key
+        f["note"] = f"layout {f['init_index']} ünïcode"  # extra str metadata (besides "scene", "done_mask")
         f["score"] = 0.25 * i  # an extra float
     for f in frames["heldout"]:
-        f["scene"], f["score"] = "Scene: held out", -1.0
+        f["note"], f["score"] = "held out", -1.0
     path = write_memory_dataset(tmp_path_factory.mktemp("mem"), frames, image_size=S, name="synthetic_memory")
     return frames, path
 
@@ -192,7 +192,7 @@ def test_memory_dataset_round_trips_text_exactly_and_images_within_jpeg_toleranc
         for i, want in enumerate(frames[split]):  # stored in the order written
             got = src[i]
             assert set(got) == set(want)
-            for key in ("language_instruction", "memory", "task", "init_index", "done_mask", "scene", "score"):
+            for key in ("language_instruction", "memory", "task", "init_index", "done_mask", "scene", "note", "score"):
                 assert got[key] == want[key] and type(got[key]) is type(want[key]), key
             np.testing.assert_array_equal(got["state"], want["state"])
             assert got["state"].dtype == np.float32
@@ -217,6 +217,7 @@ def test_writing_over_an_existing_dataset_needs_overwrite(written):
         (lambda f: f.update(state=np.zeros(7, np.float32)), r"frame 1: 'state' must be 8 finite floats"),
         (lambda f: f.update(memory=3), r"frame 1: 'memory' must be a str"),
         (lambda f: f.update(note="x"), r"frame 1: extra keys differ .*unexpected \['note'\]"),
+        (lambda f: f.update(done_mask="3"), r"frame 1: 'done_mask' must be int, as in the first frame; got str"),
     ],
 )
 def test_bad_frames_raise_naming_split_frame_and_field(tmp_path, synthetic_config, change, message):
@@ -303,6 +304,10 @@ def test_batches_have_static_shapes_and_depend_only_on_the_seed(written, tok):
         for leaf_x, leaf_y in zip(_leaves(x), _leaves(y)):
             np.testing.assert_array_equal(leaf_x, leaf_y)
     assert any(not np.array_equal(x.suffix_tokens, y.suffix_tokens) for x, y in zip(a, c))
+
+    # Another suffix task over the same frames: prompt "Scene: ", label from the "scene" field.
+    scene = _batches(src, tok, seed=1, shuffle=False, prompt="Scene: ", label_key="scene")[0]
+    assert tok.decode(scene.suffix_tokens[0][scene.loss_mask[0]][:-1]) == frames["train"][0]["scene"]
 
     # The suffix is "Memory: " ‖ label ‖ EOS; the loss covers the label and EOS only.
     labels = {f["memory"] for f in frames["train"]}

@@ -60,7 +60,7 @@ from training.rlds_tfrecord import (
 MEMORY_PROMPT = "Memory: "
 _IMAGE_KEYS = ("image", "wrist_image")
 _TEXT_KEYS = ("language_instruction", "memory", "task")
-_BATCH_KEYS = (*_IMAGE_KEYS, "state", "language_instruction", "memory")
+_BATCH_KEYS = (*_IMAGE_KEYS, "state", "language_instruction")
 REQUIRED_FRAME_KEYS = (*_IMAGE_KEYS, "state", "language_instruction", "memory", "task", "init_index")
 # Feature paths every memory dataset must have (task / init_index are optional on read).
 REQUIRED_FEATURES = (
@@ -237,7 +237,7 @@ def _frame_episode(frame, where: str, *, image_size: int, state_dim: int, extras
     meta = {"task": texts["task"], "init_index": int(init_index)}
     for key, kind in extras.items():
         if _extra_kind(frame[key], f"{where}: {key!r}") != kind:
-            raise ValueError(f"{where}: {key!r} is a {type(frame[key]).__name__}, but the first frame's was a {kind}")
+            raise ValueError(f"{where}: {key!r} must be {kind}, as in the first frame; got {type(frame[key]).__name__}")
         meta[key] = frame[key]
     step = {
         "observation": {**images, "state": state.astype(np.float32)},
@@ -489,7 +489,7 @@ class MemoryBatch:
 
 
 def encode_memory_suffix(
-    tokenizer: Tokenizer, memory: str, *, suffix_len: int, memory_prompt: str = MEMORY_PROMPT
+    tokenizer: Tokenizer, label: str, *, suffix_len: int, prompt: str = MEMORY_PROMPT
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Tokenizes prompt ‖ label ‖ EOS into L = `suffix_len` slots (see `MemoryBatch`).
 
@@ -498,18 +498,18 @@ def encode_memory_suffix(
     Raises:
       ValueError when the suffix does not fit (labels are never truncated).
     """
-    prompt = encode_suffix_prompt(tokenizer, memory_prompt)
-    answer = tokenizer.encode(memory) + [tokenizer.eos_id]
-    n = len(prompt) + len(answer)
+    prompt_ids = encode_suffix_prompt(tokenizer, prompt)
+    answer = tokenizer.encode(label) + [tokenizer.eos_id]
+    n = len(prompt_ids) + len(answer)
     if n > suffix_len:
         raise ValueError(
-            f"memory label {memory!r} needs {n} suffix tokens ({len(prompt)} prompt + {len(answer) - 1} label + EOS) "
+            f"label {label!r} needs {n} suffix tokens ({len(prompt_ids)} prompt + {len(answer) - 1} label + EOS) "
             f"but suffix_len={suffix_len}; raise suffix_len"
         )
     tokens = np.full((suffix_len,), tokenizer.pad_id, np.int32)
-    tokens[:n] = prompt + answer
+    tokens[:n] = prompt_ids + answer
     suffix_mask = np.arange(suffix_len) < n
-    loss_mask = suffix_mask & (np.arange(suffix_len) >= len(prompt))
+    loss_mask = suffix_mask & (np.arange(suffix_len) >= len(prompt_ids))
     return tokens, suffix_mask, loss_mask
 
 
@@ -520,29 +520,32 @@ def make_memory_batch(
     tokenizer: Tokenizer,
     *,
     suffix_len: int,
-    memory_prompt: str = MEMORY_PROMPT,
+    prompt: str = MEMORY_PROMPT,
+    label_key: str = "memory",
     norm_stats: Mapping[str, NormStats] | None = None,
 ) -> MemoryBatch:
     """B frame dicts → a `MemoryBatch` (numpy arrays; the train step places them on device).
 
     The prefix comes from `transforms.make_observation(robot, model_config, tokenizer, samples, norm_stats)`
     on LIBERO client samples (`observation/image`, `observation/wrist_image`, `observation/state`,
-    `prompt` = the language instruction), so images are resized with padding to the model's S.
+    `prompt` = the language instruction), so images are resized with padding to the model's S. The suffix
+    is `prompt` ‖ frame[label_key] ‖ EOS: "Memory: " and the memory label by default; another text field
+    with its own prompt (e.g. "Scene: " and an extra "scene" key) trains another suffix task the same way.
     """
     if robot.name != "libero":
         raise ValueError(f"memory frames are LIBERO client samples; got robot {robot.name!r}, use robot_config('libero')")
+    needed = (*_BATCH_KEYS, label_key)
     for b, f in enumerate(frames):
-        missing = [k for k in _BATCH_KEYS if not isinstance(f, Mapping) or k not in f]
+        missing = [k for k in needed if not isinstance(f, Mapping) or k not in f]
         if missing:
-            raise ValueError(f"frame {b} of the batch lacks {missing}; frames need {list(_BATCH_KEYS)}")
+            raise ValueError(f"frame {b} of the batch lacks {missing}; frames need {list(dict.fromkeys(needed))}")
     samples = [
         {"observation/image": f["image"], "observation/wrist_image": f["wrist_image"],
          "observation/state": f["state"], "prompt": f["language_instruction"]}
         for f in frames
     ]
     obs = make_observation(robot, model_config, tokenizer, samples, norm_stats)
-    rows = [encode_memory_suffix(tokenizer, f["memory"], suffix_len=suffix_len, memory_prompt=memory_prompt)
-            for f in frames]
+    rows = [encode_memory_suffix(tokenizer, _text(f[label_key]), suffix_len=suffix_len, prompt=prompt) for f in frames]
     tokens, suffix_mask, loss_mask = (np.stack(col) for col in zip(*rows))
     if tokens.max() >= model_config.vocab_size:
         raise ValueError(
@@ -579,7 +582,8 @@ def memory_batches(
     seed: int = 0,
     shuffle: bool = True,
     drop_remainder: bool = True,
-    memory_prompt: str = MEMORY_PROMPT,
+    prompt: str = MEMORY_PROMPT,
+    label_key: str = "memory",
     norm_stats: Mapping[str, NormStats] | None = None,
 ) -> Iterator[MemoryBatch]:
     """Yields fixed-shape `MemoryBatch`es over `epochs` passes of a random-access frame source.
@@ -591,6 +595,7 @@ def memory_batches(
 
     Args:
       source: e.g. `open_memory_dataset(path, split)` or a list of frame dicts.
+      prompt, label_key: the suffix task (see `make_memory_batch`).
     Raises:
       ValueError naming the frame indices of a batch whose frames are malformed, or when no batch fits.
     """
@@ -609,7 +614,7 @@ def memory_batches(
             frames += [frames[0]] * (batch_size - len(frames))
             try:
                 batch = make_memory_batch(frames, robot, model_config, tokenizer, suffix_len=suffix_len,
-                                          memory_prompt=memory_prompt, norm_stats=norm_stats)
+                                          prompt=prompt, label_key=label_key, norm_stats=norm_stats)
             except (ValueError, KeyError) as e:
                 raise ValueError(f"frames {idx.tolist()} (epoch {epoch}): {e}") from e
             if len(idx) < batch_size:

@@ -95,6 +95,19 @@ def memory_label(config: SyntheticMemoryConfig, done: Sequence[bool]) -> str:
     return "Done: " + ("; ".join(parts) if parts else "nothing") + "."
 
 
+def scene_description(config: SyntheticMemoryConfig, done: Sequence[bool]) -> str:
+    """Where every block is, done or not: "Scene: red block in basket; blue block on table."
+
+    A second suffix task over the same frames (prompt "Scene: "), e.g. to pre-train a tiny base model's
+    vision and language before a memory adapter is trained on top of it.
+    """
+    if len(done) != len(config.objects):
+        raise ValueError(f"done has {len(done)} entries but the config has {len(config.objects)} blocks")
+    parts = [f"{o.name} {TARGETS[o.target]} {o.target}" if d else f"{o.name} on table"
+             for o, d in zip(config.objects, done)]
+    return "Scene: " + "; ".join(parts) + "."
+
+
 def all_labels(config: SyntheticMemoryConfig) -> list[str]:
     """Every label of the task (2**K), in done-mask order (bit k = block k done)."""
     return [memory_label(config, _done_bits(m, len(config.objects))) for m in range(2 ** len(config.objects))]
@@ -185,7 +198,8 @@ def render_frame(config: SyntheticMemoryConfig, init_index: int, done: Sequence[
 
     Returns:
       {"image", "wrist_image": uint8 [S, S, 3], "state": float32 [Ds], "language_instruction", "memory",
-       "task": str, "init_index": int, "done_mask": int (bit k = block k done)}. Deterministic in
+       "task": str, "init_index": int, "done_mask": int (bit k = block k done), "scene": str (see
+       `scene_description`)}. Deterministic in
       (config.seed, init_index, done, repeat).
     """
     done = tuple(bool(d) for d in done)
@@ -202,6 +216,7 @@ def render_frame(config: SyntheticMemoryConfig, init_index: int, done: Sequence[
         "task": text,
         "init_index": int(init_index),
         "done_mask": mask,
+        "scene": scene_description(config, done),
     }
 
 
