@@ -42,7 +42,7 @@ from training.synthetic_memory import (
     synthetic_splits,
 )
 
-S = 56  # the tiny preset's SigLIP image side
+PX = 56  # the tiny preset's SigLIP image side
 
 
 def _fixture_dir():
@@ -168,7 +168,7 @@ def test_corrupt_shard_fails_on_read_naming_shard_and_record(tmp_path):
 
 @pytest.fixture(scope="module")
 def synthetic_config():
-    return SyntheticMemoryConfig(image_size=S, num_inits=4, num_train_inits=3)
+    return SyntheticMemoryConfig(image_size=PX, num_inits=4, num_train_inits=3)
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def written(tmp_path_factory, synthetic_config):
         f["score"] = 0.25 * i  # an extra float
     for f in frames["heldout"]:
         f["note"], f["score"] = "held out", -1.0
-    path = write_memory_dataset(tmp_path_factory.mktemp("mem"), frames, image_size=S, name="synthetic_memory")
+    path = write_memory_dataset(tmp_path_factory.mktemp("mem"), frames, image_size=PX, name="synthetic_memory")
     return frames, path
 
 
@@ -197,7 +197,7 @@ def test_memory_dataset_round_trips_text_exactly_and_images_within_jpeg_toleranc
             np.testing.assert_array_equal(got["state"], want["state"])
             assert got["state"].dtype == np.float32
             for key in ("image", "wrist_image"):
-                assert got[key].dtype == np.uint8 and got[key].shape == (S, S, 3)
+                assert got[key].dtype == np.uint8 and got[key].shape == (PX, PX, 3)
                 diff = np.abs(got[key].astype(int) - want[key])
                 assert diff.mean() < 4 and diff.max() <= 32, (key, diff.mean(), diff.max())
 
@@ -205,7 +205,7 @@ def test_memory_dataset_round_trips_text_exactly_and_images_within_jpeg_toleranc
 def test_writing_over_an_existing_dataset_needs_overwrite(written):
     frames, path = written
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        write_memory_dataset(path.parents[1], {"train": frames["train"][:1]}, image_size=S, name="synthetic_memory")
+        write_memory_dataset(path.parents[1], {"train": frames["train"][:1]}, image_size=PX, name="synthetic_memory")
 
 
 @pytest.mark.parametrize(
@@ -224,7 +224,7 @@ def test_bad_frames_raise_naming_split_frame_and_field(tmp_path, synthetic_confi
     frames = [render_frame(synthetic_config, 0, (False, True)), render_frame(synthetic_config, 0, (True, False))]
     change(frames[1])
     with pytest.raises(ValueError, match=r"split 'train' " + message):
-        write_memory_dataset(tmp_path, {"train": frames}, image_size=S)
+        write_memory_dataset(tmp_path, {"train": frames}, image_size=PX)
     assert not (tmp_path / "memory_frames" / "1.0.0").exists()  # nothing half-written is left behind
 
 
@@ -232,7 +232,7 @@ def test_dataset_missing_a_feature_fails_in_one_line_naming_feature_and_path(tmp
     from training.memory_data import memory_features
     import tensorflow_datasets as tfds
 
-    full = memory_features(image_size=S)
+    full = memory_features(image_size=PX)
     step = {k: v for k, v in full["steps"].feature.items() if k != "memory"}
     features = tfds.features.FeaturesDict({"steps": tfds.features.Dataset(step),
                                            "episode_metadata": full["episode_metadata"]})
@@ -297,7 +297,7 @@ def test_batches_have_static_shapes_and_depend_only_on_the_seed(written, tok):
     assert len(a) == 8
     for batch in a:
         assert isinstance(batch, MemoryBatch)
-        assert batch.observation.images.shape == (3, 2, S, S, 3) and batch.observation.tokens.shape == (3, 32)
+        assert batch.observation.images.shape == (3, 2, PX, PX, 3) and batch.observation.tokens.shape == (3, 32)
         assert batch.suffix_tokens.shape == batch.suffix_mask.shape == batch.loss_mask.shape == (3, 40)
         assert batch.suffix_tokens.dtype == np.int32 and batch.loss_mask.dtype == bool
     for x, y in zip(a, b):
@@ -342,6 +342,8 @@ def test_epochs_visit_every_frame_once_and_padding_rows_carry_no_loss(tok, synth
 def test_a_label_that_does_not_fit_the_suffix_raises_instead_of_truncating(tok):
     with pytest.raises(ValueError, match=r"needs \d+ suffix tokens .* but suffix_len=8; raise suffix_len"):
         encode_memory_suffix(tok, "Done: red block in basket.", suffix_len=8)
+    with pytest.raises(ValueError, match="the suffix prompt is empty"):
+        encode_memory_suffix(tok, "Done: nothing.", suffix_len=40, prompt="")
 
 
 def test_batching_names_the_frames_of_a_malformed_batch(tok, synthetic_config):
@@ -374,7 +376,7 @@ def test_synthetic_label_is_what_the_pixels_show(synthetic_config):
         for done in [(False, False), (True, False), (False, True), (True, True)]:
             frame = render_frame(synthetic_config, init, done)
             for obj, d in zip(synthetic_config.objects, done):
-                cx, cy = (layout[obj.target] * S).astype(int)
+                cx, cy = (layout[obj.target] * PX).astype(int)
                 patch = frame["image"][cy - 6 : cy + 7, cx - 6 : cx + 7].astype(int)
                 near = np.abs(patch - np.array(obj.color)).max(-1) < 40
                 assert near.sum() >= 20 if d else near.sum() == 0, (init, done, obj.name)

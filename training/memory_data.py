@@ -3,7 +3,7 @@ batches for the suffix-only memory loss.
 
 A *frame* is one camera snapshot with its textual-memory label, as a plain dict:
 
-    {"image": uint8 [H, W, 3], "wrist_image": uint8 [H, W, 3], "state": float32 [Ds],
+    {"image": uint8 [Px, Px, 3], "wrist_image": uint8 [Px, Px, 3], "state": float32 [Ds],
      "language_instruction": str, "memory": str, "task": str, "init_index": int, **extras}
 
 `extras` are optional scalar metadata (str, int, float or bool, the same keys in every frame), e.g. a scene
@@ -11,7 +11,7 @@ description or a task id. Stored layout (RLDS; every frame is a one-step episode
 are per frame and frames are independent training examples, so random access to frames is random access
 to episodes):
 
-    steps[1]: observation/{image, wrist_image: Image(S, S, 3) JPEG; state: float32 [Ds]},
+    steps[1]: observation/{image, wrist_image: Image(Px, Px, 3) JPEG; state: float32 [Ds]},
               language_instruction: Text, memory: Text, is_first = is_last = is_terminal = True
     episode_metadata: task: Text, init_index: int64, <extra>: Text | int64 | float64 | bool
 
@@ -24,7 +24,9 @@ in episode order; a missing `task` reads as the language instruction and a missi
 Batches (`memory_batches`): B frames → `MemoryBatch(observation, suffix_tokens, suffix_mask, loss_mask)`,
 where the observation is built exactly as at serving time (`transforms.make_observation` on LIBERO client
 samples) and the suffix is the per-request prompt "Memory: " followed by the label and EOS, padded to a
-static length L. Axes: B batch, C cameras, S image side, T prompt tokens, L suffix tokens, Ds state dims.
+static length. Axes (`oxygen_jax.axes`): B batch, Nc cameras, Px image side (stored; the model's after
+resizing), Tp prompt tokens, T suffix tokens (the query tokens of the teacher-forced suffix forward), Ds
+state dims; Hi/Wi image height/width of other RLDS datasets.
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def memory_features(*, image_size: int = 224, state_dim: int = 8, extras: Mappin
     """The tfds `FeaturesDict` of a memory dataset (see the module docstring).
 
     Args:
-      image_size: S, the stored square image side.
+      image_size: Px, the stored square image side.
       state_dim: Ds.
       extras: extra metadata name → kind ("str", "int", "float", "bool"), stored under episode_metadata.
     """
@@ -266,7 +268,7 @@ def write_memory_dataset(
       splits: split name → iterable of frame dicts (module docstring), e.g. {"train": …, "heldout": …};
         iterables are consumed once, so generators stream. Extra scalar keys are inferred from the first
         frame of the first split and stored as episode metadata; every frame must then carry them.
-      image_size: S; both images must be uint8 [S, S, 3] (no resizing here: resize in the generator).
+      image_size: Px; both images must be uint8 [Px, Px, 3] (no resizing here: resize in the generator).
       state_dim: Ds.
       jpeg_quality: Pillow JPEG quality (images are stored 4:4:4, i.e. without chroma subsampling).
       overwrite: replace an existing dataset of the same name and version.
@@ -344,7 +346,7 @@ def check_memory_features(features, path) -> None:
     for key in REQUIRED_FEATURES[:2]:
         feat = have[key]
         if not isinstance(feat, tfds.features.Image) or feat.shape[-1] != 3 or feat.np_dtype != np.uint8:
-            raise ValueError(f"{path}: feature {key!r} must be a uint8 RGB Image [H, W, 3], got {feat!r}")
+            raise ValueError(f"{path}: feature {key!r} must be a uint8 RGB Image [height, width, 3], got {feat!r}")
     state = have["steps/observation/state"]
     if not isinstance(state, tfds.features.Tensor) or len(state.shape) != 1 or not np.issubdtype(state.np_dtype, np.floating):
         raise ValueError(f"{path}: feature 'steps/observation/state' must be a float Tensor [Ds], got {state!r}")
@@ -358,17 +360,18 @@ def _text(value) -> str:
 
 
 def _scalar(value):
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    if isinstance(value, np.ndarray) and value.ndim == 0:
+    """A 0-d numpy value or numpy scalar → the Python scalar (text as str)."""
+    if isinstance(value, np.ndarray):
         value = value[()]
-    return value.item() if isinstance(value, np.generic) else value
+    if isinstance(value, np.generic):
+        value = value.item()
+    return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
 class MemoryFrameSource(Sequence):
     """Random access to the frames of one split of a memory dataset (see `open_memory_dataset`).
 
-    `src[i]` is a frame dict: images uint8 [H, W, 3] (decoded by Pillow), state float32 [Ds], text as str,
+    `src[i]` is a frame dict: images uint8 [Hi, Wi, 3] (decoded by Pillow), state float32 [Ds], text as str,
     init_index int, plus the episode's other scalar metadata as Python scalars.
     """
 
@@ -460,14 +463,14 @@ class MemoryBatch:
     """One training batch for the suffix-only memory loss; every shape is static.
 
     Attributes:
-      observation: the prefix inputs (images float32 [B, C, S, S, 3], image_masks [B, C], tokens int32
-        [B, T], token_mask [B, T]), built as at serving time.
-      suffix_tokens: int32 [B, L]: memory prompt ids ‖ label ids ‖ EOS ‖ pad 0, written after the prefix.
-      suffix_mask: bool [B, L]: True on real suffix tokens (prompt, label, EOS).
-      loss_mask: bool [B, L]: True on the tokens to predict (label and EOS). Padding rows (see
+      observation: the prefix inputs (images float32 [B, Nc, Px, Px, 3], image_masks [B, Nc], tokens
+        int32 [B, Tp], token_mask [B, Tp]), built as at serving time.
+      suffix_tokens: int32 [B, T]: request prompt ids ‖ label ids ‖ EOS ‖ pad 0, written after the prefix.
+      suffix_mask: bool [B, T]: True on real suffix tokens (prompt, label, EOS).
+      loss_mask: bool [B, T]: True on the tokens to predict (label and EOS). Padding rows (see
         `memory_batches(drop_remainder=False)`) are all False.
 
-    Example ("Memory: " → [m1, m2], "Done: nothing." → [d1, d2, d3], L = 8):
+    Example ("Memory: " → [m1, m2], "Done: nothing." → [d1, d2, d3], T = 8):
 
         suffix_tokens  m1 m2 d1 d2 d3 EOS 0  0
         suffix_mask    T  T  T  T  T  T   F  F
@@ -491,14 +494,16 @@ class MemoryBatch:
 def encode_memory_suffix(
     tokenizer: Tokenizer, label: str, *, suffix_len: int, prompt: str = MEMORY_PROMPT
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Tokenizes prompt ‖ label ‖ EOS into L = `suffix_len` slots (see `MemoryBatch`).
+    """Tokenizes prompt ‖ label ‖ EOS into T = `suffix_len` slots (see `MemoryBatch`).
 
     Returns:
-      (suffix_tokens int32 [L], suffix_mask bool [L], loss_mask bool [L]).
+      (suffix_tokens int32 [T], suffix_mask bool [T], loss_mask bool [T]).
     Raises:
-      ValueError when the suffix does not fit (labels are never truncated).
+      ValueError when the suffix does not fit (labels are never truncated) or the prompt is empty.
     """
     prompt_ids = encode_suffix_prompt(tokenizer, prompt)
+    if not prompt_ids:
+        raise ValueError("the suffix prompt is empty; the first label token is predicted from the last prompt token")
     answer = tokenizer.encode(label) + [tokenizer.eos_id]
     n = len(prompt_ids) + len(answer)
     if n > suffix_len:
@@ -528,7 +533,7 @@ def make_memory_batch(
 
     The prefix comes from `transforms.make_observation(robot, model_config, tokenizer, samples, norm_stats)`
     on LIBERO client samples (`observation/image`, `observation/wrist_image`, `observation/state`,
-    `prompt` = the language instruction), so images are resized with padding to the model's S. The suffix
+    `prompt` = the language instruction), so images are resized with padding to the model's Px. The suffix
     is `prompt` ‖ frame[label_key] ‖ EOS: "Memory: " and the memory label by default; another text field
     with its own prompt (e.g. "Scene: " and an extra "scene" key) trains another suffix task the same way.
     """

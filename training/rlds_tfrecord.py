@@ -10,15 +10,15 @@ checked. A shard is a plain concatenation of records:
 `sum(16 + length_j for j < k)`; one record is one RLDS episode (a `tf.train.Example`).
 
     src = RldsTFRecordSource("…/libero_10_no_noops/1.0.0", "train")   # indexes the shards (headers only)
-    ep = src[0]           # {"steps": [step dict, …], "episode_metadata": {…}}; images uint8 [H, W, 3]
-    stack_steps(ep["steps"])["observation"]["image"]                  # uint8 [T, H, W, 3]
+    ep = src[0]           # {"steps": [step dict, …], "episode_metadata": {…}}; images uint8 [Hi, Wi, 3]
+    stack_steps(ep["steps"])["observation"]["image"]                  # uint8 [Te, Hi, Wi, 3]
 
 Images are decoded with Pillow here (tfds would pick OpenCV when it is installed), so pixels do not
 depend on which optional decoder happens to be installed; `decode_images=False` returns the stored
 encoded bytes (e.g. to re-package episodes without a second JPEG loss). Text stays UTF-8 `bytes`, as
 tfds returns it.
 
-Axes: T steps of an episode, H/W image height/width.
+Axes: Te steps of an episode, Hi/Wi image height/width (besides the letters of `oxygen_jax.axes`).
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def skip_image_decoding(features) -> dict:
 
 
 def decode_image(data: bytes, where: str = "image") -> np.ndarray:
-    """Encoded image bytes (JPEG, PNG, …) → uint8 [H, W, 3] RGB, decoded by Pillow."""
+    """Encoded image bytes (JPEG, PNG, …) → uint8 [Hi, Wi, 3] RGB, decoded by Pillow."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             return np.asarray(img if img.mode == "RGB" else img.convert("RGB"))
@@ -301,10 +301,10 @@ def materialize_episode(episode: Mapping, features, *, decode_images: bool = Tru
 
 
 def stack_steps(steps: Sequence[Mapping]) -> dict:
-    """A list of T step dicts → one dict of the same structure with every leaf stacked on a leading T axis.
+    """A list of Te step dicts → one dict of the same structure with every leaf stacked on a leading Te axis.
 
-    Arrays and numeric scalars become numpy arrays [T, ...]; `bytes` leaves (text, encoded images) become
-    object arrays [T] (fixed-width numpy bytes would drop trailing NUL bytes).
+    Arrays and numeric scalars become numpy arrays [Te, ...]; `bytes` leaves (text, encoded images) become
+    object arrays [Te] (fixed-width numpy bytes would drop trailing NUL bytes).
     """
     if not steps:
         raise ValueError("stack_steps needs at least one step")
@@ -360,7 +360,7 @@ class RldsTFRecordSource(Sequence):
     Args:
       dataset_dir: the dataset version folder (holding dataset_info.json, features.json and the shards).
       split: e.g. "train".
-      decode_images: decode images (uint8 [H, W, 3], Pillow) or keep their encoded bytes.
+      decode_images: decode images (uint8 [Hi, Wi, 3], Pillow) or keep their encoded bytes.
       check_crc: verify both CRCs of every record (a mismatch raises `TFRecordError`).
     """
 

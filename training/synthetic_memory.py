@@ -10,7 +10,7 @@ a fixed order, like the LIBERO labels:
     done = (False, False) →  "Done: nothing."
 
 so the answer is a function of the pixels alone (block colour inside the basket / plate outline), with
-2**K labels for K blocks (4 by default). Shapes are sized relative to the image side S, so at S = 56 (the
+2**K labels for K blocks (4 by default). Shapes are sized relative to the image side Px, so at Px = 56 (the
 `tiny` SigLIP) a block is ~7 px and the basket ~16 px — visible through 14-px patches. The wrist image and
 the state carry no information about the answer.
 
@@ -52,7 +52,7 @@ DEFAULT_OBJECTS = (
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyntheticMemoryConfig:
-    image_size: int = 224  # S, square images
+    image_size: int = 224  # Px, square images
     objects: tuple[SyntheticObject, ...] = DEFAULT_OBJECTS  # K blocks, label order
     num_inits: int = 50  # initial-state indices 0 .. num_inits-1 (scene layouts)
     num_train_inits: int = 40  # indices below this are "train", the rest "heldout"
@@ -197,7 +197,7 @@ def render_frame(config: SyntheticMemoryConfig, init_index: int, done: Sequence[
     """One frame dict (the `training.memory_data` format) for a layout index and a done-pattern.
 
     Returns:
-      {"image", "wrist_image": uint8 [S, S, 3], "state": float32 [Ds], "language_instruction", "memory",
+      {"image", "wrist_image": uint8 [Px, Px, 3], "state": float32 [Ds], "language_instruction", "memory",
        "task": str, "init_index": int, "done_mask": int (bit k = block k done), "scene": str (see
        `scene_description`)}. Deterministic in
       (config.seed, init_index, done, repeat).
