@@ -189,10 +189,10 @@ def test_a_frame_that_fails_with_requests_is_rerun_without_them(params, obs1, mo
 
     real = engine_mod.frame_step
 
-    def failing_with_requests(params, pool, obs, noise, requests, evict, **kw):
+    def failing_with_requests(params, pool, obs, noise, requests, *args, **kw):
         if np.any(requests.valid):
             raise RuntimeError("boom")
-        return real(params, pool, obs, noise, requests, evict, **kw)
+        return real(params, pool, obs, noise, requests, *args, **kw)
 
     monkeypatch.setattr(engine_mod, "frame_step", failing_with_requests)
     eng = Engine(params, CFG)
