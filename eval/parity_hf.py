@@ -125,8 +125,23 @@ def greedy_decode(spec: BackboneSpec, decoder: Decoder, k, v, input_mask, first_
 
 
 _encode = jax.jit(qwen3_vl.encode, static_argnums=(0, 3))
-_prefill = jax.jit(functools.partial(backbone.prefill, return_hidden=True))
-_logits = jax.jit(backbone.lm_logits)
+_embed_text = jax.jit(backbone.embed_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("image_token_id",))
+def _embed_images(spec: BackboneSpec, decoder: Decoder, input_ids, image_tokens, deepstack, image_token_id: int):
+    x, image_mask = qwen3_vl.embed_multimodal(spec, decoder, input_ids, image_tokens, image_token_id)
+    return x, image_mask, qwen3_vl.scatter_deepstack(deepstack, image_mask)
+
+
+@jax.jit
+def _forward(spec: BackboneSpec, decoder: Decoder, x, positions, input_mask, deepstack):
+    """Prefill with HF hidden states, all logits, and the logits at each row's last real token."""
+    out = backbone.prefill(spec, decoder, x, positions, input_mask, deepstack=deepstack, return_hidden=True)
+    out["logits"] = backbone.lm_logits(spec, decoder, out["normed"])
+    last = last_valid_index(input_mask)
+    out["first_logits"] = jnp.take_along_axis(out["logits"], last[:, None, None], axis=1)[:, 0]
+    return out
 
 
 def _raw_images(ref) -> list[np.ndarray]:
@@ -137,6 +152,12 @@ def _raw_images(ref) -> list[np.ndarray]:
 def _check_vision(chk: _Checker, ck: hf_checkpoint.HFCheckpoint, ref):
     """ViT stages, M-RoPE positions and image embedding; returns (x [B, T, D], positions, start, deepstack)."""
     spec, vspec = ck.spec, ck.spec.vision
+    ids, am = ref["input_ids"], ref["attention_mask"].astype(bool)
+    image_id = int(ck.config["image_token_id"])
+    if "pixel_values" not in ref:  # a text-only prompt: M-RoPE with equal axes, no DeepStack
+        positions, nxt = qwen3_vl.mrope_positions(ids, am, None, image_token_id=image_id,
+                                                  spatial_merge_size=vspec.spatial_merge_size)
+        return _embed_text(spec, ck.decoder, jnp.asarray(ids)), positions, nxt, None
     grid = qwen3_vl.as_grid(ref["image_grid_thw"])
     images = _raw_images(ref)
     if images:
@@ -151,16 +172,15 @@ def _check_vision(chk: _Checker, ck: hf_checkpoint.HFCheckpoint, ref):
     if "deepstack_features" in ref:
         chk.close("vision/deepstack_features", enc["deepstack"], ref["deepstack_features"])
 
-    ids, am = ref["input_ids"], ref["attention_mask"].astype(bool)
-    image_id = int(ck.config["image_token_id"])
     positions, nxt = qwen3_vl.mrope_positions(ids, am, grid, image_token_id=image_id, spatial_merge_size=vspec.spatial_merge_size)
-    chk.exact("mrope position_ids (real tokens)", positions, ref["position_ids"], np.broadcast_to(am, positions.shape))
+    if "position_ids" in ref:
+        chk.exact("mrope position_ids (real tokens)", positions, ref["position_ids"], np.broadcast_to(am, positions.shape))
     if "rope_deltas" in ref:
         chk.exact("rope_deltas", nxt - am.sum(-1), ref["rope_deltas"].reshape(-1))
-    x, image_mask = qwen3_vl.embed_multimodal(spec, ck.decoder, jnp.asarray(ids), enc["tokens"], image_id)
+    x, image_mask, deepstack = _embed_images(spec, ck.decoder, jnp.asarray(ids), enc["tokens"], enc["deepstack"], image_id)
     if "mm_token_type_ids" in ref:
         chk.exact("image token mask (mm_token_type_ids)", image_mask, ref["mm_token_type_ids"].astype(bool))
-    return x, positions, nxt, qwen3_vl.scatter_deepstack(enc["deepstack"], image_mask)
+    return x, positions, nxt, deepstack
 
 
 def run_fixture(fixture: Path) -> tuple[BackboneSpec, list[Row]]:
@@ -178,14 +198,15 @@ def run_fixture(fixture: Path) -> tuple[BackboneSpec, list[Row]]:
     if spec.family == "qwen3_vl":
         x, positions, start, deepstack = _check_vision(chk, ck, ref)
     else:
-        positions = np.asarray(backbone.text_positions(jnp.asarray(am)))
+        positions = np.cumsum(am, axis=-1, dtype=np.int32) - 1  # masks.positions_from_mask, on the host
         if "position_ids" in ref:
             chk.exact("position_ids (real tokens)", positions, ref["position_ids"], am)
-        x, start, deepstack = backbone.embed_tokens(spec, dec, jnp.asarray(ids)), am.sum(-1), None
+        x, start, deepstack = _embed_text(spec, dec, jnp.asarray(ids)), am.sum(-1), None
 
-    out = _prefill(spec, dec, x, jnp.asarray(positions), jnp.asarray(am), deepstack=deepstack)
-    logits = _logits(spec, dec, out["normed"])
-    chk.close("logits (real tokens)", logits, ref["logits"], valid=valid)
+    out = _forward(spec, dec, x, jnp.asarray(positions), jnp.asarray(am), deepstack)
+    logits = out["logits"]
+    if "logits" in ref:
+        chk.close("logits (real tokens)", logits, ref["logits"], valid=valid)
     for name in ("k", "v"):
         if f"{name}_cache" in ref:  # HF (L, B, K, T, H) -> ours [L, B, T, K, H]; compare per real (b, t)
             theirs = np.transpose(ref[f"{name}_cache"], (1, 3, 0, 2, 4))
@@ -198,9 +219,8 @@ def run_fixture(fixture: Path) -> tuple[BackboneSpec, list[Row]]:
 
     if "gen_tokens" in ref:
         n = ref["gen_tokens"].shape[1]
-        last = last_valid_index(jnp.asarray(am))
-        first = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        tokens, step_logits = greedy_decode(spec, dec, out["k"], out["v"], jnp.asarray(am), first, jnp.asarray(start, jnp.int32), n)
+        tokens, step_logits = greedy_decode(spec, dec, out["k"], out["v"], jnp.asarray(am), out["first_logits"],
+                                            jnp.asarray(start, jnp.int32), n)
         chk.exact(f"greedy tokens, cached decode ({n} steps, left padding)", tokens, ref["gen_tokens"])
         if "gen_step_logits" in ref:
             chk.close("decode step logits", step_logits, ref["gen_step_logits"])

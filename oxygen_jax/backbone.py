@@ -290,21 +290,39 @@ def stack_layers(layers):
     return jax.tree.map(lambda *a: jnp.stack(a), *layers.layers)
 
 
-def init_decoder(spec: BackboneSpec, key: jax.Array, dtype: str = "float32") -> Decoder:
-    """Random weights for `spec` (fan-in scaled normals; norm scales around their identity value).
+Draw = Callable[[tuple[int, ...], float, float], jax.Array]  # (shape, std, mean) -> leaf
 
-    Traceable, so `jax.eval_shape(lambda: init_decoder(spec, jax.random.key(0)))` gives the full-size
-    tree without allocating it. Not a training initialisation.
+
+def numpy_draws(seed: int, dtype: str) -> Draw:
+    """Leaf initialiser: leaf i ~ mean + std * N(0, 1) drawn with numpy from PCG64([seed, i]).
+
+    Deterministic and free of per-shape compilation (shared by `init_decoder` and
+    `qwen3_vl.init_vision`).
     """
-    keys = (jax.random.fold_in(key, i) for i in itertools.count())
+    counter = itertools.count()
+
+    def draw(shape, std, mean):
+        rng = np.random.default_rng([int(seed), next(counter)])
+        return jnp.asarray(np.float32(mean) + np.float32(std) * rng.standard_normal(shape, dtype=np.float32), dtype)
+
+    return draw
+
+
+def zeros_draws(dtype: str) -> Draw:
+    """Leaf initialiser for `jax.eval_shape`: traced zeros, never allocated."""
+    return lambda shape, std, mean: jnp.zeros(shape, dtype)
+
+
+def decoder_tree(spec: BackboneSpec, draw: Draw) -> Decoder:
+    """The `Decoder` of `spec` with every leaf from `draw`: fan-in scaled normals, norm scales around
+    their identity value (0 for `(1 + w)` norms, 1 for plain `w`). The one description of its shapes."""
     d, n, k, h, f, v, depth = spec.width, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.mlp_dim, spec.vocab_size, spec.depth
 
     def normal(shape, fan_in):
-        return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+        return draw(shape, 1.0 / math.sqrt(fan_in), 0.0)
 
     def norm(shape):
-        w = 0.1 * jax.random.normal(next(keys), shape, jnp.float32)
-        return RMSNorm(scale=(w if spec.norm_plus_one else 1.0 + w).astype(dtype))
+        return RMSNorm(scale=draw(shape, 0.1, 0.0 if spec.norm_plus_one else 1.0))
 
     layers = DecoderLayers(
         q=normal((depth, n, d, h), d), kv=normal((depth, 2, k, d, h), d), out=normal((depth, n, h, d), n * h),
@@ -318,9 +336,14 @@ def init_decoder(spec: BackboneSpec, key: jax.Array, dtype: str = "float32") -> 
     )
 
 
+def init_decoder(spec: BackboneSpec, seed: int = 0, dtype: str = "float32") -> Decoder:
+    """Random weights for `spec` (tests and benchmarks; not a training initialisation)."""
+    return decoder_tree(spec, numpy_draws(seed, dtype))
+
+
 def abstract_decoder(spec: BackboneSpec, dtype: str = "float32") -> Decoder:
-    """`jax.ShapeDtypeStruct` leaves of `init_decoder(spec)`, without allocating anything."""
-    return jax.eval_shape(lambda: init_decoder(spec, jax.random.key(0), dtype))
+    """`jax.ShapeDtypeStruct` leaves of `spec`'s decoder via `jax.eval_shape`: nothing is allocated."""
+    return jax.eval_shape(lambda: decoder_tree(spec, zeros_draws(dtype)))
 
 
 # --------------------------------------------------------------------------------------------------

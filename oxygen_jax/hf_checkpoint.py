@@ -357,10 +357,13 @@ def hf_shapes(spec: BackboneSpec) -> dict[str, tuple[int, ...]]:
     trees = {k: _leaf_paths(t) for k, t in _abstract(spec, "float32").items()}
     out = {}
     for e in _ENTRIES:
-        for name, index in _expand(e, spec):
-            ours = trees[_part_of(e)][e.attr]
-            sds = jax.ShapeDtypeStruct(_slice_shape(ours.shape, index, e.sub), ours.dtype)
-            out[name] = tuple(jax.eval_shape(lambda w: e.layout.to_hf(w, spec), sds).shape)
+        names = _expand(e, spec)
+        if not names:
+            continue
+        ours = trees[_part_of(e)][e.attr]
+        sds = jax.ShapeDtypeStruct(_slice_shape(ours.shape, names[0][1], e.sub), ours.dtype)
+        shape = tuple(jax.eval_shape(lambda w, e=e: e.layout.to_hf(w, spec), sds).shape)  # the same for every layer
+        out.update({name: shape for name, _ in names})
     return out
 
 

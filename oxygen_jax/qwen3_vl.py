@@ -27,7 +27,6 @@ at max(position so far) + 1. Decoded tokens continue at that row's max position 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import jax
@@ -75,37 +74,39 @@ class Vision:
     deepstack: Merger | None  # leading E axis; None when there are no DeepStack layers
 
 
-def init_vision(vspec: Qwen3VisionSpec, key: jax.Array, dtype: str = "float32") -> Vision:
-    """Random ViT weights (traceable: `jax.eval_shape` gives the full-size tree for free)."""
-    keys = (jax.random.fold_in(key, i) for i in itertools.count())
+def vision_tree(vspec: Qwen3VisionSpec, draw: backbone.Draw) -> Vision:
+    """The `Vision` tree of `vspec` with every leaf from `draw` (see `backbone.decoder_tree`)."""
     w, nv, hv, fv, d, mw, depth = vspec.width, vspec.num_heads, vspec.head_dim, vspec.mlp_dim, vspec.out_width, vspec.merge_width, vspec.depth
     e = len(vspec.deepstack_layers)
 
-    def normal(shape, fan_in, scale=1.0):
-        return (scale * jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
-
     def dense(lead, fan_in, out_shape):
-        return Dense(kernel=normal(lead + (fan_in,) + out_shape, fan_in), bias=normal(lead + out_shape, 1, 0.1))
+        return Dense(kernel=draw(lead + (fan_in,) + out_shape, 1.0 / math.sqrt(fan_in), 0.0), bias=draw(lead + out_shape, 0.1, 0.0))
 
     def ln(shape):
-        return LayerNorm(scale=(1.0 + normal(shape, 1, 0.1)).astype(dtype), bias=normal(shape, 1, 0.1))
+        return LayerNorm(scale=draw(shape, 0.1, 1.0), bias=draw(shape, 0.1, 0.0))
 
     def merger(lead, norm_width):
         return Merger(norm=ln(lead + (norm_width,)), fc1=dense(lead, mw, (mw,)), fc2=dense(lead, mw, (d,)))
 
     blocks = VisionBlocks(
         ln1=ln((depth, w)), qkv=dense((depth,), w, (3, nv, hv)),
-        out=Dense(kernel=normal((depth, nv, hv, w), w), bias=normal((depth, w), 1, 0.1)),
+        out=Dense(kernel=draw((depth, nv, hv, w), 1.0 / math.sqrt(w), 0.0), bias=draw((depth, w), 0.1, 0.0)),
         ln2=ln((depth, w)), fc1=dense((depth,), w, (fv,)), fc2=dense((depth,), fv, (w,)),
     )
     return Vision(
-        patch=dense((), vspec.patch_dim, (w,)), pos_embed=normal((vspec.num_position_embeddings, w), 1, 0.02),
+        patch=dense((), vspec.patch_dim, (w,)), pos_embed=draw((vspec.num_position_embeddings, w), 0.02, 0.0),
         blocks=blocks, merger=merger((), w), deepstack=merger((e,), mw) if e else None,
     )
 
 
+def init_vision(vspec: Qwen3VisionSpec, seed: int = 0, dtype: str = "float32") -> Vision:
+    """Random ViT weights (tests and benchmarks)."""
+    return vision_tree(vspec, backbone.numpy_draws(seed, dtype))
+
+
 def abstract_vision(vspec: Qwen3VisionSpec, dtype: str = "float32") -> Vision:
-    return jax.eval_shape(lambda: init_vision(vspec, jax.random.key(0), dtype))
+    """`jax.ShapeDtypeStruct` leaves via `jax.eval_shape`: nothing is allocated."""
+    return jax.eval_shape(lambda: vision_tree(vspec, backbone.zeros_draws(dtype)))
 
 
 # --------------------------------------------------------------------------------------------------
