@@ -1,0 +1,514 @@
+"""Multi-robot frame batching for the policy server, and the one thread that runs the engine.
+
+Axes: B rows of one step (a bucket size, e.g. 1/2/4/8), Ha action horizon, Ad model action dim (32),
+Da the robot's action dim.
+
+    connection handlers ──Frame──► Batcher (event loop)             EngineWorker (one thread, owns the Engine)
+      (one Stream each)             waits for robots about to send,  submit each frame's language requests
+            ▲                       never past the tightest          (row = stream id, owner = Stream), pad the
+            │                       deadline; picks a bucket ──────► rows to the bucket, Engine.step(rows=...)
+            └── frame.future ◄───── routes finished / failed language to the owning Stream's outbox
+
+* Every connection is a `Stream` with a fixed id for its lifetime. The Engine admits a stream's
+  language requests only in steps where that stream has a row, so a request always continues its own
+  robot's observation, and all robots share one decode pool.
+* Batch sizes come from a fixed bucket set, each compiled before the server reports healthy
+  (`EngineWorker.warmup`); padding rows repeat row 0 and belong to no stream (row id -1).
+* When to fire (`fire_delay`): at once when no other robot is expected soon, or when every expected
+  robot is in; otherwise wait until the tightest pending deadline minus the predicted step time.
+* Noise is deterministic: row noise of frame f of stream s is `frame_noise(seed, s, f)`, so a client
+  (or a test) can reproduce a served action chunk with `Engine.step(observation, noise)`.
+* The event loop never runs model code: only `EngineWorker` methods touch the Engine, on its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from oxygen_jax import transforms
+from oxygen_jax.config import EOS_ID, RobotConfig
+from oxygen_jax.engine import FailedRequest, FinishedRequest, RequestError
+from oxygen_jax.observation import Observation
+
+log = logging.getLogger("oxygen_jax.serve")
+
+BUCKETS = (1, 2, 4, 8)
+"""Default batch sizes (robots per step), each compiled at start-up."""
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `n` rows. Example: buckets (1, 2, 4, 8): 3 -> 4, 4 -> 4, 5 -> 8."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} rows exceed the largest batch bucket {max(buckets)}")
+
+
+def frame_noise(seed: int, stream: int, frame: int, horizon: int, action_dim: int) -> np.ndarray:
+    """The flow-matching noise of one served frame: float32 [Ha, Ad].
+
+    Standard normal from `np.random.default_rng([seed, stream, frame])`: reproducible from the server
+    seed, the stream id the server sends in its metadata, and the `frame` index of the response.
+    """
+    return np.random.default_rng([seed, stream, frame]).standard_normal((horizon, action_dim)).astype(np.float32)
+
+
+# -------------------------------------------------------------------------------------------------
+# Host records
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)  # identity: a Stream is the Engine `owner` of its requests
+class Stream:
+    """One connected robot for the lifetime of its connection.
+
+    Attributes:
+      id: stream id (the Engine row id of its frames and requests); never reused.
+      deadline_s: the robot's round-trip budget per frame (declared, or the server default).
+      frames: frames of this stream handed to the engine so far (the next frame's index).
+      busy: a frame of this stream is queued or in a step.
+      last_reply: perf_counter time of the last reply sent (robots that just got one are expected back).
+      closed: the connection is gone; results for it are dropped.
+      tags: live language request id -> the client's tag for it.
+      finished, failed: language results waiting for this robot's next response (delivered once).
+    """
+
+    id: int
+    deadline_s: float
+    frames: int = 0
+    busy: bool = False
+    last_reply: float = -math.inf
+    closed: bool = False
+    tags: dict[int, Any] = dataclasses.field(default_factory=dict)
+    finished: list[dict] = dataclasses.field(default_factory=list)
+    failed: list[dict] = dataclasses.field(default_factory=list)
+
+    def take_language(self) -> tuple[list[dict], list[dict]]:
+        """Finished and failed results not yet delivered; each is returned exactly once."""
+        done, bad = self.finished, self.failed
+        self.finished, self.failed = [], []
+        return done, bad
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageRequest:
+    """One language request carried by an observation (already type-checked; ranges are the Engine's)."""
+
+    prompt: str
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    adapter: str | int = "base"
+    stop_at_eos: bool = True
+    tag: str | int | None = None  # the client's id for it, echoed back
+
+
+@dataclasses.dataclass(eq=False)
+class Frame:
+    """One robot observation waiting for its step.
+
+    Attributes:
+      observation: the model observation of this robot (numpy, batch 1).
+      state: the robot's native state [Ds] (robot_outputs needs it for ALOHA).
+      arrival: perf_counter time the frame was queued.
+      index: the stream's frame index, set when the frame is handed to the engine.
+    """
+
+    stream: Stream
+    observation: Observation
+    state: np.ndarray
+    language: list[LanguageRequest]
+    arrival: float
+    future: asyncio.Future
+    index: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameResult:
+    """What a frame's connection replies: actions [Ha, Da] and accepted requests, or a BadRequest text."""
+
+    actions: np.ndarray | None
+    error: str | None
+    accepted: list[dict]  # {"id": engine request id, "tag": the client's tag}
+    index: int
+    rows: int  # robots in the step
+    bucket: int  # padded batch size of the step
+    step_ms: float
+    queue_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """One engine step as the event loop sees it."""
+
+    results: list[FrameResult]  # one per frame handed in, same order
+    finished: list[FinishedRequest]
+    failed: list[FailedRequest]
+    rows: int
+    bucket: int
+    step_ms: float  # Engine.step wall time (0 when every frame was rejected)
+    language_active: int
+    language_queued: int
+
+
+# -------------------------------------------------------------------------------------------------
+# The engine thread
+# -------------------------------------------------------------------------------------------------
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles: collections.Counter = collections.Counter()  # thread ident -> XLA compiles run on that thread
+_listener_lock = threading.Lock()
+_listening = False
+
+
+def _count_compile(event: str, *_args, **_kwargs) -> None:
+    if event == _COMPILE_EVENT:
+        _compiles[threading.get_ident()] += 1
+
+
+def _listen_for_compiles() -> None:
+    global _listening
+    import jax
+
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_count_compile)
+            _listening = True
+
+
+def _tile(obs: Observation, rows: int) -> Observation:
+    return Observation(*(np.repeat(np.asarray(x)[:1], rows, axis=0) for x in dataclasses.astuple(obs)))
+
+
+def _stack(observations: Sequence[Observation], rows: int) -> Observation:
+    """Concatenates batch-1 observations and pads to `rows` by repeating the first one."""
+    fields = []
+    for parts in zip(*(dataclasses.astuple(o) for o in observations)):
+        x = np.concatenate([np.asarray(p) for p in parts], axis=0)
+        if rows > len(x):
+            x = np.concatenate([x, np.repeat(x[:1], rows - len(x), axis=0)], axis=0)
+        fields.append(x)
+    return Observation(*fields)
+
+
+class EngineWorker:
+    """Owns an `Engine` and the single thread that may call it (the Engine is not thread-safe).
+
+    Every public method runs on that thread: call them through `run(loop, method, *args)`.
+    With a `mesh` (several devices), each step's rows are sharded over the mesh axis "robots" when the
+    bucket divides evenly, and replicated otherwise; params must already be replicated on the mesh.
+    """
+
+    def __init__(self, engine, robot: RobotConfig, *, seed: int = 0, norm_stats=None, mesh=None):
+        self.engine, self.robot, self.seed, self.norm_stats, self.mesh = engine, robot, seed, norm_stats, mesh
+        self.horizon = engine.config.action_horizon
+        self.action_dim = engine.params.config.action_dim
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="oxygen-engine")
+        self._thread = self._executor.submit(threading.get_ident).result()
+        _listen_for_compiles()
+
+    def run(self, loop: asyncio.AbstractEventLoop, method: Callable, *args) -> asyncio.Future:
+        """Schedules `method(*args)` on the engine thread (FIFO with every other call)."""
+        return loop.run_in_executor(self._executor, method, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    @property
+    def compiles(self) -> int:
+        """XLA compilations that ran on the engine thread so far."""
+        return _compiles[self._thread]
+
+    def _place(self, obs: Observation, noise: np.ndarray):
+        if self.mesh is None:
+            return obs, noise
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        spec = PartitionSpec("robots") if noise.shape[0] % self.mesh.size == 0 else PartitionSpec()
+        return jax.device_put((obs, noise), NamedSharding(self.mesh, spec))
+
+    def warmup(self, example: Observation, buckets: Sequence[int]) -> dict[int, float]:
+        """Compiles every bucket; returns the steady step time (ms) of each, measured after compiling.
+
+        One device: `Engine.warmup` per bucket (a scratch pool, no request touched), run twice. Several
+        devices: real steps whose rows are all padding (no request is admitted), two rounds, because the
+        pool a real step donates is committed to the mesh and the first round only fixes its sharding.
+        """
+        times = {}
+        if self.mesh is None:
+            for b in buckets:
+                self.engine.warmup(_tile(example, b))
+                times[b] = self.engine.warmup(_tile(example, b)) * 1e3
+            return times
+        for _ in range(2):
+            for b in buckets:
+                obs, noise = self._place(_tile(example, b), np.zeros((b, self.horizon, self.action_dim), np.float32))
+                start = time.perf_counter()
+                self.engine.step(obs, noise, rows=[-1] * b)
+                times[b] = (time.perf_counter() - start) * 1e3
+        return times
+
+    def _submit(self, frame: Frame) -> list[int]:
+        ids = []
+        try:
+            for req in frame.language:
+                ids.append(self.engine.submit(
+                    prompt=req.prompt, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    seed=req.seed, adapter=req.adapter, stop_token=EOS_ID if req.stop_at_eos else None,
+                    row=frame.stream.id, owner=frame.stream))
+        except RequestError as e:
+            for rid in ids:
+                self.engine.cancel(rid)
+            raise RequestError(f"language_requests[{len(ids)}]: {e}") from None
+        return ids
+
+    def step(self, frames: Sequence[Frame], bucket: int) -> StepOutput:
+        """Submits the frames' language requests, then runs one step of `bucket` rows.
+
+        A frame whose language request the Engine refuses gets a BadRequest result and no row (its other
+        requests are withdrawn); the remaining frames still step.
+        """
+        accepted, errors = {}, {}
+        for f in frames:
+            try:
+                accepted[id(f)] = self._submit(f)
+            except RequestError as e:
+                errors[id(f)] = f"BadRequest: {e}"
+        live = [f for f in frames if id(f) not in errors]
+        actions, out_rows, step_ms, res = {}, len(live), 0.0, None
+        if live:
+            bucket = max(bucket, len(live))
+            obs = _stack([f.observation for f in live], bucket)
+            noise = np.zeros((bucket, self.horizon, self.action_dim), np.float32)
+            for i, f in enumerate(live):
+                noise[i] = frame_noise(self.seed, f.stream.id, f.index, self.horizon, self.action_dim)
+            obs, noise = self._place(obs, noise)
+            start = time.perf_counter()
+            res = self.engine.step(obs, noise, rows=[f.stream.id for f in live] + [-1] * (bucket - len(live)))
+            step_ms = (time.perf_counter() - start) * 1e3
+            model_actions = np.asarray(res.actions)
+            for i, f in enumerate(live):
+                actions[id(f)] = transforms.robot_outputs(self.robot, model_actions[i], f.state, self.norm_stats)
+        now = time.perf_counter()
+        results = [FrameResult(
+            actions=actions.get(id(f)), error=errors.get(id(f)), index=f.index,
+            accepted=[{"id": rid, "tag": req.tag} for rid, req in zip(accepted.get(id(f), []), f.language)],
+            rows=out_rows, bucket=bucket if live else 0, step_ms=step_ms,
+            queue_ms=(now - f.arrival) * 1e3 - step_ms,
+        ) for f in frames]
+        return StepOutput(
+            results=results, finished=res.finished if res else [], failed=res.errors if res else [], rows=out_rows,
+            bucket=bucket if live else 0, step_ms=step_ms, language_active=self.engine.num_active,
+            language_queued=self.engine.num_queued)
+
+    def cancel_owner(self, owner: object) -> int:
+        """Cancels every queued and running request of `owner`; returns how many."""
+        ids = self.engine.requests_of(owner)
+        for rid in ids:
+            self.engine.cancel(rid)
+        return len(ids)
+
+
+# -------------------------------------------------------------------------------------------------
+# The batching policy
+# -------------------------------------------------------------------------------------------------
+
+
+def expected_streams(streams: Sequence[Stream], now: float) -> list[Stream]:
+    """Robots likely to send a frame soon: idle, and answered less than one of their deadlines ago."""
+    return [s for s in streams if not s.busy and not s.closed and now - s.last_reply < s.deadline_s]
+
+
+def fire_delay(pending: Sequence[Frame], expected: Sequence[Stream], now: float, predicted_s: float,
+               max_rows: int) -> float | None:
+    """Seconds to wait before stepping the pending frames: 0 = now, None = nothing to do.
+
+    Fire at once when the pending frames fill the largest bucket or no other robot is expected;
+    otherwise wait for the expected robots, but only while the tightest pending deadline still holds
+    after a step of `predicted_s` (a deadline that cannot be met anyway does not delay anyone).
+
+    Example: a frame that arrived at t=0 with a 100 ms deadline, a step predicted at 30 ms, another
+    robot expected: at t=0.002 the delay is 0.068 s (fire at t=0.070 unless that robot arrives first).
+    """
+    if not pending:
+        return None
+    if len(pending) >= max_rows or not expected:
+        return 0.0
+    fire_at = min(f.arrival + f.stream.deadline_s for f in pending) - predicted_s
+    return max(0.0, fire_at - now)
+
+
+class Busy(Exception):
+    """The frame queue is full; the client should retry."""
+
+
+class Batcher:
+    """Collects frames from all connections and feeds the engine thread one bucketed step at a time.
+
+    Event-loop side only (not thread-safe); `EngineWorker` does the engine work.
+    """
+
+    def __init__(self, worker: EngineWorker, *, buckets: Sequence[int] = BUCKETS, max_pending: int = 16,
+                 on_step: Callable[[StepOutput], None] | None = None):
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise ValueError(f"buckets must be increasing positive batch sizes, got {list(buckets)}")
+        self.worker, self.buckets, self.max_pending = worker, tuple(buckets), max_pending
+        self._on_step = on_step or (lambda _out: None)
+        self._streams: dict[int, Stream] = {}
+        self._pending: list[Frame] = []
+        self._inflight: list[Frame] = []
+        self._predicted_s: dict[int, float] = {b: 0.0 for b in self.buckets}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.ready = False
+        self.warmup_ms: dict[int, float] = {}
+        self.steps = 0
+        self.rows_total = 0
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def outstanding(self) -> int:
+        """Frames queued or in a step."""
+        return len(self._pending) + len(self._inflight)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self, example: Observation) -> None:
+        """Compiles every bucket on the engine thread, then starts stepping frames."""
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        t0 = time.perf_counter()
+        self.warmup_ms = await self.worker.run(loop, self.worker.warmup, example, self.buckets)
+        self._predicted_s = {b: ms / 1e3 for b, ms in self.warmup_ms.items()}
+        log.info("warm-up compiled batch sizes %s in %.1f s; steady step ms %s", list(self.buckets),
+                 time.perf_counter() - t0, {b: round(ms, 1) for b, ms in self.warmup_ms.items()})
+        self.ready = True
+        self._task = asyncio.create_task(self._run(), name="oxygen-batcher")
+        self._wake.set()
+
+    async def drain(self) -> None:
+        """Steps every frame already queued (without waiting for other robots), then stops the loop."""
+        self._closing = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            await self._task
+
+    # -- streams and frames ---------------------------------------------------------------------
+
+    def add_stream(self, stream: Stream) -> None:
+        self._streams[stream.id] = stream
+
+    def remove_stream(self, stream: Stream) -> asyncio.Future:
+        """Forgets a closed connection: drops its queued frame and cancels its language requests."""
+        stream.closed = True
+        self._streams.pop(stream.id, None)
+        for f in [f for f in self._pending if f.stream is stream]:
+            self._pending.remove(f)
+            f.future.cancel()
+        return self.worker.run(asyncio.get_running_loop(), self.worker.cancel_owner, stream)
+
+    def submit(self, frame: Frame) -> None:
+        """Queues a frame. Raises Busy when `max_pending` frames already wait."""
+        if len(self._pending) >= self.max_pending:
+            raise Busy(f"busy: {len(self._pending)} frames are queued (limit {self.max_pending}); retry shortly")
+        frame.stream.busy = True
+        self._pending.append(frame)
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _delay(self, now: float) -> float | None:
+        if not self.ready:
+            return None
+        if self._closing:
+            return 0.0 if self._pending else None
+        expected = expected_streams(list(self._streams.values()), now)
+        rows = min(len(self._pending) + len(expected), self.max_rows)
+        predicted = self._predicted_s[bucket_for(max(rows, 1), self.buckets)]
+        return fire_delay(self._pending, expected, now, predicted, self.max_rows)
+
+    async def _run(self) -> None:
+        while True:
+            delay = self._delay(time.perf_counter())
+            if delay is None and self._closing:
+                return
+            if delay == 0.0:
+                await self._fire()
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=delay)
+            except TimeoutError:
+                pass
+
+    async def _fire(self) -> None:
+        frames, self._pending = self._pending[: self.max_rows], self._pending[self.max_rows:]
+        for f in frames:
+            f.index = f.stream.frames
+            f.stream.frames += 1
+        self._inflight = frames
+        bucket = bucket_for(len(frames), self.buckets)
+        try:
+            out = await self.worker.run(asyncio.get_running_loop(), self.worker.step, frames, bucket)
+        except Exception as e:  # noqa: BLE001 - an engine failure fails every row of the step, not the server
+            log.exception("engine step failed for %d frames", len(frames))
+            for f in frames:
+                f.stream.busy = False
+                if not f.future.done():
+                    f.future.set_exception(e)
+            return
+        finally:
+            self._inflight = []
+        if out.rows:
+            self.steps += 1
+            self.rows_total += out.rows
+            self._predicted_s[out.bucket] = 0.8 * self._predicted_s[out.bucket] + 0.2 * out.step_ms / 1e3
+        self._route(frames, out)
+        self._on_step(out)
+        for f, res in zip(frames, out.results):
+            f.stream.busy = False
+            if not f.future.done():
+                f.future.set_result(res)
+
+    @staticmethod
+    def _route(frames: Sequence[Frame], out: StepOutput) -> None:
+        """Remembers accepted requests' tags, then files finished/failed results with their owners."""
+        for f, res in zip(frames, out.results):
+            for req in res.accepted:
+                f.stream.tags[req["id"]] = req["tag"]
+        for done in out.finished:
+            s: Stream = done.owner
+            if s is None or s.closed:
+                continue
+            s.finished.append({
+                "id": done.request_id, "tag": s.tags.pop(done.request_id, None), "text": done.text or "",
+                "tokens": [int(t) for t in done.tokens], "latency_frames": done.latency_frames,
+                "latency_ms": round(done.latency_ms, 3)})
+        for err in out.failed:
+            s = err.owner
+            if s is None or s.closed:
+                continue
+            s.failed.append({"id": err.request_id, "tag": s.tags.pop(err.request_id, None), "error": err.reason})
