@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from tqdm import tqdm
@@ -185,6 +186,16 @@ _positive_int = _int_at_least(1, "a positive integer")
 _nonnegative_int = _int_at_least(0, "an integer >= 0")
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
 def _k_value(text: str) -> str:
     if text in ("div", "alldiv"):
         return text
@@ -290,6 +301,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="batch sizes B for the decode-step time t(B), e.g. '1-16' (default; quick: 1,2,4,8)")
     t.add_argument("--component-repeats", type=_positive_int, default=5, help="timed runs per component (median)")
     t.add_argument("--reuse-observation", action="store_true", help="one observation for every frame (saves memory)")
+    t.add_argument("--adapter-rank", type=_nonnegative_int, default=0,
+                   help="also measure language adapters: a random LoRA bank of this rank on the VLM expert; "
+                        "decode steps are timed with every slot / half the slots on it, and continuous batching "
+                        "runs a second time with --adapter-share of the requests on it (0: off)")
+    t.add_argument("--adapter-share", type=_share, default=0.5,
+                   help="fraction of requests on the adapter in that second continuous run (default 0.5)")
     t.add_argument("--prompt-bucket", type=_nonnegative_int, default=0,
                    help="trim prompt padding to a multiple of this many tokens (0: keep max_token_len, as the paper)")
     t.add_argument("--seed", type=_nonnegative_int, default=0, help="seed of weights, observations and noise")
@@ -456,7 +473,7 @@ class _Runner:
 
     def _record(self, x: "_GroupInputs", f: int, ms: float, tokens: int, batch: int, arrivals: int, steps: int):
         self.frames.append({
-            "frame": f, "setting": self.setting, "k": self.k, "frame_ms": ms, "tokens": int(tokens),
+            "frame": f, "setting": self.setting, "label": self.label, "k": self.k, "frame_ms": ms, "tokens": int(tokens),
             "batch": int(batch), "arrivals": int(arrivals), "decode_steps": int(steps),
             "warmup": f < x.warmup, "drain": f >= x.measured_end,
         })
@@ -527,9 +544,12 @@ class _ContinuousRunner(_Runner):
     """continuous batching with tokens-per-frame k on a persistent pool, queued by `scheduler.Scheduler`
     (the engine's own FIFO and output bookkeeping)."""
 
-    def __init__(self, k: int, params, inputs: _GroupInputs, slots: int):
+    def __init__(self, k: int, params, inputs: _GroupInputs, slots: int, bank=None, adapter_share: float = 0.0):
         super().__init__("continuous", k)
+        if bank is not None:
+            self.label = f"continuous[k={k},adapter={adapter_share:g}]"
         self.params, self.x, self.slots = params, inputs, slots
+        self.bank, self.adapter_share = bank, adapter_share
         self.admissions = max(1, max(len(a) for a in inputs.arrivals))
         self.sched = Scheduler(slots, self.admissions, 0)
         self.tickets: list[Ticket] = []
@@ -541,29 +561,35 @@ class _ContinuousRunner(_Runner):
     def compile(self, log: dict[str, float]) -> None:
         g, x = self.x.group, self.x
         key = f"frame_step/{g.workload}/S={g.S}/k={self.k}/N={g.N}/slots={self.slots}/J={self.admissions}"
+        if self.bank is not None:
+            key += "/adapter_bank"
 
         def thunk():
             # A throwaway pool with one admitted request, so the compiled program also ran its decode path.
             req = x.table.batch([0] if x.table.budgets else [], self.admissions)
             _, out = schedule.frame_step(self.params, self._new_pool(), x.observations[0], x.noise[0], req,
-                                         np.zeros((self.slots,), bool), num_steps=g.S, tokens_per_frame=self.k)
+                                         np.zeros((self.slots,), bool), self.bank, num_steps=g.S,
+                                         tokens_per_frame=self.k)
             return jax.device_get(out)
 
         _first_call(log, key, thunk)
         self.program_keys.append(key)
         self.pool = self._new_pool()
         self.tickets = x.table.tickets()
+        for t in self.tickets:  # exactly a share of the requests (spread evenly) use adapter 1
+            t.adapter = int(int((t.request_id + 1) * self.adapter_share) > int(t.request_id * self.adapter_share))
 
     def frame(self, f: int) -> None:
         g, x = self.x.group, self.x
         for rid in x.arrivals[f]:
             self.sched.enqueue(self.tickets[rid])
-            self.requests[rid] = {"id": rid, "setting": "continuous", "arrival_frame": f, "admit_frame": None,
-                                  "finish_frame": None, "tokens": 0, "budget": x.table.budgets[rid]}
+            self.requests[rid] = {"id": rid, "setting": "continuous", "label": self.label, "arrival_frame": f,
+                                  "admit_frame": None, "finish_frame": None, "tokens": 0,
+                                  "budget": x.table.budgets[rid], "adapter": self.tickets[rid].adapter}
         start = time.perf_counter()
         req, evict = self.sched.offer(1)
         self.pool, out = schedule.frame_step(self.params, self.pool, x.observations[f], x.noise[f], req, evict,
-                                             num_steps=g.S, tokens_per_frame=self.k)
+                                             self.bank, num_steps=g.S, tokens_per_frame=self.k)
         out = jax.device_get(out)  # the frame's single host sync: actions, tokens, flags
         ms = (time.perf_counter() - start) * 1e3
         ev = self.sched.absorb(out, f)
@@ -608,33 +634,43 @@ def _median_ms(fn: Callable, repeats: int) -> float:
     return float(np.median(times))
 
 
+def _decode_step_ms(params, cache, b: int, g: int, repeats: int, bank=None, adapters=None) -> float:
+    """Median time of one decode step with b active slots, timed inside `_BURST`-step bursts."""
+    pool = decode.init_pool(params, b, cache.length, g, 0)
+    req = decode.make_requests(b, 0, list(range(b)), budgets=[g] * b, stop_tokens=[-1] * b, adapters=adapters)
+    pool, _, _ = decode.admit(params, pool, cache, req, bank)
+    pool, toks = decode.decode_burst(params, pool, _BURST, bank)  # compile
+    jax.block_until_ready((pool, toks))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        pool, toks = decode.decode_burst(params, pool, _BURST, bank)
+        jax.block_until_ready((pool, toks))
+        times.append((time.perf_counter() - start) * 1e3 / _BURST)
+    return float(np.median(times))
+
+
 def measure_components(params, obs, noise, *, steps: Sequence[int], batches: Sequence[int], max_new_tokens: int,
-                       repeats: int) -> metrics.Components:
+                       repeats: int, bank=None) -> metrics.Components:
     """Warm medians of prefill, S denoise steps (each S) and one decode step with B active requests (each B).
 
     A decode step is timed inside a burst of `_BURST` steps and divided by `_BURST`: every setting
     runs its decode steps inside one compiled loop, so a per-call dispatch and host sync per token
-    would overstate t(B).
+    would overstate t(B). With a language-adapter `bank`, the decode step is also timed with every
+    slot on adapter 1 and with half the slots on it, interleaved with the base measurement per B.
     """
     prefill_ms = _median_ms(lambda: prefill(params, obs), repeats)
     cache = prefill(params, obs)
     denoise_ms = {s: _median_ms(lambda s=s: denoise(params, cache, noise, s), repeats) for s in sorted(set(steps))}
     g = max(max_new_tokens, (repeats + 2) * _BURST + 2)  # room for the compile burst and every timed burst
-    decode_ms = {}
+    decode_ms, adapter_ms, mixed_ms = {}, {}, {}
     for b in sorted(set(batches)):
-        pool = decode.init_pool(params, b, cache.length, g, 0)
-        req = decode.make_requests(b, 0, list(range(b)), budgets=[g] * b, stop_tokens=[-1] * b)
-        pool, _, _ = decode.admit(params, pool, cache, req)
-        pool, toks = decode.decode_burst(params, pool, num_tokens=_BURST)  # compile
-        jax.block_until_ready((pool, toks))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            pool, toks = decode.decode_burst(params, pool, num_tokens=_BURST)
-            jax.block_until_ready((pool, toks))
-            times.append((time.perf_counter() - start) * 1e3 / _BURST)
-        decode_ms[b] = float(np.median(times))
-    return metrics.Components(prefill_ms=prefill_ms, denoise_ms=denoise_ms, decode_step_ms=decode_ms)
+        decode_ms[b] = _decode_step_ms(params, cache, b, g, repeats)
+        if bank is not None:
+            adapter_ms[b] = _decode_step_ms(params, cache, b, g, repeats, bank, [1] * b)
+            mixed_ms[b] = _decode_step_ms(params, cache, b, g, repeats, bank, [i % 2 for i in range(b)])
+    return metrics.Components(prefill_ms=prefill_ms, denoise_ms=denoise_ms, decode_step_ms=decode_ms,
+                              adapter_step_ms=adapter_ms, mixed_step_ms=mixed_ms)
 
 
 # --- one group ------------------------------------------------------------------------------------
@@ -687,6 +723,7 @@ class RunContext:
     fixed_length: bool
     preset: str
     dtype: str
+    bank: object = None  # language-adapter bank (--adapter-rank), or None
 
 
 def _warmup_and_drain(args: argparse.Namespace, group: Group) -> tuple[int, int]:
@@ -736,6 +773,8 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
                 budgets = [[inputs.table.budgets[i] for i in ids] for ids in inputs.arrivals]
                 slots = _peak_slots(budgets, k) if args.slots == "auto" else args.slots
                 runners.append(_ContinuousRunner(k, ctx.params, inputs, slots))
+                if ctx.bank is not None:  # the same requests, a share of them on the language adapter
+                    runners.append(_ContinuousRunner(k, ctx.params, inputs, slots, ctx.bank, args.adapter_share))
         else:
             runners.append(_ToCompletionRunner(setting, ctx.params, inputs))
     for r in runners:
@@ -765,9 +804,13 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
     summaries = []
     for r in runners:
         reqs = list(r.requests.values())
-        s = metrics.summarize(r.frames, reqs, action_horizon=robot.action_horizon, comp=comp, setting=r.setting,
+        share = getattr(r, "adapter_share", 0.0) if getattr(r, "bank", None) is not None else 0.0
+        r_comp = comp
+        if share:  # ideal times from the decode steps measured with the adapter bank
+            r_comp = dataclasses.replace(comp, decode_step_ms=comp.adapter_step_ms if share >= 1 else comp.mixed_step_ms)
+        s = metrics.summarize(r.frames, reqs, action_horizon=robot.action_horizon, comp=r_comp, setting=r.setting,
                               num_steps=group.S)
-        steady = metrics.steady_state_ideal_ms(r.setting, comp, num_steps=group.S, decode_len=group.N,
+        steady = metrics.steady_state_ideal_ms(r.setting, r_comp, num_steps=group.S, decode_len=group.N,
                                                tokens_per_frame=r.k or 1, arrivals_per_frame=pattern.arrivals_per_frame)
         speed = metrics.speedup(iso_frames, r.frames) if iso_frames is not None else math.nan
         ideal_speed = iso_ideal / s["ideal_frame_ms"] if s["ideal_frame_ms"] else math.nan
@@ -777,6 +820,7 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
             "arrival": group.arrival, "arrivals_per_frame": pattern.arrivals_per_frame,
             "action_horizon": robot.action_horizon, "warmup_frames": inputs.warmup,
             "slots": getattr(r, "slots", None), "fixed_length_decode": ctx.fixed_length,
+            "adapter_share": share, "adapter_rank": ctx.args.adapter_rank if share else None,
             **s,
             "ideal_frame_ms_steady": steady,
             "ideal_isolated_ms": iso_ideal,
@@ -822,6 +866,20 @@ def _load_model(args: argparse.Namespace, dtype: str):
     return cfg, for_backend(init_params(cfg, args.seed)), args.preset
 
 
+def _adapter_bank(args: argparse.Namespace, model_cfg):
+    """One random language adapter of --adapter-rank (B drawn like a trained adapter's), or None."""
+    if not args.adapter_rank:
+        return None
+    from oxygen_jax import lora
+
+    bank = lora.init_bank(model_cfg, 1, rank=args.adapter_rank, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    # init_bank sets B = 0 (an exact identity); a served adapter has non-zero B, so draw it.
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(0.02 * rng.standard_normal(x.shape), x.dtype)
+        if getattr(path[-1], "name", None) == "b" else x, bank)
+
+
 def _tokenizer(args: argparse.Namespace):
     return Tokenizer.from_file(args.tokenizer.expanduser()) if args.tokenizer else train_demo_tokenizer()
 
@@ -863,7 +921,7 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
 
     ctx = RunContext(args=args, params=params, model_cfg=model_cfg, tokenizer=tokenizer, env=env,
                      compile_log={}, components={}, observations=collections.defaultdict(list),
-                     fixed_length=not args.eos, preset=preset, dtype=dtype)
+                     fixed_length=not args.eos, preset=preset, dtype=dtype, bank=_adapter_bank(args, model_cfg))
     total = 0
     for g in groups:
         total += args.frames + sum(_warmup_and_drain(args, g))
@@ -878,7 +936,7 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
             noise = jax.random.normal(jax.random.key(args.seed), (1, robot.action_horizon, model_cfg.action_dim))
             ctx.components[workload] = measure_components(
                 params, obs, noise, steps=sorted({g.S for g in wgroups}), batches=args.component_batches,
-                max_new_tokens=max(g.N for g in wgroups), repeats=args.component_repeats)
+                max_new_tokens=max(g.N for g in wgroups), repeats=args.component_repeats, bank=ctx.bank)
             _write_json(out / "components.json", {w: c.to_json() for w, c in ctx.components.items()})
             for g in wgroups:
                 bar.set_description(g.name)

@@ -165,11 +165,16 @@ class Components:
       denoise_ms: {S: time of S denoise steps}; other S are scaled from the mean per-step time.
       decode_step_ms: {B: one decode step with B active requests}; other B are interpolated linearly
         (and extrapolated from the two largest B measured).
+      adapter_step_ms: {B: one decode step with a language-adapter bank, every slot on adapter 1}
+        (only with `eval.bench --adapter-rank`).
+      mixed_step_ms: {B: the same with half the slots on the adapter and half on the base weights}.
     """
 
     prefill_ms: float
     denoise_ms: Mapping[int, float]
     decode_step_ms: Mapping[int, float]
+    adapter_step_ms: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    mixed_step_ms: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     def denoise(self, num_steps: int) -> float:
         if num_steps in self.denoise_ms:
@@ -201,6 +206,9 @@ class Components:
             "prefill_ms": self.prefill_ms,
             "denoise_ms": {str(k): v for k, v in sorted(self.denoise_ms.items())},
             "decode_step_ms": {str(k): v for k, v in sorted(self.decode_step_ms.items())},
+            **({"adapter_step_ms": {str(k): v for k, v in sorted(self.adapter_step_ms.items())},
+                "mixed_step_ms": {str(k): v for k, v in sorted(self.mixed_step_ms.items())}}
+               if self.adapter_step_ms else {}),
         }
 
     @classmethod
@@ -209,6 +217,8 @@ class Components:
             prefill_ms=float(d["prefill_ms"]),
             denoise_ms={int(k): float(v) for k, v in d["denoise_ms"].items()},
             decode_step_ms={int(k): float(v) for k, v in d["decode_step_ms"].items()},
+            adapter_step_ms={int(k): float(v) for k, v in d.get("adapter_step_ms", {}).items()},
+            mixed_step_ms={int(k): float(v) for k, v in d.get("mixed_step_ms", {}).items()},
         )
 
 

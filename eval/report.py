@@ -179,8 +179,42 @@ def _sweep_md(records: Sequence[Mapping], var: str) -> str:
     )
 
 
+def _split_adapter(summary: Sequence[Mapping]) -> tuple[list, list]:
+    """(records of the base runs, records of the continuous runs with language-adapter requests)."""
+    return [r for r in summary if not r.get("adapter_share")], [r for r in summary if r.get("adapter_share")]
+
+
+def _adapter_md(components: Mapping, adapter_recs: Sequence[Mapping], base: Sequence[Mapping]) -> str:
+    """Per decode step and per frame: the language adapter's cost next to base requests, same run."""
+    lines = []
+    for workload, c in components.items():
+        if not c.get("adapter_step_ms"):
+            continue
+        rows = []
+        for b in sorted(c["decode_step_ms"], key=int):
+            t0, ta, tm = c["decode_step_ms"][b], c["adapter_step_ms"].get(b), c["mixed_step_ms"].get(b)
+            rows.append([b, _num(t0, 2), _num(ta, 2), _num(ta / t0 if ta else None, 3), _num(tm, 2),
+                         _num(tm / t0 if tm else None, 3)])
+        lines += [f"Decode step, `{workload}` (ms; every slot on the adapter / half the slots on it, vs no bank):", "",
+                  _table(["B", "base", "all on adapter", "ratio", "half on adapter", "ratio"], rows), ""]
+    rows = []
+    for r in adapter_recs:
+        twin = next((b for b in base if b["setting"] == "continuous" and _group_key(b) == _group_key(r)
+                     and b.get("k") == r.get("k")), None)
+        if twin is None:
+            continue
+        rows.append([f"{r['workload']} S={r['S']} N={r['N']} k={r['k']}", _num(r["adapter_share"], 2),
+                     _num(twin["frame_ms_mean"]), _num(r["frame_ms_mean"]), _num(r["frame_ms_mean"] / twin["frame_ms_mean"], 3),
+                     _num(twin["tokens_per_s"]), _num(r["tokens_per_s"])])
+    if rows:
+        lines += ["Continuous batching frames with a share of the requests on the adapter (same requests, same run):",
+                  "", _table(["point", "adapter share", "base frame ms", "with adapter", "ratio", "base tokens/s",
+                              "with adapter"], rows), ""]
+    return "\n".join(lines)
+
+
 def markdown(results: Mapping, plots: Sequence[str]) -> str:
-    summary = results["summary"]
+    summary, adapter_recs = _split_adapter(results["summary"])
     ref = reference_point(summary)
     env = results["environment"]
     out = [
@@ -219,6 +253,9 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
     if summary[0].get("fixed_length_decode", True):
         notes.append("fixed-length decode: every request decodes exactly min(t_max, N) tokens (stop token disabled)")
     notes.append("parallel reuses the isolated action and text executables, so its compile time is theirs")
+    adapter = _adapter_md(results["components"], adapter_recs, summary)
+    if adapter:
+        out += ["## Language adapter overhead", "", adapter, ""]
     out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(out)
@@ -358,7 +395,7 @@ def plot_latency_vs_batch(runs: Sequence[Mapping], components: Mapping, path: Pa
     points: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for run in runs:
         for f in run.get("frames", []):
-            if not f.get("warmup") and not f.get("drain"):
+            if not f.get("warmup") and not f.get("drain") and "adapter" not in f.get("label", ""):
                 points[f["setting"]][int(f["batch"])].append(float(f["frame_ms"]))
     for setting in SETTING_ORDER:
         if setting not in points:
@@ -402,7 +439,7 @@ def write_report(results_dir: Path, out_dir: Path | None = None) -> Path:
     results = load_results(Path(results_dir))
     out = Path(out_dir) if out_dir else Path(results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = results["summary"]
+    summary, _ = _split_adapter(results["summary"])
     missing = [k for k in ("setting", "workload", "S", "N", "k", "arrival", "frame_ms_median", "action_hz",
                            "tokens_per_s", "speedup_vs_isolated", "ideal_speedup", "compile_s") if k not in summary[0]]
     if missing:

@@ -74,20 +74,25 @@ _N, _K, _FRAMES = 6, 3, 4
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One bench run: tiny preset, all four settings, bursts of 2 requests every 2 frames; prompts trimmed to a
-    16-token bucket, so every setting (continuous batching's pool included) sees the shorter prefix."""
+    16-token bucket, so every setting (continuous batching's pool included) sees the shorter prefix; a rank-2
+    language adapter serves half the requests of a second continuous run."""
     out = tmp_path_factory.mktemp("bench")
     bench.main([
         "--preset", "tiny", "--workloads", "libero", "--S", "2", "--N", str(_N), "--k", str(_K),
         "--arrival", "burst:2/2", "--frames", str(_FRAMES), "--warmup", "1", "--component-batches", "1,2",
-        "--component-repeats", "2", "--prompt-bucket", "16", "--no-progress", "--out", str(out),
+        "--component-repeats", "2", "--prompt-bucket", "16", "--adapter-rank", "2", "--no-progress", "--out", str(out),
     ])
     return out
 
 
 def test_bench_writes_summary_components_environment_and_run_files(tiny_run):
     summary = json.loads((tiny_run / "summary.json").read_text())
-    assert [(r["setting"], r["k"]) for r in summary] == [
-        ("isolated", None), ("parallel", None), ("shared_kv", None), ("continuous", _K)]
+    assert [(r["setting"], r["k"], r["adapter_share"]) for r in summary] == [
+        ("isolated", None, 0), ("parallel", None, 0), ("shared_kv", None, 0), ("continuous", _K, 0),
+        ("continuous", _K, 0.5)]
+    with_adapter = summary.pop()
+    assert with_adapter["adapter_rank"] == 2 and with_adapter["requests_unfinished"] == 0
+    assert with_adapter["frames_measured"] == _FRAMES and with_adapter["avg_batch"] == pytest.approx(2.0)
     for r in summary:
         assert set(bench.SUMMARY_KEYS) <= set(r)
         assert (r["workload"], r["preset"], r["S"], r["N"], r["arrival"]) == ("libero", "tiny", 2, _N, "burst:2/2")
@@ -106,6 +111,7 @@ def test_bench_writes_summary_components_environment_and_run_files(tiny_run):
 
     comps = json.loads((tiny_run / "components.json").read_text())["libero"]
     assert set(comps["decode_step_ms"]) == {"1", "2"} and set(comps["denoise_ms"]) == {"2"}
+    assert set(comps["adapter_step_ms"]) == set(comps["mixed_step_ms"]) == {"1", "2"}
     assert comps["prefill_ms"] > 0
 
     env = json.loads((tiny_run / "environment.json").read_text())
@@ -123,7 +129,7 @@ def test_run_file_holds_frames_and_requests_of_every_setting(tiny_run):
     assert run["config"]["prefix_len"] == 2 * 16 + 16  # two 16-patch cameras + the 16-token prompt bucket
     assert warmup == math.ceil(_N / _K)  # continuous ramp, longer than --warmup 1
     for setting in bench.DEFAULT_SETTINGS:
-        mine = [f for f in frames if f["setting"] == setting]
+        mine = [f for f in frames if f["setting"] == setting and "adapter" not in f["label"]]
         assert sum(not f["warmup"] and not f["drain"] for f in mine) == _FRAMES
         assert all(f["frame_ms"] > 0 for f in mine)
         # Bursts: frames alternate between two arrivals and none, in every setting alike.
@@ -131,7 +137,10 @@ def test_run_file_holds_frames_and_requests_of_every_setting(tiny_run):
     assert any(f["drain"] for f in frames if f["setting"] == "continuous")
     end = warmup + _FRAMES  # continuous alone runs the drain frames, with their own arrivals
     by_setting = {s: sorted((q["id"], q["arrival_frame"], q["budget"]) for q in requests
-                            if q["setting"] == s and q["arrival_frame"] < end) for s in bench.DEFAULT_SETTINGS}
+                            if q["setting"] == s and q["arrival_frame"] < end and "adapter" not in q.get("label", ""))
+                  for s in bench.DEFAULT_SETTINGS}
+    on_adapter = [q["adapter"] for q in requests if "adapter" in q.get("label", "")]
+    assert sorted(set(on_adapter)) == [0, 1] and abs(sum(on_adapter) - len(on_adapter) / 2) <= 0.5
     assert all(v == by_setting["isolated"] for v in by_setting.values())  # the same requests everywhere
     assert all(q["tokens"] == _N for q in requests if q["finish_frame"] is not None)  # fixed-length decode
     assert run["compile_s"] and all(v > 0 for v in run["compile_s"].values())
@@ -146,6 +155,7 @@ def test_report_writes_tables_and_plots(tiny_run, tmp_path):
     for label in ("isolated", "parallel", "shared KV", f"continuous batching (k={_K})"):
         assert label in md
     assert "## Ablation" in md and "## Component times" in md and "tradeoff.png" in md
+    assert "## Language adapter overhead" in md and "half on adapter" in md
 
 
 def test_report_explains_a_missing_summary(tmp_path, capsys):
