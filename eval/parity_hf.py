@@ -184,7 +184,16 @@ def _check_vision(chk: _Checker, ck: hf_checkpoint.HFCheckpoint, ref):
 
 
 def run_fixture(fixture: Path) -> tuple[BackboneSpec, list[Row]]:
-    """Loads the fixture's checkpoint by its own config and compares every reference array present."""
+    """Loads the fixture's checkpoint by its own config and compares every reference array present.
+
+    Matmuls run at full float32 precision (accelerators would otherwise use TF32 / bf16 passes, whose
+    ~1e-3 errors exceed the tolerances).
+    """
+    with jax.default_matmul_precision("float32"):
+        return _run_fixture(fixture)
+
+
+def _run_fixture(fixture: Path) -> tuple[BackboneSpec, list[Row]]:
     fixture = Path(fixture).resolve()
     if not (fixture / "reference.npz").is_file():
         raise SystemExit(f"{fixture}: reference.npz not found")

@@ -35,14 +35,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.config import ModelConfig, SiglipConfig
-from oxygen_jax.masks import make_attn_mask, positions_from_mask
+from oxygen_jax.masks import make_attn_mask
 from oxygen_jax.params import AdaRMSNorm, ExpertLayers, RMSNorm, Unstacked, scan_layers
 
 _MASK_FILL = -2.3819763e38  # openpi's fill: finite, so a row with no valid key stays finite
@@ -153,6 +154,8 @@ class BackboneSpec:
     vision: SiglipConfig | Qwen3VisionSpec | None = None
 
     def __post_init__(self):
+        _require(self.family in ("gemma", "qwen3", "qwen3_vl"),
+                 f"BackboneSpec.family must be 'gemma', 'qwen3' or 'qwen3_vl', got {self.family!r}")
         for f in ("width", "depth", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size"):
             _require(getattr(self, f) > 0, f"BackboneSpec.{f} must be positive, got {getattr(self, f)}")
         _require(self.num_heads % self.num_kv_heads == 0,
@@ -169,7 +172,7 @@ class BackboneSpec:
             _require(len(self.vision.deepstack_layers) <= self.depth,
                      f"{len(self.vision.deepstack_layers)} DeepStack features need at least as many LLM layers, got {self.depth}")
 
-    def replace(self, **changes) -> "BackboneSpec":
+    def replace(self, **changes) -> BackboneSpec:
         return dataclasses.replace(self, **changes)
 
 
@@ -601,11 +604,6 @@ def prefix_mask(spec: BackboneSpec, input_mask: jax.Array) -> jax.Array:
     """bool [B, T, T] for a text-only prefix: causal or bidirectional over its valid tokens."""
     ar = jnp.full(input_mask.shape[-1:], spec.prefix_attention == "causal")
     return make_attn_mask(input_mask, ar)
-
-
-def text_positions(input_mask: jax.Array) -> jax.Array:
-    """int32 [B, T] positions `cumsum(mask) - 1` of a text-only prefix (any RoPE kind: equal M-RoPE axes)."""
-    return positions_from_mask(input_mask)
 
 
 def prefill(spec: BackboneSpec, decoder: Decoder, x, positions, input_mask, *, mask=None, deepstack=None, return_hidden=False):

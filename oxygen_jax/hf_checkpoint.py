@@ -18,8 +18,9 @@ import dataclasses
 import json
 import re
 import struct
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -367,28 +368,27 @@ def hf_shapes(spec: BackboneSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
+_INDEX = re.compile(r"(?<=[./])\d+(?=[./]|$)")  # an integer path component: layers.3.mlp -> 3
+
+
+def _span(values: list[int]) -> str:
+    if len(values) == 1:
+        return str(values[0])
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{{{values[0]}..{values[-1]}}}"
+    return "{" + ",".join(map(str, values)) + "}"
+
+
 def _collapse(names) -> list[str]:
     """Groups names that differ only in integer components: layers.0.x, layers.1.x -> layers.{0..1}.x."""
-    groups: dict[str, list[tuple[int, ...]]] = {}
+    groups: dict[str, list[list[int]]] = {}
     for n in names:
-        key = re.sub(r"(?<=[./])\d+(?=[./]|$)", "#", n)
-        groups.setdefault(key, []).append(tuple(int(d) for d in re.findall(r"(?<=[./])\d+(?=[./]|$)", n)))
+        groups.setdefault(_INDEX.sub("#", n), []).append([int(d) for d in _INDEX.findall(n)])
     out = []
-    for key, idx in sorted(groups.items()):
-        if len(idx) == 1:
-            parts = iter(idx[0])
-            out.append(re.sub("#", lambda _: str(next(parts)), key))
-            continue
-        columns = list(zip(*idx))
-        parts = iter(columns)
-
-        def fmt(_):
-            vals = sorted(set(next(parts)))
-            if len(vals) == 1:
-                return str(vals[0])
-            return f"{{{vals[0]}..{vals[-1]}}}" if vals == list(range(vals[0], vals[-1] + 1)) else "{" + ",".join(map(str, vals)) + "}"
-
-        out.append(re.sub("#", fmt, key))
+    for key, rows in sorted(groups.items()):
+        pieces = key.split("#")
+        columns = [sorted(set(c)) for c in zip(*rows)]
+        out.append(pieces[0] + "".join(_span(c) + p for c, p in zip(columns, pieces[1:])))
     return out
 
 

@@ -155,21 +155,22 @@ def unseen_fixture(tmp_path_factory):
     ids = np.asarray([[5, 6, img, img, 7, 8], [0, 0, 0, 9, 10, 11]], np.int32)
     mask = ids > 0
     n = 5
-    # The same compiled programs as `parity_hf.main` on this directory (same shapes): compiled once.
-    enc = parity_hf._encode(vspec, vision, pixels, (grid,))
-    x, image_mask, deepstack = parity_hf._embed_images(spec, decoder, ids, enc["tokens"], enc["deepstack"], img)
-    positions, nxt = qwen3_vl.mrope_positions(ids, mask, [grid], image_token_id=img, spatial_merge_size=2)
+    # The same compiled programs (same shapes, same float32 matmul precision) as `parity_hf.main` uses later.
+    with jax.default_matmul_precision("float32"):
+        enc = parity_hf._encode(vspec, vision, pixels, (grid,))
+        x, image_mask, deepstack = parity_hf._embed_images(spec, decoder, ids, enc["tokens"], enc["deepstack"], img)
+        positions, nxt = qwen3_vl.mrope_positions(ids, mask, [grid], image_token_id=img, spatial_merge_size=2)
 
-    # Cache-free greedy reference: re-run the whole [prompt | generated] sequence for every token.
-    b, t = ids.shape
-    pos = np.concatenate([positions, np.broadcast_to(qwen3_vl.decode_positions(nxt, n), (3, b, n))], -1)
-    ds = np.pad(np.asarray(deepstack), [(0, 0), (0, 0), (0, n), (0, 0)])
-    gen = np.zeros((b, n), np.int32)
-    for j in range(n):
-        seq = np.concatenate([np.asarray(x), np.asarray(decoder.embedding)[gen]], 1)
-        m = np.concatenate([mask, np.arange(n)[None].repeat(b, 0) < j], 1)
-        logits = parity_hf._forward(spec, decoder, seq, pos, m, ds)["logits"]
-        gen[:, j] = np.argmax(np.asarray(logits[:, t - 1 + j]), -1)
+        # Cache-free greedy reference: re-run the whole [prompt | generated] sequence for every token.
+        b, t = ids.shape
+        pos = np.concatenate([positions, np.broadcast_to(qwen3_vl.decode_positions(nxt, n), (3, b, n))], -1)
+        ds = np.pad(np.asarray(deepstack), [(0, 0), (0, 0), (0, n), (0, 0)])
+        gen = np.zeros((b, n), np.int32)
+        for j in range(n):
+            seq = np.concatenate([np.asarray(x), np.asarray(decoder.embedding)[gen]], 1)
+            m = np.concatenate([mask, np.arange(n)[None].repeat(b, 0) < j], 1)
+            logits = parity_hf._forward(spec, decoder, seq, pos, m, ds)["logits"]
+            gen[:, j] = np.argmax(np.asarray(logits[:, t - 1 + j]), -1)
     np.savez(path / "reference.npz", input_ids=ids, attention_mask=mask.astype(np.int32), pixel_values=pixels,
              image_grid_thw=np.asarray([grid]), images_row0_uint8=image, gen_tokens=gen,
              decode_position_ids=qwen3_vl.decode_positions(nxt, n), mm_token_type_ids=image_mask.astype(np.int32),
