@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +109,32 @@ def test_grouped_query_attention_matches_per_head_reference(kv_heads):
             p = np.exp(logits - logits.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             np.testing.assert_allclose(got[bi, :, head], p @ v[bi, :, kvh], rtol=1e-5, atol=1e-5)
+
+
+class PureFunctionsAgreeWithAndWithoutJit(chex.TestCase):
+    """The layer pieces are pure functions: traced or eager, they give the same values and shapes."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_attention_rope_norm_and_mask(self):
+        rng = np.random.default_rng(7)
+        q = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
+        k, v = (jnp.asarray(rng.normal(size=(2, 5, 2, 8)), jnp.float32) for _ in range(2))
+        input_mask = jnp.asarray([[1, 1, 1, 0, 1], [1, 1, 1, 1, 1]], bool)
+        mask = make_attn_mask(input_mask, jnp.asarray([0, 0, 1, 1, 1], bool))[:, 2:]  # 3 queries over 5 keys
+        pos = positions_from_mask(input_mask)[:, 2:]
+
+        def layer(q, k, v, mask, pos):
+            qr = gemma.apply_rope(q, pos)
+            out = gemma.attention(qr, k, v, mask)
+            normed, _ = gemma.rms_norm(out.reshape(2, 3, 32), RMSNorm(scale=jnp.full((32,), 0.1)))
+            return out, normed
+
+        out, normed = self.variant(layer)(q, k, v, mask, pos)
+        chex.assert_shape(out, (2, 3, 4, 8))
+        chex.assert_shape(normed, (2, 3, 32))
+        chex.assert_tree_all_finite((out, normed))
+        ref = layer(q, k, v, mask, pos)  # eager reference
+        chex.assert_trees_all_close((out, normed), ref, atol=1e-6, rtol=1e-6)
 
 
 def test_attention_rejects_mask_of_wrong_shape():
@@ -295,6 +322,5 @@ def test_unstacked_layer_loop_gives_the_same_outputs_and_checkpoint_tree(tiny_pa
         pool, _, _ = decode.admit(p, pool, cache, decode.make_requests(1, 0, [0], budgets=[5], stop_tokens=[-1]))
         tokens.append(np.asarray(decode.decode_to_completion(p, pool).tokens).tolist())
     assert tokens[0] == tokens[1]
-    a, b = to_openpi_dict(tiny_params), to_openpi_dict(unstacked)
-    assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert jax.tree.structure(stack_layers(unstacked)) == jax.tree.structure(tiny_params)
+    chex.assert_trees_all_equal(to_openpi_dict(unstacked), to_openpi_dict(tiny_params))
+    chex.assert_trees_all_equal_structs(stack_layers(unstacked), tiny_params)
