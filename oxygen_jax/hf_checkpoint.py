@@ -445,12 +445,13 @@ def to_hf(spec: BackboneSpec, decoder: Decoder, vision: qwen3_vl.Vision | None =
     trees = {"text": _leaf_paths(_stacked(decoder))}
     if vision is not None:
         trees["vision"] = _leaf_paths(_stacked(vision))
+    trees = {part: {attr: np.asarray(leaf) for attr, leaf in leaves.items()} for part, leaves in trees.items()}  # one copy each
     out = {}
     for e in _ENTRIES:
         if _part_of(e) not in trees:
             continue
         for name, index in _expand(e, spec):
-            leaf = np.asarray(trees[_part_of(e)][e.attr])
+            leaf = trees[_part_of(e)][e.attr]
             leaf = leaf[index] if index is not None else leaf
             leaf = leaf[e.sub] if e.sub is not None else leaf
             out[name] = np.ascontiguousarray(e.layout.to_hf(leaf, spec))
