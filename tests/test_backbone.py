@@ -37,7 +37,9 @@ def test_gemma_spec_reproduces_every_gemma_stack_entry_point_bit_for_bit(tiny_pa
     b, t = 2, 7
     tokens = rng.integers(3, cfg.vocab_size, (b, t)).astype(np.int32)
     x = np.asarray(model.embed_tokens(p, tokens))
-    np.testing.assert_array_equal(bb.embed_tokens(vlm, bb.Decoder(p.embedding, p.vlm.layers, p.vlm.final_norm), tokens), x)
+    decoder = bb.Decoder(p.embedding, p.vlm.layers, p.vlm.final_norm)
+    np.testing.assert_array_equal(bb.embed_tokens(vlm, decoder, tokens), x)
+    np.testing.assert_array_equal(bb.lm_logits_vocab_major(vlm, decoder, x[:, 0]), model.lm_logits_vocab_major(p, x[:, 0]))
     input_mask = np.asarray([[True] * t, [False, False] + [True] * (t - 2)])
     positions = np.cumsum(input_mask, -1, dtype=np.int32) - 1
     blocks = np.cumsum(np.arange(t) >= 4)  # make_attn_mask: a bidirectional block of 5, then causal tokens
@@ -94,6 +96,10 @@ def test_qwen3_cached_decode_equals_a_full_forward_over_the_longer_sequence():
         cached.append(h[:, 0])
     chex.assert_trees_all_close(jnp.stack(cached, 1), h_full[:, t:], atol=1e-5)
     chex.assert_trees_all_close(ck[:, :, t:], k_full[:, :, t:], atol=1e-5)  # K stored after q/k-norm and RoPE
+    normed = bb.final_norm(spec, decoder, cached[-1])
+    chex.assert_trees_all_close(bb.lm_logits_vocab_major(spec, decoder, normed), bb.lm_logits(spec, decoder, normed).T, atol=1e-5)
+    assert decoder.lm_head is not None  # the untied head is the one used
+    assert not np.allclose(bb.lm_logits(spec, decoder, normed), normed @ decoder.embedding.T, atol=1e-2)
 
 
 def test_deepstack_is_added_after_the_first_layers_and_hidden_states_are_recorded_before_it():
