@@ -120,6 +120,7 @@ class Engine:
           adapter_names: names of the bank's adapters 1..E (id 0 is "base", the model's own weights).
         """
         self.params, self.config, self.tokenizer, self.bank = params, config, tokenizer, bank
+        self._unk = 3 if tokenizer is None else tokenizer.unk_id
         stored = 0 if bank is None else bank.num_adapters
         if len(adapter_names) != stored:
             raise ValueError(f"adapter_names names {len(adapter_names)} adapters but the bank stores {stored}")
@@ -357,7 +358,10 @@ class Engine:
             from oxygen_jax.tokenizer import StreamDetokenizer
 
             detok = self._detok[ticket.request_id] = StreamDetokenizer(self.tokenizer)
-        return detok.push(tokens)
+        # A model whose vocabulary exceeds the tokenizer's can emit ids the tokenizer cannot decode: show
+        # them as unknown pieces rather than fail the frame (the raw ids stay in FinishedRequest.tokens).
+        vocab = self.tokenizer.vocab_size
+        return detok.push([t if 0 <= t < vocab else self._unk for t in tokens])
 
     def _absorb(self, out: FrameOutput, start: float, end: float, errors: list[FailedRequest]) -> StepResult:
         frame = self._frame
