@@ -59,6 +59,7 @@ from tqdm import tqdm
 from eval import arrivals as arrivals_lib
 from eval import metrics
 from oxygen_jax import decode, schedule
+from oxygen_jax.cli import float_in, int_at_least
 from oxygen_jax.config import EOS_ID, model_config, oxygen_benchmark_robot
 from oxygen_jax.model import denoise, prefill, prefix_length
 from oxygen_jax.params import for_backend, init_params
@@ -169,31 +170,11 @@ def build_grid(args: argparse.Namespace) -> list[Group]:
 # --- command line ---------------------------------------------------------------------------------
 
 
-def _int_at_least(minimum: int, what: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
-
-    return parse
+_positive_int = int_at_least(1, "a positive integer")
+_nonnegative_int = int_at_least(0, "an integer >= 0")
 
 
-_positive_int = _int_at_least(1, "a positive integer")
-_nonnegative_int = _int_at_least(0, "an integer >= 0")
-
-
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
+_share = float_in(0.0, 1.0, low_open=True)
 
 
 def _k_value(text: str) -> str:

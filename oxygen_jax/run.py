@@ -23,87 +23,47 @@ from pathlib import Path
 
 import numpy as np
 
+from oxygen_jax.cli import OneLineParser, existing, float_in, int_at_least
+
 _EMBEDDED = (
     "embedded default: a tiny pi0.5 with RANDOM weights on synthetic LIBERO-shaped observations: actions and text\n"
     "are meaningless; the run shows one prefill per frame feeding both the action chunk and the language requests."
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (no usage block) and exits 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (value >= 0 and np.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _existing(kind: str):
-    def parse(text: str) -> Path:
-        path = Path(text).expanduser()
-        if kind == "file" and not path.is_file():
-            raise argparse.ArgumentTypeError(f"no such file: {path}")
-        if kind == "dir" and not path.is_dir():
-            raise argparse.ArgumentTypeError(f"no such directory: {path}")
-        return path
-
-    return parse
-
-
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m oxygen_jax.run", description=__doc__.split("\n\n")[0] + "\n\n" + _EMBEDDED,
+    ap = OneLineParser(prog="python -m oxygen_jax.run", description=__doc__.split("\n\n")[0] + "\n\n" + _EMBEDDED,
                  formatter_class=argparse.RawDescriptionHelpFormatter,
                  epilog="Output: one line per frame (see the legend printed before the first frame), a line per "
                         "finished request, then a summary with compile time apart from steady-state frame time.")
     m = ap.add_argument_group("model")
     m.add_argument("--preset", default="tiny", choices=["tiny", "bench", "pi05"],
                    help="random-weight model size (default: tiny)")
-    m.add_argument("--ckpt", type=_existing("dir"),
+    m.add_argument("--ckpt", type=existing("dir"),
                    help="an openpi checkpoint (params dir or its parent) or one saved by oxygen_jax; replaces --preset")
     m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 on GPUs")
     m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                    help="openpi's bidirectional prompt, or OxyGen's causal variant")
-    m.add_argument("--tokenizer", type=_existing("file"),
+    m.add_argument("--tokenizer", type=existing("file"),
                    help="PaliGemma SentencePiece model (default: a tiny demo tokenizer trained offline)")
     r = ap.add_argument_group("loop")
-    r.add_argument("--frames", type=_int_at_least(1), default=8, help="control frames to run (default: 8)")
-    r.add_argument("--steps", type=_int_at_least(1), default=10, help="denoising steps per action chunk (default: 10)")
+    r.add_argument("--frames", type=int_at_least(1), default=8, help="control frames to run (default: 8)")
+    r.add_argument("--steps", type=int_at_least(1), default=10, help="denoising steps per action chunk (default: 10)")
     r.add_argument("--task", default="pick up the black bowl and place it on the plate",
                    help="the task instruction in the observation prompt")
-    r.add_argument("--seed", type=_int_at_least(0), default=0, help="weights, observations and noise (default: 0)")
+    r.add_argument("--seed", type=int_at_least(0), default=0, help="weights, observations and noise (default: 0)")
     t = ap.add_argument_group("language")
     t.add_argument("--prompt", default="Subtask: ",
                    help="text written after the observation for each language request (default: 'Subtask: ')")
-    t.add_argument("--request-every", type=_int_at_least(0), default=1,
+    t.add_argument("--request-every", type=int_at_least(0), default=1,
                    help="a new language request every N frames; 0: actions only (default: 1)")
-    t.add_argument("--max-new-tokens", type=_int_at_least(1), default=12, help="token budget per request (default: 12)")
-    t.add_argument("--tokens-per-frame", type=_int_at_least(1), default=4,
+    t.add_argument("--max-new-tokens", type=int_at_least(1), default=12, help="token budget per request (default: 12)")
+    t.add_argument("--tokens-per-frame", type=int_at_least(1), default=4,
                    help="k: tokens each running request advances per frame (default: 4)")
-    t.add_argument("--slots", type=_int_at_least(1), default=4,
+    t.add_argument("--slots", type=int_at_least(1), default=4,
                    help="decode slots: requests decoding at once; more wait in a FIFO queue (default: 4)")
-    t.add_argument("--temperature", type=_nonnegative_float, default=0.0, help="0 = greedy (default)")
+    t.add_argument("--temperature", type=float_in(0.0), default=0.0, help="0 = greedy (default)")
     ap.add_argument("--cache-dir", type=Path, default=None,
                     help="persistent compilation cache (default: $OXYGEN_JAX_CACHE_DIR or ~/.cache/oxygen_jax/xla)")
     ap.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
