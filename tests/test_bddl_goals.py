@@ -20,7 +20,10 @@ GOAL_T3 = [["close", "white_cabinet_1_bottom_region"], ["in", "akita_black_bowl_
 GOAL_T4 = [["on", "porcelain_mug_1", "plate_1"], ["on", "white_yellow_mug_1", "plate_2"]]
 GOAL_T5 = [["in", "black_book_1", "desk_caddy_1_back_contain_region"]]
 GOAL_T6 = [["on", "porcelain_mug_1", "plate_1"], ["on", "chocolate_pudding_1", "living_room_table_plate_right_region"]]
-GOAL_T8 = [["on", "moka_pot_1", "flat_stove_1_cook_region"], ["on", "moka_pot_2", "flat_stove_1_cook_region"], ["turnon", "flat_stove_1"]]
+GOAL_T8 = [
+    ["on", "moka_pot_1", "flat_stove_1_cook_region"], ["on", "moka_pot_2", "flat_stove_1_cook_region"],
+    ["turnon", "flat_stove_1"],
+]
 GOAL_T9 = [["in", "white_yellow_mug_1", "microwave_1_heating_region"], ["close", "microwave_1"]]
 
 LIVING_ROOM = {"living_room_table": ["living_room_table"]}
@@ -103,7 +106,8 @@ def test_parse_index_ranges_reads_inclusive_ranges_and_rejects_nonsense():
 def test_display_names_follow_the_instructions_and_drop_unique_indices():
     names = bg.display_names(OBJECTS_T4, LIVING_ROOM)
     assert names == {
-        "porcelain_mug_1": "white mug", "red_coffee_mug_1": "red coffee mug", "white_yellow_mug_1": "yellow and white mug",
+        "porcelain_mug_1": "white mug", "red_coffee_mug_1": "red coffee mug",
+        "white_yellow_mug_1": "yellow and white mug",
         "plate_1": "left plate", "plate_2": "right plate", "living_room_table": "table",
     }
     assert bg.display_names(OBJECTS_T0)["cream_cheese_1"] == "cream cheese box"
@@ -123,7 +127,8 @@ def test_display_names_keep_the_index_of_repeated_categories_without_an_alias():
          ["stove on", "moka pot on stove"]),
         (GOAL_T3, {"akita_black_bowl": ["akita_black_bowl_1"]}, {"white_cabinet": ["white_cabinet_1"]},
          ["bottom drawer of cabinet closed", "black bowl in bottom drawer of cabinet"]),
-        (GOAL_T5, {"black_book": ["black_book_1"]}, {"desk_caddy": ["desk_caddy_1"]}, ["book in back compartment of caddy"]),
+        (GOAL_T5, {"black_book": ["black_book_1"]}, {"desk_caddy": ["desk_caddy_1"]},
+         ["book in back compartment of caddy"]),
         (GOAL_T6, OBJECTS_T6, LIVING_ROOM, ["white mug on plate", "chocolate pudding right of plate"]),
         (GOAL_T9, {"white_yellow_mug": ["white_yellow_mug_1"]}, {"microwave": ["microwave_1"]},
          ["yellow and white mug in microwave", "microwave closed"]),
@@ -141,7 +146,9 @@ def test_memory_label_lists_what_holds_in_goal_order():
     assert _label(GOAL_T0, OBJECTS_T0, LIVING_ROOM, [False, False]) == "Done: nothing."
     assert _label(GOAL_T0, OBJECTS_T0, LIVING_ROOM, [True, False]) == "Done: alphabet soup in basket."
     assert _label(GOAL_T0, OBJECTS_T0, LIVING_ROOM, [False, True]) == "Done: tomato sauce in basket."
-    assert _label(GOAL_T0, OBJECTS_T0, LIVING_ROOM, [True, True]) == "Done: alphabet soup in basket; tomato sauce in basket."
+    assert _label(GOAL_T0, OBJECTS_T0, LIVING_ROOM, [True, True]) == (
+        "Done: alphabet soup in basket; tomato sauce in basket."
+    )
     assert _label(GOAL_T4, OBJECTS_T4, LIVING_ROOM, [True, True]) == (
         "Done: white mug on left plate; yellow and white mug on right plate."
     )
@@ -163,7 +170,8 @@ def test_scene_label_groups_by_support_with_the_table_first():
         ("plate_2", "on", "living_room_table"),
     ]
     assert bg.scene_label(supports, names) == (
-        "Scene: red coffee mug, left plate, right plate on table; white mug on left plate; yellow and white mug on right plate."
+        "Scene: red coffee mug, left plate, right plate on table; white mug on left plate; "
+        "yellow and white mug on right plate."
     )
     names0 = bg.display_names(OBJECTS_T0, LIVING_ROOM)
     supports0 = [("alphabet_soup_1", "in", "basket_1_contain_region"), ("basket_1", "on", "living_room_table")]
@@ -246,3 +254,30 @@ def test_shards_round_trip_and_a_crash_loses_at_most_the_unindexed_shard(tmp_pat
     rows = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]  # every line parses
     assert [r["shard"] for r in rows] == [f"shard_0000{i}.npz" for i in (0, 0, 1, 1, 2, 3)]
     assert [f["key"] for f in lm.iter_frames(tmp_path)] == [f"k{i}" for i in range(6)]
+
+
+def test_plan_makes_the_empty_subset_once_and_every_other_subset_per_variant():
+    plan = lm._plan(lm.GenConfig(variants=3), 2)
+    assert plan.count(((), 0)) == 1 and len(plan) == 1 + 3 * 3
+    assert {s for s, _ in plan} == set(bg.goal_subsets(2))
+
+
+def test_summary_counts_labels_reasons_and_the_majority_share(tmp_path):
+    def row(task, memory, **extra):
+        return {"task": task, "task_name": f"T{task}", "split": "train", "memory": memory, "scene": "Scene: x.",
+                "timings": {"settle_s": 0.5, "render_s": 0.25}, **extra}
+
+    ok = [row(0, "Done: nothing."), row(0, "Done: a in b."), row(1, "Done: nothing.")]
+    rejected = [row(0, "Done: nothing.", reasons=["tilt basket_1 41deg", "collateral_motion milk_1 0.031m"]),
+                row(1, "Done: nothing.", reasons=["tilt basket_1 35deg"])]
+    lm._append_jsonl(tmp_path / "index.jsonl", ok)
+    lm._append_jsonl(tmp_path / "rejected.jsonl", rejected)
+    s = lm.summarize(tmp_path)
+    assert (s["accepted"], s["rejected_attempts"]) == (3, 2)
+    assert s["accepted_per_task"] == {"0 T0": 2, "1 T1": 1}
+    assert s["label_histogram"] == {"Done: nothing.": 2, "Done: a in b.": 1}
+    assert s["majority_label_share"] == pytest.approx(2 / 3, abs=1e-4)
+    assert s["rejection_reasons"] == {"tilt": 2, "collateral_motion": 1}
+    assert s["rejection_details"] == {"tilt basket_1": 2, "collateral_motion milk_1": 1}
+    assert s["mean_s_per_accepted_frame"] == pytest.approx(5 * 0.75 / 3)
+    assert json.loads((tmp_path / "summary.json").read_text()) == s

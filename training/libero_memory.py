@@ -5,9 +5,18 @@ Setup (an optional extra, not part of CI; its own venv, outside the repository):
     python3 -m venv /work/venv-sim && /work/venv-sim/bin/pip install -r requirements.txt -r requirements-libero.txt
     MUJOCO_GL=egl /work/venv-sim/bin/libero-pro smoke --suite libero_10 --steps 2     # smoke test
 
-Run (resumable; re-running the same command skips the frames already written):
+Run (resumable: re-running the same command skips the frames already written), here the libero_10
+run that made /work/data/libero_memory/libero10_v1 (10 frames planned per init state, 2,500 in all;
+2,466 accepted, 14 distinct labels, 0.25 s per accepted frame on 2 shared CPU cores, ~12 min):
 
-    MUJOCO_GL=egl nice -n 10 /work/venv-sim/bin/python -m training.libero_memory --run main --variants 2
+    MUJOCO_GL=egl nice -n 10 /work/venv-sim/bin/python -m training.libero_memory --run libero10_v1 \
+        --tasks 0,1,4,6,7 --variants 3 --showcase 8 --export-tfds /work/data/libero_memory_tfds
+
+Tasks: by default every task whose goal has only `In`/`On` predicates (libero_10: 0, 1, 4, 5, 6, 7;
+tasks 2, 3, 8, 9 also need `Turnon`/`Close`, i.e. joint edits, and are skipped). libero_10 task 5
+("book in the back compartment of the caddy") is better left out: a book resting in that compartment
+has its body origin ~3 mm below the region box that LIBERO's `In` tests, so its placements are
+always rejected and only its "Done: nothing." frames remain.
 
 For each task, initial state and subset of the goal's movable predicates (`In`/`On` of a free-joint
 object), a frame is made like this:
@@ -26,8 +35,12 @@ object), a frame is made like this:
 Output, under `<out>/<run>/`: `shards/shard_NNNNN.npz` (JPEG/PNG bytes of both cameras, the 8-dim
 state), `index.jsonl` (one line per accepted frame: labels, predicate truth table, instruction,
 task, init index, split, timings, shard and row), `rejected.jsonl`, `config.json`, `summary.json`.
-A shard is written (atomically) before its index lines, so a crash loses at most one shard.
-`iter_frames(run_dir)` reads the frames back as dicts.
+A shard is written (atomically) before its index lines, so a crash loses at most one shard. Each
+frame also carries a scene label for language pre-training ("Scene: ketchup, milk, basket on table;
+alphabet soup in basket.": every free object's support) and the 8-dim state. `iter_frames(run_dir)`
+reads the frames back as dicts; `--export-tfds DIR` converts them with
+`training.memory_data.write_memory_dataset` (splits "train" / "heldout", by init index);
+`--showcase N` copies N held-out frames as PNGs (+ frames.json) to `<out>/showcase/`.
 
 Axis legend: H, W image height and width; the state is [eef xyz (3), eef axis-angle (3), gripper
 finger qpos (2)], as openpi's LIBERO client builds it.
@@ -67,7 +80,7 @@ class GenConfig:
     tasks: tuple[int, ...] | None = None  # None: every task whose goal has only movable In/On predicates
     inits: tuple[int, ...] = tuple(range(50))  # stored initial-state indices to use
     held_out: tuple[int, ...] = tuple(range(40, 50))  # init indices whose frames get split "heldout"
-    variants: int = 2  # placements (jitter draws) per non-empty subset; the empty subset is made once
+    variants: int = 3  # placements (jitter draws) per non-empty subset; the empty subset is made once
     retries: int = 1  # redraws of a rejected placement
     image_size: int = 224
     image_format: str = "jpeg"  # "jpeg" (quality below) or "png"
@@ -89,7 +102,9 @@ class GenConfig:
         if self.variants < 1 or self.retries < 0 or self.shard_size < 1:
             raise ValueError("variants and shard_size must be >= 1 and retries >= 0")
         if not 1 <= self.min_settle_steps <= self.settle_steps:
-            raise ValueError(f"need 1 <= min_settle_steps ({self.min_settle_steps}) <= settle_steps ({self.settle_steps})")
+            raise ValueError(
+                f"need 1 <= min_settle_steps ({self.min_settle_steps}) <= settle_steps ({self.settle_steps})"
+            )
 
     def physics_key(self) -> dict:
         """Settings that change the frames; a resumed run must use the same ones."""
@@ -155,21 +170,25 @@ class _TaskScene:
             if joint >= 0 and m.jnt_type[joint] == mujoco.mjtJoint.mjJNT_FREE:
                 self.free[name] = (body, int(m.jnt_qposadr[joint]), int(m.jnt_dofadr[joint]))
         self.placeable = bddl_goals.placement_predicates(self.goal, self.free)
-        self.containers = [s for s in e.object_sites_dict if s.endswith(("_contain_region", "_cook_region", "_heating_region"))]
+        container_suffixes = ("_contain_region", "_cook_region", "_heating_region")
+        self.containers = [s for s in e.object_sites_dict if s.endswith(container_suffixes)]
         # Collision geoms (group 0 in robosuite) of each free object's subtree; robot bodies to see through.
         root = m.body_rootid
         self.geoms = {
-            n: np.flatnonzero((root[m.geom_bodyid] == root[b]) & (m.geom_group == 0) & (m.geom_contype | m.geom_conaffinity != 0))
+            n: np.flatnonzero(
+                (root[m.geom_bodyid] == root[b]) & (m.geom_group == 0) & ((m.geom_contype | m.geom_conaffinity) != 0)
+            )
             for n, (b, _, _) in self.free.items()
         }
-        robot_roots = {root[b] for b in range(m.nbody) if (mujoco.mj_id2name(m, mujoco.mjtObj.mjOBJ_BODY, b) or "").startswith(("robot", "gripper", "mount"))}
+        body_names = [mujoco.mj_id2name(m, mujoco.mjtObj.mjOBJ_BODY, b) or "" for b in range(m.nbody)]
+        robot_roots = {root[b] for b, name in enumerate(body_names) if name.startswith(("robot", "gripper", "mount"))}
         self.robot_body = np.isin(root, list(robot_roots))
         self.substeps = int(round(e.control_timestep / e.model_timestep))
         self.init_states = suite.get_task_init_states(task_id)
 
     # -- physics
 
-    def _control_steps(self, n: int, min_steps: int | None = None) -> int:
+    def hold_still(self, n: int, min_steps: int | None = None) -> int:
         """Hold the robot still for up to n control steps (env.step without rendering); early exit at rest."""
         e = self.e
         for step in range(1, n + 1):
@@ -185,7 +204,8 @@ class _TaskScene:
 
     def _at_rest(self, lin: float = 0.01, ang: float = 0.2) -> bool:
         qvel = self.d.qvel
-        return all(np.abs(qvel[v : v + 3]).max() < lin and np.abs(qvel[v + 3 : v + 6]).max() < ang for _, _, v in self.free.values())
+        dofs = [v for _, _, v in self.free.values()]
+        return all(np.abs(qvel[v : v + 3]).max() < lin and np.abs(qvel[v + 3 : v + 6]).max() < ang for v in dofs)
 
     def restore(self, flat_state: np.ndarray) -> None:
         self.e.sim.set_state_from_flattened(flat_state)
@@ -194,7 +214,7 @@ class _TaskScene:
     def presettle(self, init: int) -> np.ndarray:
         """Restore init state `init`, let it come to rest; the flattened state to branch from."""
         self.restore(self.init_states[init])
-        self._control_steps(self.cfg.presettle_steps)
+        self.hold_still(self.cfg.presettle_steps)
         return self.e.sim.get_state().flatten().copy()
 
     def poses(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -214,7 +234,9 @@ class _TaskScene:
             world.append(d.geom_xpos[g] + local @ d.geom_xmat[g].reshape(3, 3).T)
         return (np.concatenate(world) - d.xpos[body]) @ d.xmat[body].reshape(3, 3)
 
-    def _orientation(self, corners: np.ndarray, rot0: np.ndarray, target_rot: np.ndarray, room: np.ndarray | None) -> np.ndarray:
+    def _orientation(
+        self, corners: np.ndarray, rot0: np.ndarray, target_rot: np.ndarray, room: np.ndarray | None
+    ) -> np.ndarray:
         """The body rotation to place with: the current one, unless its footprint does not fit `room`.
 
         `room` is the target's xy half-extent (target frame) for containers, else None. Candidates
@@ -274,7 +296,9 @@ class _TaskScene:
         lowest point starts `clearance` above the highest surface under its footprint.
         """
         mj, m, d = self.mujoco, self.m, self.d
-        shapes = {p.args[0]: (self._corners(p.args[0]), d.xmat[self.free[p.args[0]][0]].reshape(3, 3).copy()) for p in chosen}
+        shapes = {
+            p.args[0]: (self._corners(p.args[0]), d.xmat[self.free[p.args[0]][0]].reshape(3, 3).copy()) for p in chosen
+        }
         for i, p in enumerate(chosen):  # park them first so the rays do not hit one another's old poses
             _, qadr, vadr = self.free[p.args[0]]
             d.qpos[qadr : qadr + 3] = (10.0 + i, 10.0, _PARK_Z)
@@ -294,7 +318,8 @@ class _TaskScene:
             shift = rng.uniform(-self.cfg.jitter, self.cfg.jitter, size=2)
             n = sharing[place]
             if n > 1:  # spread evenly along a random line through the target
-                shift = shift + self.cfg.spread * (seen[place] - (n - 1) / 2) * (2 if n == 2 else 1) * np.array([np.cos(angle), np.sin(angle)])
+                step = self.cfg.spread * (seen[place] - (n - 1) / 2) * (2 if n == 2 else 1)
+                shift = shift + step * np.array([np.cos(angle), np.sin(angle)])
             seen[place] += 1
             # Stay inside the target: the whole footprint for containers, the body origin otherwise.
             limit = np.maximum(half - own_half, 0.0) if container else 0.8 * half
@@ -382,7 +407,7 @@ def make_frame(scene: _TaskScene, snapshot: np.ndarray, subset: Sequence[int], r
     reference = {**before, **{obj: (None, rot) for obj, rot in released.items()}}  # tilt is measured from release
     timings["place_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    steps = scene._control_steps(cfg.settle_steps, cfg.min_settle_steps)
+    steps = scene.hold_still(cfg.settle_steps, cfg.min_settle_steps)
     timings["settle_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     truth = scene.evaluate()
@@ -516,7 +541,8 @@ class _ShardWriter:
 
 
 def iter_frames(run_dir: str | Path, split: str | None = None) -> Iterator[dict]:
-    """Accepted frames of a run as dicts: the index row plus "image", "wrist_image" (uint8 [H, W, 3]) and "state" (float32 [8])."""
+    """Accepted frames of a run as dicts: the index row plus "image", "wrist_image" (uint8 [H, W, 3]) and
+    "state" (float32 [8])."""
     run_dir = Path(run_dir)
     rows = [r for r in _read_jsonl(run_dir / "index.jsonl") if split is None or r["split"] == split]
     by_shard: dict[str, list[dict]] = collections.defaultdict(list)
@@ -565,7 +591,8 @@ def _planned_placeable(problem: dict) -> tuple[bddl_goals.Predicate, ...]:
 
 def _default_tasks(suite) -> list[int]:
     """Tasks whose goal has only In/On predicates (articulation goals need joint edits, not placements)."""
-    return [t for t in range(suite.n_tasks) if all(p.is_placement for p in bddl_goals.parse_goal(_task_problem(suite, t)["goal_state"]))]
+    goals = {t: bddl_goals.parse_goal(_task_problem(suite, t)["goal_state"]) for t in range(suite.n_tasks)}
+    return [t for t, goal in goals.items() if all(p.is_placement for p in goal)]
 
 
 def _plan(cfg: GenConfig, k: int) -> list[tuple[tuple[int, ...], int]]:
@@ -580,7 +607,9 @@ def _check_run_config(run_dir: Path, cfg: GenConfig) -> None:
         old = json.loads(path.read_text())
         diff = {k: (old.get(k), v) for k, v in key.items() if old.get(k) != v}
         if diff:
-            raise SystemExit(f"{run_dir} was made with other settings {diff} (old, new); use a new --run name or the old settings")
+            raise SystemExit(
+                f"{run_dir} was made with other settings {diff} (old, new); use a new --run name or the old settings"
+            )
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(key, indent=1) + "\n")
@@ -605,11 +634,12 @@ def generate(cfg: GenConfig, run_dir: Path) -> None:
     work = {}  # task -> (placeable, {init: [(subset, variant), ...]})
     for task_id in tasks:
         placeable = _planned_placeable(_task_problem(suite, task_id))
-        todo = {i: [(s, v) for s, v in _plan(cfg, len(placeable)) if pending(frame_key(task_id, i, s, v), s)] for i in cfg.inits}
+        plan = _plan(cfg, len(placeable))
+        todo = {i: [(s, v) for s, v in plan if pending(frame_key(task_id, i, s, v), s)] for i in cfg.inits}
         work[task_id] = placeable, {i: items for i, items in todo.items() if items}
     total = sum(len(items) for _, todo in work.values() for items in todo.values())
-    print(f"tasks {tasks}; inits {cfg.inits[0]}-{cfg.inits[-1]} ({len(cfg.inits)}); held out {cfg.held_out[0] if cfg.held_out else '-'}-"
-          f"{cfg.held_out[-1] if cfg.held_out else '-'}; {len(done)} frames already written, {total} to make", flush=True)
+    print(f"tasks {tasks}; {len(cfg.inits)} inits, {len(cfg.held_out)} of them held out; "
+          f"{len(done)} frames already written, {total} to make", flush=True)
     held_out = set(cfg.held_out)
     writer = _ShardWriter(run_dir, cfg)
     bar = tqdm(total=total, unit="frame", dynamic_ncols=True, mininterval=10.0)
@@ -621,7 +651,9 @@ def generate(cfg: GenConfig, run_dir: Path) -> None:
             bar.set_description(f"task {task_id} (building env)")
             scene = _TaskScene(suite, task_id, cfg)
             if scene.placeable != placeable:
-                raise RuntimeError(f"task {task_id}: placeable predicates {scene.placeable} differ from the BDDL plan {placeable}")
+                raise RuntimeError(
+                    f"task {task_id}: placeable predicates {scene.placeable} differ from the BDDL plan {placeable}"
+                )
             bar.set_description(f"task {task_id}")
             tqdm.write(f"task {task_id} {scene.task_name}: env built in {scene.construct_s:.1f}s; placeable "
                        f"{[str(p) for p in placeable]}; {sum(map(len, todo.values()))} frames to make")
@@ -671,7 +703,9 @@ def summarize(run_dir: str | Path) -> dict:
     labels = collections.Counter(r["memory"] for r in ok)
     reasons = collections.Counter(reason.split(" ")[0] for r in rejected for reason in r["reasons"])
     # "tilt basket_1 41deg" -> "tilt basket_1": the kind and what it concerns, without the amount.
-    details = collections.Counter(" ".join(w for w in reason.split() if not w[0].isdigit()) for r in rejected for reason in r["reasons"])
+    details = collections.Counter(
+        " ".join(w for w in reason.split() if not w[0].isdigit()) for r in rejected for reason in r["reasons"]
+    )
 
     def per_task(rows):
         return dict(sorted(collections.Counter(f"{r['task']} {r['task_name']}" for r in rows).items()))
@@ -693,7 +727,8 @@ def summarize(run_dir: str | Path) -> dict:
         "distinct_labels": len(labels),
         "majority_label_share": round(labels.most_common(1)[0][1] / len(ok), 4) if ok else None,
         "distinct_scene_labels": len({r["scene"] for r in ok}),
-        "median_s": {f: median(ok, f) for f in ("presettle_s", "place_s", "settle_s", "eval_s", "render_s", "encode_s")},
+        "median_s": {f: median(ok, f) for f in ("presettle_s", "place_s", "settle_s", "eval_s", "render_s",
+                                                 "encode_s")},
         "mean_s_per_attempt": round(sum(frame_s) / len(frame_s), 4) if frame_s else None,
         "mean_s_per_accepted_frame": round(sum(frame_s) / len(ok), 4) if ok else None,
     }
@@ -702,7 +737,8 @@ def summarize(run_dir: str | Path) -> dict:
 
 
 def print_summary(s: dict) -> None:
-    print(f"\naccepted frames: {s['accepted']}   rejected attempts: {s['rejected_attempts']}   per split: {s['accepted_per_split']}")
+    print(f"\naccepted frames: {s['accepted']}   rejected attempts: {s['rejected_attempts']}   "
+          f"per split: {s['accepted_per_split']}")
     print("per task (accepted / rejected attempts):")
     for task in sorted(set(s["accepted_per_task"]) | set(s["rejected_per_task"])):
         print(f"  {task}: {s['accepted_per_task'].get(task, 0)} / {s['rejected_per_task'].get(task, 0)}")
@@ -740,8 +776,9 @@ def write_showcase(run_dir: Path, out_dir: Path, n: int) -> list[dict]:
     for f in picked:
         for k in _CAMERAS:
             Image.fromarray(f[k]).save(out_dir / f"{f['key']}_{k}.png", optimize=True)
-        meta.append({k: f[k] for k in ("key", "task", "init_index", "split", "language_instruction", "memory", "scene", "predicates")}
-                    | {"state": [float(x) for x in f["state"]], "image": f"{f['key']}_image.png", "wrist_image": f"{f['key']}_wrist_image.png"})
+        keep = ("key", "task", "init_index", "split", "language_instruction", "memory", "scene", "predicates")
+        meta.append({k: f[k] for k in keep} | {"state": [float(x) for x in f["state"]]}
+                    | {k: f"{f['key']}_{k}.png" for k in _CAMERAS})
     (out_dir / "frames.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -769,19 +806,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=d.image_size)
     p.add_argument("--image-format", choices=("jpeg", "png"), default=d.image_format)
     p.add_argument("--jpeg-quality", type=int, default=d.jpeg_quality)
-    p.add_argument("--presettle-steps", type=int, default=d.presettle_steps, help="control steps (25 substeps) after restoring")
+    p.add_argument("--presettle-steps", type=int, default=d.presettle_steps,
+                   help="control steps (25 substeps) after restoring")
     p.add_argument("--settle-steps", type=int, default=d.settle_steps, help="max control steps after placing")
-    p.add_argument("--clearance", type=float, default=d.clearance, help="m from an object's lowest point to the surface at release")
+    p.add_argument("--clearance", type=float, default=d.clearance,
+                   help="m from an object's lowest point to the surface at release")
     p.add_argument("--jitter", type=float, default=d.jitter, help="m of uniform xy jitter")
     p.add_argument("--spread", type=float, default=d.spread, help="m between objects that share a target")
-    p.add_argument("--max-displacement", type=float, default=d.max_displacement, help="m; reject if an unplaced object moves more")
+    p.add_argument("--max-displacement", type=float, default=d.max_displacement,
+                   help="m; reject if an unplaced object moves more")
     p.add_argument("--max-tilt", type=float, default=d.max_tilt_deg, help="degrees; reject if any object tilts more")
     p.add_argument("--shard-size", type=int, default=d.shard_size, help="frames per npz shard")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--list-tasks", action="store_true", help="print the suite's tasks and goals, then exit")
     p.add_argument("--summary-only", action="store_true", help="print the run's summary without generating")
-    p.add_argument("--showcase", type=int, default=0, metavar="N", help="after generating, copy N held-out frames as PNG to OUT/showcase/")
-    p.add_argument("--export-tfds", type=Path, default=None, metavar="DIR", help="after generating, convert the run with training.memory_data.write_memory_dataset")
+    p.add_argument("--showcase", type=int, default=0, metavar="N",
+                   help="after generating, copy N held-out frames as PNG to OUT/showcase/")
+    p.add_argument("--export-tfds", type=Path, default=None, metavar="DIR",
+                   help="after generating, convert the run with training.memory_data.write_memory_dataset")
     return p
 
 
@@ -840,11 +882,14 @@ def export_tfds(run_dir: str | Path, out_dir: str | Path, *, name: str = "libero
     try:
         from training.memory_data import write_memory_dataset
     except ImportError as err:
-        raise SystemExit(f"--export-tfds needs training.memory_data.write_memory_dataset and its requirements ({err})") from None
+        raise SystemExit(
+            f"--export-tfds needs training.memory_data.write_memory_dataset and its requirements ({err})"
+        ) from None
     run_dir = Path(run_dir)
     config = json.loads((run_dir / "config.json").read_text())
     rows = _read_jsonl(run_dir / "index.jsonl")
-    splits = {s: _tfds_frames(run_dir, s, config["suite"]) for s in ("train", "heldout") if any(r["split"] == s for r in rows)}
+    present = {r["split"] for r in rows}
+    splits = {s: _tfds_frames(run_dir, s, config["suite"]) for s in ("train", "heldout") if s in present}
     if not splits:
         raise SystemExit(f"no frames in {run_dir} to export; generate some first")
     return write_memory_dataset(out_dir, splits, image_size=config["image_size"], name=name,
