@@ -6,19 +6,29 @@
 FIXTURE_DIR is laid out like ../shared/fixtures/openpi_tiny_pi05: `params/` (released layout),
 `train_checkpoint/<step>/params/` (training layout, trailing `value` keys), `reference.npz` and
 optionally `reference_text_oxygen.npz`. Every dimension (batch, cameras, horizon, action dim, prompt
-length, step counts, decode length) is inferred from the checkpoint and the arrays; config.json is
-not read.
+length, step counts, decode length, LoRA ranks) is inferred from the checkpoint and the arrays.
 
-A quantity passes when max|ours - ref| <= atol + rtol * max|ref| (tolerances from the fixture's
-README: float32 on CPU). Integer and boolean quantities must match exactly. Exit status 1 on any
-FAIL.
+LoRA fixtures (like `openpi_tiny_pi05_lora`) are recognised by `lora_*` leaves in the checkpoint.
+The adapters are merged on restore (`checkpoint.load_openpi_params`), with the alpha and rslora
+that config.json's "lora" entry (or the README's "expert N LoRA | ... alpha X" rows) gives per
+expert, alpha = rank otherwise. On top of the usual quantities they add: the merged weights
+against `merged_params.npz`; `merged_*` outputs of openpi's LoRA-free model run with those merged
+weights; `nolora/*` (base weights only, and a check that the LoRA result differs from it); and
+`trainlayout/*` for training-layout checkpoints, whose frozen leaves are stored as bfloat16.
+
+A quantity passes when max|ours - ref| <= atol + rtol * max|ref|. Tolerances come from config.json
+`suggested_tolerances_float32_cpu` (float32 on CPU) where it names the quantity, else from the
+defaults below (those of the openpi_tiny_pi05 README). Integer and boolean quantities must match
+exactly. Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -28,11 +38,12 @@ import numpy as np
 
 from oxygen_jax import checkpoint, decode, gemma, model, siglip
 from oxygen_jax.config import CAMERA_SLOTS
+from oxygen_jax.lora import EXPERTS
 from oxygen_jax.masks import last_valid_index
 from oxygen_jax.observation import Observation
-from oxygen_jax.params import to_openpi_dict
+from oxygen_jax.params import from_openpi_dict, to_openpi_dict
 
-# (atol, rtol) per family, from the fixture README's suggested float32 tolerances.
+# Default (atol, rtol) per family: the openpi_tiny_pi05 README's suggested float32 tolerances.
 _TOL = {
     "siglip": (1e-5, 1e-5),
     "prefix_tokens": (1e-5, 1e-5),
@@ -41,7 +52,47 @@ _TOL = {
     "loss": (5e-4, 2e-4),
     "logits": (5e-4, 0.0),
     "bf16": (0.15, 0.0),
+    "weights": (1e-6, 1e-6),  # merged weights: float32 merge vs openpi's float64 one
 }
+
+
+class Tolerances:
+    """Per-quantity (atol, rtol): config.json's suggestions where they name the quantity, else `_TOL`.
+
+    config.json maps comma-separated name patterns to text, e.g.
+    `"prefix/kv_cache_k|v, prefix/out_final_norm (compare ...)": "atol 0.002, rtol 1e-4"`; `*`
+    is a wildcard, `k|v` alternatives, and only the first word of each pattern counts. An entry
+    without an atol (e.g. "must DIFFER") sets nothing.
+    """
+
+    def __init__(self, suggested: dict[str, str] | None = None):
+        self.rules: list[tuple[re.Pattern, float, float]] = []
+        for names, text in (suggested or {}).items():
+            atol = re.search(r"atol\s+([0-9.]+(?:e[-+]?[0-9]+)?)", str(text))
+            if atol is None:
+                continue
+            rtol = re.search(r"rtol\s+([0-9.]+(?:e[-+]?[0-9]+)?)", str(text))
+            for name in names.split(","):
+                words = name.strip().split()
+                if words:
+                    self.rules.append((self._regex(words[0]), float(atol.group(1)), float(rtol.group(1)) if rtol else 0.0))
+
+    @staticmethod
+    def _regex(pattern: str) -> re.Pattern:
+        parts = []
+        for piece in re.split(r"([^/_]*\|[^/_]*)", pattern):  # "kv_cache_k|v" -> "kv_cache_(k|v)"
+            if "|" in piece:
+                parts.append("(" + "|".join(re.escape(a) for a in piece.split("|")) + ")")
+            else:
+                parts.append(re.escape(piece).replace(r"\*", ".*"))
+        return re.compile("".join(parts))
+
+    def get(self, name: str, family: str) -> tuple[float, float]:
+        base = name.split(" (", 1)[0]
+        for regex, atol, rtol in self.rules:
+            if regex.fullmatch(base):
+                return atol, rtol
+        return _TOL[family]
 
 
 @dataclasses.dataclass
@@ -55,17 +106,18 @@ class Row:
 
 
 class _Checker:
-    def __init__(self, layout: str):
-        self.layout, self.rows = layout, []
+    def __init__(self, layout: str, tol: Tolerances | None = None):
+        self.layout, self.rows, self.tol = layout, [], tol or Tolerances()
 
-    def close(self, name: str, ours, ref, family: str, valid=None):
+    def close(self, name: str, ours, ref, family: str, valid=None, like: str | None = None):
+        """Compares within the tolerance of `name` (or of the quantity `like`, e.g. the LoRA-free twin)."""
         ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
         if ours.shape != ref.shape:
             self.rows.append(Row(name, self.layout, math.inf, math.inf, f"shape {ours.shape} vs {ref.shape}", False))
             return
         if valid is not None:
             ours, ref = ours[valid], ref[valid]
-        atol, rtol = _TOL[family]
+        atol, rtol = self.tol.get(like or name, family)
         d = float(np.max(np.abs(ours - ref))) if ref.size else 0.0
         scale = float(np.max(np.abs(ref))) if ref.size else 0.0
         ok = bool(np.isfinite(d) and d <= atol + rtol * scale)
@@ -152,14 +204,100 @@ def _check_model(chk: _Checker, params, ref, obs: Observation):
             chk.close("loss/loss (stored noise/time)", loss, ref["loss/loss"], "loss")
 
 
-def _check_bf16(chk: _Checker, path: Path, ref, obs: Observation):
-    _, p16 = checkpoint.load_openpi_params(path, dtype="bfloat16")
+def _actions(params, obs: Observation, noise, num_steps: int):
+    """`model.sample_actions`, as the `prefill` and `denoise` programs the other checks compile anyway."""
+    return model.denoise(params, model.prefill(params, obs), noise, num_steps)
+
+
+def _check_bf16(chk: _Checker, path: Path, ref, obs: Observation, **load_kwargs):
+    _, p16 = checkpoint.load_openpi_params(path, dtype="bfloat16", **load_kwargs)
     noise = jnp.asarray(ref["noise"], jnp.float32)
     if "bf16/actions/num_steps_10" in ref:
         chk.close("bf16/actions/num_steps_10 (smoke)", model.sample_actions(p16, obs, noise, 10), ref["bf16/actions/num_steps_10"], "bf16")
     if "bf16/loss/loss" in ref:
         loss = model.compute_loss(p16, obs, jnp.asarray(ref["loss/actions"]), jnp.asarray(ref["loss/noise"]), jnp.asarray(ref["loss/time"]))
         chk.close("bf16/loss/loss (smoke)", loss, ref["bf16/loss/loss"], "bf16")
+
+
+def lora_settings(fixture: Path) -> dict:
+    """`load_openpi_params` keyword arguments for a LoRA fixture: alpha per expert and rslora.
+
+    Read from config.json's "lora" entry (one dict per expert, its key naming the expert, e.g.
+    "paligemma_llm (expert 0, ...)" / "action_expert (expert 1, ...)", with "alpha" and "rslora"),
+    else from README rows like "| expert 1 LoRA | attn + ffn, rank 8, alpha 8 ... |". An expert
+    with no stated alpha gets alpha = rank (openpi's variants).
+    """
+    alpha: dict[str, float] = {}
+    rslora = False
+    config_path = fixture / "config.json"
+    entries = json.loads(config_path.read_text()).get("lora", {}) if config_path.is_file() else {}
+    for key, entry in (entries.items() if isinstance(entries, dict) else ()):
+        k = key.lower()
+        field = "action_expert" if ("expert 1" in k or "action" in k) else "vlm" if any(
+            w in k for w in ("expert 0", "llm", "paligemma", "vlm")) else None
+        if field is None or not isinstance(entry, dict):
+            continue
+        if entry.get("alpha") is not None:
+            alpha[field] = float(entry["alpha"])
+        rslora = rslora or bool(entry.get("rslora", False))
+    readme = fixture / "README.md"
+    if not alpha and readme.is_file():
+        for expert, value in re.findall(r"expert (\d) LoRA \|[^|\n]*?alpha ([0-9.]+)", readme.read_text()):
+            alpha[("vlm", "action_expert")[int(expert)]] = float(value)
+    return {"lora_alpha": alpha or None, "lora_rslora": rslora}
+
+
+def _check_merged_reference(chk: _Checker, base, merged_npz, ref, obs: Observation):
+    """openpi's LoRA-free model with its own merged weights (`merged_*` references) against ours."""
+    flat = {**{k: np.asarray(v) for k, v in to_openpi_dict(base).items()}, **merged_npz}
+    params = from_openpi_dict(flat, base.config)
+    out = jax.jit(model.prefix_forward)(params, obs)
+    valid = np.asarray(ref["prefix/input_mask"])
+    for kv in ("k", "v"):
+        key = f"merged_prefix/kv_cache_{kv}"
+        if key in ref:
+            chk.close(f"{key} (valid rows)", np.transpose(np.asarray(out[kv]), (1, 2, 0, 3, 4)),
+                      np.transpose(ref[key], (1, 2, 0, 3, 4)), "prefix_out", valid)
+    cache = model.prefill(params, obs)
+    noise = jnp.asarray(ref["noise"], jnp.float32)
+    if "merged_step1/velocity_t1" in ref:
+        ones = jnp.ones((noise.shape[0],), jnp.float32)
+        chk.close("merged_step1/velocity_t1", jax.jit(model.velocity)(params, cache, noise, ones),
+                  ref["merged_step1/velocity_t1"], "actions")
+    for key in sorted(k for k in ref if k.startswith("merged_actions/num_steps_")):
+        chk.close(key, model.denoise(params, cache, noise, int(key.rsplit("_", 1)[1])), ref[key], "actions")
+    if "merged_loss/loss_explicit" in ref:
+        loss = model.compute_loss(params, obs, jnp.asarray(ref["loss/actions"]), jnp.asarray(ref["loss/noise"]),
+                                  jnp.asarray(ref["loss/time"]))
+        chk.close("merged_loss/loss_explicit", loss, ref["merged_loss/loss_explicit"], "loss")
+
+
+def _check_lora(chk: _Checker, path: Path, params, ref, obs: Observation, merged_npz, train_layout: bool):
+    """LoRA-specific quantities of one layout (`params` has the adapters merged)."""
+    noise = jnp.asarray(ref["noise"], jnp.float32)
+    flat = to_openpi_dict(params)
+    for key in sorted(merged_npz):
+        chk.close(f"lora/merged_weights/{key}", flat[key], merged_npz[key], "weights")
+    actions = _actions(params, obs, noise, 10)
+    if "nolora/actions/num_steps_10" in ref:
+        _, base = checkpoint.load_openpi_params(path, lora="ignore")
+        chk.close("nolora/actions/num_steps_10 (base weights only)", _actions(base, obs, noise, 10),
+                  ref["nolora/actions/num_steps_10"], "actions", like="actions/num_steps_10")
+        # A loader that dropped the adapters would match nolora/ instead: ours must be far closer to
+        # the LoRA reference than to the LoRA-free one.
+        ours = np.asarray(actions, np.float64)
+        err = float(np.max(np.abs(ours - ref["actions/num_steps_10"])))
+        effect = float(np.max(np.abs(ours - ref["nolora/actions/num_steps_10"])))
+        atol, _ = chk.tol.get("actions/num_steps_10", "actions")
+        chk.rows.append(Row("lora changes actions/num_steps_10 (vs nolora/)", chk.layout, effect, 0.0,
+                            f"> max(atol, 10 * err vs actions/) = {max(atol, 10 * err):.3g}", effect > max(atol, 10 * err)))
+    if train_layout:
+        if "trainlayout/actions/num_steps_10" in ref:
+            chk.close("trainlayout/actions/num_steps_10", actions, ref["trainlayout/actions/num_steps_10"], "actions",
+                      like="actions/num_steps_10")
+        if "trainlayout/prefix/tokens" in ref:
+            chk.close("trainlayout/prefix/tokens", jax.jit(model.embed_prefix)(params, obs)[0],
+                      ref["trainlayout/prefix/tokens"], "prefix_tokens", like="prefix/tokens")
 
 
 def greedy_text(params, obs: Observation, num_tokens: int):
@@ -198,8 +336,10 @@ def _check_text(chk: _Checker, params, text, obs: Observation, noise):
     if "oxygen/prefix_ar_mask" in text:
         chk.exact("oxygen/prefix_ar_mask", jax.jit(model.embed_prefix)(causal, obs)[2], text["oxygen/prefix_ar_mask"])
     if "oxygen_actions/num_steps_10" in text:
-        chk.close("oxygen_actions/num_steps_10 (causal prompt)", model.sample_actions(causal, obs, jnp.asarray(noise, jnp.float32), 10),
-                  text["oxygen_actions/num_steps_10"], "actions")
+        # The action expert never reads prompt_attention: only the causal prefix cache differs, so
+        # the bidirectional config's (already compiled) denoise runs on it.
+        actions = model.denoise(params, model.prefill(causal, obs), jnp.asarray(noise, jnp.float32), 10)
+        chk.close("oxygen_actions/num_steps_10 (causal prompt)", actions, text["oxygen_actions/num_steps_10"], "actions")
 
 
 def _layouts(fixture: Path) -> list[tuple[str, Path]]:
@@ -223,11 +363,19 @@ def run_fixture(fixture: Path) -> list[Row]:
     ref = dict(np.load(ref_path))
     text_path = fixture / "reference_text_oxygen.npz"
     text = dict(np.load(text_path)) if text_path.is_file() else None
+    config_path = fixture / "config.json"
+    suggested = json.loads(config_path.read_text()).get("suggested_tolerances_float32_cpu") if config_path.is_file() else None
+    tol = Tolerances(suggested)
+    merged_path = fixture / "merged_params.npz"
+    merged_npz = dict(np.load(merged_path)) if merged_path.is_file() else {}
     obs = _observation(ref)
     rows, flat_first = [], None
-    for layout, path in _layouts(fixture):
-        cfg, params = checkpoint.load_openpi_params(path)
-        chk = _Checker(layout)
+    settings = lora_settings(fixture)
+    for index, (layout, path) in enumerate(_layouts(fixture)):
+        adapters = checkpoint.load_openpi_lora(path, alpha=settings["lora_alpha"], rslora=settings["lora_rslora"])
+        load_kwargs = settings if adapters is not None else {}  # None: no LoRA leaves in this checkpoint
+        cfg, params = checkpoint.load_openpi_params(path, **load_kwargs)
+        chk = _Checker(layout, tol)
         flat = {k: np.asarray(v) for k, v in to_openpi_dict(params).items()}
         if flat_first is None:
             flat_first = flat
@@ -235,13 +383,24 @@ def run_fixture(fixture: Path) -> list[Row]:
             same = flat.keys() == flat_first.keys() and all(np.array_equal(flat[k], flat_first[k]) for k in flat)
             chk.rows.append(Row("params identical to released layout", layout, 0.0 if same else math.inf, 0.0, "exact", same))
         _check_model(chk, params, ref, obs)
+        if adapters is not None:
+            _check_lora(chk, path, params, ref, obs, merged_npz, train_layout=layout != "released")
         if text is not None:
             _check_text(chk, params, text, obs, ref["noise"])
         if any(k.startswith("bf16/") for k in ref):
-            _check_bf16(chk, path, ref, obs)
+            _check_bf16(chk, path, ref, obs, **load_kwargs)
         rows += chk.rows
-        print(f"[{layout}] {path}: vlm {cfg.vlm}, action expert {cfg.action_expert}, siglip {cfg.siglip}, vocab {cfg.vocab_size}",
-              file=sys.stderr)
+        note = "" if adapters is None else "; LoRA " + ", ".join(
+            f"{field} rank {a.attn_rank}/{a.ffn_rank} (attn/ffn) alpha {a.alpha:g}{' rslora' if a.rslora else ''}"
+            for field, _ in EXPERTS if (a := getattr(adapters, field)) is not None
+        )
+        print(f"[{layout}] {path}: vlm {cfg.vlm}, action expert {cfg.action_expert}, siglip {cfg.siglip}, "
+              f"vocab {cfg.vocab_size}{note}", file=sys.stderr)
+        if adapters is not None and merged_npz and index == 0:  # layout-independent: once
+            chk = _Checker("merged_params.npz", tol)
+            _, base = checkpoint.load_openpi_params(path, lora="ignore")
+            _check_merged_reference(chk, base, merged_npz, ref, obs)
+            rows += chk.rows
     return rows
 
 
@@ -254,8 +413,8 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _manifest(path: Path, allow_lora: bool) -> bool:
-    result = checkpoint.check_manifest(path, allow_lora=allow_lora)
+def _manifest(path: Path) -> bool:
+    result = checkpoint.check_manifest(path)
     print(result.summary())
     return result.ok and result.matches_preset
 
@@ -267,14 +426,13 @@ def main(argv=None) -> int:
     )
     ap.add_argument("fixture", nargs="?", type=Path, help="fixture directory (params/, train_checkpoint/, reference.npz)")
     ap.add_argument("--manifest", type=Path, help="parameter manifest JSON to check against the full-size pi05 tree")
-    ap.add_argument("--allow-lora", action="store_true", help="treat openpi LoRA leaves in a manifest as ignorable")
     args = ap.parse_args(argv)
     if (args.fixture is None) == (args.manifest is None):
         ap.error("give exactly one of FIXTURE_DIR or --manifest FILE")
     if args.manifest is not None:
         if not args.manifest.is_file():
             ap.error(f"manifest not found: {args.manifest}")
-        return 0 if _manifest(args.manifest, args.allow_lora) else 1
+        return 0 if _manifest(args.manifest) else 1
     if not args.fixture.is_dir():
         ap.error(f"fixture directory not found: {args.fixture}")
     rows = run_fixture(args.fixture)

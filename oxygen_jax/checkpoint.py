@@ -529,7 +529,7 @@ def load_openpi_params(
     arrays = ck.restore(dtypes, max_abs)
     if merging:
         adapters = lora_lib.from_openpi(arrays, config, alpha=lora_alpha, rslora=lora_rslora)
-        arrays = lora_lib.merge_openpi(arrays, adapters)
+        arrays = lora_lib.merge_openpi(arrays, adapters, dtype=np_dtype)
     return config, from_openpi_dict({k: arrays[k] for k in OPENPI_PATHS}, config)
 
 
@@ -560,9 +560,7 @@ def load_openpi_lora(
     if not ck.lora_paths:
         return None
     arrays = ck.restore({k: np.dtype(ck.config.jnp_dtype) for k in ck.lora_paths}, max_abs)
-    return lora_lib.from_openpi(
-        {k: jax.numpy.asarray(v) for k, v in arrays.items()}, ck.config, alpha=alpha, rslora=rslora
-    )
+    return lora_lib.from_openpi(jax.device_put(arrays), ck.config, alpha=alpha, rslora=rslora)
 
 
 def _assets_dir(checkpoint_dir: Path) -> Path | None:

@@ -47,6 +47,7 @@ Pytrees (leaves are arrays; alpha and rslora are static):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -148,7 +149,12 @@ class LoraBank:
         """The stored adapter with id `adapter_id` (1..A), leaves [L, ...]."""
         if not 1 <= adapter_id <= self.num_adapters:
             raise ValueError(f"adapter id {adapter_id} is not stored in this bank (ids 1..{self.num_adapters}; 0 = base)")
-        return jax.tree.map(lambda x: x[:, adapter_id - 1], self.adapters)
+        return _take_adapter(self.adapters, adapter_id - 1)
+
+
+@jax.jit
+def _take_adapter(adapters: ExpertLora, index) -> ExpertLora:
+    return jax.tree.map(lambda x: x[:, index], adapters)
 
 
 @_pytree
@@ -360,8 +366,9 @@ def _merge_stacked(layers: ExpertLayers, adapter: ExpertLora) -> ExpertLayers:
     return dataclasses.replace(layers, **changes)
 
 
+@jax.jit  # one program per layer structure, not one dispatch per einsum and slice
 def merge_layers(layers: ExpertLayers | Unstacked, adapter: ExpertLora) -> ExpertLayers | Unstacked:
-    """One expert's layer weights with `adapter` folded in; stacked and `Unstacked` layers alike."""
+    """One expert's layer weights with `adapter` ([L, ...] leaves) folded in; stacked and `Unstacked` layers alike."""
     if isinstance(layers, Unstacked):
         return Unstacked(
             layers=tuple(
@@ -387,17 +394,30 @@ def merge(params: Params, adapters: ModelLora) -> Params:
     )
 
 
-def merge_openpi(flat: Mapping[str, jax.Array], adapters: ModelLora) -> dict[str, jax.Array]:
-    """`merge` on a flat {openpi path: array} dict: the updated base weights replace their entries."""
+def merge_openpi(flat: Mapping[str, jax.Array], adapters: ModelLora, dtype=None) -> dict[str, jax.Array]:
+    """`merge` on a flat {openpi path: array} dict: the updated base weights replace their entries,
+    in `dtype` (default: each weight's own)."""
+    weights = {
+        field: {t: flat[openpi_weight_path(t, sfx)] for t in getattr(adapters, field).pairs()}
+        for field, sfx in EXPERTS
+        if getattr(adapters, field) is not None
+    }
+    merged = _merge_targets(weights, adapters, None if dtype is None else jnp.dtype(dtype))
     out = dict(flat)
     for field, sfx in EXPERTS:
-        expert = getattr(adapters, field)
-        if expert is None:
-            continue
-        for target, pair in expert.pairs().items():
-            path = openpi_weight_path(target, sfx)
-            out[path] = merge_weight(flat[path], target, pair, expert.scaling)
+        for target, w in merged.get(field, {}).items():
+            out[openpi_weight_path(target, sfx)] = w
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))  # all targets of both experts in one program
+def _merge_targets(weights: dict, adapters: ModelLora, dtype) -> dict:
+    def one(field, target, w):
+        adapter = getattr(adapters, field)
+        merged = merge_weight(w, target, getattr(adapter, target), adapter.scaling)
+        return merged if dtype is None else merged.astype(dtype)
+
+    return {field: {t: one(field, t, w) for t, w in ws.items()} for field, ws in weights.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,8 +485,12 @@ def stack_adapters(adapters: Sequence[ExpertLora], config: ExpertConfig | ModelC
                 f"adapter {i} (id {i + 1}) does not match adapter 0 (id 1); a bank needs one rank and shape:\n"
                 + "\n".join(f"  {line}" for line in lines)
             )
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *adapters)
-    return LoraBank(adapters=stacked)
+    return LoraBank(adapters=_stack(*adapters))
+
+
+@jax.jit
+def _stack(*adapters: ExpertLora) -> ExpertLora:
+    return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *adapters)
 
 
 def init_bank(
@@ -505,21 +529,21 @@ def init_bank(
         raise ValueError(
             f"init_bank: need num_adapters >= 1, rank >= 1 and targets from {TARGETS}; got {num_adapters}, {rank}, {unknown or targets}"
         )
-    alpha = float(rank if alpha is None else alpha)
-    adapters = []
-    for i in range(num_adapters):
-        pairs = {}
-        for ti, target in enumerate(TARGETS):
-            if target not in targets:
-                pairs[target] = None
-                continue
-            a_shape, b_shape = target_shapes(expert, target, rank)
-            fan_in = expert.num_heads * expert.head_dim if target == "out" else a_shape[-2]  # contracted size
-            rng = np.random.default_rng([seed, i, ti])
-            a = rng.standard_normal((expert.depth,) + a_shape, dtype=np.float32) / np.float32(math.sqrt(fan_in))
-            pairs[target] = LoraPair(a=jnp.asarray(a, dtype), b=jnp.zeros((expert.depth,) + b_shape, dtype))
-        adapters.append(ExpertLora(**pairs, alpha=alpha, rslora=rslora))
-    return stack_adapters(adapters)
+    pairs = {}
+    for ti, target in enumerate(TARGETS):
+        if target not in targets:
+            pairs[target] = None
+            continue
+        a_shape, b_shape = target_shapes(expert, target, rank)
+        fan_in = expert.num_heads * expert.head_dim if target == "out" else a_shape[-2]  # contracted size
+        a = np.stack(
+            [np.random.default_rng([seed, i, ti]).standard_normal((expert.depth,) + a_shape, dtype=np.float32) for i in range(num_adapters)],
+            axis=1,
+        ) / np.float32(math.sqrt(fan_in))
+        b = np.zeros((expert.depth, num_adapters) + b_shape, np.float32)
+        # Cast on the host and transfer: no per-shape device programs.
+        pairs[target] = LoraPair(a=jax.device_put(a.astype(dtype)), b=jax.device_put(b.astype(dtype)))
+    return LoraBank(adapters=ExpertLora(**pairs, alpha=float(rank if alpha is None else alpha), rslora=rslora))
 
 
 def check_bank_fits(bank: LoraBank, layers: ExpertLayers | Unstacked) -> None:

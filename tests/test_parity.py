@@ -58,6 +58,101 @@ def test_dropping_the_masked_camera_of_a_fixture_row_reproduces_openpi_actions()
     np.testing.assert_allclose(actions[0], ref["actions/num_steps_10"][row], atol=2e-4, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def lora_rows():
+    from helpers import shared_dir
+
+    path = shared_dir() / "fixtures" / "openpi_tiny_pi05_lora"
+    if not path.is_dir():
+        pytest.skip(f"../shared fixtures not present: {path}")
+    return parity.run_fixture(path)
+
+
+def test_lora_fixture_matches_openpi_in_both_layouts_with_merged_and_base_references(lora_rows):
+    failed = [f"{r.quantity} [{r.layout}] max abs {r.max_abs:.3g}" for r in lora_rows if not r.ok]
+    assert not failed, failed
+    assert {r.layout for r in lora_rows} == {"released", "training/1", "merged_params.npz"}
+    names = {(r.quantity, r.layout) for r in lora_rows}
+    for layout in ("released", "training/1"):
+        for required in ("actions/num_steps_10", "loss/loss_explicit", "step1/velocity_t1", "prefix/kv_cache_k (valid rows)",
+                         "nolora/actions/num_steps_10 (base weights only)", "lora changes actions/num_steps_10 (vs nolora/)",
+                         "lora/merged_weights/PaliGemma/llm/layers/attn/attn_vec_einsum/w"):
+            assert (required, layout) in names
+    assert ("trainlayout/actions/num_steps_10", "training/1") in names
+    assert ("merged_actions/num_steps_10", "merged_params.npz") in names
+    # The fixture's own (looser) kv tolerance is the one applied.
+    kv = next(r for r in lora_rows if r.quantity == "prefix/kv_cache_k (valid rows)")
+    assert kv.tol == "atol 0.002 rtol 0.0001"
+
+
+def _unseen_lora_fixture(root, params, adapters, alpha_in_config, training_layout=True):
+    """A LoRA fixture unlike the shared one: tiny dims (2 KV heads, 2 cameras, 56 px), ranks 3/5 (attn/ffn)
+    and 2, alpha != rank, both layouts; references from the merged model with the true alpha."""
+    from oxygen_jax import lora, model
+    from oxygen_jax.config import CAMERA_SLOTS
+    from helpers import make_obs
+    from test_lora import _write_lora_checkpoint
+
+    _write_lora_checkpoint(root / "params", params, adapters, training_layout=False)
+    if training_layout:
+        _write_lora_checkpoint(root / "train_checkpoint" / "1" / "params", params, adapters, training_layout=True)
+    obs = make_obs(params.config, batch=2, cameras=2, lengths=[5, 9], image_masks=[[True, False], [True, True]])
+    noise = jax.device_put(np.random.default_rng(0).standard_normal((2, 4, 32)).astype(np.float32))
+    merged = lora.merge(params, adapters)
+    prefix = jax.jit(model.prefix_forward)(merged, obs)
+    ref = {"tokenized_prompt": obs.tokens, "tokenized_prompt_mask": obs.token_mask, "noise": noise,
+           "prefix/input_mask": prefix["input_mask"], "prefix/positions": prefix["positions"],
+           "prefix/kv_cache_k": prefix["k"], "actions/num_steps_10": parity._actions(merged, obs, noise, 10),
+           "nolora/actions/num_steps_10": parity._actions(params, obs, noise, 10)}
+    for i, cam in enumerate(CAMERA_SLOTS[:2]):
+        ref[f"image/{cam}"], ref[f"image_mask/{cam}"] = obs.images[:, i], obs.image_masks[:, i]
+    np.savez(root / "reference.npz", **{k: np.asarray(v) for k, v in ref.items()})
+    lora_entry = {"paligemma_llm (expert 0)": {"rank": 3, "alpha": alpha_in_config}, "action_expert (expert 1)": {"rank": 2, "alpha": 1.0}}
+    (root / "config.json").write_text(json.dumps({"lora": lora_entry}))
+    return root
+
+
+def test_parity_runs_on_an_unseen_lora_fixture_reading_alpha_from_config_json(tmp_path, tiny_params):
+    from oxygen_jax import lora
+    from test_lora import _random_b
+
+    cfg = tiny_params.config
+    base = jax.tree.map(lambda x: jax.device_put(np.asarray(x).astype(jnp.bfloat16).astype(np.float32)), tiny_params)  # bf16-exact frozen leaves
+    attn = _random_b(lora.init_bank(cfg, 1, rank=3, targets=("q", "kv", "out"), seed=4), 5).adapter(1)
+    ffn = _random_b(lora.init_bank(cfg, 1, rank=5, targets=("gating", "linear"), seed=6), 7).adapter(1)
+    act = _random_b(lora.init_bank(cfg.action_expert, 1, rank=2, alpha=1.0, seed=8), 9).adapter(1)
+    adapters = lora.ModelLora(vlm=attn.replace(gating=ffn.gating, linear=ffn.linear, alpha=12.0), action_expert=act)
+    rows = parity.run_fixture(_unseen_lora_fixture(tmp_path / "right", base, adapters, alpha_in_config=12.0))
+    assert all(r.ok for r in rows) and {r.layout for r in rows} == {"released", "training/1"}
+    assert any(r.quantity.startswith("lora changes") for r in rows)
+    # Told the wrong alpha (here: the default, alpha = rank), the same run fails.
+    rows = parity.run_fixture(_unseen_lora_fixture(tmp_path / "wrong", base, adapters, alpha_in_config=3.0,
+                                                   training_layout=False))
+    assert {r.quantity for r in rows if not r.ok} >= {"actions/num_steps_10", "prefix/kv_cache_k (valid rows)"}
+
+
+def test_lora_settings_come_from_config_json_or_readme(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"lora": {
+        "paligemma_llm (expert 0, variant x)": {"rank": 4, "alpha": 12.0, "rslora": True},
+        "action_expert (expert 1, variant y)": {"rank": 8, "alpha": 8.0},
+    }}))
+    assert parity.lora_settings(tmp_path) == {"lora_alpha": {"vlm": 12.0, "action_expert": 8.0}, "lora_rslora": True}
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "README.md").write_text("| expert 0 LoRA | attn + ffn, rank 4, alpha 2 (scaling 0.5) |\n")
+    assert parity.lora_settings(tmp_path) == {"lora_alpha": {"vlm": 2.0}, "lora_rslora": False}
+    (tmp_path / "README.md").unlink()
+    assert parity.lora_settings(tmp_path) == {"lora_alpha": None, "lora_rslora": False}
+
+
+def test_tolerances_are_read_per_quantity_from_config_json():
+    tol = parity.Tolerances({"prefix/kv_cache_k|v, prefix/out_final_norm (where valid)": "atol 0.002, rtol 1e-4",
+                             "actions/*": "atol 5e-4", "nolora/actions/num_steps_10": "must differ"})
+    assert tol.get("prefix/kv_cache_v (valid rows)", "prefix_out") == (0.002, 1e-4)
+    assert tol.get("actions/num_steps_3", "actions") == (5e-4, 0.0)
+    assert tol.get("nolora/actions/num_steps_10", "actions") == parity._TOL["actions"]  # no atol given: default
+    assert tol.get("oxygen_actions/num_steps_10", "actions") == parity._TOL["actions"]
+
+
 def test_manifest_of_full_size_pi05_maps_exactly():
     from helpers import shared_dir
 
@@ -65,3 +160,4 @@ def test_manifest_of_full_size_pi05_maps_exactly():
     if not path.is_file():
         pytest.skip(f"../shared fixtures not present: {path}")
     assert parity.main(["--manifest", str(path)]) == 0
+    assert parity.main(["--manifest", str(path.with_name("pi05_lora_param_manifest.json"))]) == 0
