@@ -223,8 +223,16 @@ class EngineWorker:
         """Schedules `method(*args)` on the engine thread (FIFO with every other call)."""
         return loop.run_in_executor(self._executor, method, *args)
 
+    def call(self, method: Callable, *args):
+        """Runs `method(*args)` on the engine thread and waits for it (for synchronous callers)."""
+        return self._executor.submit(method, *args).result()
+
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+    @property
+    def num_devices(self) -> int:
+        return 1 if self.mesh is None else self.mesh.size
 
     @property
     def compiles(self) -> int:

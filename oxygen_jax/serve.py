@@ -309,6 +309,7 @@ class PolicyServer:
         meta = {
             "server": "oxygen_jax", "protocol": 1, "stream": stream.id, "robot": r.name,
             "action_horizon": e.action_horizon, "action_dim": r.action_dim, "batch_sizes": list(self.config.buckets),
+            "devices": self.worker.num_devices,
             "deadline_ms": self.config.deadline_ms, "max_message_bytes": self.config.max_message_bytes,
             "language": {"field": "language_requests", "max_tokens": e.max_new_tokens,
                          "prompt_capacity": e.prompt_capacity, "max_requests": self.config.max_requests_per_robot,
@@ -414,8 +415,9 @@ class PolicyServer:
                     await ws.send(reply)
                 finally:
                     self._replying -= 1
+                if isinstance(reply, bytes):  # a robot that got actions is expected back within its deadline
                     stream.last_reply = time.perf_counter()
-                self.metrics.total_s.observe(stream.last_reply - received)
+                    self.metrics.total_s.observe(stream.last_reply - received)
         except ConnectionClosed:
             pass
         except Exception:  # noqa: BLE001 - openpi's convention: traceback as text, then 1011

@@ -137,7 +137,7 @@ def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
     try:
         return msgpack.unpackb(
             data, object_hook=_object_hook(limits), raw=False, strict_map_key=True, use_list=True,
-            max_bin_len=limits.max_array_bytes, max_str_len=limits.max_str_bytes,
+            max_bin_len=limits.max_message_bytes, max_str_len=limits.max_str_bytes,
             max_array_len=limits.max_container_len, max_map_len=limits.max_container_len, max_ext_len=0,
         )
     except WireError:

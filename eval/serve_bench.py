@@ -1,0 +1,390 @@
+"""Serving benchmark: R robots on one policy server, batched versus one robot at a time.
+
+    python -m eval.serve_bench --preset tiny --robots 1 2 4 8 --out eval/results/serve_tiny
+    python -m eval.serve_bench --preset bench --robots 1 4 --frames 4 --warmup-frames 2 --out eval/results/serve_bench
+
+For each mode the benchmark starts `python -m oxygen_jax.serve` in its own process (same model, same
+flags, a shared persistent compilation cache), waits for /healthz, and for each R runs R robot clients
+(threads speaking openpi's protocol) in lock step: send a LIBERO observation, wait for the chunk, send
+the next (no think time: the most a server can deliver). Every measured frame carries one language
+request ("Subtask: ", fixed length) while the robot has fewer than `--max-live` of its own in flight.
+
+    batched   --batch-sizes 1,2,4,8   waiting robots share one prefill + denoise (and the decode pool)
+    serial    --batch-sizes 1         one robot per step: openpi's one-at-a-time serving
+
+Reported per (mode, R): per-robot and aggregate action rate (actions/s = chunks/s x Ha), round-trip
+p50/p99 at the client, serving overhead (round trip minus the server's Engine.step time, per frame),
+tokens/s of finished requests, mean robots per step; and the ideal aggregate rate that the same run's
+component times allow (batched: R chunks per measured step of bucket(R); serial: one chunk per batch-1
+step) with the achieved fraction of it.
+
+Output: DIR/summary.json (records, environment, commands), DIR/report.md, DIR/serve_bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = {"batched": None, "serial": "1"}  # --batch-sizes per mode (None: powers of two up to max R)
+SUMMARY_KEYS = (
+    "mode", "robots", "frames", "wall_s", "action_rate_per_robot", "action_rate_total", "rtt_p50_ms", "rtt_p99_ms",
+    "step_p50_ms", "overhead_p50_ms", "overhead_p99_ms", "mean_batch", "tokens_per_s", "requests_finished",
+    "ideal_action_rate_total", "fraction_of_ideal", "speedup_vs_serial",
+)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, np.float64), q)) if len(values) else math.nan
+
+
+# -------------------------------------------------------------------------------------------------
+# Robot clients
+# -------------------------------------------------------------------------------------------------
+
+
+def libero_observation(robot: int, image_size: int = 224) -> dict:
+    """A LIBERO client observation (openpi format) with robot-specific random pixels and state."""
+    rng = np.random.default_rng(1000 + robot)
+    return {
+        "observation/image": rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8),
+        "observation/wrist_image": rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8),
+        "observation/state": rng.standard_normal(8),
+        "prompt": f"pick up the black bowl and place it on plate {robot}",
+    }
+
+
+def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, max_tokens: int = 8,
+               max_live: int = 2, deadline_ms: float = 60_000.0, timeout_s: float = 600.0) -> dict:
+    """Runs `robots` lock-step clients against a server; returns per-frame records and the wall time.
+
+    Each robot sends `warmup_frames` unmeasured frames, waits for the others, then `frames` measured
+    frames, each with one fixed-length language request while it has fewer than `max_live` in flight.
+
+    Returns:
+      {"frames": [{"robot", "rtt_ms", "step_ms", "queue_ms", "batch", "bucket", "t_recv"}], "finished":
+       [{"robot", "tokens", "t_recv"}], "wall_s", "action_horizon", "errors": [str]}.
+    """
+    from websockets.sync.client import connect
+
+    from oxygen_jax import wire
+
+    barrier, lock = threading.Barrier(robots), threading.Lock()
+    records, finished, errors, horizon, start = [], [], [], [0], [math.inf]
+
+    def robot(r: int) -> None:
+        try:
+            with connect(url, compression=None, max_size=None, open_timeout=60) as ws:
+                meta = wire.unpack(ws.recv())
+                horizon[0] = meta["action_horizon"]
+                obs = {**libero_observation(r), "deadline_ms": deadline_ms}
+                live = set()
+                for i in range(warmup_frames + frames):
+                    if i == warmup_frames:
+                        barrier.wait(timeout_s)
+                        with lock:
+                            start[0] = min(start[0], time.perf_counter())
+                    measured = i >= warmup_frames
+                    msg = dict(obs)
+                    if measured and len(live) < max_live:
+                        msg["language_requests"] = [{"prompt": "Subtask: ", "max_tokens": max_tokens, "stop_at_eos": False}]
+                    t0 = time.perf_counter()
+                    ws.send(wire.pack(msg))
+                    raw = ws.recv(timeout_s)
+                    t1 = time.perf_counter()
+                    if isinstance(raw, str):
+                        raise RuntimeError(f"server refused a frame: {raw.splitlines()[0]}")
+                    reply = wire.unpack(raw)
+                    lang = reply["language"]
+                    live |= {a["id"] for a in lang["accepted"]}
+                    live -= {f["id"] for f in lang["finished"] + lang["failed"]}
+                    if not measured:
+                        continue
+                    timing = reply["server_timing"]
+                    with lock:
+                        records.append({"robot": r, "rtt_ms": (t1 - t0) * 1e3, "step_ms": timing["infer_ms"],
+                                        "queue_ms": timing["queue_ms"], "batch": timing["batch"],
+                                        "bucket": timing["bucket"], "t_recv": t1})
+                        finished.extend({"robot": r, "tokens": len(f["tokens"]), "t_recv": t1} for f in lang["finished"])
+        except Exception as e:  # noqa: BLE001 - reported with the results
+            errors.append(f"robot {r}: {type(e).__name__}: {e}")
+            barrier.abort()
+
+    threads = [threading.Thread(target=robot, args=(r,), daemon=True) for r in range(robots)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    end = max((rec["t_recv"] for rec in records), default=start[0])
+    return {"frames": records, "finished": finished, "wall_s": end - start[0] if records else math.nan,
+            "action_horizon": horizon[0], "errors": errors}
+
+
+def summarize(mode: str, robots: int, run: dict) -> dict:
+    """One summary record (see `SUMMARY_KEYS`) from `run_robots` output; ideal/speedup filled by `compare`."""
+    frames, wall, ha = run["frames"], run["wall_s"], run["action_horizon"]
+    rtt = [f["rtt_ms"] for f in frames]
+    overhead = [f["rtt_ms"] - f["step_ms"] for f in frames]
+    per_robot = [sum(f["robot"] == r for f in frames) * ha / wall for r in range(robots)]
+    # Each step is seen by every robot in it: weight frames by 1/batch to average over steps.
+    steps = sum(1.0 / f["batch"] for f in frames)
+    return {
+        "mode": mode, "robots": robots, "frames": len(frames), "wall_s": wall, "action_horizon": ha,
+        "action_rate_per_robot": float(np.mean(per_robot)), "action_rate_total": len(frames) * ha / wall,
+        "rtt_p50_ms": percentile(rtt, 50), "rtt_p99_ms": percentile(rtt, 99),
+        "step_p50_ms": percentile([f["step_ms"] for f in frames], 50),
+        "overhead_p50_ms": percentile(overhead, 50), "overhead_p99_ms": percentile(overhead, 99),
+        "mean_batch": len(frames) / steps if steps else math.nan,
+        "tokens_per_s": sum(f["tokens"] for f in run["finished"]) / wall, "requests_finished": len(run["finished"]),
+        "ideal_action_rate_total": math.nan, "fraction_of_ideal": math.nan, "speedup_vs_serial": math.nan,
+        "step_ms_by_bucket": {str(b): percentile([f["step_ms"] for f in frames if f["bucket"] == b], 50)
+                              for b in sorted({f["bucket"] for f in frames})},
+        "errors": run["errors"],
+    }
+
+
+def compare(records: list[dict]) -> list[dict]:
+    """Adds each run's ideal aggregate rate from its own step times, and the batched speedup over serial.
+
+    Ideal: batched, R chunks per step of the smallest measured bucket holding R robots; serial, one chunk
+    per batch-1 step. Serving overhead, batching waits and steps split into smaller buckets show up as a
+    fraction below 1.
+    """
+    serial = {r["robots"]: r for r in records if r["mode"] == "serial"}
+    for rec in records:
+        steps = {int(b): ms for b, ms in rec["step_ms_by_bucket"].items()}
+        usable = [b for b in steps if b >= rec["robots"]] if rec["mode"] == "batched" else [b for b in steps if b == 1]
+        if usable:
+            chunks_per_step = rec["robots"] if rec["mode"] == "batched" else 1
+            rec["ideal_action_rate_total"] = chunks_per_step * rec["action_horizon"] / (steps[min(usable)] / 1e3)
+            rec["fraction_of_ideal"] = rec["action_rate_total"] / rec["ideal_action_rate_total"]
+        if rec["mode"] == "batched" and rec["robots"] in serial:
+            rec["speedup_vs_serial"] = rec["action_rate_total"] / serial[rec["robots"]]["action_rate_total"]
+    return records
+
+
+# -------------------------------------------------------------------------------------------------
+# Servers
+# -------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(args: argparse.Namespace, mode: str, port: int) -> list[str]:
+    """The `python -m oxygen_jax.serve` command line of one mode."""
+    sizes = MODES[mode] or ",".join(str(b) for b in (1, 2, 4, 8, 16) if b < 2 * max(args.robots))
+    model = ["--ckpt", args.ckpt] if args.ckpt else ["--preset", args.preset]
+    return [sys.executable, "-m", "oxygen_jax.serve", *model, "--robot", "libero", "--host", "127.0.0.1",
+            "--port", str(port), "--batch-sizes", sizes, "--steps", str(args.steps), "--slots", str(args.slots),
+            "--max-new-tokens", str(args.max_tokens), "--tokens-per-frame", str(args.tokens_per_frame),
+            "--prompt-len", str(args.prompt_len), "--dtype", args.dtype, "--compile-cache", args.compile_cache,
+            "--log-level", "WARNING"]
+
+
+def _healthz(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def start_server(cmd: list[str], port: int, log_path: Path, timeout_s: float) -> tuple[subprocess.Popen, float]:
+    """Starts a server process and waits until /healthz is 200; returns (process, seconds to ready)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    while _healthz(port) != 200:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}:\n{log_path.read_text()[-2000:]}")
+        if time.perf_counter() - t0 > timeout_s:
+            proc.kill()
+            raise TimeoutError(f"server not ready after {timeout_s:.0f} s; see {log_path}")
+        time.sleep(0.2)
+    return proc, time.perf_counter() - t0
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+# -------------------------------------------------------------------------------------------------
+# Report
+# -------------------------------------------------------------------------------------------------
+
+
+def _fmt(x, digits=1) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def write_report(out: Path, records: list[dict], meta: dict) -> None:
+    """Writes summary.json, report.md and serve_bench.png into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps({"environment": meta, "records": records}, indent=1, default=float))
+    rows = ["| mode | robots | action rate / robot | aggregate | ideal (components) | achieved | vs serial "
+            "| RTT p50 | RTT p99 | step p50 | overhead p50 / p99 | mean batch | tokens/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: (r["robots"], r["mode"])):
+        rows.append(
+            f"| {r['mode']} | {r['robots']} | {_fmt(r['action_rate_per_robot'])} | {_fmt(r['action_rate_total'])} "
+            f"| {_fmt(r['ideal_action_rate_total'])} | {_fmt(100 * r['fraction_of_ideal'], 0)}% "
+            f"| {_fmt(r['speedup_vs_serial'], 2)}x | {_fmt(r['rtt_p50_ms'])} ms | {_fmt(r['rtt_p99_ms'])} ms "
+            f"| {_fmt(r['step_p50_ms'])} ms | {_fmt(r['overhead_p50_ms'])} / {_fmt(r['overhead_p99_ms'])} ms "
+            f"| {_fmt(r['mean_batch'], 2)} | {_fmt(r['tokens_per_s'])} |")
+    text = [f"# Serving benchmark ({meta.get('preset') or meta.get('ckpt')}, LIBERO observations)", "",
+            f"Command: `{meta['command']}`", "", f"Server commands: {', '.join(f'`{c}`' for c in meta['server_commands'].values())}",
+            "", "Action rates are actions/s (chunks x Ha). Overhead = client round trip minus the server's "
+            "Engine.step time of that frame. Ideal = the rate the same run's measured step times allow: batched, "
+            "R chunks per step of the bucket holding R robots; serial, one chunk per batch-1 step.", "", *rows, "",
+            f"Server start-up to healthy (compile or cache load): {meta.get('startup_s')}", "",
+            "![serve_bench](serve_bench.png)", ""]
+    (out / "report.md").write_text("\n".join(text))
+    _plot(out / "serve_bench.png", records, meta)
+
+
+def _plot(path: Path, records: list[dict], meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, style in (("batched", "o-"), ("serial", "s--")):
+        recs = sorted((r for r in records if r["mode"] == mode), key=lambda r: r["robots"])
+        if not recs:
+            continue
+        xs = [r["robots"] for r in recs]
+        ax1.plot(xs, [r["action_rate_total"] for r in recs], style, label=f"{mode}: aggregate")
+        ax1.plot(xs, [r["action_rate_per_robot"] for r in recs], style, alpha=0.5, label=f"{mode}: per robot")
+        ax2.plot(xs, [r["rtt_p50_ms"] for r in recs], style, label=f"{mode}: p50")
+        ax2.plot(xs, [r["rtt_p99_ms"] for r in recs], style, alpha=0.5, label=f"{mode}: p99")
+        if mode == "batched":
+            ideal = [(r["robots"], r["ideal_action_rate_total"]) for r in recs if not math.isnan(r["ideal_action_rate_total"])]
+            if ideal:
+                ax1.plot(*zip(*ideal), "k:", label="batched ideal (components)")
+    ax1.set(xlabel="robots", ylabel="actions / s", title="action rate")
+    ax2.set(xlabel="robots", ylabel="ms", title="round trip")
+    robots = sorted({r["robots"] for r in records})
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set_xticks(robots, [str(r) for r in robots])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"policy server, {meta.get('preset') or meta.get('ckpt')}: batched vs one robot at a time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(args: argparse.Namespace) -> dict:
+    return {
+        "preset": None if args.ckpt else args.preset, "ckpt": args.ckpt, "dtype": args.dtype,
+        "jax": _version("jax"), "websockets": _version("websockets"), "python": platform.python_version(),
+        "platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "command": " ".join(["python", "-m", "eval.serve_bench", *sys.argv[1:]]),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "frames": args.frames, "warmup_frames": args.warmup_frames, "steps": args.steps,
+        "tokens_per_frame": args.tokens_per_frame, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
+    }
+
+
+# -------------------------------------------------------------------------------------------------
+# CLI
+# -------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m eval.serve_bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = ap.add_mutually_exclusive_group()
+    model.add_argument("--preset", default="tiny", choices=["tiny", "bench", "pi05"])
+    model.add_argument("--ckpt", help="openpi checkpoint instead of a random preset")
+    ap.add_argument("--robots", type=int, nargs="+", default=[1, 2, 4, 8], help="robot counts R")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--frames", type=int, default=40, help="measured frames per robot")
+    ap.add_argument("--warmup-frames", type=int, default=3, help="unmeasured frames per robot before timing")
+    ap.add_argument("--steps", type=int, default=10, help="denoising steps")
+    ap.add_argument("--tokens-per-frame", type=int, default=4, help="k")
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens per language request (fixed length)")
+    ap.add_argument("--max-live", type=int, default=2, help="language requests in flight per robot")
+    ap.add_argument("--slots", type=int, default=32, help="decode slots")
+    ap.add_argument("--prompt-len", type=int, default=48, help="prompt tokens in the prefix")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "oxygen_jax" / "jax_compilation"))
+    ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for a server to compile")
+    ap.add_argument("--out", type=Path, required=True)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if min(args.robots) < 1 or args.frames < 1 or args.warmup_frames < 0:
+        raise SystemExit("--robots, --frames must be >= 1 and --warmup-frames >= 0")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta, records = environment(args), []
+    meta["server_commands"], meta["startup_s"] = {}, {}
+    for mode in args.modes:
+        port = _free_port()
+        cmd = server_command(args, mode, port)
+        meta["server_commands"][mode] = " ".join(["python", *cmd[1:]])
+        proc, ready_s = start_server(cmd, port, args.out / f"server_{mode}.log", args.startup_timeout)
+        meta["startup_s"][mode] = round(ready_s, 1)
+        print(f"{mode}: server ready in {ready_s:.1f} s", flush=True)
+        try:
+            for r in args.robots:
+                run = run_robots(f"ws://127.0.0.1:{port}", r, args.frames, warmup_frames=args.warmup_frames,
+                                 max_tokens=args.max_tokens, max_live=args.max_live)
+                if run["errors"]:
+                    raise RuntimeError("; ".join(run["errors"]))
+                rec = summarize(mode, r, run)
+                records.append(rec)
+                print(f"  R={r}: {rec['action_rate_total']:.1f} actions/s total, {rec['action_rate_per_robot']:.1f} "
+                      f"per robot, RTT p50 {rec['rtt_p50_ms']:.1f} ms, overhead p50 {rec['overhead_p50_ms']:.2f} ms, "
+                      f"mean batch {rec['mean_batch']:.2f}, {rec['tokens_per_s']:.0f} tokens/s", flush=True)
+        finally:
+            rc = stop_server(proc)
+            meta.setdefault("server_exit_codes", {})[mode] = rc
+    write_report(args.out, compare(records), meta)
+    print(f"wrote {args.out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The serving benchmark's clients, statistics and report, against a model-free server (no compile)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from eval import serve_bench
+from oxygen_jax.serve import PolicyServer, ServeConfig, ServerThread
+from oxygen_jax.tokenizer import train_demo_tokenizer
+from test_serve import ROBOT, ScriptedEngine
+
+pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = ScriptedEngine(step_s=0.004, per_row_s=0.001)
+    handle = ServerThread(PolicyServer(engine, train_demo_tokenizer(), ROBOT, ServeConfig(
+        host="127.0.0.1", port=0, buckets=(1, 2, 4)))).start()
+    handle.wait_ready(timeout=60)
+    yield handle
+    handle.stop()
+
+
+def test_lock_step_robots_are_measured_and_summarised(server):
+    run = serve_bench.run_robots(f"ws://127.0.0.1:{server.port}", robots=2, frames=6, warmup_frames=1, max_tokens=3,
+                                 max_live=1)
+    assert run["errors"] == [] and run["action_horizon"] == ROBOT.action_horizon
+    assert sorted(f["robot"] for f in run["frames"]) == [0] * 6 + [1] * 6
+    assert all(f["rtt_ms"] >= f["step_ms"] > 0 for f in run["frames"])
+    # The scripted engine finishes a request in the step that admits it: one per measured frame.
+    assert len(run["finished"]) == 12 and all(f["tokens"] == 3 for f in run["finished"])
+
+    rec = serve_bench.summarize("batched", 2, run)
+    assert set(serve_bench.SUMMARY_KEYS) <= set(rec)
+    assert rec["frames"] == 12 and rec["requests_finished"] == 12
+    assert rec["action_rate_total"] == pytest.approx(12 * ROBOT.action_horizon / rec["wall_s"])
+    assert rec["action_rate_per_robot"] == pytest.approx(rec["action_rate_total"] / 2)
+    assert 1 <= rec["mean_batch"] <= 2 and rec["tokens_per_s"] == pytest.approx(36 / rec["wall_s"])
+
+
+def _record(mode, robots, rate, step_ms_by_bucket, ha=10):
+    return {"mode": mode, "robots": robots, "action_rate_total": rate, "action_horizon": ha,
+            "step_ms_by_bucket": {str(b): ms for b, ms in step_ms_by_bucket.items()},
+            "ideal_action_rate_total": float("nan"), "fraction_of_ideal": float("nan"),
+            "speedup_vs_serial": float("nan")}
+
+
+def test_ideal_rate_comes_from_the_runs_own_step_times():
+    batched = _record("batched", 4, 800.0, {2: 30.0, 4: 40.0})  # ideal: 4 chunks of 10 per 40 ms step
+    serial = _record("serial", 4, 400.0, {1: 20.0})  # ideal: one chunk of 10 per 20 ms step
+    lone = _record("batched", 8, 100.0, {4: 40.0})  # no step held all 8 robots: no ideal
+    serve_bench.compare([batched, serial, lone])
+    assert batched["ideal_action_rate_total"] == pytest.approx(1000.0) and batched["fraction_of_ideal"] == 0.8
+    assert serial["ideal_action_rate_total"] == pytest.approx(500.0) and serial["fraction_of_ideal"] == 0.8
+    assert batched["speedup_vs_serial"] == 2.0
+    assert lone["ideal_action_rate_total"] != lone["ideal_action_rate_total"]  # NaN
+
+
+def test_report_files_and_server_commands(server, tmp_path):
+    run = serve_bench.run_robots(f"ws://127.0.0.1:{server.port}", robots=1, frames=3, warmup_frames=0)
+    records = serve_bench.compare([serve_bench.summarize("batched", 1, run)])
+    args = argparse.Namespace(preset="tiny", ckpt=None, robots=[1, 4], steps=2, slots=8, max_tokens=4,
+                              tokens_per_frame=2, prompt_len=32, dtype="float32", compile_cache="none")
+    cmd = serve_bench.server_command(args, "batched", 1234)
+    assert cmd[1:3] == ["-m", "oxygen_jax.serve"] and cmd[cmd.index("--batch-sizes") + 1] == "1,2,4"
+    assert serve_bench.server_command(args, "serial", 1234)[cmd.index("--batch-sizes") + 1] == "1"
+    meta = {"preset": "tiny", "command": "python -m eval.serve_bench", "server_commands": {"batched": " ".join(cmd)},
+            "startup_s": {"batched": 1.0}}
+    serve_bench.write_report(tmp_path, records, meta)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["records"][0]["robots"] == 1 and summary["environment"]["preset"] == "tiny"
+    report = (tmp_path / "report.md").read_text()
+    assert "| batched | 1 |" in report and "oxygen_jax.serve" in report
+    assert (tmp_path / "serve_bench.png").stat().st_size > 10_000
