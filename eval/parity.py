@@ -364,8 +364,8 @@ def run_fixture(fixture: Path) -> list[Row]:
     text_path = fixture / "reference_text_oxygen.npz"
     text = dict(np.load(text_path)) if text_path.is_file() else None
     config_path = fixture / "config.json"
-    suggested = json.loads(config_path.read_text()).get("suggested_tolerances_float32_cpu") if config_path.is_file() else None
-    tol = Tolerances(suggested)
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    tol = Tolerances(config.get("suggested_tolerances_float32_cpu"))
     merged_path = fixture / "merged_params.npz"
     merged_npz = dict(np.load(merged_path)) if merged_path.is_file() else {}
     obs = _observation(ref)

@@ -295,7 +295,9 @@ def _check_item_files(item: Path) -> None:
     if (item / "_sharding").exists():
         _check_json_file(item / "_sharding", "the sharding metadata")
     if any(item.glob("ocdbt.process_*")) and not (item / "manifest.ocdbt").is_file():
-        raise CheckpointError(f"{item / 'manifest.ocdbt'} is missing: the OCDBT index of the arrays is lost; the checkpoint is incomplete")
+        raise CheckpointError(
+            f"{item / 'manifest.ocdbt'} is missing: the OCDBT index of the arrays is lost; the checkpoint is incomplete"
+        )
 
 
 def _quiet_late_orbax_callbacks() -> None:
@@ -324,7 +326,9 @@ def _read_tree_metadata(item: Path) -> Mapping[str, Any]:
         meta = handler.metadata(item)
     except Exception as e:  # orbax/TensorStore raise assorted types for damaged directories
         _quiet_late_orbax_callbacks()
-        raise CheckpointError(f"{item}: cannot read the checkpoint's metadata, it is damaged or incomplete: {_one_line(e)}") from e
+        raise CheckpointError(
+            f"{item}: cannot read the checkpoint's metadata, it is damaged or incomplete: {_one_line(e)}"
+        ) from e
     finally:
         handler.close()
     # 0.12.8 returns a tree-metadata object (dict-like, not a Mapping; the dict is `.tree`).
@@ -657,7 +661,10 @@ def _checksums(flat: Mapping[str, Any]) -> dict:
 def _verify_checksums(src: Path, arrays: Mapping[str, np.ndarray], sums: Mapping[str, Any]) -> None:
     """Raises `CheckpointError` naming the first leaf whose bytes differ from its stored checksum."""
     if sums.get("format") != _CHECKSUM_FORMAT or not isinstance(sums.get("leaves"), Mapping):
-        raise CheckpointError(f"{src / 'checksums'}: unknown checksum format {sums.get('format')!r}; the checkpoint is damaged or newer than this code")
+        raise CheckpointError(
+            f"{src / 'checksums'}: unknown checksum format {sums.get('format')!r}; the checkpoint is damaged or newer "
+            "than this code"
+        )
     leaves = sums["leaves"]
     for path, x in arrays.items():
         entry = leaves.get(path)
@@ -780,13 +787,16 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
     want_paths = {tuple(k.split("/")) for k in OPENPI_PATHS}
     missing = sorted("/".join(k) for k in want_paths - set(meta))
     if missing:
-        raise CheckpointError(f"{item}: the stored tree lacks {len(missing)} leaves (e.g. {missing[0]!r}); the checkpoint is damaged")
+        raise CheckpointError(
+            f"{item}: the stored tree lacks {len(missing)} leaves (e.g. {missing[0]!r}); the checkpoint is damaged"
+        )
     # Restore as stored (the checksums are of the stored bytes), then cast to the target dtype.
     flat = _restore_arrays(item, {("params", *k): None for k in want_paths}, partial=len(meta) > len(want_paths))
     arrays = {"/".join(k[1:]): v for k, v in flat.items()}
     if sums is not None:
         _verify_checksums(src, arrays, sums)
-    return config, from_openpi_dict(arrays, config)
+    np_dtype = np.dtype(config.jnp_dtype)  # cast on the host: no device program per leaf shape
+    return config, from_openpi_dict({k: v.astype(np_dtype, copy=False) for k, v in arrays.items()}, config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Gemma experts of the π0.5 mixture of transformers: norms, RoPE, attention, MLP, layer stacks.
 
 Axis legend: B batch, T query tokens, S key tokens, D expert width, F MLP hidden, N query heads,
-K KV heads, G = N / K query heads per KV head, H head dim, L layers.
+K KV heads, G = N / K query heads per KV head, H head dim, L layers, A adapters in a LoRA bank.
 
 Both experts attend jointly in every layer. Because prefix tokens never attend to suffix tokens,
 a joint forward equals "prefix through expert 0, keep its per-layer K/V" followed by "suffix

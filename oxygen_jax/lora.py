@@ -527,7 +527,8 @@ def init_bank(
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or num_adapters < 1 or rank < 1:
         raise ValueError(
-            f"init_bank: need num_adapters >= 1, rank >= 1 and targets from {TARGETS}; got {num_adapters}, {rank}, {unknown or targets}"
+            f"init_bank: need num_adapters >= 1, rank >= 1 and targets from {TARGETS}; "
+            f"got {num_adapters}, {rank}, {unknown or targets}"
         )
     pairs = {}
     for ti, target in enumerate(TARGETS):
@@ -536,10 +537,11 @@ def init_bank(
             continue
         a_shape, b_shape = target_shapes(expert, target, rank)
         fan_in = expert.num_heads * expert.head_dim if target == "out" else a_shape[-2]  # contracted size
-        a = np.stack(
-            [np.random.default_rng([seed, i, ti]).standard_normal((expert.depth,) + a_shape, dtype=np.float32) for i in range(num_adapters)],
-            axis=1,
-        ) / np.float32(math.sqrt(fan_in))
+        draws = [
+            np.random.default_rng([seed, i, ti]).standard_normal((expert.depth,) + a_shape, dtype=np.float32)
+            for i in range(num_adapters)
+        ]
+        a = np.stack(draws, axis=1) / np.float32(math.sqrt(fan_in))
         b = np.zeros((expert.depth, num_adapters) + b_shape, np.float32)
         # Cast on the host and transfer: no per-shape device programs.
         pairs[target] = LoraPair(a=jax.device_put(a.astype(dtype)), b=jax.device_put(b.astype(dtype)))

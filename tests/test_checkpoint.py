@@ -219,7 +219,7 @@ def test_own_checkpoint_dtype_comes_from_target_config(tmp_path, tiny):
     ckpt.save_params(tmp_path / "ckpt", params)
     bf16 = config.replace(dtype="bfloat16")
     _, restored = ckpt.restore_params(tmp_path / "ckpt", bf16)
-    expected = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    expected = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), params)
     assert _leaves_equal(restored, expected)
     with pytest.raises(ValueError, match="differ"):
         ckpt.restore_params(tmp_path / "ckpt", model_config("bench"))
@@ -407,10 +407,11 @@ def test_own_checkpoint_without_checksums_loads_with_a_warning(tmp_path, saved_t
 
 
 def test_openpi_checkpoint_with_flipped_bytes_names_the_leaf(tmp_path, tiny_flat):
-    # openpi checkpoints carry no checksum: a flipped exponent byte shows as NaN/inf or ~1e36.
+    # openpi checkpoints carry no checksum: a flipped exponent byte shows as NaN/inf or ~1e36 (or, when
+    # orbax happened to put a value's zstd header there, as an unreadable array).
     item = _write_openpi(tmp_path / "params", tiny_flat)
     _flip_bytes(_largest_data_file(item))
-    with pytest.raises(ckpt.CheckpointError, match="non-finite|max \\|x\\|") as e:
+    with pytest.raises(ckpt.CheckpointError, match="damaged") as e:
         ckpt.load_openpi_params(item)
     _assert_one_line(e, *OPENPI_PATHS)
 

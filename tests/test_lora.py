@@ -33,6 +33,11 @@ def _random_b(bank: lora.LoraBank, seed: int, scale: float = 0.3) -> lora.LoraBa
     )
 
 
+def _bf16_exact(params):
+    """`params` rounded to bfloat16 values, kept float32 (frozen leaves of openpi's training layout)."""
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x).astype(jnp.bfloat16).astype(np.float32)), params)
+
+
 def _identical(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(
@@ -175,7 +180,8 @@ def test_zero_initialised_adapter_is_bit_identical_to_no_lora(tiny_params):
     zero = lora.init_bank(tiny_params.config, 2, rank=4, alpha=8.0, seed=3)  # the `bank` program: no new compile
     args = _write_inputs(tiny_params.config, seed=1)
     base, base_kv = _forward_write(tiny_params.vlm.layers, *args)
-    got, got_kv = _forward_write(tiny_params.vlm.layers, *args, lora=lora.RowAdapters(zero, jnp.asarray([1, 2, 1], jnp.int32)))
+    rows = lora.RowAdapters(zero, jnp.asarray([1, 2, 1], jnp.int32))
+    got, got_kv = _forward_write(tiny_params.vlm.layers, *args, lora=rows)
     assert _identical((got, got_kv), (base, base_kv))
     merged = lora.merge(tiny_params, lora.ModelLora(vlm=zero.adapter(1), action_expert=None))
     assert _identical(merged, tiny_params)
@@ -215,7 +221,7 @@ def _write_lora_checkpoint(path, params, adapters, *, training_layout: bool):
 
 def test_lora_checkpoint_restore_merges_ignores_or_separates(tmp_path, tiny_params):
     """Ranks differ per expert and between attention and MLP, alpha != rank, one expert without LoRA."""
-    base = jax.tree.map(lambda x: jax.device_put(np.asarray(x).astype(jnp.bfloat16).astype(np.float32)), tiny_params)  # bf16-exact
+    base = _bf16_exact(tiny_params)
     attn = _random_b(lora.init_bank(base.config, 1, rank=3, targets=("q", "kv", "out"), seed=4), 5)
     ffn = _random_b(lora.init_bank(base.config, 1, rank=5, targets=("gating", "linear"), seed=6), 7)
     vlm = attn.adapter(1).replace(gating=ffn.adapter(1).gating, linear=ffn.adapter(1).linear, alpha=6.0)

@@ -107,17 +107,18 @@ def _unseen_lora_fixture(root, params, adapters, alpha_in_config, training_layou
     for i, cam in enumerate(CAMERA_SLOTS[:2]):
         ref[f"image/{cam}"], ref[f"image_mask/{cam}"] = obs.images[:, i], obs.image_masks[:, i]
     np.savez(root / "reference.npz", **{k: np.asarray(v) for k, v in ref.items()})
-    lora_entry = {"paligemma_llm (expert 0)": {"rank": 3, "alpha": alpha_in_config}, "action_expert (expert 1)": {"rank": 2, "alpha": 1.0}}
+    lora_entry = {"paligemma_llm (expert 0)": {"rank": 3, "alpha": alpha_in_config},
+                  "action_expert (expert 1)": {"rank": 2, "alpha": 1.0}}
     (root / "config.json").write_text(json.dumps({"lora": lora_entry}))
     return root
 
 
 def test_parity_runs_on_an_unseen_lora_fixture_reading_alpha_from_config_json(tmp_path, tiny_params):
     from oxygen_jax import lora
-    from test_lora import _random_b
+    from test_lora import _bf16_exact, _random_b
 
     cfg = tiny_params.config
-    base = jax.tree.map(lambda x: jax.device_put(np.asarray(x).astype(jnp.bfloat16).astype(np.float32)), tiny_params)  # bf16-exact frozen leaves
+    base = _bf16_exact(tiny_params)  # frozen leaves of the training layout are bfloat16
     attn = _random_b(lora.init_bank(cfg, 1, rank=3, targets=("q", "kv", "out"), seed=4), 5).adapter(1)
     ffn = _random_b(lora.init_bank(cfg, 1, rank=5, targets=("gating", "linear"), seed=6), 7).adapter(1)
     act = _random_b(lora.init_bank(cfg.action_expert, 1, rank=2, alpha=1.0, seed=8), 9).adapter(1)
