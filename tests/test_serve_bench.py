@@ -1,13 +1,16 @@
-"""The serving benchmark's clients, statistics and report, against a model-free server (no compile)."""
+"""The serving benchmark and the closed-loop LIBERO client, against a model-free server (no compile)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+import numpy as np
 import pytest
+from PIL import Image
 
-from eval import serve_bench
+from eval import libero_client, serve_bench
+from oxygen_jax.batcher import frame_noise
 from oxygen_jax.serve import PolicyServer, ServeConfig, ServerThread
 from oxygen_jax.tokenizer import train_demo_tokenizer
 from test_serve import ROBOT, ScriptedEngine
@@ -76,3 +79,55 @@ def test_report_files_and_server_commands(server, tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| batched | 1 |" in report and "oxygen_jax.serve" in report
     assert (tmp_path / "serve_bench.png").stat().st_size > 10_000
+
+
+class FakeLiberoEnv:
+    """robosuite-shaped observations with random pixels; succeeds after `success_at` steps; records actions."""
+
+    instruction = "put the bowl on the plate"
+
+    def __init__(self, success_at: int):
+        self.success_at, self.actions, self._rng = success_at, [], np.random.default_rng(0)
+
+    def _raw(self) -> dict:
+        return {"agentview_image": self._rng.integers(0, 256, (128, 128, 3), dtype=np.uint8),
+                "robot0_eye_in_hand_image": self._rng.integers(0, 256, (128, 128, 3), dtype=np.uint8),
+                "robot0_eef_pos": self._rng.standard_normal(3), "robot0_eef_quat": np.array([0.0, 0.0, 0.0, 1.0]),
+                "robot0_gripper_qpos": np.array([0.04, -0.04])}
+
+    def reset(self) -> dict:
+        self.actions = []
+        return self._raw()
+
+    def step(self, action):
+        self.actions.append(np.asarray(action))
+        return self._raw(), 0.0, len(self.actions) >= self.success_at, {}
+
+
+def test_libero_client_closes_the_loop_asks_for_language_and_writes_a_captioned_video(server, tmp_path):
+    env = FakeLiberoEnv(success_at=25)
+    client = libero_client.PolicyClient(f"ws://127.0.0.1:{server.port}")
+    res = libero_client.run_episode(env, client, task="fake", episode=0, max_steps=40, wait_steps=3, replan_steps=5,
+                                    ask_every=2, max_tokens=3, video_dir=tmp_path)
+    client.close()
+    assert res.success and res.steps == 25 and res.model_calls == 5  # 22 acting steps / 5 per call
+    np.testing.assert_array_equal(np.stack(env.actions[:3]), np.stack([libero_client.NOOP] * 3))
+    stream = client.metadata["stream"]
+    for call in range(res.model_calls):  # the executed actions are the first 5 of each served chunk
+        chunk = frame_noise(0, stream, call, ROBOT.action_horizon, 32)[:5, :7]
+        np.testing.assert_array_equal(np.stack(env.actions[3 + 5 * call: 8 + 5 * call]), chunk[: len(env.actions) - 3 - 5 * call])
+    # Requests at calls 0, 2, 4; the scripted engine answers with the reversed prompt.
+    assert [t["text"] for t in res.texts] == [" :ksatbuS"] * 3 and len({t["id"] for t in res.texts}) == 3
+    assert res.model_ms > 0 and res.server_step_ms > 0 and res.sim_ms >= 0
+    video = Image.open(res.video)
+    assert video.n_frames == 25
+    video.seek(24)
+    band = np.asarray(video.convert("RGB"))[-10:]
+    assert (band == 0).all(axis=-1).mean() > 0.5  # the caption band is drawn
+
+
+def test_axis_angle_matches_a_known_rotation():
+    half = np.pi / 4  # 90 degrees about z
+    np.testing.assert_allclose(libero_client.quat_to_axis_angle(np.array([0, 0, np.sin(half), np.cos(half)])),
+                               [0, 0, np.pi / 2], atol=1e-12)
+    np.testing.assert_array_equal(libero_client.quat_to_axis_angle(np.array([0.0, 0, 0, 1])), np.zeros(3))
