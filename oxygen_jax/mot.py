@@ -1,0 +1,311 @@
+"""A model = one backbone + several action heads (+ a language decoder) over one shared prefix pass.
+
+Each head declares what it reads (`HeadSpec.kv_layers` / `hidden_layers`); the language decoder
+reads every layer's K/V and the last valid token's final-normed output. `prefix_pass` runs the
+backbone (Qwen3-VL vision, DeepStack, M-RoPE) once and keeps exactly the union of those reads;
+`run_heads` then prepares every head once and denoises each from that one prefix. `sample_all`
+is both in one jittable program:
+
+    inputs ──► prefix_pass (ViT + backbone, once) ──► PrefixOutputs ─┬─► XR0 head: tail-layer K/V ──► actions
+                                                     (union of reads) ├─► QwenPI_v3 head: projected hidden ─► actions
+                                                                      ├─► GR00T head: last hidden ──► actions
+                                                                      └─► language decoder: all K/V + last hidden
+
+A head's actions do not depend on which other heads share the program (tested bit for bit): a
+single-head model (`ModelSpec.only`) keeps only that head's reads and gives the same actions.
+
+Axes (`oxygen_jax.axes`, plus those of `heads`): B batch, P prefix tokens, D VLM width, L layers,
+K KV heads, H head dim, Ha horizon, Ad action dim, Ds state dim; Np image patches, Pd flattened
+patch (`qwen3_vl`); R = 3 M-RoPE axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxygen_jax import backbone as bb
+from oxygen_jax import heads as hd
+from oxygen_jax import qwen3_vl
+from oxygen_jax.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
+from oxygen_jax.heads import HeadParams, HeadSpec, PrefixOutputs
+from oxygen_jax.masks import last_valid_index
+
+QWEN3_VL_IMAGE_TOKEN_ID = 151_655  # Qwen3-VL-4B-Instruct config.json `image_token_id`
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+class PrefixReads(NamedTuple):
+    """What one prefix pass must keep (sorted, static)."""
+
+    kv_layers: tuple[int, ...]  # backbone layers whose K/V are kept
+    hidden_layers: tuple[int, ...]  # HF hidden_states indices kept
+    last_hidden: bool  # the last valid token's final-normed output (language decoder)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A backbone, its action heads and whether a language decoder shares the prefix. Hashable and static."""
+
+    backbone: BackboneSpec
+    heads: tuple[HeadSpec, ...]
+    language: bool = True  # keep every layer's K/V and the last hidden for text decoding
+    image_token_id: int | None = None  # placeholder id of image tokens (Qwen3-VL backbones)
+
+    def __post_init__(self):
+        _require(self.backbone.family in ("qwen3", "qwen3_vl"),
+                 f"ModelSpec.backbone must be a Qwen3 or Qwen3-VL spec (π0.5 lives in oxygen_jax.model), got {self.backbone.family!r}")
+        _require(bool(self.heads) or self.language, "ModelSpec needs at least one head or language=True")
+        names = [h.name for h in self.heads]
+        _require(len(set(names)) == len(names), f"ModelSpec.heads must have distinct names, got {names}")
+        for h in self.heads:
+            h.check_backbone(self.backbone)
+        if isinstance(self.backbone.vision, Qwen3VisionSpec):
+            _require(self.image_token_id is not None and 0 <= self.image_token_id < self.backbone.vocab_size,
+                     f"ModelSpec.image_token_id must be a token id < {self.backbone.vocab_size} for a vision backbone, "
+                     f"got {self.image_token_id}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(h.name for h in self.heads)
+
+    def head(self, name: str) -> HeadSpec:
+        for h in self.heads:
+            if h.name == name:
+                return h
+        raise ValueError(f"no head named {name!r}; this model has {self.names}")
+
+    def reads(self) -> PrefixReads:
+        """The union of what the heads and the language decoder read.
+
+        Example: XR0 (K/V of layers 20..35) + QwenPI_v3 (hidden 1..36) + GR00T (hidden 36) +
+        language on a 36-layer backbone -> kv 0..35, hidden 1..36, last hidden.
+        """
+        kv = set(range(self.backbone.depth)) if self.language else {l for h in self.heads for l in h.kv_layers}
+        hidden = {l for h in self.heads for l in h.hidden_layers}
+        return PrefixReads(tuple(sorted(kv)), tuple(sorted(hidden)), self.language)
+
+    def only(self, *names: str, language: bool = False) -> ModelSpec:
+        """The same backbone with only the named heads (and by default no language decoder)."""
+        return dataclasses.replace(self, heads=tuple(self.head(n) for n in names), language=language)
+
+    def replace(self, **changes) -> ModelSpec:
+        return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelParams:
+    decoder: Decoder
+    vision: qwen3_vl.Vision | None
+    heads: dict[str, HeadParams]
+
+    def only(self, *names: str) -> ModelParams:
+        """The same backbone arrays with only the named heads' weights."""
+        return dataclasses.replace(self, heads={n: self.heads[n] for n in names})
+
+
+def _vision_spec(spec: ModelSpec) -> Qwen3VisionSpec | None:
+    return spec.backbone.vision if isinstance(spec.backbone.vision, Qwen3VisionSpec) else None
+
+
+def init_model(spec: ModelSpec, seed: int = 0, dtype: str = "float32") -> ModelParams:
+    """Random weights for the backbone, its vision encoder and every head (tests and benchmarks).
+
+    Host-side numpy draws (no per-shape compiles); a head's weights depend on (seed, its name)
+    only, so a single-head model built with `ModelParams.only` has the same weights.
+    """
+    vspec = _vision_spec(spec)
+    return ModelParams(
+        decoder=bb.init_decoder(spec.backbone, seed, dtype),
+        vision=qwen3_vl.init_vision(vspec, seed + 1, dtype) if vspec else None,
+        heads={h.name: hd.init_head(h, seed, dtype) for h in spec.heads},
+    )
+
+
+def abstract_model(spec: ModelSpec, dtype: str = "float32") -> ModelParams:
+    """`jax.ShapeDtypeStruct` leaves of the whole model via `jax.eval_shape`: nothing is allocated."""
+    vspec = _vision_spec(spec)
+    return ModelParams(
+        decoder=bb.abstract_decoder(spec.backbone, dtype),
+        vision=qwen3_vl.abstract_vision(vspec, dtype) if vspec else None,
+        heads={h.name: hd.abstract_head(h, dtype) for h in spec.heads},
+    )
+
+
+def for_backend(params: ModelParams, backend: str | None = None) -> ModelParams:
+    """Layer stacks unstacked on the CPU backend (see `params.scan_layers`), stacked elsewhere."""
+    cpu = (backend or jax.default_backend()) == "cpu"
+    layers = bb.unstack_layers if cpu else bb.stack_layers
+    vision = params.vision and dataclasses.replace(params.vision, blocks=layers(params.vision.blocks))
+    head = hd.unstack_head if cpu else hd.stack_head
+    return ModelParams(decoder=dataclasses.replace(params.decoder, layers=layers(params.decoder.layers)), vision=vision,
+                       heads={n: head(p) for n, p in params.heads.items()})
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs and the prefix pass
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixInputs:
+    """One batch of prompts (with images) for the prefix pass.
+
+    Attributes:
+      input_ids: int32 [B, P] with `image_token_id` placeholders where image tokens go.
+      input_mask: bool [B, P] real tokens (left or right padding).
+      positions: int32 [R, B, P] M-RoPE positions (or [B, P] for 1-D RoPE), padding at 0.
+      next_position: int32 [B] max position + 1 per row.
+      pixel_values: [Np, Pd] flattened patches of every image in row order, or None (text only).
+      grid: static per-image (t, h, w) patch grids (`qwen3_vl.as_grid`).
+    """
+
+    input_ids: jax.Array
+    input_mask: jax.Array
+    positions: jax.Array
+    next_position: jax.Array
+    pixel_values: jax.Array | None = None
+    grid: qwen3_vl.Grid = dataclasses.field(default=(), metadata=dict(static=True))
+
+
+def make_inputs(spec: ModelSpec, input_ids, input_mask, images=()) -> PrefixInputs:
+    """Host helper: patchify uint8 images [H, W, 3] (in row order) and compute positions.
+
+    Each image needs t * h * w / m² consecutive `image_token_id` tokens in its row (`qwen3_vl`).
+    """
+    ids, mask = np.asarray(input_ids, np.int32), np.asarray(input_mask, bool)
+    _require(ids.ndim == 2 and mask.shape == ids.shape, f"input_ids and input_mask must both be [B, P], got {ids.shape} and {mask.shape}")
+    vspec = _vision_spec(spec)
+    pixels, grid = None, ()
+    if len(images):
+        _require(vspec is not None, "images given but the backbone has no Qwen3-VL vision encoder")
+        patches = [qwen3_vl.patchify(im, vspec) for im in images]
+        pixels, grid = np.concatenate([p for p, _ in patches]), qwen3_vl.as_grid([g for _, g in patches])
+    if spec.backbone.rope.kind == "mrope_interleaved":
+        merge = vspec.spatial_merge_size if vspec else 1
+        image_id = -1 if spec.image_token_id is None else spec.image_token_id
+        positions, nxt = qwen3_vl.mrope_positions(ids, mask, grid or None, image_token_id=image_id, spatial_merge_size=merge)
+    else:
+        positions = np.where(mask, np.cumsum(mask, -1) - 1, 0).astype(np.int32)
+        nxt = mask.sum(-1).astype(np.int32)
+    return PrefixInputs(input_ids=jnp.asarray(ids), input_mask=jnp.asarray(mask), positions=jnp.asarray(positions),
+                        next_position=jnp.asarray(nxt), pixel_values=None if pixels is None else jnp.asarray(pixels), grid=grid)
+
+
+def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> PrefixOutputs:
+    """Runs vision and the backbone once and keeps the union of every reader's needs (`spec.reads()`).
+
+    Reuses `backbone.prefill` (HF-convention hidden states: pre-DeepStack layer outputs, the
+    final-normed output last). K/V and hidden states nobody reads are not kept, so XLA drops them.
+
+    Returns:
+      `heads.PrefixOutputs` with K/V [Lk, B, P, K, H], hidden [Lh, B, P, D], the prefix mask,
+      next positions and (with language) the last valid token's final-normed output [B, D].
+    """
+    bspec, decoder = spec.backbone, params.decoder
+    reads = spec.reads()
+    deepstack = None
+    if inputs.pixel_values is not None:
+        vspec = _vision_spec(spec)
+        _require(vspec is not None and params.vision is not None, "pixel_values given but the model has no vision encoder")
+        enc = qwen3_vl.encode(vspec, params.vision, inputs.pixel_values.astype(decoder.embedding.dtype), inputs.grid)
+        x, image_mask = qwen3_vl.embed_multimodal(bspec, decoder, inputs.input_ids, enc["tokens"], spec.image_token_id)
+        if enc["deepstack"].shape[0]:
+            deepstack = qwen3_vl.scatter_deepstack(enc["deepstack"], image_mask)
+    else:
+        x = bb.embed_tokens(bspec, decoder, inputs.input_ids)
+    out = bb.prefill(bspec, decoder, x, inputs.positions, inputs.input_mask, deepstack=deepstack,
+                     return_hidden=bool(reads.hidden_layers))
+    k = v = hidden = last = None
+    if reads.kv_layers:
+        rows = reads.kv_layers
+        k, v = hd.select_layers(out["k"], rows), hd.select_layers(out["v"], rows)
+    if reads.hidden_layers:
+        hidden = hd.select_layers(out["hidden_states"], reads.hidden_layers)
+    if reads.last_hidden:
+        idx = last_valid_index(inputs.input_mask)
+        last = jnp.take_along_axis(out["normed"], idx[:, None, None], axis=1)[:, 0]
+    return PrefixOutputs(k=k, v=v, hidden=hidden, mask=inputs.input_mask, next_position=inputs.next_position.astype(jnp.int32),
+                         last_hidden=last, kv_layers=reads.kv_layers, hidden_layers=reads.hidden_layers, rope=bspec.rope)
+
+
+def run_heads(spec: ModelSpec, params: ModelParams, prefix: PrefixOutputs, noises: dict[str, jax.Array],
+              states: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+    """Every head of `spec` on one prefix: prepare once (per-frame precompute), then denoise.
+
+    Args:
+      noises: head name -> [B, Ha, Ad] noise; exactly the heads of `spec`.
+      states: head name -> [B, Ds] robot state, for heads with a state token.
+    Returns:
+      head name -> actions float32 [B, Ha, Ad].
+    """
+    _require(set(noises) == set(spec.names), f"noises must be given for exactly the heads {spec.names}, got {tuple(noises)}")
+    missing = [n for n in spec.names if n not in params.heads]
+    _require(not missing, f"no weights for heads {missing}; the parameters have {tuple(params.heads)}")
+    states = states or {}
+    return {h.name: hd.sample(params.heads[h.name], h, prefix, noises[h.name], states.get(h.name)) for h in spec.heads}
+
+
+@jax.jit
+def sample_all(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs, noises: dict[str, jax.Array],
+               states: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+    """One prefix pass, then every head: `run_heads(prefix_pass(inputs))` as one compiled program.
+
+    Compiles once per (spec, shapes); `spec` is static. Returns head name -> actions [B, Ha, Ad].
+    """
+    return run_heads(spec, params, prefix_pass(spec, params, inputs), noises, states)
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets
+
+
+def bench_backbone() -> BackboneSpec:
+    """A Qwen3-VL-shaped backbone at our CPU `bench` scale: text 1024 x 8 (8 heads, 4 KV heads x 128,
+    SwiGLU 4096, Qwen3-VL's vocabulary and M-RoPE), ViT 384 x 6 with DeepStack from blocks 1, 3, 5."""
+    return BackboneSpec(
+        family="qwen3_vl", width=1024, depth=8, num_heads=8, num_kv_heads=4, head_dim=128, mlp_dim=4096,
+        vocab_size=151_936, mlp="swiglu", norm_plus_one=False, qk_norm=True,
+        rope=RopeSpec(theta=5e6, kind="mrope_interleaved", mrope_section=(24, 20, 20)), embed_scale=False,
+        tie_embeddings=True, vision=Qwen3VisionSpec(depth=6, width=384, num_heads=6, mlp_dim=1536, out_width=1024,
+                                                    num_position_embeddings=2304, deepstack_layers=(1, 3, 5)),
+    )
+
+
+_HEADS = ("xr0", "starvla", "gr00t")
+
+
+def preset(name: str) -> ModelSpec:
+    """A named model.
+
+    * 'tiny': `backbone.preset("qwen3vl_tiny")` + the three tiny heads + language (tests; image id 500).
+    * 'bench': `bench_backbone()` + the three bench heads + language (CPU benchmarks).
+    * 'full': Qwen3-VL-4B + XR0, QwenPI_v3 and GR00T heads + language (`eval_shape` only).
+    * 'xr0', 'starvla_qwenpi_v3', 'gr00t': the published single-head models on Qwen3-VL-4B.
+    """
+    full = functools.partial(ModelSpec, backbone=bb.preset("qwen3_vl_4b"), image_token_id=QWEN3_VL_IMAGE_TOKEN_ID)
+    if name == "tiny":
+        return ModelSpec(backbone=bb.preset("qwen3vl_tiny"), heads=tuple(hd.preset(f"{h}_tiny") for h in _HEADS), image_token_id=500)
+    if name == "bench":
+        return ModelSpec(backbone=bench_backbone(), heads=tuple(hd.preset(f"{h}_bench") for h in _HEADS),
+                         image_token_id=QWEN3_VL_IMAGE_TOKEN_ID)
+    if name == "full":
+        return full(heads=(hd.xr0(), hd.starvla_qwenpi_v3(), hd.gr00t()))
+    if name in ("xr0", "starvla_qwenpi_v3", "gr00t"):
+        return full(heads=(hd.preset(name),), language=False)
+    raise ValueError(f"unknown model preset {name!r}; choose one of ['bench', 'full', 'gr00t', 'starvla_qwenpi_v3', 'tiny', 'xr0']")
