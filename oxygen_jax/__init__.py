@@ -8,7 +8,12 @@ from oxygen_jax.config import ModelConfig, RobotConfig, model_config, oxygen_ben
 
 # Parameters and checkpoints
 from oxygen_jax.params import Params, abstract_params, for_backend, init_params, stack_layers, unstack_layers
-from oxygen_jax.checkpoint import load_openpi_norm_stats, load_openpi_params, restore_params, save_params
+from oxygen_jax.checkpoint import (
+    CheckpointError, load_openpi_lora, load_openpi_norm_stats, load_openpi_params, restore_params, save_params,
+)
+
+# Language adapters (LoRA): openpi's maths, merged or served per slot on the suffix path
+from oxygen_jax.lora import ExpertLora, LoraBank, ModelLora, RowAdapters, init_bank, merge, stack_adapters
 
 # The model: prefill once, denoise from the cache
 from oxygen_jax.observation import Observation, trim_prompt_padding
@@ -18,13 +23,16 @@ from oxygen_jax.model import compute_loss, denoise, prefill, sample_actions
 # Language decoding and the unified-KV runtime
 from oxygen_jax.decode import DecodePool, Requests, admit, decode_burst, init_pool, make_requests, release_finished
 from oxygen_jax.schedule import frame_step, rollout
-from oxygen_jax.engine import Engine, EngineConfig
+from oxygen_jax.scheduler import Scheduler, Ticket
+from oxygen_jax.engine import Engine, EngineConfig, RequestError
 
 __all__ = [
     "ModelConfig", "RobotConfig", "model_config", "robot_config", "oxygen_benchmark_robot",
     "Params", "init_params", "abstract_params", "for_backend", "stack_layers", "unstack_layers",
-    "load_openpi_params", "load_openpi_norm_stats", "save_params", "restore_params",
+    "load_openpi_params", "load_openpi_lora", "load_openpi_norm_stats", "save_params", "restore_params",
+    "CheckpointError",
+    "ExpertLora", "ModelLora", "LoraBank", "RowAdapters", "init_bank", "merge", "stack_adapters",
     "Observation", "trim_prompt_padding", "PrefixCache", "prefill", "denoise", "sample_actions", "compute_loss",
     "DecodePool", "Requests", "init_pool", "make_requests", "admit", "decode_burst", "release_finished",
-    "frame_step", "rollout", "Engine", "EngineConfig",
+    "frame_step", "rollout", "Scheduler", "Ticket", "Engine", "EngineConfig", "RequestError",
 ]
