@@ -444,7 +444,7 @@ class PrefixOutputs:
         """K, V [len(layers), B, P, K, H] of the given backbone layers (a slice when contiguous)."""
         missing = [l for l in layers if l not in self.kv_layers]
         if missing or self.k is None:
-            raise ValueError(f"the prefix kept the K/V of layers {self.kv_layers}, not {missing or layers}; "
+            raise ValueError(f"the prefix kept the K/V of layers {self.kv_layers}, not {tuple(missing) or layers}; "
                              "build it with a ModelSpec that contains this head")
         rows = tuple(self.kv_layers.index(l) for l in layers)
         return select_layers(self.k, rows), select_layers(self.v, rows)
@@ -453,7 +453,7 @@ class PrefixOutputs:
         """[len(layers), B, P, D] hidden states of the given HF indices."""
         missing = [l for l in layers if l not in self.hidden_layers]
         if missing or self.hidden is None:
-            raise ValueError(f"the prefix kept hidden states {self.hidden_layers}, not {missing or layers}; "
+            raise ValueError(f"the prefix kept hidden states {self.hidden_layers}, not {tuple(missing) or layers}; "
                              "build it with a ModelSpec that contains this head")
         return select_layers(self.hidden, tuple(self.hidden_layers.index(l) for l in layers))
 
@@ -605,10 +605,10 @@ def prepare(params: HeadParams, spec: HeadSpec, prefix: PrefixOutputs, state: ja
     _check_params(spec, params)
     dtype = _dtype(params)
     b, p = prefix.mask.shape
-    extra = _extra_tokens(spec, params, b, state, dtype)
     t = spec.num_tokens
     if spec.kind == "joint_kv":
         k, v = prefix.layer_kv(spec.kv_layers)
+        extra = _extra_tokens(spec, params, b, state, dtype)
         pos = prefix.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         pos = pos + jnp.where(jnp.arange(t) >= spec.num_extra, spec.action_position_offset, 0)[None]
         radians = bb.rope_angles(prefix.rope, pos, spec.head_dim)[..., None, :]
@@ -619,6 +619,7 @@ def prepare(params: HeadParams, spec: HeadSpec, prefix: PrefixOutputs, state: ja
 
     reads = spec.hidden_layers if spec.kind == "cross_hidden" else spec.hidden_layers[:1]
     hidden = prefix.hidden_states(reads).astype(dtype)  # [Lc or 1, B, P, D]
+    extra = _extra_tokens(spec, params, b, state, dtype)
     per_block = (hidden if spec.kind == "cross_hidden" else None, params.hidden_proj)
 
     def body(_, blk, extra_l, __):
@@ -708,6 +709,12 @@ def velocity(params: HeadParams, spec: HeadSpec, st: HeadState, x_t: jax.Array, 
     return _mlp(params.action_out, x, jax.nn.relu).astype(jnp.float32)
 
 
+def _check_noise(spec: HeadSpec, noise: jax.Array, b: int) -> None:
+    want = (b, spec.horizon, spec.action_dim)
+    if noise.shape != want:
+        raise ValueError(f"head {spec.name!r} needs noise [B, Ha, Ad] = {want}, got {noise.shape}")
+
+
 def denoise(params: HeadParams, spec: HeadSpec, st: HeadState, noise: jax.Array) -> jax.Array:
     """`spec.num_steps` Euler steps of the head's flow from `noise`, reading `st` only.
 
@@ -717,9 +724,7 @@ def denoise(params: HeadParams, spec: HeadSpec, st: HeadState, noise: jax.Array)
       actions float32 [B, Ha, Ad] (normalised, in the head's action space).
     """
     _check_params(spec, params)
-    want = (st.mask.shape[0], spec.horizon, spec.action_dim)
-    if noise.shape != want:
-        raise ValueError(f"head {spec.name!r} needs noise [B, Ha, Ad] = {want}, got {noise.shape}")
+    _check_noise(spec, noise, st.mask.shape[0])
     dt = (1.0 if spec.t_direction == "0_to_1" else -1.0) / spec.num_steps
 
     def step(i, x):
@@ -731,6 +736,7 @@ def denoise(params: HeadParams, spec: HeadSpec, st: HeadState, noise: jax.Array)
 def sample(params: HeadParams, spec: HeadSpec, prefix: PrefixOutputs, noise: jax.Array,
            state: jax.Array | None = None) -> jax.Array:
     """`denoise(prepare(prefix))`: one action chunk [B, Ha, Ad] from a shared prefix."""
+    _check_noise(spec, noise, prefix.mask.shape[0])
     return denoise(params, spec, prepare(params, spec, prefix, state), noise)
 
 
