@@ -1,4 +1,5 @@
-"""Action heads (heads.py): full-size sizes by eval_shape, what each kind reads, time and masks, validation.
+"""Action heads (heads.py): full-size sizes by eval_shape, what each kind reads, time and masks, a plain numpy
+reading of the published blocks, validation.
 
 The heads run here on a synthetic `PrefixOutputs` (random K/V and hidden states of the tiny Qwen3-VL
 backbone's shapes, one row with two padded positions); tests/test_mot.py runs them on a real prefix pass.
@@ -239,6 +240,139 @@ def _dot_operand_shapes(jaxpr) -> list[tuple[int, ...]]:
                 if type(sub).__name__ == "Jaxpr":
                     out += _dot_operand_shapes(sub)
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# A plain numpy (float64) reading of the published blocks, written from their descriptions
+
+
+def _np(tree):
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+def _np_gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _np_silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _np_rms(x, w):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def _np_ln(x, eps):
+    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps)
+
+
+def _np_feats(t, dim, cos_first, shift):
+    freqs = np.exp(-np.log(10_000.0) * np.arange(dim // 2) / (dim // 2 - shift))
+    a = np.asarray(t, np.float64)[..., None] * freqs
+    return np.concatenate([np.cos(a), np.sin(a)] if cos_first else [np.sin(a), np.cos(a)], -1)
+
+
+def _np_attention(q, k, v, mask):
+    """q [B, T, N, H] (scaled), k, v [B, S, K, H], mask [B, T, S]; query head n reads KV head n // (N / K)."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    logits = np.where(mask[:, None], np.einsum("btnh,bsnh->bnts", q, k), -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    return np.einsum("bnts,bsnh->btnh", probs / probs.sum(-1, keepdims=True), v)
+
+
+def _np_xr0_velocity(p, spec, prefix, x, state, step):
+    """XR0: t = step / S fed as t * 1000; per layer (shift, scale, gate) x 2 = adaln_table + t_projector(t_emb)."""
+    feats = _np_feats(step / spec.num_steps * 1000, spec.time_embed_dim, True, 0)
+    t_emb = _np_silu(feats @ p.time_mlp.fc1.kernel) @ p.time_mlp.fc2.kernel
+    mod = np.einsum("d,dse->se", t_emb, p.time_proj.kernel) + p.time_proj.bias  # [6, Da]: the same t for every row
+    b = x.shape[0]
+    tokens = np.concatenate([np.broadcast_to(p.sink, (b, 1, spec.width)),
+                             (_np_gelu(state @ p.state_in.fc1.kernel) @ p.state_in.fc2.kernel)[:, None],
+                             _np_gelu(x @ p.action_in.fc1.kernel) @ p.action_in.fc2.kernel], axis=1)
+    t = tokens.shape[1]
+    pos = np.asarray(prefix.next_position)[:, None] + np.arange(t)
+    angle = pos[..., None] / prefix.rope.theta ** (np.arange(spec.head_dim // 2) * 2 / spec.head_dim)  # equal M-RoPE axes
+    sin, cos = np.sin(angle)[:, :, None], np.cos(angle)[:, :, None]
+    rot = lambda y: np.concatenate([y[..., :spec.head_dim // 2] * cos - y[..., spec.head_dim // 2:] * sin,  # noqa: E731
+                                    y[..., spec.head_dim // 2:] * cos + y[..., :spec.head_dim // 2] * sin], -1)
+    mask = np.concatenate([np.broadcast_to(np.asarray(prefix.mask)[:, None], (b, t, prefix.mask.shape[1])),
+                           np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))], -1)
+    h_ = tokens
+    for i, layer in enumerate(spec.kv_layers):
+        lp = jax.tree.map(lambda a, i=i: a[i], p.layers)
+        sh1, sc1, g1, sh2, sc2, g2 = lp.adaln + mod
+        y = _np_rms(h_, lp.norms[0]) * (1 + sc1) + sh1
+        q = np.einsum("btd,dnh->btnh", y, lp.q.kernel) + lp.q.bias
+        k = np.einsum("btd,dkh->btkh", y, lp.kv.kernel[0]) + lp.kv.bias[0]
+        v = np.einsum("btd,dkh->btkh", y, lp.kv.kernel[1]) + lp.kv.bias[1]
+        q, k = rot(_np_rms(q, lp.q_norm)) / np.sqrt(spec.head_dim), rot(_np_rms(k, lp.k_norm))
+        a = _np_attention(q, np.concatenate([prefix.k[layer], k], 1), np.concatenate([prefix.v[layer], v], 1), mask)
+        h_ = _np_rms(h_ + g1 * np.einsum("btnh,nhd->btd", a, lp.out), lp.norms[1])
+        y = _np_rms(h_, lp.norms[2]) * (1 + sc2) + sh2
+        h_ = _np_rms(h_ + g2 * ((_np_silu(y @ lp.gating[0]) * (y @ lp.gating[1])) @ lp.linear), lp.norms[3])
+    return _np_gelu(h_[:, -spec.horizon:] @ p.action_out.fc1.kernel) @ p.action_out.fc2.kernel
+
+
+def _np_dense(x, lin):
+    return x @ lin.kernel + lin.bias
+
+
+def _np_block(blk, x, temb, ctx, mask, spec):
+    """diffusers BasicTransformerBlock (ada_norm, no affine norms): ctx None = self-attention."""
+    mod = np.einsum("bd,dse->sbe", _np_silu(temb), blk.ada.kernel) + blk.ada.bias[:, None]
+    scale, shift = mod[0][:, None], mod[1][:, None]  # AdaLayerNorm: scale first
+    y = _np_ln(x, 1e-5) * (1 + scale) + shift
+    src = y if ctx is None else ctx
+    q = np.einsum("btd,dnh->btnh", y, blk.q.kernel) + blk.q.bias
+    k = np.einsum("bsx,xnh->bsnh", src, blk.kv.kernel[0]) + blk.kv.bias[0]
+    v = np.einsum("bsx,xnh->bsnh", src, blk.kv.kernel[1]) + blk.kv.bias[1]
+    m = np.ones((x.shape[0], x.shape[1], src.shape[1]), bool) if ctx is None else mask
+    x = x + np.einsum("btnh,nhd->btd", _np_attention(q / np.sqrt(spec.head_dim), k, v, m), blk.out.kernel) + blk.out.bias
+    y = _np_ln(x, 1e-5)
+    return x + _np_dense(_np_gelu(_np_dense(y, blk.ff_in)), blk.ff_out)
+
+
+def _np_gr00t_actions(p, spec, prefix, noise, state):
+    """QwenGR00T: bucket = int(t * 1000); cross (even) / self (odd) blocks on hidden_states[-1]; DiT output block."""
+    x, b = np.asarray(noise, np.float64), noise.shape[0]
+    ctx = np.asarray(prefix.hidden[spec.hidden_layers[0]], np.float64)
+    mask = np.broadcast_to(np.asarray(prefix.mask)[:, None], (b, spec.num_tokens, prefix.mask.shape[1]))
+    for step in range(spec.num_steps):
+        bucket = int(step / spec.num_steps * 1000)
+        temb = _np_dense(_np_silu(_np_dense(_np_feats(np.full(b, bucket), 256, True, 1), p.time_mlp.fc1)), p.time_mlp.fc2)
+        tau = _np_feats(np.full((b, spec.horizon), bucket), spec.width, False, 0)
+        enc = p.action_in
+        z = _np_dense(_np_silu(_np_dense(np.concatenate([_np_dense(x, enc.w1), tau], -1), enc.w2)), enc.w3)
+        tokens = np.concatenate([_np_dense(np.maximum(_np_dense(state, p.state_in.fc1), 0), p.state_in.fc2)[:, None],
+                                 np.broadcast_to(p.future, (b,) + p.future.shape), z + p.positions[:spec.horizon]], 1)
+        for i in range(spec.num_cross_blocks):
+            tokens = _np_block(jax.tree.map(lambda a, i=i: a[i], p.blocks.cross), tokens, temb, ctx, mask, spec)
+            tokens = _np_block(jax.tree.map(lambda a, i=i: a[i], p.blocks.self_), tokens, temb, None, None, spec)
+        mod = np.einsum("bd,dse->sbe", _np_silu(temb), p.out_mod.kernel) + p.out_mod.bias[:, None]
+        shift, scale = mod[0][:, None], mod[1][:, None]  # the DiT output block: shift first
+        y = _np_dense(_np_ln(tokens[:, -spec.horizon:], 1e-6) * (1 + scale) + shift, p.out_proj)
+        x = x + _np_dense(np.maximum(_np_dense(y, p.action_out.fc1), 0), p.action_out.fc2) / spec.num_steps
+    return x
+
+
+def test_heads_match_a_plain_numpy_reading_of_the_published_blocks():
+    """XR0's velocity (joint K/V attention, adaLN table, four RMSNorms, continued RoPE) and GR00T's whole
+    denoise (bucketed time, action encoder, cross/self blocks, DiT output block, 2 Euler steps)."""
+    prefix = _synthetic_prefix()
+    host_prefix = _np(prefix)
+    spec = hd.preset("xr0_tiny")
+    params = hd.init_head(spec, 3)
+    x, state = _inputs(spec)
+    ours = _velocity(params, spec, prefix, x, state, 2)[1]
+    ref = _np_xr0_velocity(_np(params), spec, host_prefix, np.asarray(x, np.float64), np.asarray(state, np.float64), 2)
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+
+    spec = hd.preset("gr00t_tiny")
+    params = hd.init_head(spec, 4)
+    noise, state = _inputs(spec)
+    ref = _np_gr00t_actions(_np(params), spec, host_prefix, noise, np.asarray(state, np.float64))
+    np.testing.assert_allclose(_sample(params, spec, prefix, noise, state)[1], ref, rtol=1e-4, atol=1e-4)
 
 
 def test_state_token_and_noise_shapes_are_checked_with_a_message_naming_the_head():
