@@ -4,14 +4,13 @@ A head is a small transformer (a DiT) that turns noise into an action chunk in `
 steps, conditioned on what one backbone prefix pass left behind (`PrefixOutputs`). The three
 kinds differ only in what they read and how:
 
-| kind           | reads from the prefix                      | per-frame precompute (`prepare`)          | model it covers            |
-|----------------|--------------------------------------------|-------------------------------------------|----------------------------|
-| `joint_kv`     | post-RoPE K/V of a set of backbone layers  | slice those layers, RoPE tables, masks    | Xiaomi-Robotics-0 (XR0)    |
-|                | (XR0: the last 16 of 36), prefix mask,     |                                           |                            |
-|                | next M-RoPE position                        |                                           |                            |
-| `cross_hidden` | one hidden state per cross block           | optional LayerNorm + Linear per layer,    | StarVLA QwenPI_v3          |
-|                | (HF `hidden_states` indices)               | then every cross block's K/V              |                            |
-| `cross_last`   | the last (final-normed) hidden state only  | every cross block's K/V                   | StarVLA QwenGR00T (GR00T)  |
+| kind           | reads from the prefix                         | per-frame precompute (`prepare`)     | model       |
+|----------------|-----------------------------------------------|--------------------------------------|-------------|
+| `joint_kv`     | post-RoPE K/V of some backbone layers (XR0:   | slice those layers, RoPE tables of   | XR0         |
+|                | last 16 of 36), prefix mask, next position    | the head tokens, masks               |             |
+| `cross_hidden` | one hidden state per cross block (HF          | LayerNorm + Linear per layer         | StarVLA     |
+|                | `hidden_states` indices)                      | (optional), every cross block's K/V  | QwenPI_v3   |
+| `cross_last`   | the final-normed hidden state only            | every cross block's K/V              | QwenGR00T   |
 
 Per frame: `state = prepare(head_params, spec, prefix)` once, then
 `actions = denoise(head_params, spec, state, noise)`, a `fori_loop` over a static step count that

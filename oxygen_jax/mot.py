@@ -229,14 +229,17 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> P
             deepstack = qwen3_vl.scatter_deepstack(enc["deepstack"], image_mask)
     else:
         x = bb.embed_tokens(bspec, decoder, inputs.input_ids)
-    out = bb.prefill(bspec, decoder, x, inputs.positions, inputs.input_mask, deepstack=deepstack,
-                     return_hidden=bool(reads.hidden_layers))
+    # Indices 0 (embeddings) and L (final-normed output) need no per-layer stack (GR00T reads only L).
+    inner = any(0 < l < bspec.depth for l in reads.hidden_layers)
+    out = bb.prefill(bspec, decoder, x, inputs.positions, inputs.input_mask, deepstack=deepstack, return_hidden=inner)
     k = v = hidden = last = None
     if reads.kv_layers:
         rows = reads.kv_layers
         k, v = hd.select_layers(out["k"], rows), hd.select_layers(out["v"], rows)
-    if reads.hidden_layers:
+    if inner:
         hidden = hd.select_layers(out["hidden_states"], reads.hidden_layers)
+    elif reads.hidden_layers:
+        hidden = jnp.stack([x if l == 0 else out["normed"] for l in reads.hidden_layers])
     if reads.last_hidden:
         idx = last_valid_index(inputs.input_mask)
         last = jnp.take_along_axis(out["normed"], idx[:, None, None], axis=1)[:, 0]
