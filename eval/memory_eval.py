@@ -1,0 +1,261 @@
+"""Held-out evaluation of a language adapter as it is served: greedy answers from the slot pool.
+
+    python -m eval.memory_eval --base CKPT --adapter DIR --data DS [--split heldout] [--out DIR]
+
+Reports (JSON + markdown):
+
+* exact match of the greedy answers (normalised: strip, collapse whitespace, case-fold, trailing period
+  optional), decoded by `oxygen_jax.engine.Engine` with the adapter (one control frame per batch);
+* teacher-forced token accuracy and loss on the answer tokens (`training.memory_lora.suffix_logits`);
+* baselines: the majority label of the training split, the majority label per task instruction (the
+  instruction is in the prefix, so a model could reach it without looking), and the base model (adapter off);
+* a per-label accuracy table and a confusion table (true label × predicted answer; answers outside the label
+  set count as "(other)");
+* the action difference with the adapter on / off / zeroed: max |Δ| over every held-out frame's action chunk,
+  same observations and noise. Actions never read the bank, so all three must be exactly 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxygen_jax import lora
+from oxygen_jax.params import Params
+from training.memory_lora import (
+    DEFAULT_ADAPTER_NAME,
+    TextTask,
+    answer_loss,
+    engine_answers,
+    fixed_batches,
+    normalize_answer,
+    teacher_forced_logits,
+)
+
+OTHER = "(other)"
+
+
+def zeroed_bank(bank: lora.LoraBank) -> lora.LoraBank:
+    """The bank with every B factor set to 0 (same shapes, so the same compiled program as the trained bank)."""
+    return jax.tree_util.tree_map_with_path(  # host zeros: nothing to compile
+        lambda path, x: np.zeros(x.shape, x.dtype) if getattr(path[-1], "name", None) == "b" else x, bank)
+
+
+def majority(labels: Sequence[str]) -> tuple[str, int]:
+    """(most common normalised label, count); ties go to the label seen first."""
+    counts = collections.Counter(normalize_answer(x) for x in labels)
+    if not counts:
+        raise ValueError("majority of an empty label list")
+    return max(counts.items(), key=lambda kv: kv[1])
+
+
+def _fields(source: Sequence[Mapping], n: int, keys: Sequence[str]) -> list[dict]:
+    return [{k: source[i][k] for k in keys} for i in range(n)]
+
+
+def label_metrics(preds: Sequence[str], refs: Sequence[str]) -> dict:
+    """Exact match plus per-label accuracy and a confusion table, all on normalised text.
+
+    Returns:
+      {"exact_match", "n", "per_label": {label: {"n", "correct", "accuracy"}},
+       "confusion": {true label: {predicted label or "(other)": count}}}.
+    """
+    if len(preds) != len(refs) or not refs:
+        raise ValueError(f"need as many predictions as references (> 0), got {len(preds)} and {len(refs)}")
+    p = [normalize_answer(x) for x in preds]
+    r = [normalize_answer(x) for x in refs]
+    labels = sorted(set(r))
+    per_label, confusion = {}, {}
+    for label in labels:
+        idx = [i for i, x in enumerate(r) if x == label]
+        correct = sum(p[i] == label for i in idx)
+        per_label[label] = {"n": len(idx), "correct": correct, "accuracy": correct / len(idx)}
+        confusion[label] = dict(collections.Counter(p[i] if p[i] in labels else OTHER for i in idx))
+    return {"exact_match": float(np.mean([a == b for a, b in zip(p, r)])), "n": len(r), "per_label": per_label,
+            "confusion": confusion}
+
+
+def evaluate_adapter(
+    params: Params,
+    adapter: lora.ExpertLora,
+    task: TextTask,
+    source: Sequence[Mapping],
+    *,
+    train_source: Sequence[Mapping] | None = None,
+    batch_size: int = 16,
+    limit: int | None = None,
+    num_steps: int = 2,
+    noise_seed: int = 0,
+    examples: int = 8,
+) -> dict:
+    """Everything in the module docstring, as a JSON-able dict (see `to_markdown`).
+
+    Args:
+      adapter: one VLM-expert adapter (leaves [L, ...]), served as adapter id 1.
+      task: robot transform, tokenizer, prompt and label key (the adapter's training task).
+      source: held-out frames; train_source: training frames, for the majority baselines (else: none).
+      limit: evaluate the first `limit` frames only.
+      num_steps: denoising steps of each frame's action chunk (the actions are only compared).
+      examples: how many wrong answers to list.
+    """
+    batches = fixed_batches(source, task, params.config, batch_size, limit)
+    n = sum(real for _, real in batches)
+    bank = lora.stack_adapters([adapter], params.config)
+    kw = dict(num_steps=num_steps, noise_seed=noise_seed)
+    on = engine_answers(params, task, batches, bank=bank, adapter=DEFAULT_ADAPTER_NAME, **kw)
+    off = engine_answers(params, task, batches, bank=None, adapter="base", **kw)
+    zero = engine_answers(params, task, batches, bank=zeroed_bank(bank), adapter=DEFAULT_ADAPTER_NAME, **kw)
+
+    meta = _fields(source, n, (task.label_key, "language_instruction"))
+    refs = [str(m[task.label_key]) for m in meta]
+    report = {"n": n, "prompt": task.prompt, "label_key": task.label_key, **label_metrics(on.texts, refs)}
+    report["base_exact_match"] = label_metrics(off.texts, refs)["exact_match"]
+
+    correct = tokens = loss_sum = 0.0
+    ids = jnp.ones((batch_size,), jnp.int32)
+    for batch, _ in batches:
+        logits = teacher_forced_logits(params, batch, bank, ids)
+        loss, stats = jax.device_get(answer_loss(logits, jnp.asarray(batch.suffix_tokens), jnp.asarray(batch.loss_mask)))
+        correct, tokens = correct + float(stats["correct"]), tokens + float(stats["tokens"])
+        loss_sum += float(loss) * float(stats["tokens"])
+    report["token_accuracy"] = correct / max(tokens, 1.0)
+    report["answer_loss"] = loss_sum / max(tokens, 1.0)
+
+    if train_source is not None:
+        train_meta = _fields(train_source, len(train_source), (task.label_key, "language_instruction"))
+        label, _ = majority([str(m[task.label_key]) for m in train_meta])
+        report["majority_label"] = label
+        report["majority_baseline"] = float(np.mean([normalize_answer(r) == label for r in refs]))
+        by_task = collections.defaultdict(list)
+        for m in train_meta:
+            by_task[m["language_instruction"]].append(str(m[task.label_key]))
+        guess = {t: majority(v)[0] for t, v in by_task.items()}
+        report["per_task_majority_baseline"] = float(np.mean(
+            [guess.get(m["language_instruction"]) == normalize_answer(r) for m, r in zip(meta, refs)]))
+
+    def diff(a, b) -> float:
+        return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+
+    report["action_max_abs_diff"] = {"on_vs_off": diff(on.actions, off.actions),
+                                     "on_vs_zeroed": diff(on.actions, zero.actions),
+                                     "off_vs_zeroed": diff(off.actions, zero.actions)}
+    report["zeroed_exact_match_vs_base"] = float(np.mean([a == b for a, b in zip(zero.texts, off.texts)]))
+    wrong = [{"frame": i, "instruction": meta[i]["language_instruction"], "expected": refs[i], "got": on.texts[i]}
+             for i in range(n) if normalize_answer(on.texts[i]) != normalize_answer(refs[i])]
+    report["wrong_examples"] = wrong[:examples]
+    return report
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def to_markdown(report: Mapping, title: str = "Memory adapter evaluation") -> str:
+    """A readable report: headline table, per-label accuracy, confusion, action differences, wrong answers."""
+    lines = [f"# {title}", "", f"{report['n']} held-out frames, request prompt {report['prompt']!r}, label "
+             f"`{report['label_key']}`; greedy answers decoded by the slot pool (Engine).", "",
+             "| metric | value |", "|---|---|",
+             f"| exact match (adapter) | **{_pct(report['exact_match'])}** |",
+             f"| teacher-forced token accuracy | {_pct(report['token_accuracy'])} |",
+             f"| answer loss (nats/token) | {report['answer_loss']:.4f} |",
+             f"| base model (adapter off) exact match | {_pct(report['base_exact_match'])} |"]
+    if "majority_baseline" in report:
+        lines += [f"| majority-label baseline (`{report['majority_label']}`) | {_pct(report['majority_baseline'])} |",
+                  f"| per-instruction majority baseline | {_pct(report['per_task_majority_baseline'])} |"]
+    a = report["action_max_abs_diff"]
+    lines += [f"| action max abs diff on/off, on/zeroed, off/zeroed | {a['on_vs_off']:g}, {a['on_vs_zeroed']:g}, "
+              f"{a['off_vs_zeroed']:g} |", "", "## Per label", "", "| label | n | correct | accuracy |", "|---|---|---|---|"]
+    for label, row in report["per_label"].items():
+        lines.append(f"| {label} | {row['n']} | {row['correct']} | {_pct(row['accuracy'])} |")
+    labels = list(report["per_label"])
+    cols = labels + ([OTHER] if any(OTHER in c for c in report["confusion"].values()) else [])
+    lines += ["", "## Confusion (rows: true label, columns: greedy answer)", "",
+              "| true \\ predicted | " + " | ".join(f"L{j}" for j in range(len(cols))) + " |",
+              "|---|" + "---|" * len(cols)]
+    for i, label in enumerate(labels):
+        row = report["confusion"][label]
+        lines.append(f"| L{i}: {label} | " + " | ".join(str(row.get(c, 0)) for c in cols) + " |")
+    if OTHER in cols:
+        lines.append(f"\nL{len(cols) - 1} = {OTHER}: an answer that is none of the labels.")
+    if report.get("wrong_examples"):
+        lines += ["", "## Wrong answers (first few)", "", "| frame | expected | got |", "|---|---|---|"]
+        lines += [f"| {w['frame']} | {w['expected']} | {w['got']!r} |" for w in report["wrong_examples"]]
+    return "\n".join(lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eval.memory_eval",
+        description="Evaluate a trained language adapter on held-out frames through the slot pool: exact match, "
+                    "token accuracy, baselines, per-label table, confusion, and the action difference with the "
+                    "adapter on/off/zeroed (must be exactly 0).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base", type=Path, required=True, help="base checkpoint (oxygen_jax checkpoint.save_params dir)")
+    p.add_argument("--adapter", type=Path, required=True, help="adapter directory (training.memory_lora.save_adapter)")
+    p.add_argument("--data", type=Path, required=True, help="memory dataset version folder")
+    p.add_argument("--split", default="heldout")
+    p.add_argument("--train-split", default="train", help="split for the majority baselines ('' to skip)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="SentencePiece model (default: tokenizer.model beside the base or the adapter, else the demo tokenizer)")
+    p.add_argument("--prompt-len", type=int, default=None, help="Tp (default: the adapter's training value)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N frames only")
+    p.add_argument("--num-steps", type=int, default=10, help="denoising steps per action chunk")
+    p.add_argument("--out", type=Path, default=None, help="write memory_eval.json and memory_eval.md here")
+    return p
+
+
+def _find_tokenizer(args):
+    from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
+
+    if args.tokenizer is not None:
+        return Tokenizer.from_file(args.tokenizer)
+    for cand in (args.base.parent / "tokenizer.model", args.adapter.parent / "tokenizer.model"):
+        if cand.is_file():
+            return Tokenizer.from_file(cand)
+    return train_demo_tokenizer()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from oxygen_jax import checkpoint
+    from oxygen_jax.config import robot_config
+    from oxygen_jax.params import for_backend
+    from training.memory_data import open_memory_dataset
+    from training.memory_lora import DEMO_PROMPT_LEN, load_adapter
+
+    try:
+        cfg, params = checkpoint.restore_params(args.base)
+        adapter, meta = load_adapter(args.adapter, cfg, base=args.base)
+        source = open_memory_dataset(args.data, args.split)
+        train_source = open_memory_dataset(args.data, args.train_split) if args.train_split else None
+    except (FileNotFoundError, ValueError) as e:
+        print(f"python -m eval.memory_eval: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    extra = meta.get("extra", {})
+    tokenizer = _find_tokenizer(args)
+    prompt_len = args.prompt_len or extra.get("prompt_len", DEMO_PROMPT_LEN)
+    task = TextTask(robot=robot_config("libero", max_token_len=prompt_len), tokenizer=tokenizer, prompt=meta["prompt"],
+                    label_key=extra.get("label_key", "memory"), suffix_len=extra.get("suffix_len", 32))
+    report = evaluate_adapter(for_backend(params), adapter, task, source, train_source=train_source,
+                              batch_size=args.batch_size, limit=args.limit, num_steps=args.num_steps)
+    report["base"], report["adapter"], report["data"] = str(args.base), str(args.adapter), f"{args.data} [{args.split}]"
+    md = to_markdown(report)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "memory_eval.json").write_text(json.dumps(report, indent=1) + "\n")
+        (args.out / "memory_eval.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Suffix-only LoRA training: the teacher-forced forward is the slot pool's prompt pass bit for bit, only the
+bank learns (base leaves bit-identical), base pre-training never touches the action expert, kill + resume
+is bit-identical (CLI), 8 simulated devices match one, and saved adapters load or fail with named leaves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import REPO
+from oxygen_jax import checkpoint, decode, lora, model
+from oxygen_jax.config import robot_config
+from oxygen_jax.params import for_backend
+from oxygen_jax.tokenizer import train_demo_tokenizer
+from training.memory_data import open_memory_dataset, write_memory_dataset
+from training.memory_lora import (
+    StateCheckpoints,
+    TextTask,
+    TrainConfig,
+    greedy_exact_match,
+    load_adapter,
+    load_bank,
+    main,
+    make_mesh,
+    normalize_answer,
+    save_adapter,
+    teacher_forced_logits,
+    train,
+    with_base_trainable,
+)
+from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
+
+PROMPT_LEN, SUFFIX_LEN, BATCH = 48, 40, 8
+# One adapter config for the learning, resume and data-parallel tests (one compiled step); the CLI flags in
+# the resume test spell out the same values.
+ADAPTER = TrainConfig(steps=30, batch_size=BATCH, suffix_len=SUFFIX_LEN, rank=4, peak_lr=2e-2, final_lr=2e-3,
+                      warmup_steps=2)
+CLI_FLAGS = ["--steps", "30", "--batch-size", str(BATCH), "--suffix-len", str(SUFFIX_LEN), "--prompt-len",
+             str(PROMPT_LEN), "--rank", "4", "--lr", "2e-2", "--final-lr", "2e-3", "--warmup", "2", "--devices", "1",
+             "--eval-split", "", "--no-progress"]
+
+
+def _tree_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def params(tiny_params):
+    return for_backend(tiny_params)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return TextTask(robot=robot_config("libero", max_token_len=PROMPT_LEN), tokenizer=train_demo_tokenizer(),
+                    prompt="Memory: ", label_key="memory", suffix_len=SUFFIX_LEN)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """The synthetic task at the tiny SigLIP's 56 px: 16 train frames (4 layouts x 4 labels), 4 held out."""
+    frames = synthetic_splits(SyntheticMemoryConfig(image_size=56, num_inits=5, num_train_inits=4))
+    return write_memory_dataset(tmp_path_factory.mktemp("syn"), frames, image_size=56, name="synthetic_memory")
+
+
+@pytest.fixture(scope="module")
+def train_frames(dataset):
+    return open_memory_dataset(dataset, "train")
+
+
+def _trained_looking_bank(params, seed=3):
+    bank = lora.init_bank(params.config, 1, rank=4, seed=1)
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)
+        if getattr(path[-1], "name", None) == "b" else x, bank)
+
+
+def test_teacher_forced_logits_equal_the_slot_pools_prompt_pass_bit_for_bit(params, task, train_frames):
+    batch = task.batch([train_frames[i] for i in range(BATCH)], params.config)
+    bank = _trained_looking_bank(params)
+    prefix = model.prefill(params, batch.observation)
+    tokens = batch.suffix_tokens
+    ids = np.array([1, 0, 1, 1, 1, 1, 0, 1], np.int32)  # rows 1 and 6 on the base weights
+    logits = np.asarray(teacher_forced_logits(params, batch, bank, ids))  # [B, T, V]
+
+    @jax.jit
+    def admission_logits(params, prefix, requests, bank):  # what decode._admit samples token 0 from
+        _, _, seed = decode._extend_with_prompts(params, prefix, requests, SUFFIX_LEN, bank)
+        return model.lm_logits_vocab_major(params, seed)
+
+    n_ans = int(batch.suffix_mask.sum(1).max())
+    for j in range(len(task.prompt_ids), n_ans):  # every position whose logits predict an answer token
+        prompts = [list(tokens[b, : j + 1]) for b in range(BATCH)]
+        req = decode.make_requests(BATCH, SUFFIX_LEN, list(range(BATCH)), rows=list(range(BATCH)), prompts=prompts,
+                                   budgets=[1] * BATCH, adapters=ids.tolist())
+        np.testing.assert_array_equal(logits[:, j], np.asarray(admission_logits(params, prefix, req, bank)).T, f"j={j}")
+
+
+@pytest.fixture(scope="module")
+def straight(params, task, train_frames):
+    """ADAPTER trained without interruption on one device, evaluated on its own training frames."""
+    before = jax.device_get(params)
+    start_bank = lora.init_bank(params.config, 1, ADAPTER.rank, seed=ADAPTER.seed)  # B = 0: the base model
+    em_before = greedy_exact_match(params, task, train_frames, bank=start_bank, batch_size=BATCH)
+    result = train(ADAPTER, params, task, train_frames, eval_source=train_frames, mesh=make_mesh(1), log_every=5)
+    return dict(result=result, before=before, start_bank=start_bank, em_before=em_before)
+
+
+def test_adapter_training_updates_only_the_bank_and_learns_the_training_frames(params, straight):
+    assert _tree_equal(params, straight["before"])  # every base leaf, bit for bit
+    bank, start = jax.device_get(straight["result"].state.trainable), straight["start_bank"]
+    for target, pair in bank.adapters.pairs().items():
+        assert np.abs(pair.b).max() > 0, target  # B left zero: the adapter learned something
+        assert not np.array_equal(pair.a, getattr(start.adapters, target).a), target
+    history = straight["result"].history
+    losses = [h["loss"] for h in history if h["event"] == "train"]
+    assert losses[-1] < 0.5 * losses[0]
+    em_after = [h for h in history if h["event"] == "eval"][-1]["exact_match"]
+    assert straight["em_before"] == 0.0 and em_after >= 0.25, (straight["em_before"], em_after)
+
+
+def test_base_pretraining_updates_vlm_siglip_and_embedding_never_the_action_expert(params, task, train_frames):
+    scene = dataclasses.replace(task, prompt="Scene: ", label_key="scene", suffix_len=48)
+    cfg = TrainConfig(mode="base", prompt="Scene: ", label_key="scene", steps=3, batch_size=BATCH, suffix_len=48,
+                      peak_lr=1e-3, warmup_steps=1)
+    result = train(cfg, params, scene, train_frames, log_every=1)
+    new = with_base_trainable(params, jax.device_get(result.state.trainable))
+    for field in ("action_expert", "action_in", "time_mlp_in", "time_mlp_out", "action_out"):
+        assert _tree_equal(getattr(new, field), getattr(params, field)), field
+    for field in ("embedding", "vlm", "siglip"):
+        old, upd = jax.tree.leaves(getattr(params, field)), jax.tree.leaves(getattr(new, field))
+        assert all(not np.array_equal(a, b) for a, b in zip(old, upd)), field  # every leaf moved
+    losses = [h["loss"] for h in result.history if h["event"] == "train"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_cli_kill_and_resume_is_bit_identical_to_a_straight_run(params, dataset, straight, tmp_path, capsys):
+    final = jax.device_get(straight["result"].state)
+    base = checkpoint.save_params(tmp_path / "base", params)
+    out = tmp_path / "run"
+    flags = ["--data", str(dataset), "--out", str(out), "--base", str(base), "--checkpoint-every", "15", *CLI_FLAGS]
+    assert main(flags + ["--stop-at", "15"]) == 0  # "killed" after step 15, just after its checkpoint
+    assert "stopped at step 15" in capsys.readouterr().out
+    assert main(flags) == 0  # the same command resumes from step 15
+    assert '"resumed"' in (out / "metrics.jsonl").read_text()
+
+    ckpt = StateCheckpoints(out / "checkpoints")
+    resumed = ckpt.restore(final, {})
+    assert int(resumed.step) == 30
+    assert _tree_equal(resumed.trainable, final.trainable)  # the bank, bit for bit
+    assert _tree_equal(resumed.opt_state, final.opt_state)  # Adam moments and counts too
+    with pytest.raises(ValueError, match="another train config"):  # another run cannot resume this one
+        ckpt.restore(final, {"train": dataclasses.replace(ADAPTER, rank=8).to_json()})
+    ckpt.close()
+    adapter, meta = load_adapter(out / "adapter", params.config, base=base)
+    assert _tree_equal(adapter, final.trainable.adapter(1))
+    assert meta["name"] == "memory" and meta["rank"] == 4 and meta["prompt"] == "Memory: "
+
+
+def test_saved_adapters_that_do_not_fit_fail_naming_every_leaf(params, tmp_path):
+    bank = _trained_looking_bank(params)
+    path = save_adapter(tmp_path / "a", bank.adapter(1), name="memory")
+    loaded, names = load_bank([path], params.config)
+    assert names == ("memory",) and _tree_equal(loaded, bank)
+
+    wide = params.config.replace(vlm=dataclasses.replace(params.config.vlm, width=96))
+    with pytest.raises(ValueError, match=r"(?s)q_einsum/lora_a.*expected.*96") as err:
+        load_adapter(path, wide)
+    assert "kv_einsum/lora_a" in str(err.value) and "gating_einsum_lora_a" in str(err.value)
+
+    other = save_adapter(tmp_path / "b", lora.init_bank(params.config, 1, rank=8).adapter(1), name="narrate")
+    with pytest.raises(ValueError, match=r"(?s)adapter 1 \(id 2\) does not match.*q\.a: expected"):
+        load_bank([path, other], params.config)
+
+    meta = json.loads((path / "adapter.json").read_text())
+    meta["leaves"]["PaliGemma/llm/layers/mlp/linear_lora_b"]["sha256"] = "0" * 64
+    (path / "adapter.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="linear_lora_b.*does not match its SHA-256"):
+        load_adapter(path, params.config)
+
+
+def test_base_fingerprint_mismatch_is_an_error(params, tmp_path):
+    base_a = checkpoint.save_params(tmp_path / "base_a", params)
+    shifted = params.replace(embedding=params.embedding + 1.0)
+    base_b = checkpoint.save_params(tmp_path / "base_b", shifted)
+    path = save_adapter(tmp_path / "a", _trained_looking_bank(params).adapter(1), base=base_a)
+    load_adapter(path, params.config, base=base_a)
+    with pytest.raises(ValueError, match="was trained on base .*base_a.*other weights"):
+        load_adapter(path, params.config, base=base_b)
+
+
+def test_answers_are_compared_after_normalisation():
+    assert normalize_answer("  Done:  red block in basket. ") == "done: red block in basket"
+    assert normalize_answer("done: red block in basket") == normalize_answer("Done: red block in basket.")
+    assert normalize_answer("Done: nothing..") == "done: nothing."  # one trailing period only
+    assert normalize_answer("Done: red") != normalize_answer("Done: blue")
+
+
+_DATA_PARALLEL = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from oxygen_jax.config import model_config, robot_config
+    from oxygen_jax.params import for_backend, init_params
+    from oxygen_jax.tokenizer import train_demo_tokenizer
+    from training.memory_data import open_memory_dataset
+    from training.memory_lora import TextTask, TrainConfig, make_mesh, train
+
+    assert jax.device_count() == 8, jax.devices()
+    dataset, prompt_len, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    cfg = TrainConfig.from_json(json.loads(sys.argv[4]))
+    task = TextTask(robot=robot_config("libero", max_token_len=prompt_len), tokenizer=train_demo_tokenizer(),
+                    prompt="Memory: ", label_key="memory", suffix_len=cfg.suffix_len)
+    params = for_backend(init_params(model_config("tiny"), 0))
+    r = train(cfg, params, task, open_memory_dataset(dataset, "train"), mesh=make_mesh(8), stop_at=2, log_every=1)
+    rows = r.state.trainable.adapters.q.a.sharding.device_set
+    np.savez(out, losses=[h["loss"] for h in r.history], n_devices=len(rows),
+             *[np.asarray(x) for x in jax.tree.leaves(jax.device_get(r.state))])
+""")
+
+
+def test_data_parallel_over_8_simulated_devices_matches_one_device(params, task, train_frames, dataset, tmp_path):
+    one = train(ADAPTER, params, task, train_frames, mesh=make_mesh(1), stop_at=2, log_every=1)  # the cached step
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    out = tmp_path / "eight.npz"
+    proc = subprocess.run([sys.executable, "-c", _DATA_PARALLEL, str(dataset), str(PROMPT_LEN), str(out), json.dumps(ADAPTER.to_json())],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eight = np.load(out)
+    assert int(eight["n_devices"]) == 8  # the state lives on all 8 devices, the batch was split over them
+    np.testing.assert_allclose(eight["losses"], [h["loss"] for h in one.history], rtol=1e-5)
+    leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(one.state))]
+    scale = max(float(np.abs(x).max()) for x in leaves)
+    for i, x in enumerate(leaves):  # bank and Adam state after two steps: float32 summation order aside
+        np.testing.assert_allclose(eight[f"arr_{i}"], x, rtol=1e-4, atol=1e-6 * scale, err_msg=f"leaf {i}")
