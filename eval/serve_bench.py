@@ -47,7 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 MODES = {"batched": None, "serial": "1"}  # --batch-sizes per mode (None: powers of two up to max R)
 SUMMARY_KEYS = (
     "mode", "robots", "frames", "wall_s", "action_rate_per_robot", "action_rate_total", "rtt_p50_ms", "rtt_p99_ms",
-    "step_p50_ms", "overhead_p50_ms", "overhead_p99_ms", "mean_batch", "tokens_per_s", "requests_finished",
+    "step_p50_ms", "queue_p50_ms", "overhead_p50_ms", "overhead_p99_ms", "mean_batch", "tokens_per_s",
+    "requests_finished",
     "ideal_action_rate_total", "fraction_of_ideal", "speedup_vs_serial",
 )
 
@@ -105,7 +106,8 @@ def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, ma
                     measured = i >= warmup_frames
                     msg = dict(obs)
                     if measured and len(live) < max_live:
-                        msg["language_requests"] = [{"prompt": "Subtask: ", "max_tokens": max_tokens, "stop_at_eos": False}]
+                        msg["language_requests"] = [
+                            {"prompt": "Subtask: ", "max_tokens": max_tokens, "stop_at_eos": False}]
                     t0 = time.perf_counter()
                     ws.send(wire.pack(msg))
                     raw = ws.recv(timeout_s)
@@ -123,7 +125,8 @@ def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, ma
                         records.append({"robot": r, "rtt_ms": (t1 - t0) * 1e3, "step_ms": timing["infer_ms"],
                                         "queue_ms": timing["queue_ms"], "batch": timing["batch"],
                                         "bucket": timing["bucket"], "t_recv": t1})
-                        finished.extend({"robot": r, "tokens": len(f["tokens"]), "t_recv": t1} for f in lang["finished"])
+                        finished.extend({"robot": r, "tokens": len(f["tokens"]), "t_recv": t1}
+                                        for f in lang["finished"])
         except Exception as e:  # noqa: BLE001 - reported with the results
             errors.append(f"robot {r}: {type(e).__name__}: {e}")
             barrier.abort()
@@ -151,6 +154,7 @@ def summarize(mode: str, robots: int, run: dict) -> dict:
         "action_rate_per_robot": float(np.mean(per_robot)), "action_rate_total": len(frames) * ha / wall,
         "rtt_p50_ms": percentile(rtt, 50), "rtt_p99_ms": percentile(rtt, 99),
         "step_p50_ms": percentile([f["step_ms"] for f in frames], 50),
+        "queue_p50_ms": percentile([f["queue_ms"] for f in frames], 50),
         "overhead_p50_ms": percentile(overhead, 50), "overhead_p99_ms": percentile(overhead, 99),
         "mean_batch": len(frames) / steps if steps else math.nan,
         "tokens_per_s": sum(f["tokens"] for f in run["finished"]) / wall, "requests_finished": len(run["finished"]),
@@ -251,19 +255,23 @@ def write_report(out: Path, records: list[dict], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps({"environment": meta, "records": records}, indent=1, default=float))
     rows = ["| mode | robots | action rate / robot | aggregate | ideal (components) | achieved | vs serial "
-            "| RTT p50 | RTT p99 | step p50 | overhead p50 / p99 | mean batch | tokens/s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| RTT p50 | RTT p99 | step p50 | queue p50 | overhead p50 / p99 | mean batch | tokens/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (r["robots"], r["mode"])):
         rows.append(
             f"| {r['mode']} | {r['robots']} | {_fmt(r['action_rate_per_robot'])} | {_fmt(r['action_rate_total'])} "
             f"| {_fmt(r['ideal_action_rate_total'])} | {_fmt(100 * r['fraction_of_ideal'], 0)}% "
-            f"| {_fmt(r['speedup_vs_serial'], 2)}x | {_fmt(r['rtt_p50_ms'])} ms | {_fmt(r['rtt_p99_ms'])} ms "
-            f"| {_fmt(r['step_p50_ms'])} ms | {_fmt(r['overhead_p50_ms'])} / {_fmt(r['overhead_p99_ms'])} ms "
+            f"| {_fmt(r['speedup_vs_serial'], 2)}{'x' if r['mode'] == 'batched' else ''} | {_fmt(r['rtt_p50_ms'])} ms "
+            f"| {_fmt(r['rtt_p99_ms'])} ms | {_fmt(r['step_p50_ms'])} ms | {_fmt(r['queue_p50_ms'])} ms "
+            f"| {_fmt(r['overhead_p50_ms'])} / {_fmt(r['overhead_p99_ms'])} ms "
             f"| {_fmt(r['mean_batch'], 2)} | {_fmt(r['tokens_per_s'])} |")
     text = [f"# Serving benchmark ({meta.get('preset') or meta.get('ckpt')}, LIBERO observations)", "",
-            f"Command: `{meta['command']}`", "", f"Server commands: {', '.join(f'`{c}`' for c in meta['server_commands'].values())}",
+            f"Command: `{meta['command']}`", "",
+            f"Server commands: {', '.join(f'`{c}`' for c in meta['server_commands'].values())}",
             "", "Action rates are actions/s (chunks x Ha). Overhead = client round trip minus the server's "
-            "Engine.step time of that frame. Ideal = the rate the same run's measured step times allow: batched, "
+            "Engine.step time of that frame; with several robots it includes the queue (waiting for other "
+            "robots' frames or, serially, their steps), reported apart as the server-side queue time. "
+            "Ideal = the rate the same run's measured step times allow: batched, "
             "R chunks per step of the bucket holding R robots; serial, one chunk per batch-1 step.", "", *rows, "",
             f"Server start-up to healthy (compile or cache load): {meta.get('startup_s')}", "",
             "![serve_bench](serve_bench.png)", ""]
@@ -288,7 +296,8 @@ def _plot(path: Path, records: list[dict], meta: dict) -> None:
         ax2.plot(xs, [r["rtt_p50_ms"] for r in recs], style, label=f"{mode}: p50")
         ax2.plot(xs, [r["rtt_p99_ms"] for r in recs], style, alpha=0.5, label=f"{mode}: p99")
         if mode == "batched":
-            ideal = [(r["robots"], r["ideal_action_rate_total"]) for r in recs if not math.isnan(r["ideal_action_rate_total"])]
+            ideal = [(r["robots"], r["ideal_action_rate_total"]) for r in recs
+                     if not math.isnan(r["ideal_action_rate_total"])]
             if ideal:
                 ax1.plot(*zip(*ideal), "k:", label="batched ideal (components)")
     ax1.set(xlabel="robots", ylabel="actions / s", title="action rate")

@@ -6,7 +6,7 @@ Da the robot's action dim.
     connection handlers ──Frame──► Batcher (event loop)             EngineWorker (one thread, owns the Engine)
       (one Stream each)             waits for robots about to send,  submit each frame's language requests
             ▲                       never past the tightest          (row = stream id, owner = Stream), pad the
-            │                       deadline; picks a bucket ──────► rows to the bucket, Engine.step(rows=...)
+            │                       deadline; picks a bucket ──────► rows to the bucket, Engine.step(rows)
             └── frame.future ◄───── routes finished / failed language to the owning Stream's outbox
 
 * Every connection is a `Stream` with a fixed id for its lifetime. The Engine admits a stream's
@@ -252,8 +252,9 @@ class EngineWorker:
         """Compiles every bucket; returns the steady step time (ms) of each, measured after compiling.
 
         One device: `Engine.warmup` per bucket (a scratch pool, no request touched), run twice. Several
-        devices: real steps whose rows are all padding (no request is admitted), two rounds, because the
-        pool a real step donates is committed to the mesh and the first round only fixes its sharding.
+        devices: real steps whose rows are all padding (no request is admitted): every bucket, then the
+        first bucket again (the first step ran on the fresh pool; every later one gets the pool committed
+        to the mesh by the step before, a different program), then every bucket timed.
         """
         times = {}
         if self.mesh is None:
@@ -261,13 +262,16 @@ class EngineWorker:
                 self.engine.warmup(_tile(example, b))
                 times[b] = self.engine.warmup(_tile(example, b)) * 1e3
             return times
-        for _ in range(2):
-            for b in buckets:
-                obs, noise = self._place(_tile(example, b), np.zeros((b, self.horizon, self.action_dim), np.float32))
-                start = time.perf_counter()
-                self.engine.step(obs, noise, rows=[-1] * b)
-                times[b] = (time.perf_counter() - start) * 1e3
-        return times
+
+        def padding_step(b: int) -> float:
+            obs, noise = self._place(_tile(example, b), np.zeros((b, self.horizon, self.action_dim), np.float32))
+            start = time.perf_counter()
+            self.engine.step(obs, noise, rows=[-1] * b)
+            return (time.perf_counter() - start) * 1e3
+
+        for b in [*buckets, buckets[0]]:
+            padding_step(b)
+        return {b: padding_step(b) for b in buckets}
 
     def _submit(self, frame: Frame) -> list[int]:
         ids = []
@@ -438,7 +442,9 @@ class Batcher:
         return self.worker.run(asyncio.get_running_loop(), self.worker.cancel_owner, stream)
 
     def submit(self, frame: Frame) -> None:
-        """Queues a frame. Raises Busy when `max_pending` frames already wait."""
+        """Queues a frame. Raises Busy when `max_pending` frames already wait or the loop has stopped."""
+        if self._closing and (self._task is None or self._task.done()):
+            raise Busy("unavailable: the server is shutting down; reconnect to another server")
         if len(self._pending) >= self.max_pending:
             raise Busy(f"busy: {len(self._pending)} frames are queued (limit {self.max_pending}); retry shortly")
         frame.stream.busy = True

@@ -47,7 +47,6 @@ import dataclasses
 import logging
 import math
 import numbers
-import os
 import signal
 import sys
 import threading
@@ -271,7 +270,8 @@ class PolicyServer:
 
     def __init__(self, engine, tokenizer, robot: RobotConfig, config: ServeConfig = ServeConfig(), *,
                  norm_stats=None, mesh=None):
-        self.engine, self.tokenizer, self.robot, self.config, self.norm_stats = engine, tokenizer, robot, config, norm_stats
+        self.engine, self.tokenizer, self.robot, self.config = engine, tokenizer, robot, config
+        self.norm_stats = norm_stats
         self.model_config = engine.params.config
         self.limits = wire.Limits(max_message_bytes=config.max_message_bytes, max_array_bytes=config.max_message_bytes)
         self.worker = EngineWorker(engine, robot, seed=config.seed, norm_stats=norm_stats, mesh=mesh)
@@ -281,6 +281,7 @@ class PolicyServer:
         self._prep = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="oxygen-prep")
         self._streams: dict[int, Stream] = {}
         self._next_stream = 0
+        self._preparing = 0  # frames received and being decoded (not yet queued)
         self._replying = 0  # frames whose reply is being sent
         self._draining = False
         self._ws = None
@@ -359,6 +360,8 @@ class PolicyServer:
         log.info("shutting down: answering %d queued frames", self.batcher.outstanding)
         if self._warm_task is not None and not self._warm_task.done():
             self._warm_task.cancel()
+        while self._preparing:  # frames received before the signal reach the queue first (prep is bounded)
+            await asyncio.sleep(0.005)
         await self.batcher.drain()
         for _ in range(1000):  # replies already computed are being written
             if self._replying == 0:
@@ -446,6 +449,7 @@ class PolicyServer:
             self.metrics.frames.labels("bad_request").inc()
             return "BadRequest: text frames are not observations; send the observation as a binary msgpack frame"
         loop = asyncio.get_running_loop()
+        self._preparing += 1
         try:
             observation, state, language, deadline = await loop.run_in_executor(self._prep, self._prepare, message)
             if deadline is not None:
@@ -463,6 +467,8 @@ class PolicyServer:
         except Busy as e:
             self.metrics.frames.labels("busy").inc()
             return str(e)
+        finally:
+            self._preparing -= 1
         result: FrameResult = await frame.future
         if result.error is not None:
             self.metrics.frames.labels("bad_request").inc()
@@ -564,10 +570,15 @@ class ServerThread:
         self.call(self.server.wait_ready(), timeout)
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Graceful shutdown (what SIGTERM does in the CLI), then joins the thread."""
+        """Graceful shutdown (what SIGTERM does in the CLI), then joins the thread.
+
+        Raises TimeoutError if the server has not stopped after `timeout` seconds.
+        """
         if self._thread.is_alive() and self._stop is not None:
             self.loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the policy server did not stop within {timeout:.0f} s")
 
     def __enter__(self) -> "ServerThread":
         return self.start()

@@ -284,7 +284,8 @@ def test_four_robots_are_batched_without_cross_talk_beside_bad_and_dropped_conne
     frames_each, errors, robots = 30, [], {}
     valid = _sample(99)
     crafted = msgpack.packb({**{k: v for k, v in valid.items() if k != "observation/image"}, "observation/image": {
-        b"__ndarray__": True, b"data": b"A" * 8, b"dtype": "|O", b"shape": [1]}}, use_bin_type=True, default=wire._encode)
+        b"__ndarray__": True, b"data": b"A" * 8, b"dtype": "|O", b"shape": [1]}}, use_bin_type=True,
+        default=wire._encode)
     bad = [
         b"\x00garbage", "a text frame", wire.pack([1, 2, 3]), crafted,
         wire.pack({**valid, "observation/state": np.full(8, np.nan)}),
@@ -344,7 +345,8 @@ def test_four_robots_are_batched_without_cross_talk_beside_bad_and_dropped_conne
     assert not errors, errors
 
     # Every malformed frame got a text reply naming the problem; the connection kept working.
-    assert len(bad_replies) == len(bad) and all(isinstance(m, str) and m.startswith("BadRequest: ") for m in bad_replies)
+    assert len(bad_replies) == len(bad)
+    assert all(isinstance(m, str) and m.startswith("BadRequest: ") for m in bad_replies)
     assert "dtype '|O'" in bad_replies[3] and "NaN" in bad_replies[4] and "uint8" in bad_replies[6]
     assert "max_tokens" in bad_replies[10] and "deadline_ms" in bad_replies[11]
 
@@ -495,6 +497,36 @@ def test_shutdown_answers_frames_already_received_then_closes_1001():
         with pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=10)
         assert closed.value.rcvd.code == 1001
+    stopper.join(30)
+    assert not stopper.is_alive()
+
+
+def test_a_frame_still_being_decoded_at_shutdown_is_answered():
+    handle = _scripted_server(ScriptedEngine())
+    server, held, entered = handle.server, threading.Event(), threading.Event()
+    prepare = server._prepare
+
+    def slow_prepare(message):
+        entered.set()
+        held.wait(30)
+        return prepare(message)
+
+    server._prepare = slow_prepare
+    ws, meta = _raw(handle.port)
+    ws.send(wire.pack(_sample(3)))
+    assert entered.wait(30)  # received, still being decoded
+    stopper = threading.Thread(target=handle.stop)
+    stopper.start()
+    for _ in range(1000):
+        if _http(handle.port, "/healthz")[0] == 503:
+            break
+        time.sleep(0.01)
+    held.set()
+    reply = wire.unpack(ws.recv(timeout=10))
+    np.testing.assert_array_equal(reply["actions"], frame_noise(SEED, meta["stream"], 0, HA, AD)[:, :7])
+    with pytest.raises(ConnectionClosed) as closed:
+        ws.recv(timeout=10)
+    assert closed.value.rcvd.code == 1001
     stopper.join(30)
     assert not stopper.is_alive()
 
