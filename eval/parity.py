@@ -3,7 +3,11 @@
     python -m eval.parity FIXTURE_DIR           # restore both checkpoint layouts, compare everything
     python -m eval.parity --manifest FILE       # parameter manifest vs the full-size pi05 tree
 
-FIXTURE_DIR is laid out like ../shared/fixtures/openpi_tiny_pi05: `params/` (released layout),
+The fixture's kind picks the comparison: a Hugging Face Qwen3 / Qwen3-VL checkpoint directory
+(config.json + safetensors, `eval.parity_hf.is_hf_fixture`) runs `eval.parity_hf`; anything else
+is an openpi π0.5 fixture, below.
+
+An openpi FIXTURE_DIR is laid out like ../shared/fixtures/openpi_tiny_pi05: `params/` (released layout),
 `train_checkpoint/<step>/params/` (training layout, trailing `value` keys), `reference.npz` and
 optionally `reference_text_oxygen.npz`. Every dimension (batch, cameras, horizon, action dim, prompt
 length, step counts, decode length, LoRA ranks) is inferred from the checkpoint and the arrays.
@@ -36,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import checkpoint, decode, gemma, model, siglip
+from eval import parity_hf
+from oxygen_jax import checkpoint, decode, model, siglip
 from oxygen_jax.config import CAMERA_SLOTS
 from oxygen_jax.lora import EXPERTS
 from oxygen_jax.masks import last_valid_index
@@ -160,7 +165,7 @@ def _check_model(chk: _Checker, params, ref, obs: Observation):
         chk.exact("prefix/ar_mask", out["ar"], ref["prefix/ar_mask"])
     chk.exact("prefix/positions", out["positions"], ref["prefix/positions"])
     if "prefix/out_final_norm" in ref:
-        normed, _ = gemma.rms_norm(out["hidden"], params.vlm.final_norm)
+        normed = model.final_norm(params, out["hidden"])
         chk.close("prefix/out_final_norm (valid rows)", normed, ref["prefix/out_final_norm"], "prefix_out", valid)
     for kv in ("k", "v"):
         if f"prefix/kv_cache_{kv}" in ref:
@@ -175,7 +180,7 @@ def _check_model(chk: _Checker, params, ref, obs: Observation):
     if "step1/velocity_t1" in ref:
         ones = jnp.ones((b,), jnp.float32)
         chk.close("step1/velocity_t1", jax.jit(model.velocity)(params, cache, noise, ones), ref["step1/velocity_t1"], "actions")
-        chk.exact("step1/suffix_positions", cache.num_valid[:, None] + jnp.arange(ha), ref["step1/suffix_positions"])
+        chk.exact("step1/suffix_positions", cache.next_position[:, None] + jnp.arange(ha), ref["step1/suffix_positions"])
         chk.close("step1/adarms_cond_t1", jax.jit(model.time_condition)(params, ones), ref["step1/adarms_cond_t1"], "actions")
         chk.close(
             "step1/suffix_tokens_t1", model._dense(params.action_in, noise), ref["step1/suffix_tokens_t1"], "actions"
@@ -196,7 +201,7 @@ def _check_model(chk: _Checker, params, ref, obs: Observation):
         chk.close("loss/v_t", jax.jit(model.velocity)(params, cache, x_t, ltime), ref["loss/v_t"], "loss")
         chk.exact(
             "loss/positions",
-            jnp.concatenate([cache.positions, cache.num_valid[:, None] + jnp.arange(ha)], axis=1),
+            jnp.concatenate([cache.positions, cache.next_position[:, None] + jnp.arange(ha)], axis=1),
             ref["loss/positions"],
         )
         if "loss/loss" in ref:
@@ -327,10 +332,10 @@ def _check_text(chk: _Checker, params, text, obs: Observation, noise):
         chk.close(f"{name}/logits", logits, text[f"{name}/logits"], "logits")
         chk.exact(f"{name}/seed_index", last_valid_index(cache.mask), text[f"{name}/seed_index"])
         chk.exact(f"{name}/prefill_len", cache.num_valid, text[f"{name}/prefill_len"])
-        chk.exact(f"{name}/decode_positions", cache.num_valid[:, None] + jnp.arange(n), text[f"{name}/decode_positions"])
+        chk.exact(f"{name}/decode_positions", cache.next_position[:, None] + jnp.arange(n), text[f"{name}/decode_positions"])
         chk.exact(f"{name}/prefix_positions", cache.positions, text[f"{name}/prefix_positions"])
         out = jax.jit(model.prefix_forward)(causal, o)
-        normed, _ = gemma.rms_norm(out["hidden"], causal.vlm.final_norm)
+        normed = model.final_norm(causal, out["hidden"])
         chk.close(f"{name}/prefix_out_final_norm (valid rows)", normed, text[f"{name}/prefix_out_final_norm"], "prefix_out",
                   np.asarray(cache.mask))
     if "oxygen/prefix_ar_mask" in text:
@@ -353,6 +358,11 @@ def _layouts(fixture: Path) -> list[tuple[str, Path]]:
     if not out:
         raise SystemExit(f"{fixture}: no params/ or train_checkpoint/<step>/params/ directory found")
     return out
+
+
+def _is_openpi_fixture(fixture: Path) -> bool:
+    train = fixture / "train_checkpoint"
+    return (fixture / "params").is_dir() or (train.is_dir() and any((p / "params").is_dir() for p in train.iterdir()))
 
 
 def run_fixture(fixture: Path) -> list[Row]:
@@ -424,7 +434,8 @@ def main(argv=None) -> int:
         prog="python -m eval.parity",
         description="Compare oxygen_jax with openpi/OxyGen reference outputs, or check a parameter manifest.",
     )
-    ap.add_argument("fixture", nargs="?", type=Path, help="fixture directory (params/, train_checkpoint/, reference.npz)")
+    ap.add_argument("fixture", nargs="?", type=Path,
+                    help="fixture directory: openpi (params/, train_checkpoint/, reference.npz) or HF (config.json, safetensors, reference.npz)")
     ap.add_argument("--manifest", type=Path, help="parameter manifest JSON to check against the full-size pi05 tree")
     args = ap.parse_args(argv)
     if (args.fixture is None) == (args.manifest is None):
@@ -435,6 +446,12 @@ def main(argv=None) -> int:
         return 0 if _manifest(args.manifest) else 1
     if not args.fixture.is_dir():
         ap.error(f"fixture directory not found: {args.fixture}")
+    if parity_hf.is_hf_fixture(args.fixture):
+        return parity_hf.main([str(args.fixture)])
+    if not _is_openpi_fixture(args.fixture):
+        ap.error(f"{args.fixture}: neither an openpi fixture (params/ or train_checkpoint/<step>/params/ with reference.npz) "
+                 "nor an HF Qwen3 / Qwen3-VL checkpoint (config.json with model_type 'qwen3' or 'qwen3_vl', "
+                 "model.safetensors, reference.npz)")
     rows = run_fixture(args.fixture)
     print(format_table(rows))
     if (args.fixture / "reference_text_oxygen.npz").is_file():

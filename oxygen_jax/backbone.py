@@ -2,7 +2,7 @@
 
 Axis legend: B batch, T query tokens, S key tokens, D width, F MLP hidden, N query heads, K KV heads,
 G = N / K query heads per KV head, H head dim, L layers, V vocabulary, R = 3 M-RoPE axes (t, h, w),
-E DeepStack layers.
+E DeepStack layers, A adapters in a LoRA bank.
 
 What differs between the families is data in the spec, not code paths:
 
@@ -16,12 +16,18 @@ What differs between the families is data in the spec, not code paths:
 | `tie_embeddings`  | tied                  | either                                     |
 | `prefix_attention`| bidirectional/causal  | causal                                     |
 
-The three stack entry points mirror `gemma.py` (same arguments, same K/V layout [L, B, T, K, H],
-K stored after q/k-norm and RoPE, 1/sqrt(H) folded into q) so `decode.py` can call either:
+This is the one transformer implementation: π0.5's experts run here with `pi05_spec(config, expert)`
+(`model.py`, `decode.py`), as do Qwen3 and Qwen3-VL. Because prefix tokens never attend to suffix
+tokens, π0.5's joint two-expert forward is "prefix through expert 0, keep its per-layer K/V" then
+"suffix through expert 1, attending to that K/V and to itself"; the three stack entry points are that
+decomposition and differ only in what happens to keys and values (same K/V layout [L, B, T, K, H],
+K stored after q/k-norm and RoPE, 1/sqrt(H) folded into q):
 
 * `forward_prefill` — no cache in; returns the stacked K/V it computed;
 * `forward_read`    — attends to a read-only cache ‖ its own K/V (denoising);
-* `forward_write`   — scatters its K/V into a slot cache, then attends to the cache (decoding).
+* `forward_write`   — scatters its K/V into a slot cache, then attends to the cache (decoding and
+                      request prompts). It alone takes per-row LoRA adapters (`lora.RowAdapters`):
+                      the prefix cache and the actions cannot depend on them, by signature.
 
 Positions are int [B, T] (1-D RoPE) or [R, B, T] (M-RoPE; [B, T] is accepted and means equal
 axes, which is what text tokens and decode steps use). Layers may be stacked (`lax.scan`) or
@@ -42,7 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.config import ModelConfig, SiglipConfig
+from oxygen_jax.config import ExpertConfig, ModelConfig, SiglipConfig
+from oxygen_jax.lora import LayerRows, RowAdapters, check_bank_fits
 from oxygen_jax.masks import make_attn_mask
 from oxygen_jax.params import AdaRMSNorm, ExpertLayers, RMSNorm, Unstacked, scan_layers
 
@@ -189,19 +196,27 @@ def _mrope_axis_map(section: tuple[int, ...], head_dim: int) -> np.ndarray:
     return axis
 
 
+def gemma_spec(expert: ExpertConfig, *, vocab_size: int, prefix_attention: Literal["bidirectional", "causal"] = "bidirectional",
+               vision: SiglipConfig | None = None) -> BackboneSpec:
+    """π0.5's Gemma maths (geglu-tanh, `(1 + w)` norms, 1-D RoPE 1e4, sqrt(D) embeddings, tied head) at `expert`'s dims."""
+    e = expert
+    return BackboneSpec(
+        family="gemma", width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
+        head_dim=e.head_dim, mlp_dim=e.mlp_dim, vocab_size=vocab_size, mlp="geglu_tanh",
+        norm_plus_one=True, qk_norm=False, rope=RopeSpec(theta=10_000.0), embed_scale=True, tie_embeddings=True,
+        prefix_attention=prefix_attention, vision=vision,
+    )
+
+
 def pi05_spec(config: ModelConfig, expert: Literal["vlm", "action_expert"] = "vlm") -> BackboneSpec:
     """π0.5's VLM expert (with the embedder, SigLIP and the tied head) or its action expert as a spec.
 
     The action expert has no embedder or head of its own; its spec only drives the stack (with
     adaRMSNorm through `cond`). Run the stack on `params.vlm.layers` / `params.action_expert.layers`.
     """
-    e = getattr(config, expert)
-    return BackboneSpec(
-        family="gemma", width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
-        head_dim=e.head_dim, mlp_dim=e.mlp_dim, vocab_size=config.vocab_size, mlp="geglu_tanh",
-        norm_plus_one=True, qk_norm=False, rope=RopeSpec(theta=10_000.0), embed_scale=True, tie_embeddings=True,
-        prefix_attention=config.prompt_attention, vision=config.siglip if expert == "vlm" else None,
-    )
+    _require(expert in ("vlm", "action_expert"), f"pi05_spec: expert must be 'vlm' or 'action_expert', got {expert!r}")
+    return gemma_spec(getattr(config, expert), vocab_size=config.vocab_size, prefix_attention=config.prompt_attention,
+                      vision=config.siglip if expert == "vlm" else None)
 
 
 def _qwen3(width, depth, heads, kv_heads, head_dim, mlp_dim, vocab, theta, tie, section=(), vision=None) -> BackboneSpec:
@@ -425,17 +440,26 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(b, t, n, h)
 
 
-def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array) -> jax.Array:
+def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array, lora: LayerRows | None = None) -> jax.Array:
     """Gated MLP `(act(x W0) * (x W1)) W2` with gating = [W0; W1] of shape [2, D, F].
 
-    Both branches run as one batched matmul (about 10x faster than two on XLA's CPU backend at
-    decode batch sizes; see gemma._mlp).
+    Both branches run as one batched matmul over the leading 2: XLA's CPU backend lowers
+    `x @ gating[0]`, `x @ gating[1]` followed by the gelu product about 10x slower at decode batch
+    sizes (measured 17 ms against 1.5 ms per bench-size layer at batch 1). `lora` adds per-row
+    adapter terms to both branches and to the output projection.
     """
     lead, d = x.shape[:-1], x.shape[-1]
     xb = jnp.broadcast_to(x.reshape(1, -1, d), (2, x.size // d, d))
-    gate, up = jnp.einsum("CND,CDF->CNF", xb, gating.astype(x.dtype))
+    gate_up = jnp.einsum("CND,CDF->CNF", xb, gating.astype(x.dtype))
+    if lora is not None:
+        gate_up = lora.add("gating", gate_up, x.reshape(-1, d))
+    gate, up = gate_up
     act = jax.nn.gelu(gate, approximate=True) if spec.mlp == "geglu_tanh" else jax.nn.silu(gate)
-    return ((act * up) @ linear.astype(x.dtype)).reshape(lead + (linear.shape[-1],))
+    h = act * up
+    out = h @ linear.astype(x.dtype)
+    if lora is not None:
+        out = lora.add("linear", out, h)
+    return out.reshape(lead + (linear.shape[-1],))
 
 
 def _residual(x, y, gate):
@@ -445,12 +469,19 @@ def _residual(x, y, gate):
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def _block(spec: BackboneSpec, lp, x, cond, rope, mask, kv_fn: KVFn) -> jax.Array:
-    """One decoder layer; `kv_fn(k, v) -> (keys, values)` chooses what it attends to."""
+def _block(spec: BackboneSpec, lp, x, cond, rope, mask, kv_fn: KVFn, lora: LayerRows | None = None) -> jax.Array:
+    """One decoder layer; `kv_fn(k, v) -> (keys, values)` chooses what it attends to.
+
+    `lora` (this layer's bank slice and the row ids) adds each row's adapter term to the q, kv,
+    attention-output and MLP projections; None leaves the program exactly the adapter-free one.
+    """
     sin, cos = rope
     h, gate = rms_norm(spec, x, lp.attn_norm, cond)
     q = jnp.einsum("BTD,NDH->BTNH", h, lp.q.astype(h.dtype))
-    k, v = jnp.einsum("BSD,2KDH->2BSKH", h, lp.kv.astype(h.dtype))
+    kv = jnp.einsum("BSD,2KDH->2BSKH", h, lp.kv.astype(h.dtype))
+    if lora is not None:
+        q, kv = lora.add("q", q, h), lora.add("kv", kv, h)
+    k, v = kv
     q_norm, k_norm = getattr(lp, "q_norm", None), getattr(lp, "k_norm", None)
     if spec.qk_norm:
         if q_norm is None or k_norm is None:
@@ -461,9 +492,12 @@ def _block(spec: BackboneSpec, lp, x, cond, rope, mask, kv_fn: KVFn) -> jax.Arra
     k = apply_rope(k, sin, cos)
     keys, values = kv_fn(k, v)
     a = attention(q, keys, values, mask)
-    x = _residual(x, jnp.einsum("BTNH,NHD->BTD", a, lp.out.astype(a.dtype)), gate)
+    o = jnp.einsum("BTNH,NHD->BTD", a, lp.out.astype(a.dtype))
+    if lora is not None:
+        o = lora.add("out", o, a)
+    x = _residual(x, o, gate)
     h, gate = rms_norm(spec, x, lp.ffw_norm, cond)
-    return _residual(x, _mlp(spec, h, lp.gating, lp.linear), gate)
+    return _residual(x, _mlp(spec, h, lp.gating, lp.linear, lora), gate)
 
 
 def _rope_tables(spec: BackboneSpec, positions: jax.Array):
@@ -535,21 +569,31 @@ def forward_read(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache_
     return x
 
 
-def forward_write(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache_v, write_index, cond=None):
+def forward_write(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache_v, write_index, cond=None,
+                  lora: RowAdapters | None = None):
     """Writes the K/V of `x` into the cache, then attends to the whole cache.
 
     Args:
       x: [B, T, D]; positions: int [B, T] or [R, B, T]; mask: bool [B, T, S] over the cache slots
         (it must allow the slots being written, e.g. causally).
       cache_k, cache_v: [L, B, S, K, H].
-      write_index: int [B, T] cache slot for each new token; an index >= S drops that write.
+      write_index: int [B, T] cache slot for each new token; an index >= S drops that write (rows
+        that must not touch the cache).
+      lora: per-row adapters of this stack: `RowAdapters(bank, ids)` with bank leaves [L, A, ...]
+        and ids int32 [B] (0 = base weights, n = bank adapter n). Row b then runs with adapter
+        ids[b] on q, kv, attention output, gate/up and down; rows on id 0 get exactly (bit for
+        bit) the adapter-free result. None: the adapter-free program, unchanged.
     Returns:
       (hidden [B, T, D] before the final norm, (cache_k, cache_v) updated).
     """
     rope = _rope_tables(spec, positions)
     rows = jnp.arange(x.shape[0])[:, None]
+    if lora is not None:
+        check_bank_fits(lora.bank, layers)
+        if lora.ids.shape != (x.shape[0],):
+            raise ValueError(f"RowAdapters.ids must be [B] = ({x.shape[0]},), got {lora.ids.shape}")
 
-    def body(carry, lp, _, layer):
+    def body(carry, lp, bank_layer, layer):
         x, ck, cv = carry
         new = {}
 
@@ -559,10 +603,13 @@ def forward_write(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache
             new["v"] = cv.at[layer, rows, write_index].set(v.astype(cv.dtype), mode="drop")
             return new["k"][layer], new["v"][layer]
 
-        x = _block(spec, lp, x, cond, rope, mask, kv_fn)
+        row_lora = None if lora is None else LayerRows(bank_layer, lora.ids)
+        x = _block(spec, lp, x, cond, rope, mask, kv_fn, row_lora)
         return (x, new["k"], new["v"]), None
 
-    (x, cache_k, cache_v), _ = scan_layers(body, (x, cache_k, cache_v), layers)
+    # The bank travels with the layer loop: its leaves are [L, A, ...], sliced per layer.
+    extra = None if lora is None else lora.bank.adapters
+    (x, cache_k, cache_v), _ = scan_layers(body, (x, cache_k, cache_v), layers, extra)
     return x, (cache_k, cache_v)
 
 

@@ -10,8 +10,9 @@ A slot's sequence is a copy of one observation's prefix followed by its own suff
       mask = the prefix's own     True for the suffix entries written so far
       validity mask (masked cameras and prompt padding stay invisible)
 
-RoPE position of suffix entry j is `base_position + j`, with base_position = number of valid
-prefix tokens, so text continues right after the last valid prefix token for any mask pattern.
+RoPE position of suffix entry j is `base_position + j`, with base_position = the prefix's
+`next_position` (the number of valid prefix tokens for π0.5), so text continues right after the
+last valid prefix token for any mask pattern.
 
 Token 0 of a request is sampled at admission from the last valid prefix row (or from the last
 request-prompt token); each decode step feeds the last sampled token and samples the next. A
@@ -34,11 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import gemma
+from oxygen_jax import backbone
+from oxygen_jax.backbone import pi05_spec
 from oxygen_jax.config import EOS_ID
 from oxygen_jax.kv_cache import PrefixCache
 from oxygen_jax.lora import LoraBank, RowAdapters
-from oxygen_jax.model import embed_tokens, lm_logits_vocab_major
+from oxygen_jax.model import embed_tokens, final_norm, lm_logits_vocab_major
 from oxygen_jax.params import Params
 from oxygen_jax.sampling import sample_tokens
 
@@ -241,7 +243,7 @@ def _sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Arra
 
 
 def _row_adapters(bank, ids):
-    """`gemma.forward_write`'s per-row LoRA argument, or None (the adapter-free program) without a bank."""
+    """`backbone.forward_write`'s per-row LoRA argument, or None (the adapter-free program) without a bank."""
     return None if bank is None else RowAdapters(bank, ids)
 
 
@@ -271,11 +273,12 @@ def suffix_forward(params: Params, prefix: PrefixCache, rows: jax.Array, tokens:
     mask = jnp.concatenate(
         [jnp.broadcast_to(prefix.mask[rows][:, None, :], (j, q_cap, p)), jnp.broadcast_to(causal, (j, q_cap, q_cap))], -1
     )
-    positions = prefix.num_valid[rows][:, None] + steps[None]
+    positions = prefix.next_position[rows][:, None] + steps[None]
     x = embed_tokens(params, tokens).astype(params.config.jnp_dtype)
     write = jnp.broadcast_to(p + steps, (j, q_cap))
     lora = _row_adapters(bank, jnp.zeros((j,), jnp.int32) if adapter is None else adapter)
-    h, (ck, cv) = gemma.forward_write(params.vlm.layers, x, positions, mask, ck, cv, write, lora=lora)
+    h, (ck, cv) = backbone.forward_write(pi05_spec(params.config), params.vlm.layers, x, positions, mask, ck, cv, write,
+                                         lora=lora)
     return ck, cv, h
 
 
@@ -287,7 +290,7 @@ def _extend_with_prompts(params: Params, prefix: PrefixCache, req: Requests, q_c
     ck, cv, h = suffix_forward(params, prefix, req.row, req.prompt, bank, req.adapter)
     last = jnp.clip(req.prompt_len - 1, 0, q_cap - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
-    h_last, _ = gemma.rms_norm(h_last, params.vlm.final_norm)
+    h_last = final_norm(params, h_last)
     seed = jnp.where((req.prompt_len > 0)[:, None], h_last[:, 0], seed_prefix)
     return ck, cv, seed
 
@@ -324,7 +327,7 @@ def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests,
         k=pool.k.at[:, slot, : ck.shape[2]].set(ck.astype(pool.k.dtype), mode="drop"),
         v=pool.v.at[:, slot, : cv.shape[2]].set(cv.astype(pool.v.dtype), mode="drop"),
         mask=put(pool.mask, row_mask),
-        base_position=put(pool.base_position, prefix.num_valid[req.row]),
+        base_position=put(pool.base_position, prefix.next_position[req.row]),
         length=put(pool.length, req.prompt_len),
         last_token=put(pool.last_token, token0),
         num_generated=put(pool.num_generated, jnp.ones_like(token0)),
@@ -371,9 +374,9 @@ def step_logits(params: Params, pool: DecodePool, bank: LoraBank | None = None) 
     positions = (pool.base_position + pool.length)[:, None]
     attend = pool.mask | (jnp.arange(cap)[None, :] == write[:, None])
     write_index = jnp.where(pool.active, write, cap)[:, None]
-    h, (k, v) = gemma.forward_write(params.vlm.layers, x, positions, attend[:, None, :], pool.k, pool.v, write_index,
-                                    lora=_row_adapters(bank, pool.adapter))
-    h, _ = gemma.rms_norm(h, params.vlm.final_norm)
+    h, (k, v) = backbone.forward_write(pi05_spec(params.config), params.vlm.layers, x, positions, attend[:, None, :],
+                                       pool.k, pool.v, write_index, lora=_row_adapters(bank, pool.adapter))
+    h = final_norm(params, h)
     return dataclasses.replace(pool, k=k, v=v), lm_logits_vocab_major(params, h[:, 0])
 
 

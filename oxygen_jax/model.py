@@ -10,7 +10,11 @@ Sequence layout and attention (openpi π0.5, with padding cameras dropped rather
             (prompt tokens are causal instead when config.prompt_attention == "causal")
     suffix  [Ha noisy-action tokens]                  expert 1, sees every valid prefix token and
                                                       the whole suffix; prefix never sees suffix
-    positions: prefix cumsum(mask) - 1; suffix num_valid + [0, Ha)
+    positions: prefix cumsum(mask) - 1; suffix next_position (= num_valid) + [0, Ha)
+
+Both experts run on the one transformer implementation, `backbone`, as instances of its spec:
+`pi05_spec(config, "vlm")` (with the embedder and tied head, `vlm_decoder`) and
+`pi05_spec(config, "action_expert")` (a bare stack with adaRMSNorm).
 
 Flow matching: t = 1 is noise, t = 0 is data; `denoise` runs `num_steps` Euler steps with
 dt = -1/num_steps on a read-only prefix cache.
@@ -19,12 +23,12 @@ dt = -1/num_steps on a read-only prefix cache.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax import gemma, siglip
+from oxygen_jax import backbone, siglip
+from oxygen_jax.backbone import Decoder, pi05_spec
 from oxygen_jax.kv_cache import PrefixCache
 from oxygen_jax.masks import last_valid_index, make_attn_mask, positions_from_mask
 from oxygen_jax.observation import Observation, validate_observation
@@ -35,15 +39,23 @@ def _dense(d: Dense, x: jax.Array) -> jax.Array:
     return x @ d.kernel.astype(x.dtype) + d.bias.astype(x.dtype)
 
 
+def vlm_decoder(params: Params) -> Decoder:
+    """The VLM expert with the embedder and the tied head as a `backbone.Decoder` (the same arrays, no copy).
+
+    Run it with `pi05_spec(params.config)`; the action expert is a bare stack
+    (`params.action_expert.layers` with `pi05_spec(params.config, "action_expert")`).
+    """
+    return Decoder(embedding=params.embedding, layers=params.vlm.layers, final_norm=params.vlm.final_norm)
+
+
 def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
-    """Token embeddings scaled by sqrt(D) (the factor rounded to the table dtype first)."""
-    table = params.embedding
-    return table[tokens] * jnp.asarray(math.sqrt(table.shape[-1]), table.dtype)
+    """Token embeddings [..., D] scaled by sqrt(D) (the factor rounded to the table dtype first)."""
+    return backbone.embed_tokens(pi05_spec(params.config), vlm_decoder(params), tokens)
 
 
 def lm_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """Tied LM head: final-normed hidden [..., D] -> float32 logits [..., V]."""
-    return jnp.einsum("...D,VD->...V", hidden, params.embedding.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return backbone.lm_logits(pi05_spec(params.config), vlm_decoder(params), hidden)
 
 
 def lm_logits_vocab_major(params: Params, hidden: jax.Array) -> jax.Array:
@@ -52,7 +64,12 @@ def lm_logits_vocab_major(params: Params, hidden: jax.Array) -> jax.Array:
     Same values as `lm_logits(...).T`; this contraction order is the fast one on XLA's CPU backend
     for decode batches (see `sampling`).
     """
-    return jnp.einsum("VD,BD->VB", params.embedding.astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)
+    return backbone.lm_logits_vocab_major(pi05_spec(params.config), vlm_decoder(params), hidden)
+
+
+def final_norm(params: Params, hidden: jax.Array) -> jax.Array:
+    """The VLM expert's final RMSNorm: [..., D] -> [..., D] (what the LM head reads)."""
+    return backbone.final_norm(pi05_spec(params.config), vlm_decoder(params), hidden)
 
 
 def embed_prefix(params: Params, obs: Observation) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -85,7 +102,7 @@ def prefix_forward(params: Params, obs: Observation) -> dict[str, jax.Array]:
     tokens, input_mask, ar = embed_prefix(params, obs)
     positions = positions_from_mask(input_mask)
     mask = make_attn_mask(input_mask, ar)
-    hidden, (k, v) = gemma.forward_prefill(params.vlm.layers, tokens, positions, mask)
+    hidden, (k, v) = backbone.forward_prefill(pi05_spec(params.config), params.vlm.layers, tokens, positions, mask)
     return dict(tokens=tokens, input_mask=input_mask, ar=ar, positions=positions, hidden=hidden, k=k, v=v)
 
 
@@ -102,7 +119,7 @@ def prefill(params: Params, observation: Observation) -> PrefixCache:
     out = prefix_forward(params, observation)
     last = last_valid_index(out["input_mask"])
     h_last = jnp.take_along_axis(out["hidden"], last[:, None, None], axis=1)
-    h_last, _ = gemma.rms_norm(h_last, params.vlm.final_norm)
+    h_last = final_norm(params, h_last)
     return PrefixCache(
         k=out["k"], v=out["v"], mask=out["input_mask"], positions=out["positions"], last_hidden=h_last[:, 0]
     )
@@ -144,12 +161,13 @@ def velocity(params: Params, cache: PrefixCache, x_t: jax.Array, t: jax.Array) -
     b, ha = x_t.shape[:2]
     cond = time_condition(params, t)
     x = _dense(params.action_in, x_t.astype(dt))
-    positions = cache.num_valid[:, None] + jnp.arange(ha, dtype=jnp.int32)[None]
+    positions = cache.next_position[:, None] + jnp.arange(ha, dtype=jnp.int32)[None]
     suffix_ar = jnp.arange(ha) == 0  # one block: bidirectional inside the chunk
     suffix_mask = make_attn_mask(jnp.ones((b, ha), bool), suffix_ar)
     mask = jnp.concatenate([jnp.broadcast_to(cache.mask[:, None, :], (b, ha, cache.length)), suffix_mask], axis=-1)
-    h = gemma.forward_read(params.action_expert.layers, x, positions, mask, cache.k, cache.v, cond)
-    h, _ = gemma.rms_norm(h, params.action_expert.final_norm, cond)
+    spec = pi05_spec(params.config, "action_expert")
+    h = backbone.forward_read(spec, params.action_expert.layers, x, positions, mask, cache.k, cache.v, cond)
+    h, _ = backbone.rms_norm(spec, h, params.action_expert.final_norm, cond)
     return _dense(params.action_out, h).astype(jnp.float32)
 
 

@@ -13,7 +13,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import shared_dir
-from oxygen_jax import checkpoint, gemma, lora
+from oxygen_jax import backbone as bb
+from oxygen_jax import checkpoint, lora
+from oxygen_jax.config import model_config
 from oxygen_jax.params import OPENPI_PATHS, to_openpi_dict, unstack_layers
 
 
@@ -150,7 +152,13 @@ def _write_inputs(cfg, batch=3, steps=2, slots=9, seed=0):
     return jax.device_put((x, positions, mask, cache[0], cache[1], write))
 
 
-_forward_write = jax.jit(gemma.forward_write)
+_CFG = model_config("tiny")  # the config of conftest's `tiny_params`
+_jit_write = jax.jit(bb.forward_write)
+
+
+def _forward_write(layers, *args, lora=None):
+    """π0.5's VLM expert stack (`pi05_spec`) writing its K/V; one compiled program per argument structure."""
+    return _jit_write(bb.pi05_spec(_CFG), layers, *args, lora=lora)
 
 
 @pytest.fixture(scope="module")
@@ -188,13 +196,17 @@ def test_zero_initialised_adapter_is_bit_identical_to_no_lora(tiny_params):
 
 
 def test_only_forward_write_takes_adapters_and_a_misfit_bank_is_refused(tiny_params):
-    assert "lora" in inspect.signature(gemma.forward_write).parameters
-    for fn in (gemma.forward_prefill, gemma.forward_read):  # the prefix cache and actions cannot see LoRA
+    assert "lora" in inspect.signature(bb.forward_write).parameters
+    for fn in (bb.forward_prefill, bb.forward_read, bb.prefill):  # the prefix cache and actions cannot see LoRA
         assert "lora" not in inspect.signature(fn).parameters
     misfit = lora.init_bank(tiny_params.config.action_expert, 1, rank=2)
     args = _write_inputs(tiny_params.config)
+    spec = bb.pi05_spec(tiny_params.config)
     with pytest.raises(ValueError, match="does not fit the expert's layers"):
-        gemma.forward_write(tiny_params.vlm.layers, *args, lora=lora.RowAdapters(misfit, jnp.zeros((3,), jnp.int32)))
+        bb.forward_write(spec, tiny_params.vlm.layers, *args, lora=lora.RowAdapters(misfit, jnp.zeros((3,), jnp.int32)))
+    bank = lora.init_bank(tiny_params.config, 1, rank=2)
+    with pytest.raises(ValueError, match=r"RowAdapters.ids must be \[B\]"):
+        bb.forward_write(spec, tiny_params.vlm.layers, *args, lora=lora.RowAdapters(bank, jnp.zeros((2,), jnp.int32)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from helpers import make_obs
-from oxygen_jax import gemma, model, siglip
+from oxygen_jax import backbone as bb
+from oxygen_jax import model, siglip
 from oxygen_jax.config import model_config
+from oxygen_jax.kv_cache import PrefixCache
 from oxygen_jax.masks import last_valid_index, make_attn_mask, positions_from_mask
 from oxygen_jax.observation import Observation, validate_observation
 from oxygen_jax.params import RMSNorm, AdaRMSNorm, Dense, abstract_params, param_count
@@ -47,14 +49,26 @@ def test_positions_skip_invalid_tokens_and_last_valid_index_handles_gaps():
     assert int(last_valid_index(mask)[0]) == 5  # not sum(mask) - 1 == 3
 
 
-# --- RoPE, norms, attention ------------------------------------------------------------------
+# --- RoPE, norms, attention (backbone's, with π0.5's spec) ------------------------------------
+
+_PI05 = bb.pi05_spec(model_config("tiny"))
+
+
+def _rope(x, positions):
+    """π0.5's RoPE of x [B, T, N, H] at int positions [B, T]."""
+    radians = bb.rope_angles(_PI05.rope, positions, x.shape[-1])[..., None, :]
+    return bb.apply_rope(x, jnp.sin(radians), jnp.cos(radians))
+
+
+def _rms_norm(x, norm, cond=None):
+    return bb.rms_norm(_PI05, x, norm, cond)
 
 
 def test_rope_matches_angle_formula_half_split():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1, 5, 2, 8)).astype(np.float32)
     pos = np.array([[0, 1, 7, 30, 500]])
-    got = np.asarray(gemma.apply_rope(jnp.asarray(x), jnp.asarray(pos)))
+    got = np.asarray(_rope(jnp.asarray(x), jnp.asarray(pos)))
     for t in range(5):
         for i in range(4):
             a = pos[0, t] / 10000 ** (2 * i / 8)
@@ -67,7 +81,7 @@ def test_rope_scores_depend_only_on_relative_position():
     rng = np.random.default_rng(1)
     q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32) for _ in range(2))
     score = lambda pq, pk: float(  # noqa: E731
-        jnp.sum(gemma.apply_rope(q, jnp.array([[pq]])) * gemma.apply_rope(k, jnp.array([[pk]])))
+        jnp.sum(_rope(q, jnp.array([[pq]])) * _rope(k, jnp.array([[pk]])))
     )
     assert score(10, 3) == pytest.approx(score(107, 100), abs=1e-4)
 
@@ -75,7 +89,7 @@ def test_rope_scores_depend_only_on_relative_position():
 def test_rms_norm_plain_uses_one_plus_scale():
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 8)), jnp.float32)
     scale = jnp.linspace(-0.5, 0.5, 8)
-    got, gate = gemma.rms_norm(x, RMSNorm(scale=scale))
+    got, gate = _rms_norm(x, RMSNorm(scale=scale))
     xn = np.asarray(x) / np.sqrt(np.mean(np.asarray(x) ** 2, -1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(got, xn * (1 + np.asarray(scale)), rtol=1e-5, atol=1e-6)
     assert gate is None
@@ -86,7 +100,7 @@ def test_ada_rms_norm_splits_scale_shift_gate_in_that_order():
     x = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
     cond = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
     kern, bias = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((5, 12), (12,)))
-    got, gate = gemma.rms_norm(x, AdaRMSNorm(modulation=Dense(kernel=kern, bias=bias)), cond)
+    got, gate = _rms_norm(x, AdaRMSNorm(modulation=Dense(kernel=kern, bias=bias)), cond)
     mod = np.asarray(cond) @ np.asarray(kern) + np.asarray(bias)
     xn = np.asarray(x) / np.sqrt(np.mean(np.asarray(x) ** 2, -1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(got, xn * (1 + mod[:, None, :4]) + mod[:, None, 4:8], rtol=1e-5, atol=1e-5)
@@ -101,7 +115,7 @@ def test_grouped_query_attention_matches_per_head_reference(kv_heads):
     k, v = (rng.normal(size=(b, s, kv_heads, h)).astype(np.float32) for _ in range(2))
     mask = rng.uniform(size=(b, t, s)) > 0.3
     mask[..., 0] = True
-    got = np.asarray(gemma.attention(*(jnp.asarray(a) for a in (q, k, v, mask))))
+    got = np.asarray(bb.attention(*(jnp.asarray(a) for a in (q, k, v, mask))))
     for bi in range(b):
         for head in range(n):
             kvh = head // (n // kv_heads)
@@ -124,9 +138,9 @@ class PureFunctionsAgreeWithAndWithoutJit(chex.TestCase):
         pos = positions_from_mask(input_mask)[:, 2:]
 
         def layer(q, k, v, mask, pos):
-            qr = gemma.apply_rope(q, pos)
-            out = gemma.attention(qr, k, v, mask)
-            normed, _ = gemma.rms_norm(out.reshape(2, 3, 32), RMSNorm(scale=jnp.full((32,), 0.1)))
+            qr = _rope(q, pos)
+            out = bb.attention(qr, k, v, mask)
+            normed, _ = _rms_norm(out.reshape(2, 3, 32), RMSNorm(scale=jnp.full((32,), 0.1)))
             return out, normed
 
         out, normed = self.variant(layer)(q, k, v, mask, pos)
@@ -141,7 +155,7 @@ def test_attention_rejects_mask_of_wrong_shape():
     q = jnp.zeros((1, 2, 2, 4))
     k = jnp.zeros((1, 3, 1, 4))
     with pytest.raises(ValueError, match="mask must be"):
-        gemma.attention(q, k, k, jnp.ones((1, 2, 2), bool))
+        bb.attention(q, k, k, jnp.ones((1, 2, 2), bool))
 
 
 def test_siglip_patch_embedding_equals_strided_convolution(tiny_params):
@@ -173,6 +187,26 @@ def test_prefill_then_cached_velocity_equals_joint_forward(tiny_params, prompt_a
         _, out = joint_forward(params, [tokens[b], suffix[b]], full_mask, full_ar, cond[b])
         ref = out @ np.asarray(params.action_out.kernel) + np.asarray(params.action_out.bias)
         np.testing.assert_allclose(fast[b], ref, rtol=2e-4, atol=2e-4)
+
+
+def test_next_position_is_the_largest_valid_position_plus_one_on_any_rope_axis():
+    """π0.5 / text prefixes (positions cumsum(mask) - 1): next_position == num_valid for any mask. An
+    M-RoPE prefix, whose image tokens share positions, continues after its largest valid position."""
+    mask = jnp.asarray([[1, 1, 0, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], bool)
+    kv, hidden = jnp.zeros((1, 3, 6, 1, 2)), jnp.zeros((3, 4))
+    text = PrefixCache(k=kv, v=kv, mask=mask, positions=positions_from_mask(mask), last_hidden=hidden)
+    np.testing.assert_array_equal(text.next_position, text.num_valid)
+    np.testing.assert_array_equal(text.next_position, [3, 4, 0])
+    # Row 0: text 0, a 2x2 image at t = 1 (h, w in 1..2), text 3. Row 1: its first five tokens,
+    # left-padded; the padding slot holds a position (99) that must not count.
+    t, h, w = [0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]
+    pad = lambda a: [99] + a[:-1]  # noqa: E731
+    positions = jnp.asarray([[t, pad(t)], [h, pad(h)], [w, pad(w)]], jnp.int32)  # [R, B, P]
+    mrope = PrefixCache(k=kv[:, :2], v=kv[:, :2], mask=jnp.asarray([[True] * 6, [False] + [True] * 5]),
+                        positions=positions, last_hidden=hidden[:2])
+    np.testing.assert_array_equal(mrope.next_position, [4, 3])  # < num_valid = [6, 5]
+    chex.assert_shape(mrope.row(1).positions, (3, 1, 6))
+    np.testing.assert_array_equal(mrope.row(1).next_position, [3])
 
 
 def test_loss_is_mean_squared_velocity_error(tiny_params):

@@ -164,3 +164,28 @@ def test_manifest_of_full_size_pi05_maps_exactly():
         pytest.skip(f"../shared fixtures not present: {path}")
     assert parity.main(["--manifest", str(path)]) == 0
     assert parity.main(["--manifest", str(path.with_name("pi05_lora_param_manifest.json"))]) == 0
+
+
+def test_the_parity_command_picks_the_comparison_by_fixture_kind(tmp_path, monkeypatch, capsys):
+    """An HF Qwen3 checkpoint directory (written here, so it is one no test has seen) runs
+    `eval.parity_hf`; an openpi layout runs the openpi checks; anything else is refused by name."""
+    from eval import parity_hf
+    from oxygen_jax import backbone as bb
+    from oxygen_jax import hf_checkpoint
+
+    spec = bb.preset("qwen3_tiny")
+    hf = tmp_path / "some_qwen3"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(hf_checkpoint.config_from_spec(spec)))
+    hf_checkpoint.write_safetensors(hf / "model.safetensors", hf_checkpoint.to_hf(spec, bb.init_decoder(spec)))
+    openpi = tmp_path / "some_pi05"
+    (openpi / "train_checkpoint" / "7" / "params").mkdir(parents=True)
+    calls = []
+    monkeypatch.setattr(parity_hf, "main", lambda argv: calls.append(("hf", argv)) or 0)
+    monkeypatch.setattr(parity, "run_fixture", lambda path: calls.append(("openpi", path)) or [])
+    assert parity.main([str(hf)]) == 0 and parity.main([str(openpi)]) == 0
+    assert calls == [("hf", [str(hf)]), ("openpi", openpi)]
+    (tmp_path / "neither").mkdir()
+    with pytest.raises(SystemExit):
+        parity.main([str(tmp_path / "neither")])
+    assert "neither an openpi fixture" in capsys.readouterr().err
