@@ -180,7 +180,8 @@ def _check_model(chk: _Checker, params, ref, obs: Observation):
     if "step1/velocity_t1" in ref:
         ones = jnp.ones((b,), jnp.float32)
         chk.close("step1/velocity_t1", jax.jit(model.velocity)(params, cache, noise, ones), ref["step1/velocity_t1"], "actions")
-        chk.exact("step1/suffix_positions", cache.next_position[:, None] + jnp.arange(ha), ref["step1/suffix_positions"])
+        suffix_positions = cache.next_position[:, None] + jnp.arange(ha)
+        chk.exact("step1/suffix_positions", suffix_positions, ref["step1/suffix_positions"])
         chk.close("step1/adarms_cond_t1", jax.jit(model.time_condition)(params, ones), ref["step1/adarms_cond_t1"], "actions")
         chk.close(
             "step1/suffix_tokens_t1", model._dense(params.action_in, noise), ref["step1/suffix_tokens_t1"], "actions"
@@ -332,7 +333,8 @@ def _check_text(chk: _Checker, params, text, obs: Observation, noise):
         chk.close(f"{name}/logits", logits, text[f"{name}/logits"], "logits")
         chk.exact(f"{name}/seed_index", last_valid_index(cache.mask), text[f"{name}/seed_index"])
         chk.exact(f"{name}/prefill_len", cache.num_valid, text[f"{name}/prefill_len"])
-        chk.exact(f"{name}/decode_positions", cache.next_position[:, None] + jnp.arange(n), text[f"{name}/decode_positions"])
+        decode_positions = cache.next_position[:, None] + jnp.arange(n)
+        chk.exact(f"{name}/decode_positions", decode_positions, text[f"{name}/decode_positions"])
         chk.exact(f"{name}/prefix_positions", cache.positions, text[f"{name}/prefix_positions"])
         out = jax.jit(model.prefix_forward)(causal, o)
         normed = model.final_norm(causal, out["hidden"])
@@ -435,7 +437,8 @@ def main(argv=None) -> int:
         description="Compare oxygen_jax with openpi/OxyGen reference outputs, or check a parameter manifest.",
     )
     ap.add_argument("fixture", nargs="?", type=Path,
-                    help="fixture directory: openpi (params/, train_checkpoint/, reference.npz) or HF (config.json, safetensors, reference.npz)")
+                    help="fixture directory: openpi (params/, train_checkpoint/, reference.npz) or Hugging Face "
+                         "(config.json, safetensors, reference.npz)")
     ap.add_argument("--manifest", type=Path, help="parameter manifest JSON to check against the full-size pi05 tree")
     args = ap.parse_args(argv)
     if (args.fixture is None) == (args.manifest is None):
@@ -449,9 +452,9 @@ def main(argv=None) -> int:
     if parity_hf.is_hf_fixture(args.fixture):
         return parity_hf.main([str(args.fixture)])
     if not _is_openpi_fixture(args.fixture):
-        ap.error(f"{args.fixture}: neither an openpi fixture (params/ or train_checkpoint/<step>/params/ with reference.npz) "
-                 "nor an HF Qwen3 / Qwen3-VL checkpoint (config.json with model_type 'qwen3' or 'qwen3_vl', "
-                 "model.safetensors, reference.npz)")
+        ap.error(f"{args.fixture}: neither an openpi fixture (params/ or train_checkpoint/<step>/params/ with "
+                 "reference.npz) nor an HF Qwen3 / Qwen3-VL checkpoint (config.json with model_type 'qwen3' or "
+                 "'qwen3_vl', model.safetensors, reference.npz)")
     rows = run_fixture(args.fixture)
     print(format_table(rows))
     if (args.fixture / "reference_text_oxygen.npz").is_file():

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.config import ExpertConfig, ModelConfig, SiglipConfig
+from oxygen_jax.config import ExpertConfig, ModelConfig, PromptAttention, SiglipConfig
 from oxygen_jax.lora import LayerRows, RowAdapters, check_bank_fits
 from oxygen_jax.masks import make_attn_mask
 from oxygen_jax.params import AdaRMSNorm, ExpertLayers, RMSNorm, Unstacked, scan_layers
@@ -196,9 +196,12 @@ def _mrope_axis_map(section: tuple[int, ...], head_dim: int) -> np.ndarray:
     return axis
 
 
-def gemma_spec(expert: ExpertConfig, *, vocab_size: int, prefix_attention: Literal["bidirectional", "causal"] = "bidirectional",
+def gemma_spec(expert: ExpertConfig, *, vocab_size: int, prefix_attention: PromptAttention = "bidirectional",
                vision: SiglipConfig | None = None) -> BackboneSpec:
-    """π0.5's Gemma maths (geglu-tanh, `(1 + w)` norms, 1-D RoPE 1e4, sqrt(D) embeddings, tied head) at `expert`'s dims."""
+    """π0.5's Gemma maths at `expert`'s dims.
+
+    geglu-tanh MLP, `(1 + w)` RMSNorms, 1-D RoPE (theta 1e4), sqrt(D)-scaled embeddings, tied head.
+    """
     e = expert
     return BackboneSpec(
         family="gemma", width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
@@ -440,7 +443,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(b, t, n, h)
 
 
-def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array, lora: LayerRows | None = None) -> jax.Array:
+def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array, lora: LayerRows | None = None):
     """Gated MLP `(act(x W0) * (x W1)) W2` with gating = [W0; W1] of shape [2, D, F].
 
     Both branches run as one batched matmul over the leading 2: XLA's CPU backend lowers

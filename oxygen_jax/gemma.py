@@ -29,8 +29,9 @@ def expert_spec(layers: ExpertLayers | Unstacked) -> BackboneSpec:
     unstacked = isinstance(layers, Unstacked)
     lp = layers.layers[0] if unstacked else layers  # q [(L,) N, D, H], kv [(L,) 2, K, D, H], gating [(L,) 2, D, F]
     n, d, h = lp.q.shape[-3:]
-    expert = ExpertConfig(width=d, depth=len(layers.layers) if unstacked else lp.q.shape[0], mlp_dim=lp.gating.shape[-1],
-                          num_heads=n, num_kv_heads=lp.kv.shape[-3], head_dim=h)
+    depth = len(layers.layers) if unstacked else lp.q.shape[0]
+    expert = ExpertConfig(width=d, depth=depth, mlp_dim=lp.gating.shape[-1], num_heads=n, num_kv_heads=lp.kv.shape[-3],
+                          head_dim=h)
     return backbone.gemma_spec(expert, vocab_size=PALIGEMMA_VOCAB_SIZE)
 
 

@@ -32,11 +32,11 @@ def test_pi05_experts_are_instances_of_the_spec_and_gemma_adapter_reads_the_same
     assert (vlm.mlp, vlm.norm_plus_one, vlm.qk_norm, vlm.embed_scale, vlm.tie_embeddings) == ("geglu_tanh", True, False, True, True)
     assert vlm.vision == cfg.siglip and bb.pi05_spec(cfg, "action_expert").vision is None
     assert bb.pi05_spec(cfg.replace(prompt_attention="causal")).prefix_attention == "causal"
-    unstacked = [Unstacked(layers=tuple(_numpy_layers(e.layers, i) for i in range(cfg.vlm.depth))) for e in (p.vlm, p.action_expert)]
-    for name, layers in (("vlm", p.vlm.layers), ("action_expert", p.action_expert.layers), ("vlm", unstacked[0]),
-                         ("action_expert", unstacked[1])):
+    for name in ("vlm", "action_expert"):
+        stacked = getattr(p, name).layers
+        unstacked = Unstacked(layers=tuple(_numpy_layers(stacked, i) for i in range(cfg.vlm.depth)))
         want = bb.pi05_spec(cfg, name).replace(vocab_size=PALIGEMMA_VOCAB_SIZE, vision=None)
-        assert gemma.expert_spec(layers) == want
+        assert gemma.expert_spec(stacked) == want and gemma.expert_spec(unstacked) == want
     with pytest.raises(ValueError, match="expert must be 'vlm' or 'action_expert'"):
         bb.pi05_spec(cfg, "vision")
     converted = bb.from_expert_layers(p.vlm.layers)
