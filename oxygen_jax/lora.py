@@ -41,7 +41,7 @@ Pytrees (leaves are arrays; alpha and rslora are static):
   loop slices axis 0 (scan or unrolled), leaving [A, ...] per layer. Adapter id n in 1..A is bank
   index n - 1; id 0 means the base weights and is not stored, so a bank of A adapters serves the
   ids 0..A. Ids outside 0..A get the base weights.
-* `RowAdapters(bank, ids)` — the `lora` argument of `gemma.forward_write`: one adapter id per row.
+* `RowAdapters(bank, ids)` — the `lora` argument of `backbone.forward_write`: one adapter id per row.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _take_adapter(adapters: ExpertLora, index) -> ExpertLora:
 
 @_pytree
 class RowAdapters:
-    """Per-row adapters for `gemma.forward_write`.
+    """Per-row adapters for `backbone.forward_write`.
 
     Attributes:
       bank: the adapters of the expert being run (leaves [L, A, ...]).
@@ -565,11 +565,11 @@ def check_bank_fits(bank: LoraBank, layers: ExpertLayers | Unstacked) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-row application inside a layer (used by gemma.forward_write)
+# Per-row application inside a layer (used by backbone.forward_write)
 # ---------------------------------------------------------------------------------------------
 
 # (eqn x·A, eqn ·B, shape of the row selector given the number of rows R) per target; `x` is the
-# projection's input as `gemma` holds it.
+# projection's input as `backbone` holds it.
 _ROW_EQNS = {
     "q": ("BTD,NDr->BTNr", "BTNr,NrH->BTNH", lambda r: (r, 1, 1, 1)),
     "kv": ("BSD,CKDr->CBSKr", "CBSKr,CKrH->CBSKH", lambda r: (1, r, 1, 1, 1)),

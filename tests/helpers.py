@@ -67,7 +67,7 @@ def recompute_greedy(params, obs, num_tokens: int, row: int = 0, prompt=()):
     [prefix | request prompt | generated] through the VLM expert. Returns (tokens, logits [n, V])."""
     import jax.numpy as jnp
 
-    from oxygen_jax import gemma, model
+    from oxygen_jax import backbone, model
     from oxygen_jax.masks import make_attn_mask, positions_from_mask
 
     tokens, input_mask, ar = model.embed_prefix(params, obs)
@@ -82,9 +82,10 @@ def recompute_greedy(params, obs, num_tokens: int, row: int = 0, prompt=()):
             seq_ar = jnp.concatenate([ar, jnp.ones(len(tail), bool)])
         else:
             seq, mask, seq_ar = tokens, input_mask, ar
-        h, _ = gemma.forward_prefill(params.vlm.layers, seq, positions_from_mask(mask), make_attn_mask(mask, seq_ar))
+        spec = backbone.pi05_spec(params.config)
+        h, _ = backbone.forward_prefill(spec, params.vlm.layers, seq, positions_from_mask(mask), make_attn_mask(mask, seq_ar))
         last = int(np.flatnonzero(np.asarray(mask[0]))[-1])
-        hn, _ = gemma.rms_norm(h[:, last:last + 1], params.vlm.final_norm)
+        hn = model.final_norm(params, h[:, last:last + 1])
         logits = np.asarray(model.lm_logits(params, hn[:, 0]))[0]
         logits_all.append(logits)
         out.append(int(np.argmax(logits)))
