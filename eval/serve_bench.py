@@ -1,12 +1,15 @@
 """Serving benchmark: R robots on one policy server, batched versus one robot at a time.
 
     python -m eval.serve_bench --preset tiny --robots 1 2 4 8 --out eval/results/serve_tiny
-    python -m eval.serve_bench --preset bench --robots 1 4 --frames 4 --warmup-frames 2 --out eval/results/serve_bench
+    python -m eval.serve_bench --preset bench --robots 1 2 4 --frames 4 --warmup-frames 2 --repeats 1 \
+        --out eval/results/serve_bench
 
-For each mode the benchmark starts `python -m oxygen_jax.serve` in its own process (same model, same
-flags, a shared persistent compilation cache), waits for /healthz, and for each R runs R robot clients
+Each mode gets its own `python -m oxygen_jax.serve` process (same model, same flags, a shared persistent
+compilation cache), all started before measuring; then `--repeats` rounds alternate between the modes
+for every R (so both see the same machine-load drift; rounds are pooled), each running R robot clients
 (threads speaking openpi's protocol) in lock step: send a LIBERO observation, wait for the chunk, send
-the next (no think time: the most a server can deliver). Every measured frame carries one language
+the next (no think time: the most a server can deliver), measured over the window in which all R are
+active. Every measured frame carries one language
 request ("Subtask: ", fixed length) while the robot has fewer than `--max-live` of its own in flight.
 
     batched   --batch-sizes 1,2,4,8   waiting robots share one prefill + denoise (and the decode pool)
@@ -74,22 +77,26 @@ def libero_observation(robot: int, image_size: int = 224) -> dict:
 
 
 def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, max_tokens: int = 8,
-               max_live: int = 2, deadline_ms: float = 60_000.0, timeout_s: float = 600.0) -> dict:
-    """Runs `robots` lock-step clients against a server; returns per-frame records and the wall time.
+               max_live: int = 2, deadline_ms: float = 10_000.0, timeout_s: float = 600.0) -> dict:
+    """Runs `robots` lock-step clients against a server; returns the frames of the common measuring window.
 
-    Each robot sends `warmup_frames` unmeasured frames, waits for the others, then `frames` measured
-    frames, each with one fixed-length language request while it has fewer than `max_live` in flight.
+    Each robot sends `warmup_frames` unmeasured frames, then `frames` measured frames, each with one
+    fixed-length language request while it has fewer than `max_live` in flight. Robots never wait for
+    each other (a robot blocked outside the protocol would look like a slow robot to the batcher); the
+    window runs from the last robot's first measured send to the first robot's last measured reply,
+    so every robot is active throughout it.
 
     Returns:
       {"frames": [{"robot", "rtt_ms", "step_ms", "queue_ms", "batch", "bucket", "t_recv"}], "finished":
-       [{"robot", "tokens", "t_recv"}], "wall_s", "action_horizon", "errors": [str]}.
+       [{"robot", "tokens", "t_recv"}] (both inside the window), "wall_s" (the window), "action_horizon",
+       "errors": [str]}.
     """
     from websockets.sync.client import connect
 
     from oxygen_jax import wire
 
-    barrier, lock = threading.Barrier(robots), threading.Lock()
-    records, finished, errors, horizon, start = [], [], [], [0], [math.inf]
+    lock = threading.Lock()
+    records, finished, errors, horizon, first_send, last_recv = [], [], [], [0], {}, {}
 
     def robot(r: int) -> None:
         try:
@@ -99,10 +106,6 @@ def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, ma
                 obs = {**libero_observation(r), "deadline_ms": deadline_ms}
                 live = set()
                 for i in range(warmup_frames + frames):
-                    if i == warmup_frames:
-                        barrier.wait(timeout_s)
-                        with lock:
-                            start[0] = min(start[0], time.perf_counter())
                     measured = i >= warmup_frames
                     msg = dict(obs)
                     if measured and len(live) < max_live:
@@ -122,6 +125,8 @@ def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, ma
                         continue
                     timing = reply["server_timing"]
                     with lock:
+                        first_send.setdefault(r, t0)
+                        last_recv[r] = t1
                         records.append({"robot": r, "rtt_ms": (t1 - t0) * 1e3, "step_ms": timing["infer_ms"],
                                         "queue_ms": timing["queue_ms"], "batch": timing["batch"],
                                         "bucket": timing["bucket"], "t_recv": t1})
@@ -129,15 +134,20 @@ def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, ma
                                         for f in lang["finished"])
         except Exception as e:  # noqa: BLE001 - reported with the results
             errors.append(f"robot {r}: {type(e).__name__}: {e}")
-            barrier.abort()
 
     threads = [threading.Thread(target=robot, args=(r,), daemon=True) for r in range(robots)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout_s)
-    end = max((rec["t_recv"] for rec in records), default=start[0])
-    return {"frames": records, "finished": finished, "wall_s": end - start[0] if records else math.nan,
+    if len(first_send) < robots:
+        return {"frames": [], "finished": [], "wall_s": math.nan, "action_horizon": horizon[0],
+                "errors": errors or ["a robot measured no frame"]}
+    start, end = max(first_send.values()), min(last_recv.values())
+    if end <= start:  # robots never overlapped: measure the whole span instead
+        start, end = min(first_send.values()), max(last_recv.values())
+    inside = [f for f in records if start < f["t_recv"] <= end]
+    return {"frames": inside, "finished": [f for f in finished if start < f["t_recv"] <= end], "wall_s": end - start,
             "action_horizon": horizon[0], "errors": errors}
 
 
@@ -329,7 +339,7 @@ def environment(args: argparse.Namespace) -> dict:
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "command": " ".join(["python", "-m", "eval.serve_bench", *sys.argv[1:]]),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "frames": args.frames, "warmup_frames": args.warmup_frames, "steps": args.steps,
+        "frames": args.frames, "warmup_frames": args.warmup_frames, "repeats": args.repeats, "steps": args.steps,
         "tokens_per_frame": args.tokens_per_frame, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
     }
 
@@ -349,10 +359,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--frames", type=int, default=40, help="measured frames per robot")
     ap.add_argument("--warmup-frames", type=int, default=3, help="unmeasured frames per robot before timing")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every (mode, R), pooled")
     ap.add_argument("--steps", type=int, default=10, help="denoising steps")
     ap.add_argument("--tokens-per-frame", type=int, default=4, help="k")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per language request (fixed length)")
     ap.add_argument("--max-live", type=int, default=2, help="language requests in flight per robot")
+    ap.add_argument("--deadline-ms", type=float, default=10_000.0,
+                    help="deadline each robot declares (how long the batcher may wait for the others)")
     ap.add_argument("--slots", type=int, default=32, help="decode slots")
     ap.add_argument("--prompt-len", type=int, default=48, help="prompt tokens in the prefix")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -362,35 +375,50 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def merge(runs: Sequence[dict]) -> dict:
+    """Several `run_robots` results of one (mode, R) as one: frames pooled, wall times added."""
+    return {"frames": [f for r in runs for f in r["frames"]], "finished": [f for r in runs for f in r["finished"]],
+            "wall_s": sum(r["wall_s"] for r in runs), "action_horizon": runs[0]["action_horizon"],
+            "errors": [e for r in runs for e in r["errors"]]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if min(args.robots) < 1 or args.frames < 1 or args.warmup_frames < 0:
-        raise SystemExit("--robots, --frames must be >= 1 and --warmup-frames >= 0")
+    if min(args.robots) < 1 or args.frames < 1 or args.warmup_frames < 0 or args.repeats < 1:
+        raise SystemExit("--robots, --frames and --repeats must be >= 1 and --warmup-frames >= 0")
     args.out.mkdir(parents=True, exist_ok=True)
-    meta, records = environment(args), []
-    meta["server_commands"], meta["startup_s"] = {}, {}
-    for mode in args.modes:
-        port = _free_port()
-        cmd = server_command(args, mode, port)
-        meta["server_commands"][mode] = " ".join(["python", *cmd[1:]])
-        proc, ready_s = start_server(cmd, port, args.out / f"server_{mode}.log", args.startup_timeout)
-        meta["startup_s"][mode] = round(ready_s, 1)
-        print(f"{mode}: server ready in {ready_s:.1f} s", flush=True)
-        try:
+    meta = environment(args)
+    meta["server_commands"], meta["startup_s"], meta["server_exit_codes"] = {}, {}, {}
+    servers = {}
+    try:
+        for mode in args.modes:  # all servers up at once (idle ones cost nothing); runs alternate between them
+            port = _free_port()
+            cmd = server_command(args, mode, port)
+            meta["server_commands"][mode] = " ".join(["python", *cmd[1:]])
+            proc, ready_s = start_server(cmd, port, args.out / f"server_{mode}.log", args.startup_timeout)
+            servers[mode] = (proc, port)
+            meta["startup_s"][mode] = round(ready_s, 1)
+            print(f"{mode}: server ready in {ready_s:.1f} s", flush=True)
+        runs = {(mode, r): [] for mode in args.modes for r in args.robots}
+        for rep in range(args.repeats):
             for r in args.robots:
-                run = run_robots(f"ws://127.0.0.1:{port}", r, args.frames, warmup_frames=args.warmup_frames,
-                                 max_tokens=args.max_tokens, max_live=args.max_live)
-                if run["errors"]:
-                    raise RuntimeError("; ".join(run["errors"]))
-                rec = summarize(mode, r, run)
-                records.append(rec)
-                print(f"  R={r}: {rec['action_rate_total']:.1f} actions/s total, {rec['action_rate_per_robot']:.1f} "
-                      f"per robot, RTT p50 {rec['rtt_p50_ms']:.1f} ms, overhead p50 {rec['overhead_p50_ms']:.2f} ms, "
-                      f"mean batch {rec['mean_batch']:.2f}, {rec['tokens_per_s']:.0f} tokens/s", flush=True)
-        finally:
-            rc = stop_server(proc)
-            meta.setdefault("server_exit_codes", {})[mode] = rc
-    write_report(args.out, compare(records), meta)
+                for mode in args.modes if rep % 2 == 0 else args.modes[::-1]:  # the same load drift for both
+                    run = run_robots(f"ws://127.0.0.1:{servers[mode][1]}", r, args.frames,
+                                     warmup_frames=args.warmup_frames, max_tokens=args.max_tokens,
+                                     max_live=args.max_live, deadline_ms=args.deadline_ms)
+                    if run["errors"]:
+                        raise RuntimeError("; ".join(run["errors"]))
+                    runs[(mode, r)].append(run)
+                    rec = summarize(mode, r, run)
+                    print(f"  [{rep}] {mode} R={r}: {rec['action_rate_total']:.1f} actions/s total, "
+                          f"{rec['action_rate_per_robot']:.1f} per robot, RTT p50 {rec['rtt_p50_ms']:.1f} ms, "
+                          f"overhead p50 {rec['overhead_p50_ms']:.2f} ms, mean batch {rec['mean_batch']:.2f}, "
+                          f"{rec['tokens_per_s']:.0f} tokens/s", flush=True)
+    finally:
+        for mode, (proc, _) in servers.items():
+            meta["server_exit_codes"][mode] = stop_server(proc)
+    records = compare([summarize(mode, r, merge(rs)) for (mode, r), rs in runs.items()])
+    write_report(args.out, records, meta)
     print(f"wrote {args.out / 'report.md'}")
     return 0
 
