@@ -287,7 +287,6 @@ class PolicyServer:
         self._ws = None
         self._warm_task: asyncio.Task | None = None
         self._compiles_at_warm: int | None = None
-        self.warmup_error: BaseException | None = None
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -343,9 +342,8 @@ class PolicyServer:
                                                   self.norm_stats, default_prompt=self.config.default_prompt)
             await self.batcher.start(example)
             self._compiles_at_warm = self.worker.compiles
-        except Exception as e:  # noqa: BLE001 - reported by wait_ready / the CLI
+        except Exception:  # noqa: BLE001 - re-raised by wait_ready (the CLI reports it in one line)
             log.exception("warm-up failed")
-            self.warmup_error = e
             raise
 
     async def wait_ready(self) -> None:

@@ -110,7 +110,8 @@ class ScriptedEngine:
     """A model-free engine with `Engine`'s interface: actions echo the noise, and a step can be held.
 
     A language request finishes in the first step where its robot has a row, with `max_tokens` tokens
-    of id 5 and its prompt reversed as text. Clear `gate` to hold steps; `entered` is set on entry.
+    of id 5 and its prompt reversed as text. Clear `gate` to hold steps; `entered` is set on entry;
+    set `fail_next` to make the next step raise.
     """
 
     def __init__(self, step_s: float = 0.0, per_row_s: float = 0.0):
@@ -120,6 +121,7 @@ class ScriptedEngine:
         self.step_s, self.per_row_s = step_s, per_row_s
         self.gate, self.entered = threading.Event(), threading.Event()
         self.gate.set()
+        self.fail_next = False
         self._live: dict[int, tuple] = {}
         self._next, self._frame = 0, 0
 
@@ -148,6 +150,9 @@ class ScriptedEngine:
     def step(self, observation, noise, *, rows) -> StepResult:
         self.entered.set()
         self.gate.wait()
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("scripted engine failure")
         time.sleep(self.step_s + self.per_row_s * sum(r >= 0 for r in rows))
         finished = []
         for rid, (prompt, m, row, owner, t) in list(self._live.items()):
@@ -463,6 +468,27 @@ def test_oversize_frame_closes_1009_and_other_robots_continue():
         reply = wire.unpack(small.recv(timeout=10))
         np.testing.assert_array_equal(reply["actions"], frame_noise(SEED, meta["stream"], 0, HA, AD)[:, :7])
         small.close()
+    finally:
+        handle.stop()
+
+
+def test_an_engine_failure_sends_the_traceback_and_closes_1011_and_the_server_carries_on():
+    engine = ScriptedEngine()
+    handle = _scripted_server(engine)
+    try:
+        (ws, _), (other, _) = _raw(handle.port), _raw(handle.port)
+        engine.fail_next = True
+        ws.send(wire.pack(_sample(0)))
+        text = ws.recv(timeout=10)
+        assert isinstance(text, str) and "Traceback" in text and "scripted engine failure" in text
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+        assert closed.value.rcvd.code == 1011
+        other.send(wire.pack(_sample(1)))
+        assert wire.unpack(other.recv(timeout=10))["frame"] == 0
+        assert _http(handle.port, "/healthz")[0] == 200
+        assert _metrics(handle.port)["oxygen_frames_total{outcome=error}"] == 1
+        other.close()
     finally:
         handle.stop()
 
