@@ -420,12 +420,19 @@ class Batcher:
         self._wake.set()
 
     async def drain(self) -> None:
-        """Steps every frame already queued (without waiting for other robots), then stops the loop."""
+        """Steps every frame already queued (without waiting for other robots), then stops the loop.
+
+        Before warm-up has finished nothing can be stepped: queued frames fail with `Busy` ("unavailable").
+        """
         self._closing = True
-        if self._wake is not None:
-            self._wake.set()
-        if self._task is not None:
-            await self._task
+        if self._task is None:
+            for f in self._pending:
+                f.stream.busy = False
+                f.future.set_exception(Busy("unavailable: the server is shutting down before it was ready"))
+            self._pending = []
+            return
+        self._wake.set()
+        await self._task
 
     # -- streams and frames ---------------------------------------------------------------------
 

@@ -467,7 +467,11 @@ class PolicyServer:
             return str(e)
         finally:
             self._preparing -= 1
-        result: FrameResult = await frame.future
+        try:
+            result: FrameResult = await frame.future
+        except Busy as e:  # shut down before warm-up finished
+            self.metrics.frames.labels("unavailable").inc()
+            return str(e)
         if result.error is not None:
             self.metrics.frames.labels("bad_request").inc()
             return result.error
