@@ -472,6 +472,34 @@ def test_oversize_frame_closes_1009_and_other_robots_continue():
         handle.stop()
 
 
+def test_a_full_queue_answers_busy_and_the_robot_can_retry():
+    engine = ScriptedEngine()
+    handle = _scripted_server(engine, max_pending=1)
+    try:
+        engine.gate.clear()
+        engine.entered.clear()
+        (a, _), (b, _), (c, _) = _raw(handle.port), _raw(handle.port), _raw(handle.port)
+        a.send(wire.pack(_sample(0)))
+        assert engine.entered.wait(30)  # a is in the step, b fills the queue
+        b.send(wire.pack(_sample(1)))
+        for _ in range(1000):
+            if handle.server.batcher.queue_depth == 1:
+                break
+            time.sleep(0.01)
+        c.send(wire.pack(_sample(2)))
+        assert c.recv(timeout=10).startswith("busy: ")
+        engine.gate.set()
+        assert all(isinstance(ws.recv(timeout=10), bytes) for ws in (a, b))
+        c.send(wire.pack(_sample(2)))  # retry on the same connection
+        assert wire.unpack(c.recv(timeout=10))["actions"].shape == (HA, 7)
+        assert _metrics(handle.port)["oxygen_frames_total{outcome=busy}"] == 1
+        for ws in (a, b, c):
+            ws.close()
+    finally:
+        engine.gate.set()
+        handle.stop()
+
+
 def test_an_engine_failure_sends_the_traceback_and_closes_1011_and_the_server_carries_on():
     engine = ScriptedEngine()
     handle = _scripted_server(engine)
