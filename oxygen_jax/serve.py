@@ -29,8 +29,9 @@ Extensions, ignored by clients that do not use them (openpi's client passes extr
   response per step. A finished request is delivered once, in the owning robot's next response; a
   robot's live requests are cancelled when its connection closes.
 * Metadata: {"server": "oxygen_jax", "stream", "robot", "action_horizon", "action_dim", "batch_sizes",
-  "deadline_ms", "max_message_bytes", "language": {...limits}, "noise": {"seed", "rule"}}, plus
-  "reset_pose" for ALOHA (what openpi's ALOHA configs send).
+  "devices", "step_ms" (steady step time per batch size, measured at warm-up), "deadline_ms",
+  "max_message_bytes", "language": {...limits}, "noise": {"seed", "rule"}}, plus "reset_pose" for
+  ALOHA (what openpi's ALOHA configs send).
 * Noise: frame f of stream s uses `batcher.frame_noise(seed, s, f)`, so `Engine.step(observation,
   noise)` reproduces a served chunk.
 
@@ -310,12 +311,14 @@ class PolicyServer:
             "server": "oxygen_jax", "protocol": 1, "stream": stream.id, "robot": r.name,
             "action_horizon": e.action_horizon, "action_dim": r.action_dim, "batch_sizes": list(self.config.buckets),
             "devices": self.worker.num_devices,
+            "step_ms": {str(b): round(ms, 3) for b, ms in self.batcher.warmup_ms.items()},  # warm-up, per batch size
             "deadline_ms": self.config.deadline_ms, "max_message_bytes": self.config.max_message_bytes,
             "language": {"field": "language_requests", "max_tokens": e.max_new_tokens,
                          "prompt_capacity": e.prompt_capacity, "max_requests": self.config.max_requests_per_robot,
                          "adapters": sorted(getattr(self.engine, "adapters", {"base": 0}))},
             "noise": {"seed": self.config.seed,
-                      "rule": "np.random.default_rng([seed, stream, frame]).standard_normal((action_horizon, 32))"},
+                      "rule": "np.random.default_rng([seed, stream, frame]).standard_normal("
+                              f"({e.action_horizon}, {self.model_config.action_dim})).astype(np.float32)"},
         }
         if r.name == "aloha":
             meta["reset_pose"] = list(_ALOHA_RESET_POSE)
