@@ -522,7 +522,8 @@ def _add_deepstack(x: jax.Array, deepstack: jax.Array | None, layer) -> jax.Arra
 # The stack
 
 
-def forward_prefill(spec: BackboneSpec, layers, x, positions, mask, *, cond=None, deepstack=None, return_hidden=False):
+def forward_prefill(spec: BackboneSpec, layers, x, positions, mask, *, cond=None, deepstack=None, return_hidden=False,
+                    keep_kv: tuple[int, ...] | None = None, keep_hidden: tuple[int, ...] | None = None):
     """Runs all layers over `x` with self-attention only.
 
     Args:
@@ -531,13 +532,56 @@ def forward_prefill(spec: BackboneSpec, layers, x, positions, mask, *, cond=None
       deepstack: [E, B, T, D] added to the residual after layers 0..E-1 (Qwen3-VL; zero off-image).
       return_hidden: also return every layer's output, recorded before the DeepStack addition
         (HF's `output_hidden_states` convention).
+      keep_kv: layers whose K/V are returned, in this order (default: all). Only these are stored
+        by the layer loop (memory only: the numbers are those of the full stack).
+      keep_hidden: layers whose outputs (before DeepStack) are returned as the third element, in
+        this order; implies a third element like `return_hidden` (which is all layers).
     Returns:
-      (hidden [B, T, D] before the final norm, (k, v) each [L, B, T, K, H]) and, with
-      `return_hidden`, layer outputs [L, B, T, D] as a third element.
+      (hidden [B, T, D] before the final norm, (k, v) each [L or len(keep_kv), B, T, K, H]) and, with
+      `return_hidden` / `keep_hidden`, layer outputs [L or len(keep_hidden), B, T, D] as a third element.
     """
     rope = _rope_tables(spec, positions)
+    if keep_kv is None and keep_hidden is None:
+        def body(x, lp, _, layer):
+            out = {}
 
-    def body(x, lp, _, layer):
+            def kv_fn(k, v):
+                out["kv"] = (k, v)
+                return k, v
+
+            x = _block(spec, lp, x, cond, rope, mask, kv_fn)
+            ys = out["kv"] + ((x,) if return_hidden else ())
+            return _add_deepstack(x, deepstack, layer), ys
+
+        x, ys = scan_layers(body, x, layers)
+        return (x, ys[:2], ys[2]) if return_hidden else (x, ys)
+    return _forward_prefill_kept(spec, layers, x, rope, mask, cond, deepstack,
+                                 tuple(range(spec.depth)) if keep_kv is None else tuple(keep_kv),
+                                 tuple(range(spec.depth)) if keep_hidden is None and return_hidden else keep_hidden)
+
+
+def _store(buf: jax.Array, value: jax.Array, keep: tuple[int, ...], layer) -> jax.Array:
+    """buf[keep.index(layer)] = value when `layer` (an int, or traced in a scan) is kept; else buf unchanged."""
+    if isinstance(layer, int):
+        return buf.at[keep.index(layer)].set(value.astype(buf.dtype)) if layer in keep else buf
+    depth = max(keep) + 1
+    slots = jnp.asarray([keep.index(l) if l in keep else len(keep) for l in range(depth)], jnp.int32)
+    slot = jnp.where(layer < depth, slots[jnp.minimum(layer, depth - 1)], len(keep))  # len(keep): dropped
+    return buf.at[slot].set(value.astype(buf.dtype), mode="drop")
+
+
+def _forward_prefill_kept(spec, layers, x, rope, mask, cond, deepstack, keep_kv, keep_hidden):
+    """`forward_prefill` storing only the K/V of `keep_kv` and the outputs of `keep_hidden` (carried buffers)."""
+    for name, keep in (("keep_kv", keep_kv), ("keep_hidden", keep_hidden or ())):
+        _require(all(0 <= l < spec.depth for l in keep) and len(set(keep)) == len(keep),
+                 f"forward_prefill: {name} must be distinct layers in [0, {spec.depth}), got {keep}")
+    b, t = x.shape[:2]
+    kv_shape = (len(keep_kv), b, t, spec.num_kv_heads, spec.head_dim)
+    bufs = (jnp.zeros(kv_shape, x.dtype), jnp.zeros(kv_shape, x.dtype),
+            None if keep_hidden is None else jnp.zeros((len(keep_hidden),) + x.shape, x.dtype))
+
+    def body(carry, lp, _, layer):
+        x, (kb, vb, hb) = carry
         out = {}
 
         def kv_fn(k, v):
@@ -545,11 +589,14 @@ def forward_prefill(spec: BackboneSpec, layers, x, positions, mask, *, cond=None
             return k, v
 
         x = _block(spec, lp, x, cond, rope, mask, kv_fn)
-        ys = out["kv"] + ((x,) if return_hidden else ())
-        return _add_deepstack(x, deepstack, layer), ys
+        if keep_kv:
+            kb, vb = _store(kb, out["kv"][0], keep_kv, layer), _store(vb, out["kv"][1], keep_kv, layer)
+        if keep_hidden:
+            hb = _store(hb, x, keep_hidden, layer)
+        return (_add_deepstack(x, deepstack, layer), (kb, vb, hb)), None
 
-    x, ys = scan_layers(body, x, layers)
-    return (x, ys[:2], ys[2]) if return_hidden else (x, ys)
+    (x, (kb, vb, hb)), _ = scan_layers(body, (x, bufs), layers)
+    return (x, (kb, vb)) if keep_hidden is None else (x, (kb, vb), hb)
 
 
 def forward_read(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache_v, cond=None):
@@ -656,24 +703,41 @@ def prefix_mask(spec: BackboneSpec, input_mask: jax.Array) -> jax.Array:
     return make_attn_mask(input_mask, ar)
 
 
-def prefill(spec: BackboneSpec, decoder: Decoder, x, positions, input_mask, *, mask=None, deepstack=None, return_hidden=False):
+def prefill(spec: BackboneSpec, decoder: Decoder, x, positions, input_mask, *, mask=None, deepstack=None, return_hidden=False,
+            keep_kv: tuple[int, ...] | None = None, keep_hidden: tuple[int, ...] | None = None):
     """The prefix pass: stack, final norm, and (optionally) HF-convention hidden states.
 
     Args:
       x: [B, T, D] input embeddings (`embed_tokens`, or `qwen3_vl.embed_multimodal`).
       positions: int [B, T] or [R, B, T]; input_mask: bool [B, T] real tokens.
       mask: bool [B, T, T]; default `prefix_mask(spec, input_mask)`.
+      keep_kv: layers whose K/V are returned (default all); the others are never stored.
+      keep_hidden: HF hidden-state indices (0..L, see below) to return instead of all of them; the
+        layer loop stores only these (memory only: the values are those `return_hidden` gives).
     Returns:
-      dict with `hidden` (pre final norm) and `normed` [B, T, D], `k`, `v` [L, B, T, K, H]; with
-      `return_hidden`, `hidden_states` [L + 1, B, T, D] as HF reports them: the input embeddings,
-      each layer's output before any DeepStack addition, and the final-normed output in place of
-      the last layer's.
+      dict with `hidden` (pre final norm) and `normed` [B, T, D], `k`, `v` [L or len(keep_kv), B, T, K, H];
+      with `return_hidden`, `hidden_states` [L + 1, B, T, D] as HF reports them: the input embeddings,
+      each layer's output before any DeepStack addition, and the final-normed output in place of the
+      last layer's; with `keep_hidden`, `hidden_states` [len(keep_hidden), B, T, D], those indices in order.
     """
     mask = prefix_mask(spec, input_mask) if mask is None else mask
-    out = forward_prefill(spec, decoder.layers, x, positions, mask, deepstack=deepstack, return_hidden=return_hidden)
+    depth = spec.depth
+    if keep_hidden is not None:
+        _require(all(0 <= l <= depth for l in keep_hidden),
+                 f"prefill: keep_hidden must be HF hidden-state indices in [0, {depth}], got {keep_hidden}")
+        inner = tuple(sorted({l - 1 for l in keep_hidden if 0 < l < depth}))
+        out = forward_prefill(spec, decoder.layers, x, positions, mask, deepstack=deepstack, keep_kv=keep_kv,
+                              keep_hidden=inner)
+    else:
+        out = forward_prefill(spec, decoder.layers, x, positions, mask, deepstack=deepstack, return_hidden=return_hidden,
+                              keep_kv=keep_kv)
     hidden, (k, v) = out[:2]
     normed = final_norm(spec, decoder, hidden)
     result = dict(hidden=hidden, normed=normed, k=k, v=v)
-    if return_hidden:
+    if keep_hidden is not None:
+        pick = {0: x, depth: normed} | {l + 1: out[2][i] for i, l in enumerate(inner)}
+        result["hidden_states"] = (jnp.stack([pick[l] for l in keep_hidden]) if keep_hidden
+                                   else jnp.zeros((0,) + x.shape, x.dtype))
+    elif return_hidden:
         result["hidden_states"] = jnp.concatenate([x[None], out[2][:-1], normed[None]], axis=0)
     return result

@@ -24,27 +24,97 @@ Everything per request is an array: where it reads (row, prompt) in `Requests`, 
 (budget, stop token, temperature, top-p, RNG key) in one `Sampling` pytree that requests and the pool
 share. Occupancy, arrivals and finishing therefore never change a compiled shape. Sampling keys are
 `fold_in(request key, token index)`: a request samples the same tokens in any batch.
+
+Any backbone: every function takes the language model as its first argument, either π0.5 `Params`
+(the VLM expert with its embedder and tied head; unchanged programs) or a `LanguageModel`, a
+`backbone.Decoder` with its static `BackboneSpec` (Qwen3 / Qwen3-VL, e.g. `mot.language_model`). The
+prefix is a `kv_cache.PrefixCache` (π0.5's `model.prefill`) or a `heads.PrefixOutputs` that kept every
+layer's K/V and the last hidden state (`mot.prefix_pass` of a model with `language=True`). Positions
+are 1-D; for an M-RoPE backbone a [B, T] position means all three axes equal, which is what text after
+the prefix uses (HF Qwen3-VL's decode positions: the row's next_position + j on every axis).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax import backbone
-from oxygen_jax.backbone import pi05_spec
+from oxygen_jax.backbone import BackboneSpec, Decoder, pi05_spec
 from oxygen_jax.config import EOS_ID
+from oxygen_jax.heads import PrefixOutputs
 from oxygen_jax.kv_cache import PrefixCache
 from oxygen_jax.lora import LoraBank, RowAdapters
-from oxygen_jax.model import embed_tokens, final_norm, lm_logits_vocab_major
+from oxygen_jax.model import vlm_decoder
 from oxygen_jax.params import Params
 from oxygen_jax.sampling import sample_tokens
 
 _STATIC = dict(static=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Which language model and which prefix
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LanguageModel:
+    """A backbone language model the pool can serve: its weights and its (static) spec.
+
+    Attributes:
+      decoder: `backbone.Decoder` (embedder, layers, final norm, head).
+      spec: `BackboneSpec`, static.
+    """
+
+    decoder: Decoder
+    spec: BackboneSpec = dataclasses.field(metadata=_STATIC)
+
+
+LM = Params | LanguageModel
+Prefix = PrefixCache | PrefixOutputs
+
+
+class _Text(NamedTuple):
+    """What the pool needs of a language model, for π0.5 `Params` and `LanguageModel` alike."""
+
+    spec: BackboneSpec
+    decoder: Decoder
+    dtype: jnp.dtype
+
+
+def _text(lm: LM) -> _Text:
+    if isinstance(lm, Params):  # π0.5: the VLM expert with the embedder and the tied head (the same arrays)
+        return _Text(pi05_spec(lm.config), vlm_decoder(lm), lm.config.jnp_dtype)
+    if isinstance(lm, LanguageModel):
+        return _Text(lm.spec, lm.decoder, lm.decoder.embedding.dtype)
+    raise ValueError(f"the decode pool serves π0.5 Params or a decode.LanguageModel, got {type(lm).__name__}")
+
+
+class _PrefixView(NamedTuple):
+    k: jax.Array  # [L, B, P, K, H]
+    v: jax.Array
+    mask: jax.Array  # bool [B, P]
+    next_position: jax.Array  # int32 [B]
+    last_hidden: jax.Array  # [B, D]
+
+
+def _prefix(prefix: Prefix, depth: int) -> _PrefixView:
+    """The fields admission reads, from a `PrefixCache` or a `PrefixOutputs` holding every layer's K/V."""
+    if isinstance(prefix, PrefixOutputs):
+        if prefix.kv_layers != tuple(range(depth)) or prefix.last_hidden is None:
+            raise ValueError(f"language decoding needs the K/V of all {depth} layers and the last hidden state, but the "
+                             f"prefix kept K/V of layers {prefix.kv_layers}: build it with a ModelSpec that has language=True")
+    return _PrefixView(prefix.k, prefix.v, prefix.mask, prefix.next_position, prefix.last_hidden)
+
+
+def prefix_length(prefix: Prefix) -> int:
+    """P of a prefix (`PrefixCache` or `PrefixOutputs`): what `init_pool` takes as `prefix_len`."""
+    return prefix.mask.shape[-1]
 
 
 @jax.tree_util.register_dataclass
@@ -216,19 +286,19 @@ def make_requests(
     )
 
 
-def init_pool(params: Params, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> DecodePool:
+def init_pool(params: LM, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> DecodePool:
     """An empty pool of `num_slots` slots for prefixes of `prefix_len` tokens.
 
-    Take `prefix_len` from the prefix cache the pool will serve (`PrefixCache.length`, or
+    Take `prefix_len` from the prefix the pool will serve (`PrefixCache.length`, `prefix_length`, or
     `model.prefix_length(params, observation)` before any prefill).
     """
-    cfg = params.config.vlm
+    text = _text(params)
     cap = prefix_len + prompt_len + max_new_tokens
-    kv_shape = (cfg.depth, num_slots, cap, cfg.num_kv_heads, cfg.head_dim)
+    kv_shape = (text.spec.depth, num_slots, cap, text.spec.num_kv_heads, text.spec.head_dim)
     # Every field gets its own buffer: donation rejects a pool whose fields alias one array.
     ints = lambda fill=0: jnp.full((num_slots,), fill, jnp.int32)  # noqa: E731
     return DecodePool(
-        k=jnp.zeros(kv_shape, params.config.jnp_dtype), v=jnp.zeros(kv_shape, params.config.jnp_dtype),
+        k=jnp.zeros(kv_shape, text.dtype), v=jnp.zeros(kv_shape, text.dtype),
         mask=jnp.zeros((num_slots, cap), bool), base_position=ints(), length=ints(), last_token=ints(),
         num_generated=ints(), sampling=_empty_sampling(num_slots), request_id=ints(-1),
         adapter=ints(), active=jnp.zeros((num_slots,), bool),
@@ -247,15 +317,17 @@ def _row_adapters(bank, ids):
     return None if bank is None else RowAdapters(bank, ids)
 
 
-def suffix_forward(params: Params, prefix: PrefixCache, rows: jax.Array, tokens: jax.Array,
+def suffix_forward(params: LM, prefix: Prefix, rows: jax.Array, tokens: jax.Array,
                    bank: LoraBank | None = None, adapter: jax.Array | None = None):
-    """Runs suffix tokens causally after prefix rows through the VLM expert: the request-prompt pass.
+    """Runs suffix tokens causally after prefix rows through the language model: the request-prompt pass.
 
     This is the one forward of a request's own tokens: admission runs it on request prompts, and
     the memory-LoRA training runs it teacher-forced on [prompt | answer], so a trained adapter sees
     exactly the computation it is served with.
 
     Args:
+      params: π0.5 `Params` (the VLM expert) or a `LanguageModel`.
+      prefix: `PrefixCache`, or `PrefixOutputs` with every layer's K/V.
       rows: int32 [J] prefix row each sequence continues.
       tokens: int32 [J, Q] suffix tokens (entries beyond a sequence's length are padding: they are
         computed but nothing before them attends to them).
@@ -264,8 +336,10 @@ def suffix_forward(params: Params, prefix: PrefixCache, rows: jax.Array, tokens:
       (k, v [L, J, P + Q, K, H]: the prefix rows followed by the suffix, hidden [J, Q, D] before the
       final norm).
     """
+    text = _text(params)
+    prefix = _prefix(prefix, text.spec.depth)
     pk, pv = prefix.k[:, rows], prefix.v[:, rows]
-    j, q_cap, p = rows.shape[0], tokens.shape[1], prefix.length
+    j, q_cap, p = rows.shape[0], tokens.shape[1], prefix.mask.shape[-1]
     pad = [(0, 0), (0, 0), (0, q_cap), (0, 0), (0, 0)]
     ck, cv = jnp.pad(pk, pad), jnp.pad(pv, pad)
     steps = jnp.arange(q_cap, dtype=jnp.int32)
@@ -273,33 +347,35 @@ def suffix_forward(params: Params, prefix: PrefixCache, rows: jax.Array, tokens:
     mask = jnp.concatenate(
         [jnp.broadcast_to(prefix.mask[rows][:, None, :], (j, q_cap, p)), jnp.broadcast_to(causal, (j, q_cap, q_cap))], -1
     )
-    positions = prefix.next_position[rows][:, None] + steps[None]
-    x = embed_tokens(params, tokens).astype(params.config.jnp_dtype)
+    positions = prefix.next_position[rows][:, None] + steps[None]  # equal on all M-RoPE axes
+    x = backbone.embed_tokens(text.spec, text.decoder, tokens).astype(text.dtype)
     write = jnp.broadcast_to(p + steps, (j, q_cap))
     lora = _row_adapters(bank, jnp.zeros((j,), jnp.int32) if adapter is None else adapter)
-    h, (ck, cv) = backbone.forward_write(pi05_spec(params.config), params.vlm.layers, x, positions, mask, ck, cv, write,
-                                         lora=lora)
+    h, (ck, cv) = backbone.forward_write(text.spec, text.decoder.layers, x, positions, mask, ck, cv, write, lora=lora)
     return ck, cv, h
 
 
-def _extend_with_prompts(params: Params, prefix: PrefixCache, req: Requests, q_cap: int, bank=None):
+def _extend_with_prompts(params: LM, prefix: Prefix, req: Requests, q_cap: int, bank=None):
     """Runs the request prompts after their prefixes: returns slot caches [L, J, P+Q, K, H] and seed hidden [J, D]."""
-    seed_prefix = prefix.last_hidden[req.row]
+    text = _text(params)
+    view = _prefix(prefix, text.spec.depth)
+    seed_prefix = view.last_hidden[req.row]
     if q_cap == 0:
-        return prefix.k[:, req.row], prefix.v[:, req.row], seed_prefix
+        return view.k[:, req.row], view.v[:, req.row], seed_prefix
     ck, cv, h = suffix_forward(params, prefix, req.row, req.prompt, bank, req.adapter)
     last = jnp.clip(req.prompt_len - 1, 0, q_cap - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
-    h_last = final_norm(params, h_last)
+    h_last = backbone.final_norm(text.spec, text.decoder, h_last)
     seed = jnp.where((req.prompt_len > 0)[:, None], h_last[:, 0], seed_prefix)
     return ck, cv, seed
 
 
-def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests, bank=None):
+def _admit(params: LM, pool: DecodePool, prefix: Prefix, req: Requests, bank=None):
     s, g = pool.num_slots, pool.max_new_tokens
     p, q_cap = pool.prefix_len, pool.prompt_len
-    if prefix.length != p:
-        raise ValueError(f"prefix cache has {prefix.length} positions but the pool was built for {p}")
+    text = _text(params)
+    if prefix_length(prefix) != p:
+        raise ValueError(f"prefix cache has {prefix_length(prefix)} positions but the pool was built for {p}")
     if req.prompt.shape[1] != q_cap:
         raise ValueError(f"request prompts have capacity {req.prompt.shape[1]} but the pool has {q_cap}")
     free = ~pool.occupied
@@ -309,14 +385,15 @@ def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests,
     slot = jnp.where(admitted, free_slots[jnp.minimum(rank, s - 1)], s)  # s = out of range: dropped
 
     ck, cv, seed = _extend_with_prompts(params, prefix, req, q_cap, bank)
-    logits = lm_logits_vocab_major(params, seed)
+    view = _prefix(prefix, text.spec.depth)
+    logits = backbone.lm_logits_vocab_major(text.spec, text.decoder, seed)
     sampling = dataclasses.replace(req.sampling, budget=jnp.clip(req.sampling.budget, 1, g))
     token0 = _sample(logits, sampling, jnp.zeros_like(req.row))
     active = (token0 != sampling.stop_token) & (sampling.budget > 1)
 
     cap = pool.capacity
     suffix_valid = jnp.arange(cap - p)[None, :] < req.prompt_len[:, None]
-    row_mask = jnp.concatenate([prefix.mask[req.row], suffix_valid], axis=1)
+    row_mask = jnp.concatenate([view.mask[req.row], suffix_valid], axis=1)
     tokens = jnp.full((req.size, g), -1, jnp.int32).at[:, 0].set(token0)
 
     def put(field, value):
@@ -327,7 +404,7 @@ def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests,
         k=pool.k.at[:, slot, : ck.shape[2]].set(ck.astype(pool.k.dtype), mode="drop"),
         v=pool.v.at[:, slot, : cv.shape[2]].set(cv.astype(pool.v.dtype), mode="drop"),
         mask=put(pool.mask, row_mask),
-        base_position=put(pool.base_position, prefix.next_position[req.row]),
+        base_position=put(pool.base_position, view.next_position[req.row]),
         length=put(pool.length, req.prompt_len),
         last_token=put(pool.last_token, token0),
         num_generated=put(pool.num_generated, jnp.ones_like(token0)),
@@ -342,7 +419,7 @@ def _admit(params: Params, pool: DecodePool, prefix: PrefixCache, req: Requests,
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def admit(params: Params, pool: DecodePool, prefix: PrefixCache, requests: Requests, bank: LoraBank | None = None):
+def admit(params: LM, pool: DecodePool, prefix: Prefix, requests: Requests, bank: LoraBank | None = None):
     """Admits valid requests into free slots (lowest index first), in order, while slots last.
 
     Each admitted request copies its prefix row into the slot, runs its own prompt (if any) after
@@ -359,28 +436,30 @@ def admit(params: Params, pool: DecodePool, prefix: PrefixCache, requests: Reque
     )
 
 
-def step_logits(params: Params, pool: DecodePool, bank: LoraBank | None = None) -> tuple[DecodePool, jax.Array]:
+def step_logits(params: LM, pool: DecodePool, bank: LoraBank | None = None) -> tuple[DecodePool, jax.Array]:
     """Feeds every active slot's last token: writes its K/V and returns logits float32 [V, Ns].
 
     Each slot runs with its own adapter (`pool.adapter`) from `bank`; slots on adapter 0 compute
-    exactly the adapter-free step.
+    exactly the adapter-free step. The position of the fed token is `base_position + length` (all
+    three axes of an M-RoPE backbone).
 
     The pool's mask and length are not advanced here (see `_decode_step`); inactive slots write
     nothing.
     """
+    text = _text(params)
     cap = pool.capacity
     write = pool.prefix_len + pool.length
-    x = embed_tokens(params, pool.last_token[:, None]).astype(params.config.jnp_dtype)
+    x = backbone.embed_tokens(text.spec, text.decoder, pool.last_token[:, None]).astype(text.dtype)
     positions = (pool.base_position + pool.length)[:, None]
     attend = pool.mask | (jnp.arange(cap)[None, :] == write[:, None])
     write_index = jnp.where(pool.active, write, cap)[:, None]
-    h, (k, v) = backbone.forward_write(pi05_spec(params.config), params.vlm.layers, x, positions, attend[:, None, :],
+    h, (k, v) = backbone.forward_write(text.spec, text.decoder.layers, x, positions, attend[:, None, :],
                                        pool.k, pool.v, write_index, lora=_row_adapters(bank, pool.adapter))
-    h = final_norm(params, h)
-    return dataclasses.replace(pool, k=k, v=v), lm_logits_vocab_major(params, h[:, 0])
+    h = backbone.final_norm(text.spec, text.decoder, h)
+    return dataclasses.replace(pool, k=k, v=v), backbone.lm_logits_vocab_major(text.spec, text.decoder, h[:, 0])
 
 
-def _decode_step(params: Params, pool: DecodePool, bank=None) -> tuple[DecodePool, jax.Array, jax.Array]:
+def _decode_step(params: LM, pool: DecodePool, bank=None) -> tuple[DecodePool, jax.Array, jax.Array]:
     """One token for every active slot: (pool, token int32 [Ns] (-1 for inactive slots), logits [Ns, V])."""
     pool, logits = step_logits(params, pool, bank)
     tok = _sample(logits, pool.sampling, pool.num_generated)
@@ -404,7 +483,7 @@ decode_step = functools.partial(jax.jit, donate_argnames=("pool",))(_decode_step
 """Jitted single step: (pool, token [Ns], logits float32 [Ns, V]). Donates `pool`."""
 
 
-def _maybe_step(params: Params, pool: DecodePool, bank=None):
+def _maybe_step(params: LM, pool: DecodePool, bank=None):
     return jax.lax.cond(
         jnp.any(pool.active),
         lambda p: _decode_step(params, p, bank)[:2],
@@ -414,7 +493,7 @@ def _maybe_step(params: Params, pool: DecodePool, bank=None):
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens",), donate_argnames=("pool",))
-def decode_burst(params: Params, pool: DecodePool, num_tokens: int, bank: LoraBank | None = None
+def decode_burst(params: LM, pool: DecodePool, num_tokens: int, bank: LoraBank | None = None
                  ) -> tuple[DecodePool, jax.Array]:
     """Advances every active slot by up to `num_tokens` tokens in one batched scan. Donates `pool`.
 
@@ -426,7 +505,7 @@ def decode_burst(params: Params, pool: DecodePool, num_tokens: int, bank: LoraBa
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def decode_to_completion(params: Params, pool: DecodePool, bank: LoraBank | None = None) -> DecodePool:
+def decode_to_completion(params: LM, pool: DecodePool, bank: LoraBank | None = None) -> DecodePool:
     """Steps until no slot is active (at most max_new_tokens - 1 steps). Donates `pool`."""
     return jax.lax.while_loop(lambda p: jnp.any(p.active), lambda p: _decode_step(params, p, bank)[0], pool)
 

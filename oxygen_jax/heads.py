@@ -439,6 +439,11 @@ class PrefixOutputs:
     hidden_layers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     rope: RopeSpec = dataclasses.field(metadata=dict(static=True))
 
+    @property
+    def length(self) -> int:
+        """P: prefix positions."""
+        return self.mask.shape[-1]
+
     def layer_kv(self, layers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
         """K, V [len(layers), B, P, K, H] of the given backbone layers (a slice when contiguous)."""
         missing = [l for l in layers if l not in self.kv_layers]

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax import backbone as bb
+from oxygen_jax import decode
 from oxygen_jax import heads as hd
 from oxygen_jax import qwen3_vl
 from oxygen_jax.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
@@ -211,7 +212,8 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> P
     """Runs vision and the backbone once and keeps the union of every reader's needs (`spec.reads()`).
 
     Reuses `backbone.prefill` (HF-convention hidden states: pre-DeepStack layer outputs, the
-    final-normed output last). K/V and hidden states nobody reads are not kept, so XLA drops them.
+    final-normed output last) with `keep_kv` / `keep_hidden`: K/V and hidden states nobody reads are
+    never stored by the layer loop (stacked or unrolled).
 
     Returns:
       `heads.PrefixOutputs` with K/V [Lk, B, P, K, H], hidden [Lh, B, P, D], the prefix mask,
@@ -229,22 +231,28 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> P
             deepstack = qwen3_vl.scatter_deepstack(enc["deepstack"], image_mask)
     else:
         x = bb.embed_tokens(bspec, decoder, inputs.input_ids)
-    # Indices 0 (embeddings) and L (final-normed output) need no per-layer stack (GR00T reads only L).
-    inner = any(0 < l < bspec.depth for l in reads.hidden_layers)
-    out = bb.prefill(bspec, decoder, x, inputs.positions, inputs.input_mask, deepstack=deepstack, return_hidden=inner)
+    # The layer loop stores only the K/V and hidden states someone reads (the others are never kept).
+    out = bb.prefill(bspec, decoder, x, inputs.positions, inputs.input_mask, deepstack=deepstack,
+                     keep_kv=reads.kv_layers, keep_hidden=reads.hidden_layers)
     k = v = hidden = last = None
     if reads.kv_layers:
-        rows = reads.kv_layers
-        k, v = hd.select_layers(out["k"], rows), hd.select_layers(out["v"], rows)
-    if inner:
-        hidden = hd.select_layers(out["hidden_states"], reads.hidden_layers)
-    elif reads.hidden_layers:
-        hidden = jnp.stack([x if l == 0 else out["normed"] for l in reads.hidden_layers])
+        k, v = out["k"], out["v"]
+    if reads.hidden_layers:
+        hidden = out["hidden_states"]
     if reads.last_hidden:
         idx = last_valid_index(inputs.input_mask)
         last = jnp.take_along_axis(out["normed"], idx[:, None, None], axis=1)[:, 0]
     return PrefixOutputs(k=k, v=v, hidden=hidden, mask=inputs.input_mask, next_position=inputs.next_position.astype(jnp.int32),
                          last_hidden=last, kv_layers=reads.kv_layers, hidden_layers=reads.hidden_layers, rope=bspec.rope)
+
+
+def language_model(spec: ModelSpec, params: ModelParams) -> decode.LanguageModel:
+    """The model's language decoder (its backbone: embedder, layers, final norm, head) for the decode pool.
+
+    `decode.init_pool` / `admit` / `decode_burst` take it in place of π0.5's `Params`; they admit from
+    the `PrefixOutputs` of a `prefix_pass` with `spec.language` (every layer's K/V and the last hidden).
+    """
+    return decode.LanguageModel(decoder=params.decoder, spec=spec.backbone)
 
 
 def run_heads(spec: ModelSpec, params: ModelParams, prefix: PrefixOutputs, noises: dict[str, jax.Array],

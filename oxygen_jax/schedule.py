@@ -19,6 +19,24 @@ Settings (same params, observations, noise, requests and sampling policy):
 * `shared_kv`  — one program: one prefill, denoise, and the frame's requests to completion.
 * `continuous` — `frame_step` above: requests persist across frames, k tokens per frame.
 * `parallel`   — the isolated programs dispatched concurrently from two host threads.
+
+Models with several action heads on one backbone (`mot.ModelSpec`: e.g. XR0-, QwenPI_v3- and
+GR00T-style heads and the language decoder on one Qwen3-VL prefix) have the same four settings:
+
+* `isolated`   — every head its own program (its own prefix pass keeping only its reads, then its
+                 prepare + denoise: `mot.sample_all` of the single-head model), then the text's own
+                 prefix pass and its requests to completion (`mot_text_program`); sequential.
+* `parallel`   — those programs dispatched concurrently, one host thread each (`run_mot_parallel`).
+* `shared_kv`  — one prefix pass, every head, the frame's requests to completion (`mot_shared_kv_program`).
+* `continuous` — `mot_frame_step`, the fan-out frame:
+
+    inputs ──prefix pass (ViT + backbone, once; the union of the reads)──► PrefixOutputs ─┬─► head 1: prepare, denoise
+                                                                                          ├─► head 2: prepare, denoise
+                                                                                          ├─► ...
+    decode pool ── admit this frame's requests from the same prefix ── k-token burst ─────┴─► release finished
+
+A head's actions are bit-identical in all four (and to `mot.sample_all` of that head alone), with or
+without other heads and language requests in the frame (tested).
 """
 
 from __future__ import annotations
@@ -31,10 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import decode
+from oxygen_jax import decode, mot
 from oxygen_jax.decode import DecodePool, Requests
 from oxygen_jax.lora import LoraBank
 from oxygen_jax.model import denoise, prefill, sample_actions
+from oxygen_jax.mot import ModelParams, ModelSpec, PrefixInputs
 from oxygen_jax.observation import Observation
 from oxygen_jax.params import Params
 
@@ -51,7 +70,8 @@ class FrameOutput:
     """What one continuous-batching frame returns to the host (one transfer).
 
     Attributes:
-      actions: float32 [B, Ha, Ad].
+      actions: float32 [B, Ha, Ad]; for a model with several heads (`mot_frame_step`) a dict head
+        name -> float32 [B, Ha, Ad] of that head.
       admitted: bool [J] which of this frame's offered requests got a slot.
       request_id: int32 [Ns] the request each slot served this frame (-1 = none).
       new_tokens: int32 [Ns, 1 + k] tokens emitted this frame: column 0 is token 0 of a request
@@ -70,23 +90,25 @@ class FrameOutput:
     batch: jax.Array
 
 
+def _language(lm, pool, prefix, requests, tokens_per_frame, bank=None):
+    """This frame's language work on the pool: admit from `prefix`, one k-token burst, release."""
+    pool, admitted, first = decode.admit(lm, pool, prefix, requests, bank)
+    served = pool.request_id
+    batch = jnp.sum(pool.active, dtype=jnp.int32)
+    pool, burst = decode.decode_burst(lm, pool, tokens_per_frame, bank)
+    pool, released = decode.release_finished(pool)
+    return pool, dict(admitted=admitted, request_id=served, new_tokens=jnp.concatenate([first[:, None], burst], axis=1),
+                      finished=released.done, num_generated=released.num_generated, batch=batch)
+
+
 def _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame, evict=None, bank=None):
     if evict is not None:
         pool = decode.evict(pool, evict)
     # prefill and denoise never see the bank: actions and the prefix cache cannot depend on adapters.
     cache = prefill(params, observation)
     actions = denoise(params, cache, noise, num_steps)
-    pool, admitted, first = decode.admit(params, pool, cache, requests, bank)
-    served = pool.request_id
-    batch = jnp.sum(pool.active, dtype=jnp.int32)
-    pool, burst = decode.decode_burst(params, pool, tokens_per_frame, bank)
-    pool, released = decode.release_finished(pool)
-    out = FrameOutput(
-        actions=actions, admitted=admitted, request_id=served,
-        new_tokens=jnp.concatenate([first[:, None], burst], axis=1), finished=released.done,
-        num_generated=released.num_generated, batch=batch,
-    )
-    return pool, out
+    pool, text = _language(params, pool, cache, requests, tokens_per_frame, bank)
+    return pool, FrameOutput(actions=actions, **text)
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps", "tokens_per_frame"), donate_argnames=("pool",))
@@ -196,7 +218,7 @@ def rollout(
 
 
 def _text_to_completion(params, cache, requests: Requests, max_new_tokens: int, bank=None):
-    pool = decode.init_pool(params, requests.size, cache.length, max_new_tokens, requests.prompt.shape[1])
+    pool = decode.init_pool(params, requests.size, decode.prefix_length(cache), max_new_tokens, requests.prompt.shape[1])
     pool, _, _ = decode.admit(params, pool, cache, requests, bank)
     pool = decode.decode_to_completion(params, pool, bank)
     # Slots are filled in request order, so slot j holds request j.
@@ -256,3 +278,119 @@ def run_parallel(params, observation, noise, requests, bank=None, *, num_steps: 
     )
     tokens, n = txt.result()
     return act.result(), tokens, n
+
+
+# --- models with several action heads on one prefix (mot.ModelSpec) ------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_frame",), donate_argnames=("pool",))
+def mot_frame_step(
+    params: ModelParams, spec: ModelSpec, pool: DecodePool, inputs: PrefixInputs, noises: dict[str, jax.Array],
+    states: dict[str, jax.Array], requests: Requests, evict: jax.Array | None = None, *, tokens_per_frame: int,
+) -> tuple[DecodePool, FrameOutput]:
+    """The fan-out frame: one prefix pass, every head of `spec`, then language admission and a k-token burst.
+
+    Args:
+      spec: the model (static): its heads and `language=True` (the pool reads every layer's K/V).
+      pool: a `decode.init_pool(mot.language_model(spec, params), ...)` pool; donated.
+      inputs: this frame's prompts and images (`mot.make_inputs`).
+      noises: head name -> noise [B, Ha, Ad] of that head; exactly the heads of `spec`.
+      states: head name -> robot state [B, Ds] for the heads with a state token ({} if none).
+      requests, evict: as in `frame_step`.
+    Returns:
+      (pool, `FrameOutput` with `actions` = head name -> float32 [B, Ha, Ad]). Compiles once per
+      (spec, shapes, tokens_per_frame); occupancy, arrivals and finishing are array values.
+    """
+    if not spec.language:
+        raise ValueError("mot_frame_step decodes language from the shared prefix: build the ModelSpec with language=True")
+    if evict is not None:
+        pool = decode.evict(pool, evict)
+    prefix = mot.prefix_pass(spec, params, inputs)
+    actions = mot.run_heads(spec, params, prefix, noises, states)
+    pool, text = _language(mot.language_model(spec, params), pool, prefix, requests, tokens_per_frame)
+    return pool, FrameOutput(actions=actions, **text)
+
+
+def _text_spec(spec: ModelSpec) -> ModelSpec:
+    """The language decoder alone on `spec`'s backbone: a prefix pass keeping K/V and the last hidden only."""
+    return spec.only(language=True)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",))
+def mot_text_program(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs, requests: Requests, *,
+                     max_new_tokens: int):
+    """Isolated text task of a multi-head model: its own prefix pass (no heads), the requests to completion.
+
+    Returns:
+      (tokens int32 [J, M], num_generated int32 [J]); row j is request j.
+    """
+    text = _text_spec(spec)
+    prefix = mot.prefix_pass(text, params, inputs)
+    return _text_to_completion(mot.language_model(text, params), prefix, requests, max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",))
+def mot_shared_kv_program(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs, noises: dict[str, jax.Array],
+                          states: dict[str, jax.Array], requests: Requests, *, max_new_tokens: int):
+    """Shared KV without batching for a multi-head model: one prefix pass, every head, the text to completion.
+
+    Returns:
+      (actions: head name -> [B, Ha, Ad], tokens [J, M], num_generated [J]).
+    """
+    if not spec.language:
+        raise ValueError("mot_shared_kv_program decodes language from the shared prefix: build the ModelSpec with language=True")
+    prefix = mot.prefix_pass(spec, params, inputs)
+    actions = mot.run_heads(spec, params, prefix, noises, states)
+    tokens, n = _text_to_completion(mot.language_model(spec, params), prefix, requests, max_new_tokens)
+    return actions, tokens, n
+
+
+def mot_head_program(params: ModelParams, spec: ModelSpec, name: str, inputs: PrefixInputs, noises: dict[str, jax.Array],
+                     states: dict[str, jax.Array]) -> jax.Array:
+    """Isolated action task of one head: `mot.sample_all` of the model holding only that head (its own
+    prefix pass keeping only its reads). Returns actions [B, Ha, Ad]."""
+    alone = {name: states[name]} if name in states else {}
+    return mot.sample_all(params.only(name), spec.only(name), inputs, {name: noises[name]}, alone)[name]
+
+
+def _mot_isolated_calls(params, spec, inputs, noises, states, requests, max_new_tokens):
+    heads = [functools.partial(mot_head_program, params, spec, n, inputs, noises, states) for n in spec.names]
+    text = None
+    if spec.language and requests is not None:
+        text = functools.partial(mot_text_program, params.only(), spec, inputs, requests, max_new_tokens=max_new_tokens)
+    return heads, text
+
+
+def run_mot_isolated(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs, noises, states, requests=None, *,
+                     max_new_tokens: int):
+    """Every head's own program, then the text's own program, one after the other (each waited for).
+
+    Returns:
+      (actions: head name -> [B, Ha, Ad], tokens [J, M] or None, num_generated [J] or None).
+    """
+    heads, text = _mot_isolated_calls(params, spec, inputs, noises, states, requests, max_new_tokens)
+    actions = {n: jax.block_until_ready(call()) for n, call in zip(spec.names, heads)}
+    tokens, n = jax.block_until_ready(text()) if text is not None else (None, None)
+    return actions, tokens, n
+
+
+_MOT_THREADS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by number of programs
+
+
+def run_mot_parallel(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs, noises, states, requests=None, *,
+                     max_new_tokens: int):
+    """The isolated programs dispatched concurrently, one host thread per program; waits for all.
+
+    Returns:
+      as `run_mot_isolated`.
+    """
+    heads, text = _mot_isolated_calls(params, spec, inputs, noises, states, requests, max_new_tokens)
+    calls = heads + ([text] if text is not None else [])
+    threads = _MOT_THREADS.get(len(calls))
+    if threads is None:
+        threads = _MOT_THREADS[len(calls)] = concurrent.futures.ThreadPoolExecutor(
+            max_workers=len(calls), thread_name_prefix="oxygen-mot")
+    futures = [threads.submit(lambda c=c: jax.block_until_ready(c())) for c in calls]
+    actions = {n: f.result() for n, f in zip(spec.names, futures)}
+    tokens, n = futures[-1].result() if text is not None else (None, None)
+    return actions, tokens, n

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import diverse_text_params, make_obs, recompute_greedy
-from oxygen_jax import decode, model, schedule
+from helpers import diverse_text_params, make_obs, recompute_greedy, shared_dir
+from oxygen_jax import decode, hf_checkpoint, model, mot, schedule
 from oxygen_jax.observation import Observation
 
 HA = 4  # action horizon used throughout (tiny)
@@ -154,3 +154,33 @@ def test_actions_and_greedy_tokens_identical_in_all_four_settings(params):
     expected = np.asarray(iso_t[0]).tolist()
     assert np.asarray(sh_t[0]).tolist() == expected == np.asarray(par_t[0]).tolist() == cb_tokens
 
+
+
+# --- any backbone: Hugging Face Qwen3 / Qwen3-VL prefixes through the same pool -----------------
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_tiny", "qwen3vl_tiny"])
+def test_pool_greedy_tokens_on_hf_qwen_prefixes_equal_transformers_generate(fixture):
+    """The slot pool (admit, then k-token bursts) decodes a Qwen3 prefix (1-D RoPE, untied head) and a Qwen3-VL
+    prefix (images, DeepStack, M-RoPE: decode positions = the row's next position + j on every axis), each with a
+    left-padded row, to exactly the tokens of transformers' cached `generate` (fixtures made by transformers)."""
+    path = shared_dir() / "fixtures" / fixture
+    if not path.is_dir():
+        pytest.skip(f"../shared fixtures not present: {path}")
+    ck = hf_checkpoint.load(path)
+    ref = dict(np.load(path / "reference.npz"))
+    spec = mot.ModelSpec(backbone=ck.spec, heads=(), image_token_id=ck.config.get("image_token_id"))
+    params = mot.ModelParams(decoder=ck.decoder, vision=ck.vision, heads={})
+    images = [ref[k] for k in sorted(k for k in ref if k.startswith("images_row"))]
+    inputs = mot.make_inputs(spec, ref["input_ids"], ref["attention_mask"].astype(bool), images)
+    prefix = jax.jit(mot.prefix_pass, static_argnums=0)(spec, params, inputs)
+    lm = mot.language_model(spec, params)
+    n = ref["gen_tokens"].shape[1]
+    pool = decode.init_pool(lm, 3, decode.prefix_length(prefix), n)
+    req = decode.make_requests(2, 0, [0, 1], rows=[0, 1], budgets=[n, n], stop_tokens=[-1, -1])
+    pool, _, first = decode.admit(lm, pool, prefix, req)
+    pool, burst = decode.decode_burst(lm, pool, n - 1)
+    got = np.concatenate([np.asarray(first)[:2, None], np.asarray(burst)[:2]], axis=1)
+    np.testing.assert_array_equal(got, ref["gen_tokens"])
+    if "decode_position_ids" in ref:  # generated token j sits at the row's next position + j (11.., 7..)
+        np.testing.assert_array_equal(np.asarray(pool.base_position)[:2], ref["decode_position_ids"][:, 0])

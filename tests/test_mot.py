@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from oxygen_jax import backbone as bb
+from oxygen_jax import decode
 from oxygen_jax import heads as hd
 from oxygen_jax import mot
 
@@ -96,6 +98,43 @@ def test_prefix_pass_keeps_the_union_of_the_reads(tiny):
     with pytest.raises(ValueError, match=r"the prefix kept the K/V of layers \(\), not \(1, 2\)"):
         hd.prepare(tiny["params"].heads["xr0"], spec.head("xr0"), jax.eval_shape(
             lambda p, i: mot.prefix_pass(spec.only("gr00t"), p, i), tiny["params"], tiny["inputs"]))
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
+def test_prefill_stores_only_the_read_layers_with_the_numbers_of_the_full_stack(tiny, layout):
+    """`keep_kv` / `keep_hidden` change what the layer loop stores (a scan with traced layer indices, or the
+    unrolled CPU loop), never a value: the kept K/V and HF hidden states equal those of the full stack, bit for bit,
+    with DeepStack and M-RoPE."""
+    spec = tiny["spec"].backbone
+    decoder = tiny["params"].decoder
+    if layout == "unstacked":
+        decoder = mot.for_backend(tiny["params"], "cpu").decoder
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 12, 64)), jnp.float32)
+    deepstack = jnp.asarray(rng.standard_normal((2, 2, 12, 64)), jnp.float32)
+    positions, mask = tiny["inputs"].positions[:, :2], tiny["inputs"].input_mask[:2]
+    full = jax.jit(lambda d: bb.prefill(spec, d, x, positions, mask, deepstack=deepstack, return_hidden=True))(decoder)
+    kept = jax.jit(lambda d: bb.prefill(spec, d, x, positions, mask, deepstack=deepstack, keep_kv=(2, 0),
+                                        keep_hidden=(3, 0, 2)))(decoder)
+    chex.assert_shape([kept["k"], kept["v"]], (2, 2, 12, 2, 16))
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(kept[name], np.asarray(full[name])[[2, 0]])
+    np.testing.assert_array_equal(kept["hidden_states"], np.asarray(full["hidden_states"])[[3, 0, 2]])
+    np.testing.assert_array_equal(kept["normed"], full["normed"])
+    with pytest.raises(ValueError, match=r"keep_hidden must be HF hidden-state indices in \[0, 3\], got \(4,\)"):
+        bb.prefill(spec, decoder, x, positions, mask, keep_hidden=(4,))
+
+
+def test_language_decoding_needs_a_prefix_with_every_layers_kv(tiny):
+    spec, params = tiny["spec"], tiny["params"]
+    xr0_only = jax.eval_shape(lambda p, i: mot.prefix_pass(spec.only("xr0"), p, i), params, tiny["inputs"])
+    lm = mot.language_model(spec, params)
+    pool = decode.init_pool(lm, 1, xr0_only.length, 4)
+    req = decode.make_requests(1, 0, [0], budgets=[4])
+    with pytest.raises(ValueError, match=r"prefix kept K/V of layers \(1, 2\): build it with a ModelSpec that has language=True"):
+        decode.admit(lm, pool, xr0_only, req)
+    with pytest.raises(ValueError, match="serves π0.5 Params or a decode.LanguageModel, got ModelParams"):
+        decode.init_pool(params, 1, 12, 4)
 
 
 def test_full_size_fan_out_frame_shapes_via_eval_shape():
