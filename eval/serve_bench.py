@@ -8,8 +8,8 @@ Each mode gets its own `python -m oxygen_jax.serve` process (same model, same fl
 compilation cache), all started before measuring; then `--repeats` rounds alternate between the modes
 for every R (so both see the same machine-load drift; rounds are pooled), each running R robot clients
 (threads speaking openpi's protocol) in lock step: send a LIBERO observation, wait for the chunk, send
-the next (no think time: the most a server can deliver), measured over the window in which all R are
-active. Every measured frame carries one language
+the next (no think time: the most a server can deliver); rates are taken between each robot's first
+and last measured reply. Every measured frame carries one language
 request ("Subtask: ", fixed length) while the robot has fewer than `--max-live` of its own in flight.
 
     batched   --batch-sizes 1,2,4,8   waiting robots share one prefill + denoise (and the decode pool)
@@ -78,25 +78,23 @@ def libero_observation(robot: int, image_size: int = 224) -> dict:
 
 def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, max_tokens: int = 8,
                max_live: int = 2, deadline_ms: float = 10_000.0, timeout_s: float = 600.0) -> dict:
-    """Runs `robots` lock-step clients against a server; returns the frames of the common measuring window.
+    """Runs `robots` lock-step clients against a server; returns every measured frame.
 
     Each robot sends `warmup_frames` unmeasured frames, then `frames` measured frames, each with one
     fixed-length language request while it has fewer than `max_live` in flight. Robots never wait for
-    each other (a robot blocked outside the protocol would look like a slow robot to the batcher); the
-    window runs from the last robot's first measured send to the first robot's last measured reply,
-    so every robot is active throughout it.
+    each other: a robot blocked outside the protocol (say, at a barrier) would look like a late robot
+    to the batcher.
 
     Returns:
       {"frames": [{"robot", "rtt_ms", "step_ms", "queue_ms", "batch", "bucket", "t_recv"}], "finished":
-       [{"robot", "tokens", "t_recv"}] (both inside the window), "wall_s" (the window), "action_horizon",
-       "errors": [str]}.
+       [{"robot", "tokens", "t_recv"}], "action_horizon", "errors": [str]}.
     """
     from websockets.sync.client import connect
 
     from oxygen_jax import wire
 
     lock = threading.Lock()
-    records, finished, errors, horizon, first_send, last_recv = [], [], [], [0], {}, {}
+    records, finished, errors, horizon = [], [], [], [0]
 
     def robot(r: int) -> None:
         try:
@@ -125,8 +123,6 @@ def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, ma
                         continue
                     timing = reply["server_timing"]
                     with lock:
-                        first_send.setdefault(r, t0)
-                        last_recv[r] = t1
                         records.append({"robot": r, "rtt_ms": (t1 - t0) * 1e3, "step_ms": timing["infer_ms"],
                                         "queue_ms": timing["queue_ms"], "batch": timing["batch"],
                                         "bucket": timing["bucket"], "t_recv": t1})
@@ -140,39 +136,46 @@ def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, ma
         t.start()
     for t in threads:
         t.join(timeout_s)
-    if len(first_send) < robots:
-        return {"frames": [], "finished": [], "wall_s": math.nan, "action_horizon": horizon[0],
-                "errors": errors or ["a robot measured no frame"]}
-    start, end = max(first_send.values()), min(last_recv.values())
-    if end <= start:  # robots never overlapped: measure the whole span instead
-        start, end = min(first_send.values()), max(last_recv.values())
-    inside = [f for f in records if start < f["t_recv"] <= end]
-    return {"frames": inside, "finished": [f for f in finished if start < f["t_recv"] <= end], "wall_s": end - start,
-            "action_horizon": horizon[0], "errors": errors}
+    return {"frames": records, "finished": finished, "action_horizon": horizon[0], "errors": errors}
 
 
-def summarize(mode: str, robots: int, run: dict) -> dict:
-    """One summary record (see `SUMMARY_KEYS`) from `run_robots` output; ideal/speedup filled by `compare`."""
-    frames, wall, ha = run["frames"], run["wall_s"], run["action_horizon"]
+def summarize(mode: str, robots: int, runs: Sequence[dict]) -> dict:
+    """One summary record (see `SUMMARY_KEYS`) from the `run_robots` results of one (mode, R), pooled.
+
+    A robot's rate is the chunks it received after its first measured reply divided by the time from
+    that reply to its last (steady state, no start-up edge); the aggregate is the sum over robots.
+    Tokens/s counts requests finished inside those spans. Ideal and speedup are filled by `compare`.
+    """
+    ha = runs[0]["action_horizon"]
+    chunks, spans, tokens = np.zeros(robots), np.zeros(robots), 0
+    for run in runs:
+        for r in range(robots):
+            recv = sorted(f["t_recv"] for f in run["frames"] if f["robot"] == r)
+            if len(recv) < 2:
+                raise ValueError(f"robot {r} has {len(recv)} measured frames; at least 2 are needed for a rate")
+            chunks[r] += len(recv) - 1
+            spans[r] += recv[-1] - recv[0]
+            tokens += sum(f["tokens"] for f in run["finished"] if f["robot"] == r and recv[0] < f["t_recv"] <= recv[-1])
+    frames = [f for run in runs for f in run["frames"]]
     rtt = [f["rtt_ms"] for f in frames]
     overhead = [f["rtt_ms"] - f["step_ms"] for f in frames]
-    per_robot = [sum(f["robot"] == r for f in frames) * ha / wall for r in range(robots)]
+    per_robot = chunks * ha / spans
     # Each step is seen by every robot in it: weight frames by 1/batch to average over steps.
     steps = sum(1.0 / f["batch"] for f in frames)
     return {
-        "mode": mode, "robots": robots, "frames": len(frames), "wall_s": wall, "action_horizon": ha,
-        "action_rate_per_robot": float(np.mean(per_robot)), "action_rate_total": len(frames) * ha / wall,
+        "mode": mode, "robots": robots, "frames": len(frames), "wall_s": float(spans.mean()), "action_horizon": ha,
+        "action_rate_per_robot": float(per_robot.mean()), "action_rate_total": float(per_robot.sum()),
         "rtt_p50_ms": percentile(rtt, 50), "rtt_p99_ms": percentile(rtt, 99),
         "step_p50_ms": percentile([f["step_ms"] for f in frames], 50),
         "queue_p50_ms": percentile([f["queue_ms"] for f in frames], 50),
         "overhead_p50_ms": percentile(overhead, 50), "overhead_p99_ms": percentile(overhead, 99),
         "mean_batch": len(frames) / steps if steps else math.nan,
-        "tokens_per_s": sum(f["tokens"] for f in run["finished"]) / wall, "requests_finished": len(run["finished"]),
+        "tokens_per_s": tokens / float(spans.mean()), "requests_finished": sum(len(run["finished"]) for run in runs),
         "ideal_action_rate_total": math.nan, "fraction_of_ideal": math.nan, "speedup_vs_serial": math.nan,
-        # Mean (not median) step time per bucket: the ideal is a rate, compared with frames / wall time.
+        # Mean (not median) step time per bucket: the ideal is a rate, compared with chunks / time.
         "step_ms_by_bucket": {str(b): float(np.mean([f["step_ms"] for f in frames if f["bucket"] == b]))
                               for b in sorted({f["bucket"] for f in frames})},
-        "errors": run["errors"],
+        "errors": [e for run in runs for e in run["errors"]],
     }
 
 
@@ -180,8 +183,8 @@ def compare(records: list[dict]) -> list[dict]:
     """Adds each run's ideal aggregate rate from its own step times, and the batched speedup over serial.
 
     Ideal: batched, R chunks per mean step of the smallest measured bucket holding R robots; serial, one
-    chunk per mean batch-1 step. Serving overhead, batching waits and steps split into smaller buckets show up as a
-    fraction below 1.
+    chunk per mean batch-1 step. Serving overhead, batching waits and steps split into smaller buckets
+    show up as a fraction below 1.
     """
     serial = {r["robots"]: r for r in records if r["mode"] == "serial"}
     for rec in records:
@@ -376,17 +379,10 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def merge(runs: Sequence[dict]) -> dict:
-    """Several `run_robots` results of one (mode, R) as one: frames pooled, wall times added."""
-    return {"frames": [f for r in runs for f in r["frames"]], "finished": [f for r in runs for f in r["finished"]],
-            "wall_s": sum(r["wall_s"] for r in runs), "action_horizon": runs[0]["action_horizon"],
-            "errors": [e for r in runs for e in r["errors"]]}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if min(args.robots) < 1 or args.frames < 1 or args.warmup_frames < 0 or args.repeats < 1:
-        raise SystemExit("--robots, --frames and --repeats must be >= 1 and --warmup-frames >= 0")
+    if min(args.robots) < 1 or args.frames < 2 or args.warmup_frames < 0 or args.repeats < 1:
+        raise SystemExit("--robots and --repeats must be >= 1, --frames >= 2 and --warmup-frames >= 0")
     args.out.mkdir(parents=True, exist_ok=True)
     meta = environment(args)
     meta["server_commands"], meta["startup_s"], meta["server_exit_codes"] = {}, {}, {}
@@ -410,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if run["errors"]:
                         raise RuntimeError("; ".join(run["errors"]))
                     runs[(mode, r)].append(run)
-                    rec = summarize(mode, r, run)
+                    rec = summarize(mode, r, [run])
                     print(f"  [{rep}] {mode} R={r}: {rec['action_rate_total']:.1f} actions/s total, "
                           f"{rec['action_rate_per_robot']:.1f} per robot, RTT p50 {rec['rtt_p50_ms']:.1f} ms, "
                           f"overhead p50 {rec['overhead_p50_ms']:.2f} ms, mean batch {rec['mean_batch']:.2f}, "
@@ -418,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for mode, (proc, _) in servers.items():
             meta["server_exit_codes"][mode] = stop_server(proc)
-    records = compare([summarize(mode, r, merge(rs)) for (mode, r), rs in runs.items()])
+    records = compare([summarize(mode, r, rs) for (mode, r), rs in runs.items()])
     write_report(args.out, records, meta)
     print(f"wrote {args.out / 'report.md'}")
     return 0

@@ -29,26 +29,28 @@ def server():
 
 
 def test_lock_step_robots_are_measured_and_summarised(server):
-    run = serve_bench.run_robots(f"ws://127.0.0.1:{server.port}", robots=2, frames=8, warmup_frames=1, max_tokens=3,
+    run = serve_bench.run_robots(f"ws://127.0.0.1:{server.port}", robots=2, frames=6, warmup_frames=1, max_tokens=3,
                                  max_live=1)
     assert run["errors"] == [] and run["action_horizon"] == ROBOT.action_horizon
-    per_robot = [sum(f["robot"] == r for f in run["frames"]) for r in (0, 1)]
-    assert all(1 <= n <= 8 for n in per_robot)  # the window where both robots are active
+    assert sorted(f["robot"] for f in run["frames"]) == [0] * 6 + [1] * 6
     assert all(f["rtt_ms"] >= f["step_ms"] > 0 for f in run["frames"])
     # The scripted engine finishes a request in the step that admits it: one per measured frame, 3 tokens.
-    assert len(run["finished"]) == len(run["frames"]) and all(f["tokens"] == 3 for f in run["finished"])
+    assert len(run["finished"]) == 12 and all(f["tokens"] == 3 for f in run["finished"])
 
-    rec = serve_bench.summarize("batched", 2, run)
-    n = sum(per_robot)
+    rec = serve_bench.summarize("batched", 2, [run])
     assert set(serve_bench.SUMMARY_KEYS) <= set(rec)
-    assert rec["frames"] == rec["requests_finished"] == n
-    assert rec["action_rate_total"] == pytest.approx(n * ROBOT.action_horizon / rec["wall_s"])
+    assert rec["frames"] == rec["requests_finished"] == 12
+    spans = [max(f["t_recv"] for f in run["frames"] if f["robot"] == r) -
+             min(f["t_recv"] for f in run["frames"] if f["robot"] == r) for r in (0, 1)]
+    # 5 chunks after each robot's first reply, over its own span; tokens of the requests finished in the spans.
+    assert rec["action_rate_total"] == pytest.approx(sum(5 * ROBOT.action_horizon / s for s in spans))
     assert rec["action_rate_per_robot"] == pytest.approx(rec["action_rate_total"] / 2)
-    assert 1 <= rec["mean_batch"] <= 2 and rec["tokens_per_s"] == pytest.approx(3 * n / rec["wall_s"])
+    assert rec["tokens_per_s"] == pytest.approx(2 * 5 * 3 / np.mean(spans)) and 1 <= rec["mean_batch"] <= 2
 
-    pooled = serve_bench.summarize("batched", 2, serve_bench.merge([run, run]))  # repeats pool frames and wall time
-    assert pooled["frames"] == 2 * n and pooled["wall_s"] == pytest.approx(2 * rec["wall_s"])
-    assert pooled["action_rate_total"] == pytest.approx(rec["action_rate_total"])
+    pooled = serve_bench.summarize("batched", 2, [run, run])  # repeats pool chunks and spans
+    assert pooled["frames"] == 24 and pooled["action_rate_total"] == pytest.approx(rec["action_rate_total"])
+    with pytest.raises(ValueError, match="at least 2"):
+        serve_bench.summarize("batched", 3, [run])  # robot 2 never ran
 
 
 def _record(mode, robots, rate, step_ms_by_bucket, ha=10):
@@ -71,7 +73,7 @@ def test_ideal_rate_comes_from_the_runs_own_step_times():
 
 def test_report_files_and_server_commands(server, tmp_path):
     run = serve_bench.run_robots(f"ws://127.0.0.1:{server.port}", robots=1, frames=3, warmup_frames=0)
-    records = serve_bench.compare([serve_bench.summarize("batched", 1, run)])
+    records = serve_bench.compare([serve_bench.summarize("batched", 1, [run])])
     args = argparse.Namespace(preset="tiny", ckpt=None, robots=[1, 4], steps=2, slots=8, max_tokens=4,
                               tokens_per_frame=2, prompt_len=32, dtype="float32", compile_cache="none")
     cmd = serve_bench.server_command(args, "batched", 1234)
