@@ -61,7 +61,8 @@ def client_observation(raw: dict, prompt: str, image_size: int = 224) -> dict:
     """A robosuite observation -> openpi's LIBERO request (images rotated 180 degrees, uint8, padded)."""
     image = np.ascontiguousarray(raw["agentview_image"][::-1, ::-1])
     wrist = np.ascontiguousarray(raw["robot0_eye_in_hand_image"][::-1, ::-1])
-    state = np.concatenate([raw["robot0_eef_pos"], quat_to_axis_angle(raw["robot0_eef_quat"]), raw["robot0_gripper_qpos"]])
+    state = np.concatenate(
+        [raw["robot0_eef_pos"], quat_to_axis_angle(raw["robot0_eef_quat"]), raw["robot0_gripper_qpos"]])
     return {
         "observation/image": resize_with_pad(image.astype(np.uint8), image_size, image_size),
         "observation/wrist_image": resize_with_pad(wrist.astype(np.uint8), image_size, image_size),

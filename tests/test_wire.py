@@ -38,7 +38,8 @@ def test_numpy_scalars_keep_their_dtype():
 
 def test_openpi_client_messages_decode_and_ours_decode_in_openpi_client():
     msgpack_numpy = pytest.importorskip(
-        "openpi_client.msgpack_numpy", reason="openpi-client not installed (pip install --no-deps -r requirements-test.txt)")
+        "openpi_client.msgpack_numpy",
+        reason="openpi-client not installed (pip install --no-deps -r requirements-test.txt)")
     obs = {"observation/image": np.arange(224 * 224 * 3, dtype=np.uint8).reshape(224, 224, 3),
            "observation/state": np.linspace(-1, 1, 8), "prompt": "pick up the bowl", "step": np.int64(4)}
     got = wire.unpack(msgpack_numpy.packb(obs))
@@ -46,7 +47,8 @@ def test_openpi_client_messages_decode_and_ours_decode_in_openpi_client():
     for key in ("observation/image", "observation/state"):
         np.testing.assert_array_equal(got[key], obs[key])
         assert got[key].dtype == obs[key].dtype
-    reply = msgpack_numpy.unpackb(wire.pack({"actions": np.ones((10, 7), np.float32), "server_timing": {"infer_ms": 1.5}}))
+    reply = msgpack_numpy.unpackb(
+        wire.pack({"actions": np.ones((10, 7), np.float32), "server_timing": {"infer_ms": 1.5}}))
     np.testing.assert_array_equal(reply["actions"], np.ones((10, 7), np.float32))
     assert reply["server_timing"] == {"infer_ms": 1.5}
 
