@@ -350,17 +350,20 @@ def fire_delay(pending: Sequence[Frame], expected: Sequence[Stream], now: float,
 
     Fire at once when the pending frames fill the largest bucket or no other robot is expected;
     otherwise wait for the expected robots, but only while the tightest pending deadline still holds
-    after a step of `predicted_s` (a deadline that cannot be met anyway does not delay anyone).
+    after a step of `predicted_s` (a deadline that cannot be met anyway does not delay anyone), and
+    no longer than the first expected robot stays expected (then the caller decides again).
 
     Example: a frame that arrived at t=0 with a 100 ms deadline, a step predicted at 30 ms, another
-    robot expected: at t=0.002 the delay is 0.068 s (fire at t=0.070 unless that robot arrives first).
+    robot expected (answered at t=0 with a 100 ms deadline): at t=0.002 the delay is 0.068 s (fire at
+    t=0.070 unless that robot arrives first).
     """
     if not pending:
         return None
     if len(pending) >= max_rows or not expected:
         return 0.0
     fire_at = min(f.arrival + f.stream.deadline_s for f in pending) - predicted_s
-    return max(0.0, fire_at - now)
+    still_expected = min(s.last_reply + s.deadline_s for s in expected)
+    return max(0.0, min(fire_at, still_expected) - now)
 
 
 class Busy(Exception):
@@ -440,12 +443,17 @@ class Batcher:
         self._streams[stream.id] = stream
 
     def remove_stream(self, stream: Stream) -> asyncio.Future:
-        """Forgets a closed connection: drops its queued frame and cancels its language requests."""
+        """Forgets a closed connection: drops its queued frame and cancels its language requests.
+
+        Wakes the loop: others may have been waiting for this robot's next frame.
+        """
         stream.closed = True
         self._streams.pop(stream.id, None)
         for f in [f for f in self._pending if f.stream is stream]:
             self._pending.remove(f)
             f.future.cancel()
+        if self._wake is not None:
+            self._wake.set()
         return self.worker.run(asyncio.get_running_loop(), self.worker.cancel_owner, stream)
 
     def submit(self, frame: Frame) -> None:

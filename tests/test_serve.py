@@ -235,7 +235,7 @@ def _frame(stream: Stream, arrival: float) -> Frame:
 
 
 def test_fire_at_once_unless_an_expected_robot_can_still_make_the_tightest_deadline():
-    a, b, c = (Stream(id=i, deadline_s=0.1) for i in range(3))
+    a, b, c = (Stream(id=i, deadline_s=0.1, last_reply=0.0) for i in range(3))
     pending = [_frame(a, arrival=0.0)]
     assert fire_delay([], [b], 0.0, 0.03, 4) is None
     assert fire_delay(pending, [], 0.002, 0.03, 4) == 0.0  # nobody else is coming
@@ -244,6 +244,8 @@ def test_fire_at_once_unless_an_expected_robot_can_still_make_the_tightest_deadl
     assert fire_delay(pending + [_frame(c, 0.0)], [b], 0.0, 0.03, 2) == 0.0  # the largest bucket is full
     c.deadline_s = 0.05
     assert fire_delay(pending + [_frame(c, 0.01)], [b], 0.01, 0.03, 4) == pytest.approx(0.02)  # c's is tighter
+    a.deadline_s, b.deadline_s = 10.0, 0.05
+    assert fire_delay(pending, [b], 0.002, 0.03, 4) == pytest.approx(0.048)  # until b stops being expected
 
 
 def test_expected_robots_are_idle_and_were_answered_within_their_deadline():
@@ -468,6 +470,22 @@ def test_oversize_frame_closes_1009_and_other_robots_continue():
         reply = wire.unpack(small.recv(timeout=10))
         np.testing.assert_array_equal(reply["actions"], frame_noise(SEED, meta["stream"], 0, HA, AD)[:, :7])
         small.close()
+    finally:
+        handle.stop()
+
+
+def test_a_robot_that_leaves_stops_being_waited_for():
+    handle = _scripted_server(ScriptedEngine())
+    try:
+        (a, _), (b, _) = _raw(handle.port), _raw(handle.port)
+        a.send(wire.pack(_sample(0)))
+        assert isinstance(a.recv(timeout=10), bytes)  # a was just answered: expected back for a minute
+        a.send(wire.pack({**_sample(0), "deadline_ms": 60_000}))
+        a.recv(timeout=10)
+        b.send(wire.pack({**_sample(1), "deadline_ms": 60_000}))  # b waits for a to batch with it ...
+        a.close()  # ... until a leaves
+        assert isinstance(b.recv(timeout=10), bytes)
+        b.close()
     finally:
         handle.stop()
 
