@@ -25,6 +25,10 @@ latency; random weights decode a fixed number of tokens (stop token disabled, re
 `fixed_length_decode`); component times (prefill, S denoise steps, one decode step at batch B) are
 measured alone, warm, median of several runs, and give each setting's ideal frame time (§8.4).
 
+Several action heads on one Qwen3-VL prefix (`--heads xr0,starvla,gr00t`, with `--preset bench` or `tiny`):
+the same settings, grid and protocol for `mot` models with a language decoder, and the fan-out ratio
+(shared-prefix frame / the sum of the single-head frames of the same run); see `eval.bench_heads`.
+
 Output (`--out DIR`):
 
     DIR/summary.json        one record per (setting, grid point): see `SUMMARY_KEYS`
@@ -58,7 +62,7 @@ from tqdm import tqdm
 
 from eval import arrivals as arrivals_lib
 from eval import metrics
-from oxygen_jax import decode, schedule
+from oxygen_jax import decode, mot, schedule
 from oxygen_jax.cli import float_in, int_at_least
 from oxygen_jax.config import EOS_ID, model_config, oxygen_benchmark_robot
 from oxygen_jax.model import denoise, prefill, prefix_length
@@ -143,7 +147,7 @@ def build_grid(args: argparse.Namespace) -> list[Group]:
     """Groups from the named grid, with any explicit --workloads/--S/--N/--k/--arrival replacing its lists."""
     grid = GRIDS[args.grid]
     workloads = args.workloads or grid["workloads"]
-    steps = args.S or grid["S"]
+    steps = args.S or ((0,) if getattr(args, "heads", None) else grid["S"])  # 0: each head's own steps
     lengths = args.N or grid["N"]
     specs = args.arrival or grid["arrivals"]
     if args.k is None:
@@ -175,6 +179,12 @@ _nonnegative_int = int_at_least(0, "an integer >= 0")
 
 
 _share = float_in(0.0, 1.0, low_open=True)
+
+
+def _heads(text: str) -> tuple[str, ...]:
+    from eval import bench_heads
+
+    return bench_heads.parse_heads(text)
 
 
 def _k_value(text: str) -> str:
@@ -261,6 +271,13 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=PRESETS, default=None,
                      help="random-weight model preset (default: bench; tiny with --quick)")
     src.add_argument("--ckpt", type=Path, default=None, help="restore an openpi pi0.5 checkpoint instead of a preset")
+    m.add_argument("--heads", type=_heads, default=None, metavar="NAMES",
+                   help="several action heads + the language decoder on one Qwen3-VL prefix instead of pi0.5: "
+                        "comma-separated from xr0, starvla, gr00t (e.g. xr0,starvla,gr00t; presets bench or tiny). "
+                        "Reports the fan-out ratio: shared-prefix frame / sum of the single-head frames")
+    m.add_argument("--image-size", type=_positive_int, default=224,
+                   help="with --heads: square camera image side in pixels, a multiple of 32 ((size/32)^2 image "
+                        "tokens per camera; default 224: 49 tokens)")
     m.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="parameters and activations (auto: float32 on CPU, bfloat16 on accelerators)")
     m.add_argument("--tokenizer", type=Path, default=None,
@@ -321,6 +338,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.tokenizer is not None and not args.tokenizer.expanduser().is_file():
         parser.error(f"--tokenizer: {args.tokenizer} is not a file")
     args.settings = [s for s in SETTINGS if s in args.settings]  # canonical order, no duplicates
+    if args.heads is not None:
+        if args.ckpt is not None or args.preset not in ("tiny", "bench"):
+            parser.error("--heads builds a random-weight mot model: use --preset bench or tiny (no --ckpt)")
+        if args.S is not None and len(args.S) > 1:
+            parser.error("--heads takes one --S (every head runs S steps) or none (each head its own steps)")
+        if args.adapter_rank:
+            parser.error("--adapter-rank is for pi0.5 language adapters; it does not combine with --heads")
+        from eval import bench_heads
+
+        problem = bench_heads.check_image_size(args.preset, args.image_size)
+        if problem:
+            parser.error(problem)
     return args
 
 
@@ -356,6 +385,8 @@ def environment(args: argparse.Namespace, dtype: str, preset: str) -> dict:
         "command": " ".join([Path(sys.executable).name, "-m", "eval.bench", *sys.argv[1:]]),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "env": {k: os.environ[k] for k in _ENV_VARS if k in os.environ},
+        **({"heads": list(args.heads), "image_size": args.image_size, "loadavg_start": list(os.getloadavg())}
+           if getattr(args, "heads", None) else {}),
     }
 
 
@@ -560,8 +591,14 @@ class _ContinuousRunner(_Runner):
         for t in self.tickets:  # exactly a share of the requests (spread evenly) use adapter 1
             t.adapter = int(int((t.request_id + 1) * self.adapter_share) > int(t.request_id * self.adapter_share))
 
+    def _step(self, pool, f: int, req, evict):
+        """One frame program on `pool` with frame f's inputs (donates the pool)."""
+        x = self.x
+        return schedule.frame_step(self.params, pool, x.observations[f], x.noise[f], req, evict, self.bank,
+                                   num_steps=x.group.S, tokens_per_frame=self.k)
+
     def frame(self, f: int) -> None:
-        g, x = self.x.group, self.x
+        x = self.x
         for rid in x.arrivals[f]:
             self.sched.enqueue(self.tickets[rid])
             self.requests[rid] = {"id": rid, "setting": "continuous", "label": self.label, "arrival_frame": f,
@@ -569,8 +606,7 @@ class _ContinuousRunner(_Runner):
                                   "budget": x.table.budgets[rid], "adapter": self.tickets[rid].adapter}
         start = time.perf_counter()
         req, evict = self.sched.offer(1)
-        self.pool, out = schedule.frame_step(self.params, self.pool, x.observations[f], x.noise[f], req, evict,
-                                             self.bank, num_steps=g.S, tokens_per_frame=self.k)
+        self.pool, out = self._step(self.pool, f, req, evict)
         out = jax.device_get(out)  # the frame's single host sync: actions, tokens, flags
         ms = (time.perf_counter() - start) * 1e3
         ev = self.sched.absorb(out, f)
@@ -598,7 +634,8 @@ def _first_call(log: dict[str, float], key: str, thunk: Callable) -> None:
 
 def _compiled_programs() -> int:
     """How many executables the frame programs hold (all settings): must not grow after warm-up."""
-    fns = (schedule.frame_step, schedule.action_program, schedule.text_program, schedule.shared_kv_program)
+    fns = (schedule.frame_step, schedule.action_program, schedule.text_program, schedule.shared_kv_program,
+           schedule.mot_frame_step, schedule.mot_text_program, schedule.mot_shared_kv_program, mot.sample_all)
     return sum(fn._cache_size() for fn in fns)
 
 
@@ -705,6 +742,7 @@ class RunContext:
     preset: str
     dtype: str
     bank: object = None  # language-adapter bank (--adapter-rank), or None
+    spec: object = None  # mot.ModelSpec with --heads (params are then mot.ModelParams), else None
 
 
 def _warmup_and_drain(args: argparse.Namespace, group: Group) -> tuple[int, int]:
@@ -743,10 +781,8 @@ def _group_inputs(ctx: RunContext, group: Group, robot) -> _GroupInputs:
                         arrivals=ids, table=table, frame_requests=frame_requests, prefix_len=prefix_len)
 
 
-def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list[dict], dict]:
-    """Compiles and runs every setting of `group` side by side; returns (summary records, run record)."""
+def _runners(ctx: RunContext, group: Group, inputs: _GroupInputs) -> list[_Runner]:
     args = ctx.args
-    inputs = _group_inputs(ctx, group, robot)
     runners: list[_Runner] = []
     for setting in args.settings:
         if setting == "continuous":
@@ -758,6 +794,20 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
                     runners.append(_ContinuousRunner(k, ctx.params, inputs, slots, ctx.bank, args.adapter_share))
         else:
             runners.append(_ToCompletionRunner(setting, ctx.params, inputs))
+    return runners
+
+
+def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list[dict], dict]:
+    """Compiles and runs every setting of `group` side by side; returns (summary records, run record)."""
+    args = ctx.args
+    if ctx.spec is not None:  # several heads + language on one prefix
+        from eval import bench_heads
+
+        inputs = bench_heads.group_inputs(ctx, group, robot)
+        runners = bench_heads.runners(ctx, group, inputs)
+    else:
+        inputs = _group_inputs(ctx, group, robot)
+        runners = _runners(ctx, group, inputs)
     for r in runners:
         if progress is not None:
             progress.set_postfix_str(f"compiling {r.label}")
@@ -789,7 +839,8 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
         r_comp = comp
         if share:  # ideal times from the decode steps measured with the adapter bank
             r_comp = dataclasses.replace(comp, decode_step_ms=comp.adapter_step_ms if share >= 1 else comp.mixed_step_ms)
-        s = metrics.summarize(r.frames, reqs, action_horizon=robot.action_horizon, comp=r_comp, setting=r.setting,
+        horizon = 1 if ctx.spec is not None else robot.action_horizon  # several heads: action_hz = chunks/s
+        s = metrics.summarize(r.frames, reqs, action_horizon=horizon, comp=r_comp, setting=r.setting,
                               num_steps=group.S)
         steady = metrics.steady_state_ideal_ms(r.setting, r_comp, num_steps=group.S, decode_len=group.N,
                                                tokens_per_frame=r.k or 1, arrivals_per_frame=pattern.arrivals_per_frame)
@@ -813,6 +864,11 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
             "programs": r.program_keys,
             "run_file": f"runs/{group.name}.json",
         })
+        if ctx.spec is not None:
+            from eval import bench_heads
+
+            summaries[-1].update(bench_heads.fanout_fields(ctx.spec, r, iso_frames), action_horizon=None,
+                                 image_size=ctx.args.image_size)
     run = {
         "environment": ctx.env,
         "group": dataclasses.asdict(group) | {"name": group.name},
@@ -822,6 +878,7 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
             "fixed_length_decode": ctx.fixed_length, "seed": args.seed, "reuse_observation": args.reuse_observation,
             "prompt_bucket": args.prompt_bucket,
             "prefix_len": inputs.prefix_len, "robot": dataclasses.asdict(robot),
+            **({"heads": list(ctx.spec.names), "image_size": args.image_size} if ctx.spec is not None else {}),
             "frame_order": "settings interleaved per frame, order rotated each frame",
         },
         "components": comp.to_json(),
@@ -891,18 +948,26 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
 
 
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    model_cfg, params, preset = _load_model(args, dtype)
+    spec = None
+    if args.heads:
+        from eval import bench_heads
+
+        spec, params, preset = bench_heads.load_model(args, dtype)
+        model_cfg = None
+    else:
+        model_cfg, params, preset = _load_model(args, dtype)
     out = args.out or Path("results") / f"{preset}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     env = environment(args, dtype, preset)
     env["fixed_length_decode"] = not args.eos
-    tokenizer = _tokenizer(args)
+    tokenizer = _tokenizer(args) if spec is None else None  # --heads prompts are random token ids
 
     _write_json(out / "environment.json", env)
 
     ctx = RunContext(args=args, params=params, model_cfg=model_cfg, tokenizer=tokenizer, env=env,
                      compile_log={}, components={}, observations=collections.defaultdict(list),
-                     fixed_length=not args.eos, preset=preset, dtype=dtype, bank=_adapter_bank(args, model_cfg))
+                     fixed_length=not args.eos, preset=preset, dtype=dtype, bank=_adapter_bank(args, model_cfg),
+                     spec=spec)
     total = 0
     for g in groups:
         total += args.frames + sum(_warmup_and_drain(args, g))
@@ -913,11 +978,16 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
             robot = oxygen_benchmark_robot(workload)
             wgroups = [g for g in groups if g.workload == workload]
             bar.set_description(f"{workload}: components")
-            obs = _observation_stream(robot, model_cfg, tokenizer, 1, args.seed, True)[0]
-            noise = jax.random.normal(jax.random.key(args.seed), (1, robot.action_horizon, model_cfg.action_dim))
-            ctx.components[workload] = measure_components(
-                params, obs, noise, steps=sorted({g.S for g in wgroups}), batches=args.component_batches,
-                max_new_tokens=max(g.N for g in wgroups), repeats=args.component_repeats, bank=ctx.bank)
+            if spec is not None:
+                from eval import bench_heads
+
+                ctx.components[workload] = bench_heads.components(ctx, robot, max(g.N for g in wgroups))
+            else:
+                obs = _observation_stream(robot, model_cfg, tokenizer, 1, args.seed, True)[0]
+                noise = jax.random.normal(jax.random.key(args.seed), (1, robot.action_horizon, model_cfg.action_dim))
+                ctx.components[workload] = measure_components(
+                    params, obs, noise, steps=sorted({g.S for g in wgroups}), batches=args.component_batches,
+                    max_new_tokens=max(g.N for g in wgroups), repeats=args.component_repeats, bank=ctx.bank)
             _write_json(out / "components.json", {w: c.to_json() for w, c in ctx.components.items()})
             for g in wgroups:
                 bar.set_description(g.name)
@@ -926,6 +996,9 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
                 summary += records
                 _write_json(out / "summary.json", summary)  # rewritten after each group: partial runs stay usable
             ctx.observations[workload].clear()
+    if spec is not None:  # the machine load seen over the run (other processes share the CPU)
+        env["loadavg_end"] = list(os.getloadavg())
+        _write_json(out / "environment.json", env)
     print(f"wrote {len(summary)} records to {out / 'summary.json'}", file=sys.stderr)
     return out
 

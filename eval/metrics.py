@@ -168,6 +168,8 @@ class Components:
       adapter_step_ms: {B: one decode step with a language-adapter bank, every slot on adapter 1}
         (only with `eval.bench --adapter-rank`).
       mixed_step_ms: {B: the same with half the slots on the adapter and half on the base weights}.
+      heads_ms: {head name: its prepare + denoise on a shared prefix} for models with several action
+        heads (`eval.bench --heads`; `prefill_ms` is then their one prefix pass and `denoise_ms` empty).
     """
 
     prefill_ms: float
@@ -175,6 +177,19 @@ class Components:
     decode_step_ms: Mapping[int, float]
     adapter_step_ms: Mapping[int, float] = dataclasses.field(default_factory=dict)
     mixed_step_ms: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    heads_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def actions(self, setting: str, num_steps: int) -> float:
+        """The action part of a frame: T_pre + S·T_d, or with several heads T_pre + Σ_h T_h (one shared
+        prefix pass) and, for isolated, Σ_h (T_pre + T_h) (each head its own prefix pass); parallel: the
+        longest single-head program, max_h (T_pre + T_h)."""
+        if not self.heads_ms:
+            return self.prefill_ms + self.denoise(num_steps)
+        if setting == "isolated":
+            return sum(self.prefill_ms + t for t in self.heads_ms.values())
+        if setting == "parallel":
+            return max(self.prefill_ms + t for t in self.heads_ms.values())
+        return self.prefill_ms + sum(self.heads_ms.values())
 
     def denoise(self, num_steps: int) -> float:
         if num_steps in self.denoise_ms:
@@ -209,6 +224,7 @@ class Components:
             **({"adapter_step_ms": {str(k): v for k, v in sorted(self.adapter_step_ms.items())},
                 "mixed_step_ms": {str(k): v for k, v in sorted(self.mixed_step_ms.items())}}
                if self.adapter_step_ms else {}),
+            **({"heads_ms": dict(self.heads_ms)} if self.heads_ms else {}),
         }
 
     @classmethod
@@ -219,6 +235,7 @@ class Components:
             decode_step_ms={int(k): float(v) for k, v in d["decode_step_ms"].items()},
             adapter_step_ms={int(k): float(v) for k, v in d.get("adapter_step_ms", {}).items()},
             mixed_step_ms={int(k): float(v) for k, v in d.get("mixed_step_ms", {}).items()},
+            heads_ms={str(k): float(v) for k, v in d.get("heads_ms", {}).items()},
         )
 
 
@@ -238,13 +255,15 @@ def ideal_frame_ms(
         parallel    max(T_pre + S·T_d, T_pre + steps·t(B)), a lower bound (no contention)
         actions_only T_pre + S·T_d
 
+    With several heads (`Components.heads_ms`) T_pre + S·T_d is replaced by `Components.actions`.
+
     Args:
       arrivals: requests arriving this frame (isolated and parallel run a text prefill only then).
       decode_steps: batched decode forwards run this frame.
       batch: requests in those forwards.
     """
     _check_setting(setting)
-    act = comp.prefill_ms + comp.denoise(num_steps)
+    act = comp.actions(setting, num_steps)
     text = decode_steps * comp.decode_step(batch) if decode_steps > 0 else 0.0
     if setting == "actions_only":
         return act
@@ -294,7 +313,7 @@ def steady_state_ideal_ms(
     its text prefill in a fraction λ of the frames).
     """
     _check_setting(setting)
-    act = comp.prefill_ms + comp.denoise(num_steps)
+    act = comp.actions(setting, num_steps)
     if arrivals_per_frame <= 0:
         return act
     if setting == "continuous":

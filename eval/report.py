@@ -11,6 +11,8 @@ into DIR (default RESULTS_DIR):
     sweep_N.png             action Hz and tokens/s over the decode length N
     sweep_k.png             continuous batching over tokens per frame k (other settings as lines)
     latency_vs_batch.png    frame time against active requests, and the decode step t(B)
+    fanout.png              with several heads (`eval.bench --heads`): each setting's frame against the
+                            single-head frames of the same run, and the fan-out ratio
 
 The ablation and the sweeps are drawn at a reference point chosen from what was measured: S = 10,
 uniform:1 arrivals, the largest N, and k = 5 when present (otherwise the nearest values).
@@ -33,6 +35,7 @@ LABELS = {"isolated": "isolated", "parallel": "parallel", "shared_kv": "shared K
           "actions_only": "actions only (reference)"}
 COLORS = {"isolated": "#7f7f7f", "parallel": "#ff7f0e", "shared_kv": "#1f77b4", "continuous": "#2ca02c", "actions_only": "#9467bd"}
 PLOTS = ("tradeoff.png", "ablation.png", "sweep_N.png", "sweep_k.png", "latency_vs_batch.png")
+FANOUT_PLOT = "fanout.png"
 
 
 # --- loading --------------------------------------------------------------------------------------
@@ -140,9 +143,44 @@ def _components_md(components: Mapping) -> str:
     rows = []
     for workload, c in components.items():
         den = ", ".join(f"S={s}: {_num(v, 2)}" for s, v in c["denoise_ms"].items())
+        if c.get("heads_ms"):  # several heads: each head's prepare + denoise on the shared prefix
+            den = ", ".join(f"{h}: {_num(v, 2)}" for h, v in c["heads_ms"].items())
         dec = ", ".join(f"{b}: {_num(v, 2)}" for b, v in c["decode_step_ms"].items())
         rows.append((workload, _num(c["prefill_ms"], 2), den, dec))
-    return _table(("workload", "prefill T_pre (ms)", "denoise S steps (ms)", "decode step t(B) (ms), B: t"), rows)
+    heads = any(c.get("heads_ms") for c in components.values())
+    return _table(("workload", "prefix pass T_pre (ms)" if heads else "prefill T_pre (ms)",
+                   "heads: prepare + denoise (ms)" if heads else "denoise S steps (ms)",
+                   "decode step t(B) (ms), B: t"), rows)
+
+
+def _steps(s) -> str:
+    """S of a grid point; 0 means each head's own step count (`eval.bench --heads` without --S)."""
+    return "each head's own" if s == 0 else str(s)
+
+
+def _fanout_md(summary: Sequence[Mapping]) -> str:
+    """Per grid point: each setting's frame against the sum of the single-head frames of the same run."""
+    lines = []
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in summary:
+        if r.get("heads"):
+            groups[_group_key(r)].append(r)
+    for (workload, s, n, arrival), recs in sorted(groups.items()):
+        heads = recs[0]["heads"]
+        single = recs[0].get("single_head_ms") or {}
+        lines += [
+            f"### {workload}, S = {_steps(s)}, N = {n}, arrivals `{arrival}`, heads {', '.join(heads)}", "",
+            "Single-head frames (each head with its own prefix pass, isolated setting, median ms): "
+            + (", ".join(f"{h} {_num(single[h], 1)}" for h in heads if h in single) or "–")
+            + f"; sum {_num(recs[0].get('sum_single_head_ms'), 1)} ms.", "",
+            _table(["setting", "frame ms p50", "frame / sum of single-head frames", "chunks/s"]
+                   + [f"{h} action Hz" for h in heads] + ["tokens/s", "avg batch"],
+                   [[_setting_label(r), _num(r["frame_ms_median"], 1), _num(r.get("fanout_ratio"), 3),
+                     _num(r["action_hz"], 2)] + [_num((r.get("head_action_hz") or {}).get(h), 1) for h in heads]
+                    + [_num(r["tokens_per_s"], 1), _num(r.get("avg_batch"), 1)] for r in sorted(recs, key=_sort_key)]),
+            "",
+        ]
+    return "\n".join(lines)
 
 
 _MAIN_COLUMNS = (
@@ -217,6 +255,7 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
     summary, adapter_recs = _split_adapter(results["summary"])
     ref = reference_point(summary)
     env = results["environment"]
+    fanout = _fanout_md(summary)
     out = [
         "# OxyGen benchmark report", "",
         f"Preset `{env.get('preset', summary[0].get('preset'))}`, dtype `{env.get('dtype', summary[0].get('dtype'))}`, "
@@ -227,13 +266,18 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
         "alone (§8.4 of the method notes); *achieved* = ideal frame time / measured mean frame time.", "",
         "## Environment", "", _environment_md(env), "",
         "## Component times", "", _components_md(results["components"]), "",
+        *(["## Fan-out: several heads and language on one prefix", "",
+            "*frame / sum of single-head frames* = this setting's median frame (all heads, and language where the "
+            "setting has it) / the median, over the same run's isolated frames, of the sum of each head's own "
+            "frame (its own prefix pass + prepare + denoise, no language). Per-head action Hz = that head's "
+            "horizon per frame; chunks/s = frames per second.", "", fanout, ""] if fanout else []),
         "## Ablation at the reference point", "",
-        f"workload `{ref['workload']}`, S = {ref['S']}, N = {ref['N']}, arrivals `{ref['arrival']}`"
+        f"workload `{ref['workload']}`, S = {_steps(ref['S'])}, N = {ref['N']}, arrivals `{ref['arrival']}`"
         + (f", continuous batching at k = {ref['k']}" if ref["k"] else ""), "",
         _records_md(_pick_cb(_at(summary, ref), ref["k"])), "",
-        f"## Sweep over N (S = {ref['S']}, k = {ref['k']})", "",
+        f"## Sweep over N (S = {_steps(ref['S'])}, k = {ref['k']})", "",
         _sweep_md(_pick_cb(_n_series(summary, ref), ref["k"]), "N"), "",
-        f"## Sweep over k (S = {ref['S']}, N = {ref['N']})", "",
+        f"## Sweep over k (S = {_steps(ref['S'])}, N = {ref['N']})", "",
         _sweep_md([r for r in _at(summary, ref) if r["setting"] == "continuous"], "k"), "",
         "## Every grid point", "",
     ]
@@ -241,7 +285,7 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
     for r in summary:
         groups[_group_key(r)].append(r)
     for (workload, s, n, arrival), recs in sorted(groups.items()):
-        out += [f"### {workload}, S = {s}, N = {n}, arrivals `{arrival}`", "", _records_md(recs), ""]
+        out += [f"### {workload}, S = {_steps(s)}, N = {n}, arrivals `{arrival}`", "", _records_md(recs), ""]
     notes = []
     bad = sorted({(r["N"], r["k"]) for r in summary if r.get("k_divides_N") is False})
     if bad:
@@ -253,6 +297,13 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
     if summary[0].get("fixed_length_decode", True):
         notes.append("fixed-length decode: every request decodes exactly min(t_max, N) tokens (stop token disabled)")
     notes.append("parallel reuses the isolated action and text executables, so its compile time is theirs")
+    if fanout:
+        notes.append("several heads: action Hz is the chunk rate (frames per second; every head delivers one chunk "
+                     "per frame); S = each head's own means XR0 5, StarVLA heads 4 denoise steps")
+        if env.get("loadavg_start"):
+            notes.append("machine load average (1, 5, 15 min) at the start / end of the run: "
+                         f"{', '.join(_num(v, 2) for v in env['loadavg_start'])} / "
+                         f"{', '.join(_num(v, 2) for v in env.get('loadavg_end') or [])}")
     adapter = _adapter_md(results["components"], adapter_recs, summary)
     if adapter:
         out += ["## Language adapter overhead", "", adapter, ""]
@@ -431,6 +482,40 @@ def plot_latency_vs_batch(runs: Sequence[Mapping], components: Mapping, path: Pa
     plt.close(fig)
 
 
+def plot_fanout(summary: Sequence[Mapping], path: Path) -> None:
+    """Per grid point with several heads: each setting's median frame next to the single-head frames of the same
+    run stacked (their sum is the fan-out ratio's denominator), the ratio written over each bar."""
+    plt = _pyplot()
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in summary:
+        if r.get("heads"):
+            groups[_group_key(r)].append(r)
+    fig, axes = plt.subplots(1, len(groups), figsize=(7 * len(groups), 4.4), squeeze=False)
+    for ax, (key, recs) in zip(axes[0], sorted(groups.items())):
+        recs = sorted(recs, key=_sort_key)
+        heads, single = recs[0]["heads"], recs[0].get("single_head_ms") or {}
+        bottom = 0.0
+        for i, h in enumerate(heads):
+            if h in single:
+                ax.bar(0, single[h], bottom=bottom, color=f"C{i + 3}", label=f"{h} alone")
+                bottom += single[h]
+        x = list(range(1, len(recs) + 1))
+        ax.bar(x, [r["frame_ms_median"] or 0 for r in recs], color=[COLORS[r["setting"]] for r in recs])
+        for xi, r in zip(x, recs):
+            if r.get("fanout_ratio") is not None:
+                ax.annotate(f"{r['fanout_ratio']:.2f}x", (xi, r["frame_ms_median"] or 0), ha="center", fontsize=8,
+                            xytext=(0, 3), textcoords="offset points")
+        ax.set_xticks([0] + x, ["sum of\nsingle-head\nframes"] + [_setting_label(r) for r in recs], rotation=15,
+                      fontsize=8)
+        ax.set_ylabel("frame time, median (ms)")
+        ax.set_title(f"{key[0]}, N={key[2]}, {key[3]}: frame / sum of single-head frames", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # --- main -----------------------------------------------------------------------------------------
 
 
@@ -450,8 +535,12 @@ def write_report(results_dir: Path, out_dir: Path | None = None) -> Path:
     plot_sweep_n(summary, ref, out / "sweep_N.png")
     plot_sweep_k(summary, ref, out / "sweep_k.png")
     plot_latency_vs_batch(results["runs"], results["components"], out / "latency_vs_batch.png")
+    plots = PLOTS
+    if any(r.get("heads") for r in summary):
+        plot_fanout(summary, out / FANOUT_PLOT)
+        plots = (FANOUT_PLOT,) + PLOTS
     md = out / "report.md"
-    md.write_text(markdown(results, PLOTS))
+    md.write_text(markdown(results, plots))
     return md
 
 

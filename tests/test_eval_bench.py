@@ -158,6 +158,58 @@ def test_report_writes_tables_and_plots(tiny_run, tmp_path):
     assert "## Language adapter overhead" in md and "half on adapter" in md
 
 
+# --- several heads on one prefix (--heads) --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def heads_run(tmp_path_factory):
+    """Tiny mot model with a GR00T-style head and language (one head keeps the compiles few; `--heads` sums any
+    number); isolated (the head its own prefix pass, the text its own) against the fan-out frame, one request per
+    frame."""
+    out = tmp_path_factory.mktemp("bench_heads")
+    bench.main([
+        "--heads", "gr00t", "--preset", "tiny", "--image-size", "64", "--workloads", "libero", "--N", "4",
+        "--k", "2", "--frames", "3", "--warmup", "1", "--settings", "isolated", "continuous", "--component-batches",
+        "1", "--component-repeats", "1", "--no-progress", "--out", str(out),
+    ])
+    return out
+
+
+def test_heads_bench_reports_the_fanout_ratio_against_the_single_head_frames_of_the_same_run(heads_run, tmp_path):
+    summary = json.loads((heads_run / "summary.json").read_text())
+    assert [(r["setting"], r["k"], r["heads"]) for r in summary] == [("isolated", None, ["gr00t"]),
+                                                                       ("continuous", 2, ["gr00t"])]
+    run = json.loads((heads_run / "runs" / "libero_S0_N4_uniform-1.json").read_text())
+    assert run["config"]["prefix_len"] == 2 * (1 + 4 + 1) + 100  # two 64 px cameras (4 tokens each) + the prompt
+    iso = [f for f in run["frames"] if f["setting"] == "isolated" and not f["warmup"] and not f["drain"]]
+    sums = sorted(sum(f["head_ms"].values()) for f in iso)
+    for r in summary:
+        assert set(bench.SUMMARY_KEYS) <= set(r)
+        assert r["recompiles_after_warmup"] == 0 and r["requests_unfinished"] == 0 and r["frames_measured"] == 3
+        assert r["head_steps"] == {"gr00t": 2}  # the head's own (tiny preset)
+        assert r["sum_single_head_ms"] == pytest.approx(sums[1])  # median of 3 frames' sums
+        assert r["fanout_ratio"] == pytest.approx(r["frame_ms_median"] / sums[1])
+        assert r["head_action_hz"]["gr00t"] == pytest.approx(4 * r["action_hz"])  # horizon 4 per chunk
+        assert r["single_head_ms"]["gr00t"] == pytest.approx(sorted(f["head_ms"]["gr00t"] for f in iso)[1])
+        assert r["tokens_per_s"] > 0
+    assert summary[0]["fanout_ratio"] > 1  # isolated also runs the text's own prefix pass
+    comps = json.loads((heads_run / "components.json").read_text())["libero"]
+    assert set(comps["heads_ms"]) == {"gr00t"} and comps["denoise_ms"] == {}
+    md = report.write_report(heads_run, tmp_path).read_text()
+    assert "## Fan-out: several heads and language on one prefix" in md and "frame / sum of single-head frames" in md
+    assert (tmp_path / report.FANOUT_PLOT).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_heads_command_lines_are_checked():
+    assert bench.parse_args(["--heads", "starvla,xr0"]).heads == ("starvla_qwenpi_v3", "xr0")
+    assert bench.parse_args([]).heads is None  # pi0.5, as before
+    assert [g.S for g in _grid("--heads", "xr0")] == [0] * 5  # each head's own steps
+    for argv in (["--heads", "pi05"], ["--heads", "xr0,xr0"], ["--heads", "xr0", "--preset", "pi05"],
+                 ["--heads", "xr0", "--S", "2", "4"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+
+
 def test_report_explains_a_missing_summary(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main([str(tmp_path)])

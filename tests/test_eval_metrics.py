@@ -159,6 +159,22 @@ def test_per_frame_ideal_uses_each_frames_own_work():
     assert mean == pytest.approx(((15 + 5 * 1.0) + (15 + 5 * 2.0)) / 2)
 
 
+def test_ideal_frames_with_several_heads_pay_one_prefix_pass_when_shared_and_one_per_head_when_isolated():
+    """Three heads on one prefix: T_pre = 10, heads 2, 3, 4 ms; language as for one head."""
+    comp = metrics.Components(prefill_ms=10.0, denoise_ms={}, decode_step_ms={1: 1.0, 2: 1.5},
+                              heads_ms={"xr0": 2.0, "starvla": 3.0, "gr00t": 4.0})
+    assert metrics.Components.from_json(comp.to_json()) == comp
+    kw = dict(num_steps=0, decode_steps=4, batch=2)
+    assert metrics.ideal_frame_ms("continuous", comp, arrivals=0, **kw) == pytest.approx(10 + 9 + 4 * 1.5)
+    assert metrics.ideal_frame_ms("actions_only", comp, arrivals=1, **kw) == pytest.approx(19)
+    assert metrics.ideal_frame_ms("isolated", comp, arrivals=1, **kw) == pytest.approx(3 * 10 + 9 + 10 + 6)
+    assert metrics.ideal_frame_ms("isolated", comp, arrivals=0, num_steps=0, decode_steps=0, batch=0) == 39
+    assert metrics.ideal_frame_ms("parallel", comp, arrivals=1, **kw) == pytest.approx(max(14, 10 + 6))
+    steady = dict(num_steps=0, decode_len=30, tokens_per_frame=5)
+    assert metrics.steady_state_ideal_ms("shared_kv", comp, **steady) == pytest.approx(19 + 29)
+    assert metrics.steady_state_ideal_ms("isolated", comp, **steady) == pytest.approx(39 + 10 + 29)
+
+
 def test_summarize_reports_every_metric_and_the_achieved_fraction():
     frames = _frames([10, 20, 20], tokens=[0, 10, 10], warmup=1)
     for f in frames:

@@ -1,7 +1,8 @@
 """Fan-out: several action heads and the language decoder on one shared prefix, in one compiled frame program.
 
 One tiny Qwen3-VL model (images, DeepStack, M-RoPE) with XR0-, QwenPI_v3- and GR00T-style heads and a language
-decoder; two prompt rows (row 0 unpadded, row 1 left-padded). The specification:
+decoder; three prompt rows (those of tests/test_mot.py: unpadded, left-padded, junk under the mask). The
+specification:
 
 * each head's actions from the fan-out frame (`schedule.mot_frame_step`) are bit-identical to that head run alone
   with its own prefix pass (`mot.sample_all` of the single-head model), in frames with and without language;
@@ -22,13 +23,20 @@ from oxygen_jax import backbone as bb
 from oxygen_jax import decode, mot, schedule
 
 IMG = 500  # the tiny preset's image token id
+# The prompt rows of tests/test_mot.py (same shapes, so the single-head programs compiled there are reused): row 0
+# unpadded, row 1 left-padded, row 2 = row 1 with junk ids under its mask.
 _ROWS = np.asarray([
     [7, 8, 502, IMG, IMG, IMG, IMG, 503, 9, 10, 11, 12],
     [0, 0, 0, 7, 502, IMG, IMG, IMG, IMG, 503, 9, 10],
+    [13, 14, 15, 7, 502, IMG, IMG, IMG, IMG, 503, 9, 10],
 ], np.int32)
 _MASK = np.ones(_ROWS.shape, bool)
-_MASK[1, :3] = False
+_MASK[1:, :3] = False
 N, K, SLOTS = 6, 2, 3  # tokens per request, tokens per frame, decode slots
+
+
+def _images(rng) -> list[np.ndarray]:
+    return [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +44,10 @@ def tiny():
     spec = mot.preset("tiny")
     params = mot.init_model(spec, seed=0)
     rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(2)]
-    inputs = mot.make_inputs(spec, _ROWS, _MASK, images)
-    noises = {h.name: jnp.asarray(rng.standard_normal((2, h.horizon, h.action_dim)), jnp.float32) for h in spec.heads}
-    states = {h.name: jnp.asarray(rng.standard_normal((2, h.state_dim)), jnp.float32) for h in spec.heads if h.state_dim}
+    inputs = mot.make_inputs(spec, _ROWS, _MASK, _images(rng))
+    noises = {h.name: jnp.asarray(rng.standard_normal((3, h.horizon, h.action_dim)), jnp.float32) for h in spec.heads}
+    states = {h.name: jnp.asarray(rng.standard_normal((3, h.state_dim)), jnp.float32)
+              for h in spec.heads if h.state_dim}
     lm = mot.language_model(spec, params)
     # Frame 0 admits one request per row, frames 1.. have none (the same compiled program); the requests emit
     # 1 + 2, 2, 1 tokens in frames 0-2, so frame 3 has no language work.
@@ -57,8 +65,12 @@ def tiny():
             if rid >= 0:
                 tokens.setdefault(int(rid), []).extend(int(t) for t in out.new_tokens[slot] if t >= 0)
     return dict(spec=spec, params=params, inputs=inputs, noises=noises, states=states, lm=lm, frames=frames,
-                tokens=tokens, requests=decode.make_requests(2, 0, [0, 1], rows=[0, 1], budgets=[N, N],
-                                                             stop_tokens=[-1, -1]))
+                tokens=tokens)
+
+
+def _one_request(row: int) -> decode.Requests:
+    """Request `row` alone (id = row), greedy, exactly N tokens."""
+    return decode.make_requests(1, 0, [row], rows=[row], budgets=[N], stop_tokens=[-1])
 
 
 def test_each_heads_actions_are_bit_identical_to_that_head_alone_with_and_without_language(tiny):
@@ -71,55 +83,51 @@ def test_each_heads_actions_are_bit_identical_to_that_head_alone_with_and_withou
         alone = schedule.mot_head_program(params, spec, name, tiny["inputs"], tiny["noises"], tiny["states"])
         np.testing.assert_array_equal(with_text.actions[name], alone, err_msg=name)
         np.testing.assert_array_equal(without.actions[name], alone, err_msg=name)
-        assert alone.shape == (2, spec.head(name).horizon, spec.head(name).action_dim)
+        assert alone.shape == (3, spec.head(name).horizon, spec.head(name).action_dim)
         assert not np.allclose(alone[0], alone[1], atol=1e-3)  # the rows really differ
 
 
 def _recompute_greedy(spec, params, n):
-    """Greedy tokens by a full forward over [prompt | generated] per token (no cache), both rows at once.
+    """Greedy tokens of rows 0 and 1 by a full forward over [prompt | generated] per token (no cache).
 
     The generated tokens are appended after the prompt, masked until written, so one compiled program serves
     every step; M-RoPE positions of appended text continue at the row's max position + 1 (make_inputs)."""
-    rows, mask = np.zeros((2, _ROWS.shape[1] + n), np.int32), np.zeros((2, _ROWS.shape[1] + n), bool)
-    rows[:, :_ROWS.shape[1]], mask[:, :_ROWS.shape[1]] = _ROWS, _MASK
-    rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(2)]
+    p = _ROWS.shape[1]
+    rows, mask = np.zeros((3, p + n), np.int32), np.zeros((3, p + n), bool)
+    rows[:, :p], mask[:, :p] = _ROWS, _MASK
+    images = _images(np.random.default_rng(0))
     text = spec.only(language=True)
     logits = jax.jit(lambda p, i: bb.lm_logits(spec.backbone, p.decoder, mot.prefix_pass(text, p, i).last_hidden))
     for j in range(n):
         token = np.argmax(np.asarray(logits(params, mot.make_inputs(spec, rows, mask, images))), -1)
-        rows[:, _ROWS.shape[1] + j], mask[:, _ROWS.shape[1] + j] = token, True
-    return rows[:, _ROWS.shape[1]:].tolist()
+        rows[:, p + j], mask[:, p + j] = token, True
+    return rows[:2, p:].tolist()
 
 
 def test_language_tokens_equal_a_single_request_decode_and_a_cache_free_recompute(tiny):
-    """Tokens emitted across frames (1 + 2 + 2 + 1) by the fan-out frame = one request decoded alone in a pool
-    of one slot from a language-only prefix pass = greedy argmax of a full forward per token."""
-    spec, params, lm = tiny["spec"], tiny["params"], tiny["lm"]
-    prefix = jax.jit(lambda p, i: mot.prefix_pass(spec.only(language=True), p, i))(params, tiny["inputs"])
-    alone = []
-    for row in (0, 1):
-        pool = decode.init_pool(lm, 1, decode.prefix_length(prefix), N)
-        req = decode.make_requests(1, 0, [row], rows=[row], budgets=[N], stop_tokens=[-1])
-        pool, _, _ = decode.admit(lm, pool, prefix, req)
-        alone.append(np.asarray(decode.decode_to_completion(lm, pool).tokens[0]).tolist())
+    """Tokens emitted across frames (1 + 2 + 2 + 1) by the fan-out frame = each request decoded alone (its own
+    language-only prefix pass, a pool of one slot: `mot_text_program`) = greedy argmax of a full forward per token."""
+    spec, params, inputs = tiny["spec"], tiny["params"], tiny["inputs"]
+    alone = [np.asarray(schedule.mot_text_program(params.only(), spec, inputs, _one_request(row),
+                                                  max_new_tokens=N)[0][0]).tolist() for row in (0, 1)]
     assert [tiny["tokens"][0], tiny["tokens"][1]] == alone == _recompute_greedy(spec, params, N)
     assert all(len(set(t)) > 2 for t in alone)  # meaningful sequences, not one repeated token
 
 
 def test_four_settings_give_the_same_actions_and_greedy_tokens(tiny):
-    spec, params, inputs, req = tiny["spec"], tiny["params"], tiny["inputs"], tiny["requests"]
+    """The left-padded row's request in every setting; the actions of both rows."""
+    spec, params, inputs, req = tiny["spec"], tiny["params"], tiny["inputs"], _one_request(1)
     noises, states = tiny["noises"], tiny["states"]
     iso = schedule.run_mot_isolated(params, spec, inputs, noises, states, req, max_new_tokens=N)
     par = schedule.run_mot_parallel(params, spec, inputs, noises, states, req, max_new_tokens=N)
     shared = schedule.mot_shared_kv_program(params, spec, inputs, noises, states, req, max_new_tokens=N)
-    continuous = tiny["frames"][0].actions, [tiny["tokens"][0], tiny["tokens"][1]]
+    continuous = tiny["frames"][0].actions, [tiny["tokens"][1]]
     for actions, tokens in [(iso[0], iso[1]), (par[0], par[1]), (shared[0], shared[1]), continuous]:
         assert set(actions) == set(spec.names)
         for name in spec.names:
             np.testing.assert_array_equal(actions[name], continuous[0][name], err_msg=name)
         assert np.asarray(tokens).tolist() == continuous[1]
-    assert np.asarray(iso[2]).tolist() == np.asarray(shared[2]).tolist() == [N, N]
+    assert np.asarray(iso[2]).tolist() == np.asarray(shared[2]).tolist() == [N]
 
 
 def test_twenty_frames_with_changing_arrivals_and_cancellations_compile_the_frame_program_once(tiny):
@@ -129,14 +137,13 @@ def test_twenty_frames_with_changing_arrivals_and_cancellations_compile_the_fram
     before = schedule.mot_frame_step._cache_size()
     sizes, next_id = [], 0
     for f in range(20):
-        images = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(2)]
-        inputs = mot.make_inputs(spec, _ROWS, _MASK, images)
+        inputs = mot.make_inputs(spec, _ROWS, _MASK, _images(rng))
         noises = {n: jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for n, x in tiny["noises"].items()}
         arrivals = int(rng.integers(0, 3))
         ids = list(range(next_id, next_id + arrivals))
         next_id += arrivals
-        req = decode.make_requests(2, 0, ids, rows=[i % 2 for i in ids], budgets=[int(rng.integers(1, N + 1)) for _ in ids],
-                                   temperatures=[0.7] * arrivals)
+        budgets = [int(rng.integers(1, N + 1)) for _ in ids]
+        req = decode.make_requests(2, 0, ids, rows=[i % 2 for i in ids], budgets=budgets, temperatures=[0.7] * arrivals)
         evict = rng.random(SLOTS) < 0.1
         pool, out = schedule.mot_frame_step(params, spec, pool, inputs, noises, tiny["states"], req, evict,
                                             tokens_per_frame=K)
