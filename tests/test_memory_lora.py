@@ -243,3 +243,18 @@ def test_data_parallel_over_8_simulated_devices_matches_one_device(params, task,
     scale = max(float(np.abs(x).max()) for x in leaves)
     for i, x in enumerate(leaves):  # bank and Adam state after two steps: float32 summation order aside
         np.testing.assert_allclose(eight[f"arr_{i}"], x, rtol=1e-4, atol=1e-6 * scale, err_msg=f"leaf {i}")
+
+
+def test_embedded_demo_loads_verified_and_fits_in_15_mb():
+    from training.memory_lora import DEMO_DIR, load_demo
+
+    if not (DEMO_DIR / "demo.json").is_file():
+        pytest.skip(f"no embedded demo at {DEMO_DIR}")
+    size = sum(f.stat().st_size for f in DEMO_DIR.rglob("*") if f.is_file())
+    assert size <= 15e6, f"checkpoints/demo holds {size / 1e6:.1f} MB"
+    demo = load_demo()  # restore_params verifies every array against its SHA-256, load_adapter every LoRA leaf
+    assert demo.adapter_names == ("memory",) and demo.prompt == "Memory: "
+    assert demo.tokenizer.vocab_size <= demo.config.vocab_size
+    assert len(demo.frames) >= 8 and all(f["memory"].startswith("Done: ") for f in demo.frames)
+    for f in demo.frames:  # LIBERO client images (make_observation resizes them to the model's side)
+        assert f["image"].dtype == np.uint8 and f["image"].ndim == 3 and f["wrist_image"].shape == f["image"].shape

@@ -763,6 +763,14 @@ def _sha256(x) -> str:
     return hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest()
 
 
+def tree_digest(tree) -> str:
+    """SHA-256 over every leaf's bytes (tree order): equal digests mean bit-identical leaves."""
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(tree):
+        h.update(_sha256(jax.device_get(x)).encode())
+    return h.hexdigest()
+
+
 def base_fingerprint(base_dir: str | os.PathLike) -> str | None:
     """SHA-256 of a `checkpoint.save_params` directory's checksums item (identifies its arrays), or None."""
     path = Path(base_dir) / "checksums" / "metadata"
@@ -936,7 +944,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Outputs in OUT: adapter/ (adapter mode: load with training.memory_lora.load_bank) or base/ (base "
                "mode: oxygen_jax.checkpoint.restore_params), tokenizer.model, checkpoints/ (orbax, for resuming), "
-               "metrics.jsonl, run.json.",
+               "metrics.jsonl, run.json. Assemble the embedded demo folder from a base and an adapter run with "
+               "`python -m training.memory_lora export-demo --help`.",
     )
     p.add_argument("--data", type=Path, required=True, help="memory dataset version folder (tfds, array_record)")
     p.add_argument("--out", type=Path, required=True, help="output directory (created; an existing one is resumed)")
@@ -985,6 +994,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["export-demo"]:
+        return _export_main(argv[1:])
     args = _parser().parse_args(argv)
     from oxygen_jax import checkpoint
     from oxygen_jax.params import for_backend
@@ -1020,13 +1032,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     task = TextTask(robot=_robot(args.prompt_len), tokenizer=tokenizer, prompt=prompt, label_key=label_key,
                     suffix_len=suffix_len)
     tok_file.write_bytes(tokenizer.to_bytes())
-    run = {"argv": list(sys.argv if argv is None else argv), "base": what, "data": str(args.data.resolve()),
+    run = {"argv": argv, "base": what, "data": str(args.data.resolve()),
            "train_frames": len(train_src), "eval_frames": len(eval_src) if eval_src is not None else 0,
            "tokenizer_vocab": tokenizer.vocab_size, "prompt_len": args.prompt_len, "config": config.to_json(),
            "model": checkpoint_config_json(params.config), "devices": args.devices or jax.device_count()}
     (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"{args.mode}: {what}; {len(train_src)} train / {len(eval_src) if eval_src else 0} eval frames; "
           f"task {prompt!r} -> {label_key!r}, T={suffix_len}; {jax.device_count()} device(s)", flush=True)
+    digest_before = tree_digest(params)
     with open(out / "metrics.jsonl", "a") as metrics_file:
         def log(entry):
             metrics_file.write(json.dumps(entry) + "\n")
@@ -1038,6 +1051,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                        eval_frames=args.eval_frames, checkpoint_dir=out / "checkpoints",
                        checkpoint_every=args.checkpoint_every, stop_at=args.stop_at, mesh=make_mesh(args.devices),
                        progress=not args.no_progress, log=log)
+    if not base_mode:  # the frozen base, checked rather than assumed
+        unchanged = tree_digest(params) == digest_before
+        with open(out / "metrics.jsonl", "a") as metrics_file:
+            metrics_file.write(json.dumps({"event": "base_check", "base_leaves_bit_identical": unchanged}) + "\n")
+        print(f"base leaves bit-identical after training: {unchanged}")
     if int(result.state.step) < config.steps:
         print(f"stopped at step {int(result.state.step)} of {config.steps}; rerun the same command to resume")
         return 0
@@ -1057,6 +1075,176 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _longest_suffix(source, tokenizer: Tokenizer, prompt: str, label_key: str) -> int:
     labels = {str(source[i][label_key]) for i in range(len(source))}
     return len(encode_suffix_prompt(tokenizer, prompt)) + max(len(tokenizer.encode(x)) for x in labels) + 1
+
+
+# -------------------------------------------------------------------------------------------------
+# The embedded demo: base + adapter + tokenizer + a few held-out frames in one folder
+# -------------------------------------------------------------------------------------------------
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "demo"
+DEMO_MANIFEST = "demo.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Demo:
+    """What `load_demo` returns.
+
+    Attributes:
+      params: the base model (`params.for_backend` form); config: its `ModelConfig`.
+      tokenizer: the demo's SentencePiece model; robot: `robot_config("libero", max_token_len=prompt_len)`.
+      bank, adapter_names: `Engine(params, cfg, tokenizer, bank=bank, adapter_names=adapter_names)`.
+      prompt: the adapter's request prompt ("Memory: "); max_new_tokens: enough for every label + EOS.
+      frames: held-out LIBERO frames (dicts: image / wrist_image uint8 [Px, Px, 3], state float32 [8],
+        language_instruction, memory (the true label), scene, task, init_index, frame_key, predicted).
+      manifest: demo.json.
+    """
+
+    params: Params
+    config: ModelConfig
+    tokenizer: Tokenizer
+    robot: RobotConfig
+    bank: lora.LoraBank
+    adapter_names: tuple[str, ...]
+    prompt: str
+    max_new_tokens: int
+    frames: list[dict]
+    manifest: dict
+
+    def samples(self) -> list[dict]:
+        """The frames as openpi LIBERO client samples (`transforms.make_observation` input)."""
+        return [{"observation/image": f["image"], "observation/wrist_image": f["wrist_image"],
+                 "observation/state": f["state"], "prompt": f["language_instruction"]} for f in self.frames]
+
+
+def load_demo(path: str | os.PathLike = DEMO_DIR) -> Demo:
+    """Loads the embedded demo folder (default `checkpoints/demo`): checksummed base, adapter, tokenizer, frames."""
+    from PIL import Image
+
+    from oxygen_jax import checkpoint
+    from oxygen_jax.params import for_backend
+
+    root = Path(path).expanduser().resolve()
+    manifest_file = root / DEMO_MANIFEST
+    if not manifest_file.is_file():
+        raise FileNotFoundError(f"{root} is not a demo folder (no {DEMO_MANIFEST}); see checkpoints/demo/README.md")
+    manifest = json.loads(manifest_file.read_text())
+    config, params = checkpoint.restore_params(root / manifest["base"])
+    tokenizer = Tokenizer.from_file(root / manifest["tokenizer"])
+    bank, names = load_bank([root / manifest["adapter"]], config, base=root / manifest["base"])
+    frames = []
+    for row in json.loads((root / manifest["frames"]).read_text()):
+        frame = dict(row)
+        for key in ("image", "wrist_image"):
+            frame[key] = np.asarray(Image.open(root / "frames" / row[key]).convert("RGB"))
+        frame["state"] = np.asarray(row["state"], np.float32)
+        frames.append(frame)
+    return Demo(params=for_backend(params), config=config, tokenizer=tokenizer,
+                robot=robot_config("libero", max_token_len=manifest["prompt_len"]), bank=bank, adapter_names=names,
+                prompt=manifest["prompt"], max_new_tokens=manifest["max_new_tokens"], frames=frames, manifest=manifest)
+
+
+def _pick_frames(source: Sequence[Mapping], n: int, seed: int = 0) -> list[int]:
+    """n frame indices covering as many (task, label) pairs as possible, round-robin over tasks."""
+    by_task: dict[str, dict[str, list[int]]] = {}
+    for i in range(len(source)):
+        f = source[i]
+        by_task.setdefault(str(f["language_instruction"]), {}).setdefault(str(f["memory"]), []).append(i)
+    rng = np.random.default_rng(seed)
+    queues = {t: [rng.choice(ix) for _, ix in sorted(labels.items())] for t, labels in sorted(by_task.items())}
+    for q in queues.values():
+        rng.shuffle(q)
+    picked: list[int] = []
+    while len(picked) < n and any(queues.values()):
+        for q in queues.values():
+            if q and len(picked) < n:
+                picked.append(int(q.pop()))
+    return picked
+
+
+def export_demo(base: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, out: str | os.PathLike,
+                *, split: str = "heldout", num_frames: int = 8, evaluation: Mapping | None = None,
+                commands: Sequence[str] = ()) -> Path:
+    """Assembles a demo folder: `base/` (copy of a save_params dir), `memory_adapter/`, `tokenizer.model`
+    (from beside the adapter's run), `frames/` (PNG of both cameras + frames.json with true labels and the
+    demo's own greedy answers) and `demo.json`."""
+    import shutil
+
+    from PIL import Image
+
+    from oxygen_jax import checkpoint
+    from oxygen_jax.params import for_backend
+    from training.memory_data import open_memory_dataset
+
+    base, adapter, out = Path(base).resolve(), Path(adapter).resolve(), Path(out).resolve()
+    tok_file = adapter.parent / "tokenizer.model"
+    run = json.loads((adapter.parent / "run.json").read_text())
+    extra = json.loads((adapter / "adapter.json").read_text()).get("extra", {})
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "frames").mkdir(parents=True)
+    shutil.copytree(base, out / "base")
+    shutil.copytree(adapter, out / "memory_adapter")
+    meta = json.loads((out / "memory_adapter" / "adapter.json").read_text())
+    meta["base"] = "../base"  # relative: the folder moves with the repository (the fingerprint identifies it)
+    (out / "memory_adapter" / "adapter.json").write_text(json.dumps(meta, indent=1) + "\n")
+    shutil.copyfile(tok_file, out / "tokenizer.model")
+
+    source = open_memory_dataset(data, split)
+    picked = _pick_frames(source, num_frames)
+    config, params = checkpoint.restore_params(out / "base")
+    params = for_backend(params)
+    tokenizer = Tokenizer.from_file(out / "tokenizer.model")
+    bank, _ = load_bank([out / "memory_adapter"], config, base=out / "base")
+    task = TextTask(robot=robot_config("libero", max_token_len=run["prompt_len"]), tokenizer=tokenizer,
+                    prompt=meta["prompt"], label_key=extra.get("label_key", "memory"),
+                    suffix_len=extra.get("suffix_len", run["config"]["suffix_len"]))
+    frames = [source[i] for i in picked]
+    answers = engine_answers(params, task, fixed_batches(frames, task, config, len(frames)), bank=bank,
+                             adapter=DEFAULT_ADAPTER_NAME)
+    rows = []
+    for k, (f, answer) in enumerate(zip(frames, answers.texts)):
+        row = {key: f[key] for key in ("language_instruction", "memory", "scene", "task", "init_index", "frame_key")
+               if key in f}
+        for key in ("image", "wrist_image"):
+            name = f"{k:02d}_{key}.png"
+            Image.fromarray(np.asarray(f[key])).save(out / "frames" / name, optimize=True)
+            row[key] = name
+        row["state"] = [float(x) for x in np.asarray(f["state"])]
+        row["predicted"] = answer
+        rows.append(row)
+    (out / "frames" / "frames.json").write_text(json.dumps(rows, indent=1) + "\n")
+    manifest = {
+        "base": "base", "adapter": "memory_adapter", "tokenizer": "tokenizer.model", "frames": "frames/frames.json",
+        "adapter_name": meta["name"], "prompt": meta["prompt"], "robot": "libero", "prompt_len": run["prompt_len"],
+        "max_new_tokens": task.suffix_len - len(task.prompt_ids), "tokenizer_vocab": tokenizer.vocab_size,
+        "data": str(Path(data).resolve()), "frames_split": split, "actions": "random: the action expert was never trained",
+        **({"evaluation": dict(evaluation)} if evaluation else {}), **({"commands": list(commands)} if commands else {}),
+    }
+    (out / DEMO_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return out
+
+
+def _export_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.memory_lora export-demo",
+                                description="Assemble the embedded demo folder from a base run and an adapter run.")
+    p.add_argument("--base", type=Path, required=True, help="the base run's base/ (checkpoint.save_params dir)")
+    p.add_argument("--adapter", type=Path, required=True, help="the adapter run's adapter/ (tokenizer.model beside it)")
+    p.add_argument("--data", type=Path, required=True, help="memory dataset the frames are taken from")
+    p.add_argument("--split", default="heldout")
+    p.add_argument("--frames", type=int, default=8, help="held-out frames to include (PNG, both cameras)")
+    p.add_argument("--eval-json", type=Path, default=None, help="eval.memory_eval's memory_eval.json to summarise")
+    p.add_argument("--out", type=Path, default=DEMO_DIR)
+    args = p.parse_args(argv)
+    evaluation = None
+    if args.eval_json is not None:
+        r = json.loads(args.eval_json.read_text())
+        evaluation = {k: r[k] for k in ("n", "exact_match", "token_accuracy", "majority_label", "majority_baseline",
+                                        "per_task_majority_baseline", "base_exact_match", "action_max_abs_diff") if k in r}
+    out = export_demo(args.base, args.adapter, args.data, args.out, split=args.split, num_frames=args.frames,
+                      evaluation=evaluation)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote {out} ({size / 1e6:.1f} MB)")
+    return 0
 
 
 if __name__ == "__main__":
