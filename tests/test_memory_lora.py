@@ -26,6 +26,7 @@ from training.memory_lora import (
     StateCheckpoints,
     TextTask,
     TrainConfig,
+    augment_frame,
     greedy_exact_match,
     load_adapter,
     load_bank,
@@ -35,6 +36,7 @@ from training.memory_lora import (
     save_adapter,
     teacher_forced_logits,
     train,
+    train_text_tokenizer,
     with_base_trainable,
 )
 from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
@@ -197,6 +199,36 @@ def test_base_fingerprint_mismatch_is_an_error(params, tmp_path):
     load_adapter(path, params.config, base=base_a)
     with pytest.raises(ValueError, match="was trained on base .*base_a.*other weights"):
         load_adapter(path, params.config, base=base_b)
+
+
+def test_augmentation_is_a_pure_function_of_the_draw_and_only_shifts_and_scales():
+    frame = {"image": np.tile(np.arange(56, dtype=np.uint8)[None, :, None] * 4, (56, 1, 3)),
+             "wrist_image": np.full((56, 56, 3), 100, np.uint8), "memory": "Done: nothing."}
+    a = augment_frame(frame, 0.1, np.random.default_rng([0, 7, 1]))
+    b = augment_frame(frame, 0.1, np.random.default_rng([0, 7, 1]))
+    assert all(np.array_equal(a[k], b[k]) for k in ("image", "wrist_image")) and a["memory"] == frame["memory"]
+    assert a["image"].shape == frame["image"].shape and a["image"].dtype == np.uint8
+    assert 90 <= int(a["wrist_image"][0, 0, 0]) <= 110  # brightness within 1 +- 0.1
+    cols = a["image"][28, :, 0].astype(int)
+    assert np.all(np.diff(cols) >= 0)  # a shifted (edge-padded) copy of the ramp, not a scramble
+    with pytest.raises(ValueError, match="augment must be in"):
+        TrainConfig(augment=0.6)
+
+
+def test_task_tokenizer_is_deterministic_and_makes_labels_short():
+    texts = ["Memory: ", "Scene: ", "put the red block in the basket", "Done: red block in basket.", "Done: nothing."]
+    tok = train_text_tokenizer(texts, 300)
+    assert tok.to_bytes() == train_text_tokenizer(texts, 300).to_bytes()
+    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+    label = "Done: red block in basket."
+    assert tok.decode(tok.encode(label)) == label and len(tok.encode(label)) < len(train_demo_tokenizer().encode(label))
+    assert tok.decode(tok.encode("unseen: ünïcode")) == "unseen: ünïcode"  # byte fallback
+
+
+def test_cli_rejects_an_adapter_run_without_a_base_in_one_line(tmp_path, capsys):
+    assert main(["--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "adapter mode needs --base" in err
 
 
 def test_answers_are_compared_after_normalisation():
