@@ -118,6 +118,13 @@ def evaluate_adapter(
     refs = [str(m[task.label_key]) for m in meta]
     report = {"n": n, "prompt": task.prompt, "label_key": task.label_key, **label_metrics(on.texts, refs)}
     report["base_exact_match"] = label_metrics(off.texts, refs)["exact_match"]
+    per_instruction = collections.defaultdict(lambda: [0, 0])
+    for m, pred, ref in zip(meta, on.texts, refs):
+        row = per_instruction[m["language_instruction"]]
+        row[0] += normalize_answer(pred) == normalize_answer(ref)
+        row[1] += 1
+    report["per_instruction"] = {k: {"n": n, "correct": c, "accuracy": c / n}
+                                 for k, (c, n) in sorted(per_instruction.items())}
 
     correct = tokens = loss_sum = 0.0
     ids = jnp.ones((batch_size,), jnp.int32)
@@ -175,6 +182,10 @@ def to_markdown(report: Mapping, title: str = "Memory adapter evaluation") -> st
               f"{a['off_vs_zeroed']:g} |", "", "## Per label", "", "| label | n | correct | accuracy |", "|---|---|---|---|"]
     for label, row in report["per_label"].items():
         lines.append(f"| {label} | {row['n']} | {row['correct']} | {_pct(row['accuracy'])} |")
+    if "per_instruction" in report:
+        lines += ["", "## Per task instruction", "", "| instruction | n | correct | accuracy |", "|---|---|---|---|"]
+        for text, row in report["per_instruction"].items():
+            lines.append(f"| {text} | {row['n']} | {row['correct']} | {_pct(row['accuracy'])} |")
     labels = list(report["per_label"])
     cols = labels + ([OTHER] if any(OTHER in c for c in report["confusion"].values()) else [])
     lines += ["", "## Confusion (rows: true label, columns: greedy answer)", "",

@@ -88,6 +88,9 @@ def test_cli_report_has_metrics_baselines_and_tables(run_cli):
     labels = {lab.casefold().rstrip(".") for lab in all_labels(syn)}
     assert set(report["per_label"]) == labels and all(r["n"] == 1 for r in report["per_label"].values())
     assert all(sum(row.values()) == 1 for row in report["confusion"].values())
+    (instruction, row), = report["per_instruction"].items()  # the synthetic task has one instruction
+    assert instruction.startswith("put the red block") and row["n"] == 4
+    assert row["accuracy"] == report["exact_match"]
     md = (out / "memory_eval.md").read_text()
     assert md == to_markdown(report)
     assert "| exact match (adapter) |" in md and "## Confusion" in md and "majority-label baseline" in md
