@@ -44,9 +44,9 @@ from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
 PROMPT_LEN, SUFFIX_LEN, BATCH = 48, 40, 8
 # One adapter config for the learning, resume and data-parallel tests (one compiled step); the CLI flags in
 # the resume test spell out the same values.
-ADAPTER = TrainConfig(steps=30, batch_size=BATCH, suffix_len=SUFFIX_LEN, rank=4, peak_lr=2e-2, final_lr=2e-3,
+ADAPTER = TrainConfig(steps=60, batch_size=BATCH, suffix_len=SUFFIX_LEN, rank=4, peak_lr=2e-2, final_lr=2e-3,
                       warmup_steps=2)
-CLI_FLAGS = ["--steps", "30", "--batch-size", str(BATCH), "--suffix-len", str(SUFFIX_LEN), "--prompt-len",
+CLI_FLAGS = ["--steps", "60", "--batch-size", str(BATCH), "--suffix-len", str(SUFFIX_LEN), "--prompt-len",
              str(PROMPT_LEN), "--rank", "4", "--lr", "2e-2", "--final-lr", "2e-3", "--warmup", "2", "--devices", "1",
              "--eval-split", "", "--no-progress"]
 
@@ -128,7 +128,7 @@ def test_adapter_training_updates_only_the_bank_and_learns_the_training_frames(p
     losses = [h["loss"] for h in history if h["event"] == "train"]
     assert losses[-1] < 0.5 * losses[0]
     em_after = [h for h in history if h["event"] == "eval"][-1]["exact_match"]
-    assert straight["em_before"] == 0.0 and em_after >= 0.25, (straight["em_before"], em_after)
+    assert straight["em_before"] == 0.0 and em_after >= 0.375, (straight["em_before"], em_after)  # 0.5625 measured
 
 
 def test_base_pretraining_updates_vlm_siglip_and_embedding_never_the_action_expert(params, task, train_frames):
@@ -150,15 +150,15 @@ def test_cli_kill_and_resume_is_bit_identical_to_a_straight_run(params, dataset,
     final = jax.device_get(straight["result"].state)
     base = checkpoint.save_params(tmp_path / "base", params)
     out = tmp_path / "run"
-    flags = ["--data", str(dataset), "--out", str(out), "--base", str(base), "--checkpoint-every", "15", *CLI_FLAGS]
-    assert main(flags + ["--stop-at", "15"]) == 0  # "killed" after step 15, just after its checkpoint
-    assert "stopped at step 15" in capsys.readouterr().out
-    assert main(flags) == 0  # the same command resumes from step 15
+    flags = ["--data", str(dataset), "--out", str(out), "--base", str(base), "--checkpoint-every", "30", *CLI_FLAGS]
+    assert main(flags + ["--stop-at", "30"]) == 0  # "killed" after step 30, just after its checkpoint
+    assert "stopped at step 30" in capsys.readouterr().out
+    assert main(flags) == 0  # the same command resumes from step 30
     assert '"resumed"' in (out / "metrics.jsonl").read_text()
 
     ckpt = StateCheckpoints(out / "checkpoints")
     resumed = ckpt.restore(final, {})
-    assert int(resumed.step) == 30
+    assert int(resumed.step) == 60
     assert _tree_equal(resumed.trainable, final.trainable)  # the bank, bit for bit
     assert _tree_equal(resumed.opt_state, final.opt_state)  # Adam moments and counts too
     with pytest.raises(ValueError, match="another train config"):  # another run cannot resume this one

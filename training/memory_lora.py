@@ -512,7 +512,7 @@ def engine_answers(
     engine = Engine(params, EngineConfig(num_slots=b, max_new_tokens=budget, prompt_capacity=len(prompt),
                                          admissions_per_frame=b, tokens_per_frame=budget, num_steps=num_steps,
                                          action_horizon=horizon, seed=noise_seed),
-                    task.tokenizer, bank=bank, adapter_names=() if bank is None else (adapter_name,))
+                    None, bank=bank, adapter_names=() if bank is None else (adapter_name,))  # detokenised below
     texts, tokens, actions = [], [], []
     for k, (batch, real) in enumerate(batches):
         obs = jax.tree.map(jnp.asarray, batch.observation)
