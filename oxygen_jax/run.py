@@ -1,7 +1,8 @@
 """The main job: a robot control loop that acts and talks from one prefix cache per frame.
 
-    python -m oxygen_jax.run                                   # the embedded default (see below)
-    python -m oxygen_jax.run --prompt "Subtask: " --frames 20 --tokens-per-frame 2
+    python -m oxygen_jax.run                                   # the embedded demo (see below)
+    python -m oxygen_jax.run --frames 24 --tokens-per-frame 2  # slower text, more requests in flight
+    python -m oxygen_jax.run --preset tiny --prompt "Subtask: "   # random weights, synthetic observations
     python -m oxygen_jax.run --ckpt /path/to/pi05_libero --robot libero --tokenizer paligemma_tokenizer.model
 
 Every frame one observation (two cameras, state, task prompt) goes through the robot's input
@@ -10,8 +11,12 @@ and the language requests in flight (one new request every `--request-every` fra
 `--prompt` written after the observation) decode `--tokens-per-frame` tokens each from copies of the
 same cache. Requests that do not finish keep their slot and continue next frame.
 
-Embedded default: a tiny π0.5 (random weights) on synthetic LIBERO-shaped observations. Its actions
-and text are meaningless; it shows the pipeline, the output format and the timing on any machine.
+Embedded default (`checkpoints/demo`): a 2.2 M-parameter π0.5 trained in this repository on rendered
+LIBERO frames — a base pre-trained to describe scenes and a suffix-only "Memory: " language adapter
+that states which goal predicates are already achieved. The loop replays held-out frames (initial
+states never trained on); each frame asks for a memory, and each answer is checked against that
+frame's true label. Its action expert was never trained (no demonstrations exist here): the actions
+show the timing, not behaviour. `--preset` runs random weights on synthetic observations instead.
 """
 
 from __future__ import annotations
@@ -25,20 +30,25 @@ import numpy as np
 
 from oxygen_jax.cli import OneLineParser, existing, float_in, int_at_least
 
-_EMBEDDED = (
-    "embedded default: a tiny pi0.5 with RANDOM weights on synthetic LIBERO-shaped observations: actions and text\n"
-    "are meaningless; the run shows one prefill per frame feeding both the action chunk and the language requests."
-)
+_DEMO_LINE = (
+    "embedded default: a small pi0.5 trained here on rendered LIBERO frames; a 'Memory: ' language adapter reports\n"
+    "which goal predicates each held-out frame already shows, from the same prefix cache the action chunk is denoised\n"
+    "from. Its actions are untrained (random): they show the timing, not behaviour.")
+_RANDOM_LINE = (
+    "random weights on synthetic LIBERO-shaped observations: actions and text are meaningless; the run shows one\n"
+    "prefill per frame feeding both the action chunk and the language requests.")
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="python -m oxygen_jax.run", description=__doc__.split("\n\n")[0] + "\n\n" + _EMBEDDED,
+    ap = OneLineParser(prog="python -m oxygen_jax.run", description=__doc__.split("\n\n")[0] + "\n\n" + _DEMO_LINE,
                  formatter_class=argparse.RawDescriptionHelpFormatter,
                  epilog="Output: one line per frame (see the legend printed before the first frame), a line per "
                         "finished request, then a summary with compile time apart from steady-state frame time.")
     m = ap.add_argument_group("model")
-    m.add_argument("--preset", default="tiny", choices=["tiny", "bench", "pi05"],
-                   help="random-weight model size (default: tiny)")
+    m.add_argument("--preset", default=None, choices=["tiny", "bench", "pi05"],
+                   help="random weights of this size on synthetic observations (default: the embedded demo)")
+    m.add_argument("--demo", type=existing("dir"), default=None,
+                   help="a demo folder (default: checkpoints/demo, the embedded default)")
     m.add_argument("--ckpt", type=existing("dir"),
                    help="an openpi checkpoint (params dir or its parent) or one saved by oxygen_jax; replaces --preset")
     m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
@@ -48,17 +58,19 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--tokenizer", type=existing("file"),
                    help="PaliGemma SentencePiece model (default: a tiny demo tokenizer trained offline)")
     r = ap.add_argument_group("loop")
-    r.add_argument("--frames", type=int_at_least(1), default=8, help="control frames to run (default: 8)")
+    r.add_argument("--frames", type=int_at_least(1), default=16, help="control frames to run (default: 16)")
     r.add_argument("--steps", type=int_at_least(1), default=10, help="denoising steps per action chunk (default: 10)")
     r.add_argument("--task", default="pick up the black bowl and place it on the plate",
                    help="the task instruction in the observation prompt")
     r.add_argument("--seed", type=int_at_least(0), default=0, help="weights, observations and noise (default: 0)")
     t = ap.add_argument_group("language")
-    t.add_argument("--prompt", default="Subtask: ",
-                   help="text written after the observation for each language request (default: 'Subtask: ')")
+    t.add_argument("--prompt", default=None,
+                   help="text written after the observation for each language request (default: the demo's "
+                        "'Memory: ', or 'Subtask: ' with random weights)")
     t.add_argument("--request-every", type=int_at_least(0), default=1,
                    help="a new language request every N frames; 0: actions only (default: 1)")
-    t.add_argument("--max-new-tokens", type=int_at_least(1), default=12, help="token budget per request (default: 12)")
+    t.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
+                   help="token budget per request (default: the demo's, else 12)")
     t.add_argument("--tokens-per-frame", type=int_at_least(1), default=4,
                    help="k: tokens each running request advances per frame (default: 4)")
     t.add_argument("--slots", type=int_at_least(1), default=4,
@@ -100,49 +112,79 @@ _ACTION_NAMES = {
 }
 
 
+def _normalise(text: str) -> str:
+    return " ".join(text.strip().lower().rstrip(".").split())
+
+
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    print(_EMBEDDED if args.ckpt is None and args.preset == "tiny" else
-          f"oxygen_jax main job: {'checkpoint ' + str(args.ckpt) if args.ckpt else args.preset + ' preset, random weights'}",
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.demo is not None and (args.preset or args.ckpt):
+        parser.error("--demo cannot be combined with --preset or --ckpt")
+    if args.preset and args.ckpt:
+        parser.error("give --preset or --ckpt, not both")
+    demo_mode = args.preset is None and args.ckpt is None
+    if demo_mode and args.tokenizer:
+        parser.error("--tokenizer applies to --preset / --ckpt; the demo brings its own")
+    print(_DEMO_LINE if demo_mode else _RANDOM_LINE if args.preset else f"oxygen_jax main job: checkpoint {args.ckpt}",
           flush=True)
 
     import jax
 
     from oxygen_jax import compile_cache, transforms
-    from oxygen_jax.config import robot_config
+    from oxygen_jax.config import EOS_ID, robot_config
     from oxygen_jax.engine import Engine, EngineConfig, RequestError
     from oxygen_jax.params import for_backend, param_count
     from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
 
     cache = None if args.no_cache else compile_cache.enable(args.cache_dir)
-    robot = robot_config(args.robot)
-    try:
-        tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else train_demo_tokenizer()
-    except (ValueError, OSError) as e:
-        return _fail(f"--tokenizer {args.tokenizer}: {e}")
-    try:
-        cfg, params, norm_stats, what = _load(args)
-    except (ValueError, OSError) as e:
-        return _fail(f"--ckpt {args.ckpt}: {str(e).splitlines()[0]}")
-    if tok.vocab_size > cfg.vocab_size:
-        return _fail(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}; "
-                     "pass the tokenizer the model was trained with (--tokenizer)")
-    params = for_backend(params)  # unrolled layer loop on CPU, scanned on accelerators
+    bank, adapter_names, adapter, truths = None, (), 0, None
+    if demo_mode:
+        from training.memory_lora import DEMO_DIR, load_demo
+
+        try:
+            demo = load_demo(args.demo or DEMO_DIR)
+        except (ValueError, OSError) as e:
+            return _fail(f"cannot load the embedded demo ({args.demo or DEMO_DIR}): {str(e).splitlines()[0]}")
+        cfg, params, tok, robot, norm_stats = demo.config, demo.params, demo.tokenizer, demo.robot, None
+        bank, adapter_names, adapter = demo.bank, demo.adapter_names, demo.adapter_names[0]
+        samples, truths = demo.samples(), [f["memory"] for f in demo.frames]
+        prompt, max_new = args.prompt or demo.prompt, args.max_new_tokens or demo.max_new_tokens
+        what = f"embedded demo ({args.demo or DEMO_DIR}), adapter {adapter!r}"
+    else:
+        robot = robot_config(args.robot)
+        try:
+            tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else train_demo_tokenizer()
+        except (ValueError, OSError) as e:
+            return _fail(f"--tokenizer {args.tokenizer}: {e}")
+        try:
+            cfg, params, norm_stats, what = _load(args)
+        except (ValueError, OSError) as e:
+            return _fail(f"--ckpt {args.ckpt}: {str(e).splitlines()[0]}")
+        if tok.vocab_size > cfg.vocab_size:
+            return _fail(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}; "
+                         "pass the tokenizer the model was trained with (--tokenizer)")
+        params = for_backend(params)  # unrolled layer loop on CPU, scanned on accelerators
+        prompt, max_new = args.prompt if args.prompt is not None else "Subtask: ", args.max_new_tokens or 12
+        rng = np.random.default_rng(args.seed)
+        samples = None
     print(f"model: {what}, {param_count(params) / 1e6:.1f} M params, {cfg.dtype}; robot: {robot.name} "
           f"({robot.num_cameras} cameras, {robot.action_horizon} actions per chunk); "
           f"backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
 
     eng = Engine(params, EngineConfig(
-        num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=max(len(tok.encode(args.prompt)), 1),
+        num_slots=args.slots, max_new_tokens=max_new, prompt_capacity=max(len(tok.encode(prompt)), 1),
         tokens_per_frame=args.tokens_per_frame, num_steps=args.steps, action_horizon=robot.action_horizon,
-        seed=args.seed), tokenizer=tok)
-    rng = np.random.default_rng(args.seed)
+        seed=args.seed), tokenizer=tok, bank=bank, adapter_names=adapter_names)
 
-    def observation():
-        sample = transforms.synthetic_sample(robot, rng, prompt=args.task)
+    def observation(f: int):
+        if samples is not None:  # the demo's held-out frames, in a loop
+            sample = samples[f % len(samples)]
+        else:
+            sample = transforms.synthetic_sample(robot, rng, prompt=args.task)
         return sample, transforms.make_observation(robot, cfg, tok, [sample], norm_stats)
 
-    sample, obs = observation()
+    sample, obs = observation(0)
     print(f"compiling the frame program (prefill + {args.steps} denoise steps + admission + "
           f"{args.tokens_per_frame}-token decode) ...", end=" ", flush=True)
     compile_s = eng.warmup(obs)
@@ -151,26 +193,36 @@ def main(argv=None) -> int:
     print("\nlegend: frame = control frame; ms = frame time, observation in -> actions and new tokens on the host;\n"
           "        decoding = language requests that advanced this frame (one batched decode); queued = waiting for a\n"
           f"        slot; action[0] = first action of the chunk ({_ACTION_NAMES[robot.name]}); a finished request\n"
-          "        prints its latency in frames (arrival to last token) and its text.")
+          "        prints the frame whose observation it read, its latency in frames (arrival to last token), its text"
+          + (",\n        and the true memory label of that frame." if truths else "."))
     print(f"{'frame':>5} {'ms':>8} {'decoding':>8} {'queued':>6}  action[0]")
-    frame_ms = []
+    frame_ms, source, correct = [], {}, []
     for f in range(args.frames):
         if f:
-            sample, obs = observation()
+            sample, obs = observation(f)
         if args.request_every and f % args.request_every == 0:
             try:
-                eng.submit(prompt=args.prompt, max_tokens=args.max_new_tokens, temperature=args.temperature,
-                           stop_token=None if args.ckpt is None else 1)
+                rid = eng.submit(prompt=prompt, max_tokens=max_new, temperature=args.temperature, adapter=adapter,
+                                 stop_token=None if args.preset else EOS_ID)
             except RequestError as e:
                 return _fail(f"--prompt: {e}")
+            source[rid] = f
         res = eng.step(obs)
         actions = transforms.robot_outputs(robot, res.actions, transforms.client_state(robot, sample)[None], norm_stats)
         frame_ms.append(res.frame_ms)
         head = np.array2string(actions[0, 0], precision=3, suppress_small=True, max_line_width=200)
         print(f"{f:5d} {res.frame_ms:8.1f} {res.batch:8d} {res.queued:6d}  {head}")
         for done in res.finished:
-            print(f"      request {done.request_id} done after {done.latency_frames} frames "
-                  f"({done.latency_ms:.0f} ms): {args.prompt!r} -> {done.text!r}")
+            # A request continues the observation of the frame that admitted it.
+            seen = done.admit_frame
+            line = (f"      request {done.request_id} (observation of frame {seen}) done after {done.latency_frames} "
+                    f"frames ({done.latency_ms:.0f} ms): {prompt!r} -> {done.text!r}")
+            if truths:
+                truth = truths[seen % len(truths)]
+                ok = _normalise(done.text or "") == _normalise(truth)
+                correct.append(ok)
+                line += f"\n{'':6s}true label: {truth!r} {'(match)' if ok else '(MISMATCH)'}"
+            print(line)
         for err in res.errors:
             print(f"      request {err.request_id} dropped: {err.reason}")
     steady = np.asarray(frame_ms)
@@ -178,6 +230,11 @@ def main(argv=None) -> int:
     print(f"\ncompile (once, before frame 0): {compile_s:.2f} s; {len(steady)} frames: median {med:.1f} ms, "
           f"p90 {np.percentile(steady, 90):.1f} ms -> {1e3 / med:.1f} action chunks/s, action Hz "
           f"{robot.action_horizon * 1e3 / med:.0f} (= {robot.action_horizon} actions per chunk / frame time)")
+    if correct:
+        ev = demo.manifest.get("evaluation", {})
+        print(f"memory answers matching the true label in this run: {sum(correct)}/{len(correct)}"
+              + (f"; over all {ev['n']} held-out frames: {100 * ev['exact_match']:.1f} % "
+                 f"(majority-label baseline {100 * ev['majority_baseline']:.1f} %)" if "exact_match" in ev else ""))
     return 0
 
 
