@@ -58,7 +58,9 @@ def majority(labels: Sequence[str]) -> tuple[str, int]:
 
 
 def _fields(source: Sequence[Mapping], n: int, keys: Sequence[str]) -> list[dict]:
-    return [{k: source[i][k] for k in keys} for i in range(n)]
+    from training.memory_data import frame_texts  # text only: no image decoding
+
+    return frame_texts(source, keys, n)
 
 
 def label_metrics(preds: Sequence[str], refs: Sequence[str]) -> dict:

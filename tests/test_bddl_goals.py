@@ -257,9 +257,24 @@ def test_shards_round_trip_and_a_crash_loses_at_most_the_unindexed_shard(tmp_pat
 
 
 def test_plan_makes_the_empty_subset_once_and_every_other_subset_per_variant():
-    plan = lm._plan(lm.GenConfig(variants=3), 2)
+    cfg = lm.GenConfig(variants=3, reset_variants=2)
+    plan = lm._plan(cfg, 2)
     assert plan.count(((), 0)) == 1 and len(plan) == 1 + 3 * 3
     assert {s for s, _ in plan} == set(bg.goal_subsets(2))
+    reset_plan = lm._plan(cfg, 2, lm.RESET_BASE + 5)  # a reset layout uses reset_variants
+    assert reset_plan.count(((), 0)) == 1 and len(reset_plan) == 1 + 3 * 2
+
+
+def test_reset_layouts_follow_the_stored_inits_and_stay_out_of_the_held_out_split():
+    cfg = lm.GenConfig(inits=(0, 1, 40), held_out=(40,), resets=3)
+    assert lm.layout_inits(cfg) == [0, 1, 40, lm.RESET_BASE, lm.RESET_BASE + 1, lm.RESET_BASE + 2]
+    assert lm.frame_key(0, lm.RESET_BASE + 2, (1,), 0) == f"t0-i{lm.RESET_BASE + 2}-s1-v0"
+    # How many layouts is not a physics setting: a run can be extended with more resets and resumed.
+    assert cfg.physics_key() == lm.GenConfig(resets=300, reset_variants=2).physics_key()
+    with pytest.raises(ValueError, match="use resets"):
+        lm.GenConfig(inits=(lm.RESET_BASE,))
+    with pytest.raises(ValueError, match="resets must be >= 0"):
+        lm.GenConfig(resets=-1)
 
 
 def test_summary_counts_labels_reasons_and_the_majority_share(tmp_path):

@@ -15,11 +15,12 @@ import pytest
 from helpers import shared_dir
 from oxygen_jax.config import model_config, robot_config
 from oxygen_jax.tokenizer import train_demo_tokenizer
-from training import rlds_tfrecord
+from training import memory_data, rlds_tfrecord
 from training.memory_data import (
     MemoryBatch,
     encode_memory_suffix,
     epoch_batches,
+    frame_texts,
     memory_batches,
     open_memory_dataset,
     write_array_record_dataset,
@@ -200,6 +201,18 @@ def test_memory_dataset_round_trips_text_exactly_and_images_within_jpeg_toleranc
                 assert got[key].dtype == np.uint8 and got[key].shape == (PX, PX, 3)
                 diff = np.abs(got[key].astype(int) - want[key])
                 assert diff.mean() < 4 and diff.max() <= 32, (key, diff.mean(), diff.max())
+
+
+def test_text_reads_equal_the_frames_without_images_and_decode_no_jpeg(written, monkeypatch):
+    frames, path = written
+    src = open_memory_dataset(path, "train")
+    full = [src[i] for i in range(len(src))]
+    monkeypatch.setattr(memory_data, "decode_image", lambda *a: pytest.fail("a text read decoded an image"))
+    texts = [src.texts(i) for i in range(len(src))]
+    assert texts == [{k: v for k, v in f.items() if k not in ("image", "wrist_image", "state")} for f in full]
+    keys = ("memory", "language_instruction", "absent")
+    assert frame_texts(src, keys, limit=2) == [{k: f[k] for k in keys[:2]} for f in full[:2]]
+    assert frame_texts(frames["train"], ("memory",)) == [{"memory": f["memory"]} for f in frames["train"]]
 
 
 def test_writing_over_an_existing_dataset_needs_overwrite(written):

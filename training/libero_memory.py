@@ -70,6 +70,9 @@ _CAMERAS = {"image": "agentview_image", "wrist_image": "robot0_eye_in_hand_image
 _NOOP = np.array([0, 0, 0, 0, 0, 0, -1.0])  # zero delta pose, gripper open (openpi's LIBERO wait action)
 _PARK_Z = 5.0  # objects being placed wait this high, out of the way of the drop-height rays
 _RAY_START_Z = 3.0
+# Init index of reset layout k is RESET_BASE + k: LIBERO stores 50 initial states per task (indices 0-49),
+# and a reset layout is a new draw from the same BDDL init regions (`_TaskScene.layout`).
+RESET_BASE = 1000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,8 @@ class GenConfig:
     inits: tuple[int, ...] = tuple(range(50))  # stored initial-state indices to use
     held_out: tuple[int, ...] = tuple(range(40, 50))  # init indices whose frames get split "heldout"
     variants: int = 3  # placements (jitter draws) per non-empty subset; the empty subset is made once
+    resets: int = 0  # extra layouts per task sampled by environment resets (init index RESET_BASE + k)
+    reset_variants: int = 1  # `variants` for the reset layouts
     retries: int = 1  # redraws of a rejected placement
     image_size: int = 224
     image_format: str = "jpeg"  # "jpeg" (quality below) or "png"
@@ -99,8 +104,12 @@ class GenConfig:
     def __post_init__(self):
         if self.image_format not in ("jpeg", "png"):
             raise ValueError(f"image_format={self.image_format!r}; use 'jpeg' or 'png'")
-        if self.variants < 1 or self.retries < 0 or self.shard_size < 1:
-            raise ValueError("variants and shard_size must be >= 1 and retries >= 0")
+        if self.variants < 1 or self.reset_variants < 1 or self.retries < 0 or self.shard_size < 1:
+            raise ValueError("variants, reset_variants and shard_size must be >= 1 and retries >= 0")
+        if self.resets < 0:
+            raise ValueError(f"resets must be >= 0, got {self.resets}")
+        if any(i >= RESET_BASE for i in self.inits):
+            raise ValueError(f"stored init indices must be < {RESET_BASE}; use resets for more layouts")
         if not 1 <= self.min_settle_steps <= self.settle_steps:
             raise ValueError(
                 f"need 1 <= min_settle_steps ({self.min_settle_steps}) <= settle_steps ({self.settle_steps})"
@@ -108,7 +117,7 @@ class GenConfig:
 
     def physics_key(self) -> dict:
         """Settings that change the frames; a resumed run must use the same ones."""
-        skip = {"tasks", "inits", "held_out", "variants", "retries", "shard_size"}
+        skip = {"tasks", "inits", "held_out", "variants", "retries", "shard_size", "resets", "reset_variants"}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
@@ -116,7 +125,8 @@ class GenConfig:
 
 
 def frame_key(task: int, init: int, subset: Sequence[int], variant: int) -> str:
-    """"t0-i07-s01-v1": task 0, init 7, goal predicates {0, 1} placed, variant 1 ("s-" for none)."""
+    """"t0-i07-s01-v1": task 0, init 7, goal predicates {0, 1} placed, variant 1 ("s-" for none); reset layout
+    k has init RESET_BASE + k ("t0-i1003-...")."""
     return f"t{task}-i{init:02d}-s{''.join(map(str, subset)) or '-'}-v{variant}"
 
 
@@ -185,6 +195,7 @@ class _TaskScene:
         self.robot_body = np.isin(root, list(robot_roots))
         self.substeps = int(round(e.control_timestep / e.model_timestep))
         self.init_states = suite.get_task_init_states(task_id)
+        self._body_pos, self._body_quat = m.body_pos.copy(), m.body_quat.copy()
 
     # -- physics
 
@@ -211,9 +222,28 @@ class _TaskScene:
         self.e.sim.set_state_from_flattened(flat_state)
         self.e.sim.forward()
 
+    def layout(self, init: int) -> np.ndarray:
+        """The flattened start state of layout `init`: a stored initial state (init < RESET_BASE), or reset
+        layout k = init - RESET_BASE, drawn by LIBERO's own placement samplers (`_reset_internal`, no model
+        reload) with numpy's global RNG seeded from (seed, task, k), so a layout is reproducible on its own."""
+        if init < RESET_BASE:
+            return self.init_states[init]
+        digest = hashlib.sha256(f"{self.cfg.seed}/reset/{self.task_id}/{init - RESET_BASE}".encode()).digest()
+        state = np.random.get_state()
+        np.random.seed(int.from_bytes(digest[:4], "little"))
+        try:
+            self.e.sim.reset()
+            self.e._reset_internal()
+        finally:
+            np.random.set_state(state)
+        # Fixtures stay where the stored states have them (a reset may move fixture bodies in the model).
+        self.m.body_pos[:], self.m.body_quat[:] = self._body_pos, self._body_quat
+        self.e.sim.forward()
+        return self.e.sim.get_state().flatten().copy()
+
     def presettle(self, init: int) -> np.ndarray:
-        """Restore init state `init`, let it come to rest; the flattened state to branch from."""
-        self.restore(self.init_states[init])
+        """Restore layout `init` (`layout`), let it come to rest; the flattened state to branch from."""
+        self.restore(self.layout(init))
         self.hold_still(self.cfg.presettle_steps)
         return self.e.sim.get_state().flatten().copy()
 
@@ -595,9 +625,16 @@ def _default_tasks(suite) -> list[int]:
     return [t for t, goal in goals.items() if all(p.is_placement for p in goal)]
 
 
-def _plan(cfg: GenConfig, k: int) -> list[tuple[tuple[int, ...], int]]:
-    """(subset, variant) pairs per init state: the empty subset once, the others cfg.variants times."""
-    return [(s, v) for s in bddl_goals.goal_subsets(k) for v in range(cfg.variants if s else 1)]
+def _plan(cfg: GenConfig, k: int, init: int = 0) -> list[tuple[tuple[int, ...], int]]:
+    """(subset, variant) pairs of one layout: the empty subset once, the others cfg.variants times
+    (cfg.reset_variants for reset layouts, init >= RESET_BASE)."""
+    n = cfg.reset_variants if init >= RESET_BASE else cfg.variants
+    return [(s, v) for s in bddl_goals.goal_subsets(k) for v in range(n if s else 1)]
+
+
+def layout_inits(cfg: GenConfig) -> list[int]:
+    """Every layout's init index: the stored ones, then RESET_BASE + k for k < cfg.resets."""
+    return [*cfg.inits, *range(RESET_BASE, RESET_BASE + cfg.resets)]
 
 
 def _check_run_config(run_dir: Path, cfg: GenConfig) -> None:
@@ -634,11 +671,12 @@ def generate(cfg: GenConfig, run_dir: Path) -> None:
     work = {}  # task -> (placeable, {init: [(subset, variant), ...]})
     for task_id in tasks:
         placeable = _planned_placeable(_task_problem(suite, task_id))
-        plan = _plan(cfg, len(placeable))
-        todo = {i: [(s, v) for s, v in plan if pending(frame_key(task_id, i, s, v), s)] for i in cfg.inits}
+        todo = {i: [(s, v) for s, v in _plan(cfg, len(placeable), i) if pending(frame_key(task_id, i, s, v), s)]
+                for i in layout_inits(cfg)}
         work[task_id] = placeable, {i: items for i, items in todo.items() if items}
     total = sum(len(items) for _, todo in work.values() for items in todo.values())
-    print(f"tasks {tasks}; {len(cfg.inits)} inits, {len(cfg.held_out)} of them held out; "
+    print(f"tasks {tasks}; {len(cfg.inits)} stored inits, {len(cfg.held_out)} of them held out, {cfg.resets} reset "
+          f"layouts per task; "
           f"{len(done)} frames already written, {total} to make", flush=True)
     held_out = set(cfg.held_out)
     writer = _ShardWriter(run_dir, cfg)
@@ -802,6 +840,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inits", default="0-49", help="stored initial-state indices")
     p.add_argument("--held-out", default="40-49", help="init indices whose frames form the held-out split")
     p.add_argument("--variants", type=int, default=d.variants, help="placements per non-empty predicate subset")
+    p.add_argument("--resets", type=int, default=d.resets,
+                   help=f"extra layouts per task drawn by environment resets (init index {RESET_BASE}+k, split train)")
+    p.add_argument("--reset-variants", type=int, default=d.reset_variants,
+                   help="placements per non-empty predicate subset of a reset layout")
     p.add_argument("--retries", type=int, default=d.retries, help="redraws of a rejected placement")
     p.add_argument("--image-size", type=int, default=d.image_size)
     p.add_argument("--image-format", choices=("jpeg", "png"), default=d.image_format)
@@ -831,7 +873,8 @@ def _config_from_args(args) -> GenConfig:
     parse = bddl_goals.parse_index_ranges
     return GenConfig(
         suite=args.suite, tasks=tuple(parse(args.tasks)) if args.tasks else None, inits=tuple(parse(args.inits)),
-        held_out=tuple(parse(args.held_out)), variants=args.variants, retries=args.retries, image_size=args.image_size,
+        held_out=tuple(parse(args.held_out)), variants=args.variants, resets=args.resets,
+        reset_variants=args.reset_variants, retries=args.retries, image_size=args.image_size,
         image_format=args.image_format, jpeg_quality=args.jpeg_quality, presettle_steps=args.presettle_steps,
         settle_steps=args.settle_steps, min_settle_steps=min(3, args.settle_steps), clearance=args.clearance,
         jitter=args.jitter, spread=args.spread, max_displacement=args.max_displacement, max_tilt_deg=args.max_tilt,

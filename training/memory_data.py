@@ -422,23 +422,41 @@ class MemoryFrameSource(Sequence):
         e, t = self.locate(i)
         episode = self._episode(e)
         where = f"{self.path} split {self.split!r} frame {i}"
-        step = episode["steps"][t]
-        obs = step["observation"]
+        obs = episode["steps"][t]["observation"]
         frame = {key: decode_image(obs[key], f"{where} {key!r}") for key in _IMAGE_KEYS}
         frame["state"] = np.asarray(obs["state"], np.float32)
-        frame["language_instruction"] = _text(step["language_instruction"])
+        return {**frame, **self._texts(episode, t)}
+
+    def texts(self, i: int) -> dict:
+        """Frame `i` without images and state: its text and scalar metadata only (no JPEG is decoded)."""
+        e, t = self.locate(i)
+        return self._texts(self._episode(e), t)
+
+    def _texts(self, episode: Mapping, t: int) -> dict:
+        step = episode["steps"][t]
+        frame = {"language_instruction": _text(step["language_instruction"])}
         frame["memory"] = _text(step["memory"])
         meta = episode.get("episode_metadata", {})
         frame["task"] = _text(meta["task"]) if "task" in meta else frame["language_instruction"]
         frame["init_index"] = int(meta["init_index"]) if "init_index" in meta else -1
         for key, value in meta.items():
-            if key not in frame and not isinstance(value, Mapping) and np.ndim(value) == 0:
+            if key not in frame and key not in _IMAGE_KEYS and key != "state" and not isinstance(value, Mapping) \
+                    and np.ndim(value) == 0:
                 frame[key] = _scalar(value)
         return frame
 
     def __iter__(self) -> Iterator[dict]:
         for i in range(len(self)):
             yield self[i]
+
+
+def frame_texts(source: Sequence[Mapping], keys: Sequence[str], limit: int | None = None) -> list[dict]:
+    """[{key: frame[key] for the keys the frame has}] of the first `limit` frames (all by default), without
+    decoding images when the source can skip them (`MemoryFrameSource.texts`); any other sequence of frame
+    dicts is indexed as is. For label passes: tokenizer corpora, suffix lengths, baselines, frame picking."""
+    n = len(source) if limit is None else min(limit, len(source))
+    read = source.texts if isinstance(source, MemoryFrameSource) else source.__getitem__
+    return [{k: f[k] for k in keys if k in f} for f in map(read, range(n))]
 
 
 def open_memory_dataset(path: str | os.PathLike, split: str) -> MemoryFrameSource:

@@ -68,7 +68,7 @@ from oxygen_jax import decode, gemma, lora, model
 from oxygen_jax.config import ExpertConfig, ModelConfig, RobotConfig, SiglipConfig, model_config, robot_config
 from oxygen_jax.params import Expert, Params, Siglip
 from oxygen_jax.tokenizer import Tokenizer, encode_suffix_prompt
-from training.memory_data import MEMORY_PROMPT, MemoryBatch, epoch_batches, make_memory_batch
+from training.memory_data import MEMORY_PROMPT, MemoryBatch, epoch_batches, frame_texts, make_memory_batch
 from training.train_step import OptimizerConfig, make_optimizer
 
 Mode = Literal["adapter", "base"]
@@ -439,8 +439,7 @@ def fixed_batches(source: Sequence[Mapping], task: TextTask, model_config: Model
 def task_texts(source: Sequence[Mapping], keys: Sequence[str] = ("language_instruction", "memory", "scene")) -> list[str]:
     """Distinct texts of the given frame keys (those present), in first-seen order: a tokenizer corpus."""
     seen: dict[str, None] = {}
-    for i in range(len(source)):
-        frame = source[i]
+    for frame in frame_texts(source, keys):  # no image decoding
         for k in keys:
             if k in frame:
                 seen.setdefault(str(frame[k]), None)
@@ -563,7 +562,7 @@ def greedy_exact_match(params: Params, task: TextTask, source: Sequence[Mapping]
     batches = fixed_batches(source, task, params.config, batch_size, limit)
     out = engine_answers(params, task, batches, bank=bank, adapter="base" if bank is None else DEFAULT_ADAPTER_NAME,
                          num_steps=1)
-    refs = [str(source[i][task.label_key]) for i in range(len(out.texts))]
+    refs = [str(f[task.label_key]) for f in frame_texts(source, (task.label_key,), len(out.texts))]
     return float(np.mean([normalize_answer(p) == normalize_answer(r) for p, r in zip(out.texts, refs)]))
 
 
@@ -1078,7 +1077,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _longest_suffix(source, tokenizer: Tokenizer, prompt: str, label_key: str) -> int:
-    labels = {str(source[i][label_key]) for i in range(len(source))}
+    labels = {str(f[label_key]) for f in frame_texts(source, (label_key,))}
     return len(encode_suffix_prompt(tokenizer, prompt)) + max(len(tokenizer.encode(x)) for x in labels) + 1
 
 
@@ -1151,8 +1150,7 @@ def load_demo(path: str | os.PathLike = DEMO_DIR) -> Demo:
 def _pick_frames(source: Sequence[Mapping], n: int, seed: int = 0) -> list[int]:
     """n frame indices covering as many (task, label) pairs as possible, round-robin over tasks."""
     by_task: dict[str, dict[str, list[int]]] = {}
-    for i in range(len(source)):
-        f = source[i]
+    for i, f in enumerate(frame_texts(source, ("language_instruction", "memory"))):
         by_task.setdefault(str(f["language_instruction"]), {}).setdefault(str(f["memory"]), []).append(i)
     rng = np.random.default_rng(seed)
     queues = {t: [rng.choice(ix) for _, ix in sorted(labels.items())] for t, labels in sorted(by_task.items())}
