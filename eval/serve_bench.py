@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+from oxygen_jax.cli import OneLineParser, float_in, int_at_least
+
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"batched": None, "serial": "1"}  # --batch-sizes per mode (None: powers of two up to max R)
 SUMMARY_KEYS = (
@@ -353,25 +355,28 @@ def environment(args: argparse.Namespace) -> dict:
 # -------------------------------------------------------------------------------------------------
 
 
+_positive_int = int_at_least(1, "a positive integer")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m eval.serve_bench", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="python -m eval.serve_bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", default="tiny", choices=["tiny", "bench", "pi05"])
     model.add_argument("--ckpt", help="openpi checkpoint instead of a random preset")
-    ap.add_argument("--robots", type=int, nargs="+", default=[1, 2, 4, 8], help="robot counts R")
+    ap.add_argument("--robots", type=_positive_int, nargs="+", default=[1, 2, 4, 8], help="robot counts R")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--frames", type=int, default=40, help="measured frames per robot")
-    ap.add_argument("--warmup-frames", type=int, default=3, help="unmeasured frames per robot before timing")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every (mode, R), pooled")
-    ap.add_argument("--steps", type=int, default=10, help="denoising steps")
-    ap.add_argument("--tokens-per-frame", type=int, default=4, help="k")
-    ap.add_argument("--max-tokens", type=int, default=8, help="tokens per language request (fixed length)")
-    ap.add_argument("--max-live", type=int, default=2, help="language requests in flight per robot")
-    ap.add_argument("--deadline-ms", type=float, default=10_000.0,
+    ap.add_argument("--frames", type=_positive_int, default=40, help="measured frames per robot")
+    ap.add_argument("--warmup-frames", type=int_at_least(0), default=3, help="unmeasured frames per robot before timing")
+    ap.add_argument("--repeats", type=_positive_int, default=3, help="interleaved repeats of every (mode, R), pooled")
+    ap.add_argument("--steps", type=_positive_int, default=10, help="denoising steps")
+    ap.add_argument("--tokens-per-frame", type=_positive_int, default=4, help="k")
+    ap.add_argument("--max-tokens", type=_positive_int, default=8, help="tokens per language request (fixed length)")
+    ap.add_argument("--max-live", type=_positive_int, default=2, help="language requests in flight per robot")
+    ap.add_argument("--deadline-ms", type=float_in(0.0, low_open=True), default=10_000.0,
                     help="deadline each robot declares (how long the batcher may wait for the others)")
-    ap.add_argument("--slots", type=int, default=32, help="decode slots")
-    ap.add_argument("--prompt-len", type=int, default=48, help="prompt tokens in the prefix")
+    ap.add_argument("--slots", type=_positive_int, default=32, help="decode slots")
+    ap.add_argument("--prompt-len", type=_positive_int, default=48, help="prompt tokens in the prefix")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "oxygen_jax" / "jax_compilation"))
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for a server to compile")

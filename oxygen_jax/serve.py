@@ -46,7 +46,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import numbers
 import signal
 import sys
@@ -59,6 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_jax import wire
+from oxygen_jax.cli import OneLineParser, float_in, int_at_least
 from oxygen_jax.batcher import (
     BUCKETS,
     Batcher,
@@ -592,31 +592,8 @@ class ServerThread:
         self.stop()
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Reports a bad flag as one line naming it (no usage block, no traceback)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive_int = int_at_least(1, "a positive integer")
+_positive_float = float_in(0.0, low_open=True)
 
 
 def _port(text: str) -> int:
@@ -640,7 +617,7 @@ def _buckets(text: str) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = _OneLineParser(prog="python -m oxygen_jax.serve", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="python -m oxygen_jax.serve", description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=["tiny", "bench", "pi05"], help="random-weight model size (default tiny)")
@@ -655,7 +632,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=_positive_int, default=10, help="denoising steps per action chunk")
     ap.add_argument("--slots", type=_positive_int, default=16, help="decode slots shared by all robots")
     ap.add_argument("--max-new-tokens", type=_positive_int, default=32, help="token cap per language request")
-    ap.add_argument("--prompt-capacity", type=int, default=16, help="request-prompt tokens after the prefix")
+    ap.add_argument("--prompt-capacity", type=int_at_least(0), default=16, help="request-prompt tokens after the prefix")
     ap.add_argument("--tokens-per-frame", type=_positive_int, default=4, help="k: language tokens per request per step")
     ap.add_argument("--batch-sizes", type=_buckets, default=BUCKETS, help="robots per step, compiled at start-up")
     ap.add_argument("--deadline-ms", type=_positive_float, default=100.0, help="default robot round-trip budget")

@@ -636,7 +636,7 @@ def test_cli_server_shards_robots_over_two_devices_and_exits_0_on_sigterm(cli_se
     bad = subprocess.run([sys.executable, "-m", "oxygen_jax.serve", "--preset", "tiny", "--bogus"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "python -m oxygen_jax.serve: error: unrecognized arguments: --bogus"]
+        "python -m oxygen_jax.serve: error: unrecognized arguments: --bogus (see --help)"]
     for _ in range(1200):
         assert proc.poll() is None, log_path.read_text()
         if _http(port, "/healthz")[0] == 200:
