@@ -2,6 +2,7 @@
 
     python -m oxygen_jax.serve --preset tiny --robot libero --port 8000
     python -m oxygen_jax.serve --ckpt /path/to/pi05_libero --robot libero --tokenizer paligemma_tokenizer.model
+    python -m oxygen_jax.serve --demo --port 8000      # the embedded demo with its "memory" adapter
 
 Protocol (openpi's `WebsocketPolicyServer`, so an unmodified `openpi_client.WebsocketClientPolicy` works):
 
@@ -621,7 +622,11 @@ def _parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=["tiny", "bench", "pi05"], help="random-weight model size (default tiny)")
-    model.add_argument("--ckpt", help="openpi checkpoint (params dir or its parent)")
+    model.add_argument("--ckpt", help="openpi checkpoint (params dir or its parent), or one saved by oxygen_jax")
+    model.add_argument("--demo", nargs="?", const="checkpoints/demo", default=None, metavar="DIR",
+                       help="serve the embedded demo (default DIR: checkpoints/demo) with its 'memory' adapter")
+    ap.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                    help="a trained language adapter (training.memory_lora output) served by its name; repeatable")
     ap.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="client observation format")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
@@ -683,16 +688,33 @@ def build(args: argparse.Namespace):
     robot = robot_config(args.robot)
     if args.prompt_len:
         robot = robot.replace(max_token_len=args.prompt_len)
-    norm_stats = None
-    if args.ckpt:
+    norm_stats, bank, names, tok = None, None, (), None
+    if args.demo:
+        from training.memory_lora import load_demo
+
+        demo = load_demo(args.demo)
+        cfg, params, tok, bank, names = demo.config, demo.params, demo.tokenizer, demo.bank, demo.adapter_names
+        robot = demo.robot.replace(max_token_len=args.prompt_len) if args.prompt_len else demo.robot
+    elif args.ckpt:
         if not Path(args.ckpt).exists():
             raise FileNotFoundError(f"--ckpt {args.ckpt}: no such file or directory")
-        cfg, params = checkpoint.load_openpi_params(args.ckpt, dtype=args.dtype, prompt_attention=args.prompt_attention)
+        if (Path(args.ckpt) / "config").is_dir():  # saved by oxygen_jax
+            cfg, params = checkpoint.restore_params(args.ckpt)
+        else:
+            cfg, params = checkpoint.load_openpi_params(args.ckpt, dtype=args.dtype,
+                                                        prompt_attention=args.prompt_attention)
         norm_stats = checkpoint.load_openpi_norm_stats(args.ckpt)
     else:
         cfg = model_config(args.preset or "tiny", dtype=args.dtype, prompt_attention=args.prompt_attention)
         params = init_params(cfg, args.seed)
-    tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else train_demo_tokenizer()
+    if args.adapter:
+        if bank is not None:
+            raise ValueError("--adapter cannot be combined with --demo (the demo brings its adapter)")
+        from training.memory_lora import load_bank
+
+        bank, names = load_bank(args.adapter, cfg, base=args.ckpt)
+    if tok is None:
+        tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else train_demo_tokenizer()
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}; "
                          "pass the checkpoint's tokenizer with --tokenizer")
@@ -706,7 +728,7 @@ def build(args: argparse.Namespace):
     engine = Engine(params, EngineConfig(
         num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=args.prompt_capacity,
         tokens_per_frame=args.tokens_per_frame, num_steps=args.steps, action_horizon=robot.action_horizon,
-        seed=args.seed), tokenizer=tok)
+        seed=args.seed), tokenizer=tok, bank=bank, adapter_names=names)
     return engine, tok, robot, norm_stats, mesh
 
 
@@ -754,7 +776,7 @@ def main(argv=None) -> int:
         engine, tok, robot, norm_stats, mesh = build(args)
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint or bad value is one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        what = f"cannot load checkpoint {args.ckpt}: " if args.ckpt else ""
+        what = f"cannot load checkpoint {args.ckpt}: " if args.ckpt else f"cannot load the demo {args.demo}: " if args.demo else ""
         return _fail(f"{what}{type(e).__name__}: {first}")
     server = PolicyServer(engine, tok, robot, config, norm_stats=norm_stats, mesh=mesh)
     return asyncio.run(_serve_until_signal(server))
