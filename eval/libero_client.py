@@ -7,7 +7,8 @@ The loop follows openpi's LIBERO example: wait `--wait-steps` with a no-op actio
 then, whenever the action queue is empty, send the observation (both cameras rotated 180 degrees and
 resized with padding to 224 x 224 uint8, state = eef position | axis-angle | 2 gripper positions) and
 execute the first `--replan-steps` actions of the returned chunk. Every `--ask-every` model calls the
-observation also carries a language request ("Subtask: "); its text arrives in a later response and
+observation also carries a language request (`--prompt`, default "Subtask: "; `--adapter memory` with
+`--prompt "Memory: "` against `python -m oxygen_jax.serve --demo`); its text arrives in a later response and
 is overlaid on the video until the next one.
 
 Reports per episode: success, steps, model time (client round trips, and the server's step time) and
@@ -118,7 +119,7 @@ class EpisodeResult:
 
 def run_episode(env: Env, client: PolicyClient, *, task: str, episode: int, max_steps: int, wait_steps: int = 10,
                 replan_steps: int = 5, ask_every: int = 2, max_tokens: int = 12, video_dir: Path | None = None,
-                video_format: str = "gif") -> EpisodeResult:
+                video_format: str = "gif", prompt: str = "Subtask: ", adapter: str | None = None) -> EpisodeResult:
     """One closed-loop episode; see the module docstring."""
     raw = env.reset()
     queue: list[np.ndarray] = []
@@ -133,8 +134,10 @@ def run_episode(env: Env, client: PolicyClient, *, task: str, episode: int, max_
             if not queue:
                 obs = client_observation(raw, env.instruction)
                 if calls % ask_every == 0:
-                    obs["language_requests"] = [{"prompt": "Subtask: ", "max_tokens": max_tokens,
-                                                 "id": f"{task}-{episode}-{t}"}]
+                    request = {"prompt": prompt, "max_tokens": max_tokens, "id": f"{task}-{episode}-{t}"}
+                    if adapter:
+                        request["adapter"] = adapter
+                    obs["language_requests"] = [request]
                 start = time.perf_counter()
                 reply = client.infer(obs)
                 model_ms += (time.perf_counter() - start) * 1e3
@@ -218,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--replan-steps", type=int, default=5)
     ap.add_argument("--ask-every", type=int, default=2, help="a language request every N model calls")
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--prompt", default="Subtask: ", help="language request prompt (e.g. 'Memory: ')")
+    ap.add_argument("--adapter", default=None, help="language adapter name the server serves (e.g. memory)")
     ap.add_argument("--video-format", default="gif", choices=["gif", "mp4"])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -230,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 res = run_episode(env, client, task=f"{args.suite}_{task_id}", episode=ep,
                                   max_steps=args.max_steps or _MAX_STEPS[args.suite], replan_steps=args.replan_steps,
                                   ask_every=args.ask_every, max_tokens=args.max_tokens, video_dir=args.out,
-                                  video_format=args.video_format)
+                                  video_format=args.video_format, prompt=args.prompt, adapter=args.adapter)
                 results.append(dataclasses.asdict(res))
                 print(f"{res.task} episode {ep}: {'success' if res.success else 'failure'} in {res.steps} steps; "
                       f"model {res.model_ms / max(res.model_calls, 1):.0f} ms/call x {res.model_calls}, "
