@@ -497,7 +497,8 @@ def plot_fanout(summary: Sequence[Mapping], path: Path) -> None:
         bottom = 0.0
         for i, h in enumerate(heads):
             if h in single:
-                ax.bar(0, single[h], bottom=bottom, color=f"C{i + 3}", label=f"{h} alone")
+                ax.bar(0, single[h], bottom=bottom, color=("#d9d9d9", "#bdbdbd", "#969696", "#737373")[i % 4],
+                       edgecolor="black", linewidth=0.5, hatch="//", label=f"{h} alone")
                 bottom += single[h]
         x = list(range(1, len(recs) + 1))
         ax.bar(x, [r["frame_ms_median"] or 0 for r in recs], color=[COLORS[r["setting"]] for r in recs])

@@ -14,6 +14,11 @@ is both in one jittable program:
 A head's actions do not depend on which other heads share the program (tested bit for bit): a
 single-head model (`ModelSpec.only`) keeps only that head's reads and gives the same actions.
 
+Language: `language_model(spec, params)` is the backbone as a `decode.LanguageModel`; the decode slot
+pool admits requests from the `PrefixOutputs` of a model with `language=True`. The whole fan-out frame
+(prefix pass, every head, admission and a k-token burst on the donated pool) is
+`schedule.mot_frame_step`; `schedule` also has the isolated / parallel / shared_kv settings.
+
 Axes (`oxygen_jax.axes`, plus those of `heads`): B batch, P prefix tokens, D VLM width, L layers,
 K KV heads, H head dim, Ha horizon, Ad action dim, Ds state dim; Np image patches, Pd flattened
 patch (`qwen3_vl`); R = 3 M-RoPE axes.
