@@ -12,6 +12,11 @@ from oxygen_jax.checkpoint import (
     CheckpointError, load_openpi_lora, load_openpi_norm_stats, load_openpi_params, restore_params, save_params,
 )
 
+# Backbones, action heads and several heads on one prefix (beyond π0.5)
+from oxygen_jax.backbone import BackboneSpec, pi05_spec
+from oxygen_jax.heads import HeadSpec
+from oxygen_jax.mot import ModelParams, ModelSpec, init_model, language_model, make_inputs, prefix_pass, sample_all
+
 # Language adapters (LoRA): openpi's maths, merged or served per slot on the suffix path
 from oxygen_jax.lora import ExpertLora, LoraBank, ModelLora, RowAdapters, init_bank, merge, stack_adapters
 
@@ -21,8 +26,9 @@ from oxygen_jax.kv_cache import PrefixCache
 from oxygen_jax.model import compute_loss, denoise, prefill, sample_actions
 
 # Language decoding and the unified-KV runtime
+from oxygen_jax.decode import LanguageModel
 from oxygen_jax.decode import DecodePool, Requests, admit, decode_burst, init_pool, make_requests, release_finished
-from oxygen_jax.schedule import frame_step, rollout
+from oxygen_jax.schedule import frame_step, mot_frame_step, rollout
 from oxygen_jax.scheduler import Scheduler, Ticket
 from oxygen_jax.engine import Engine, EngineConfig, RequestError
 
@@ -31,6 +37,8 @@ __all__ = [
     "Params", "init_params", "abstract_params", "for_backend", "stack_layers", "unstack_layers",
     "load_openpi_params", "load_openpi_lora", "load_openpi_norm_stats", "save_params", "restore_params",
     "CheckpointError",
+    "BackboneSpec", "pi05_spec", "HeadSpec", "ModelSpec", "ModelParams", "init_model", "make_inputs", "prefix_pass",
+    "sample_all", "language_model", "LanguageModel", "mot_frame_step",
     "ExpertLora", "ModelLora", "LoraBank", "RowAdapters", "init_bank", "merge", "stack_adapters",
     "Observation", "trim_prompt_padding", "PrefixCache", "prefill", "denoise", "sample_actions", "compute_loss",
     "DecodePool", "Requests", "init_pool", "make_requests", "admit", "decode_burst", "release_finished",
