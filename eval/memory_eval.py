@@ -8,7 +8,9 @@ Reports (JSON + markdown):
   optional), decoded by `oxygen_jax.engine.Engine` with the adapter (one control frame per batch);
 * teacher-forced token accuracy and loss on the answer tokens (`training.memory_lora.suffix_logits`);
 * baselines: the majority label of the training split, the majority label per task instruction (the
-  instruction is in the prefix, so a model could reach it without looking), and the base model (adapter off);
+  instruction is in the prefix, so a model could reach it without looking), the best constant answer per
+  instruction chosen on the evaluated frames' own labels (an upper bound for any image-blind answer), and
+  the base model (adapter off);
 * a per-label accuracy table and a confusion table (true label × predicted answer; answers outside the label
   set count as "(other)");
 * the action difference with the adapter on / off / zeroed: max |Δ| over every held-out frame's action chunk,
@@ -127,6 +129,11 @@ def evaluate_adapter(
         row[1] += 1
     report["per_instruction"] = {k: {"n": n, "correct": c, "accuracy": c / n}
                                  for k, (c, n) in sorted(per_instruction.items())}
+    # The best image-blind answer: one constant label per instruction, chosen on these very frames' labels.
+    by_instruction = collections.defaultdict(list)
+    for m, ref in zip(meta, refs):
+        by_instruction[m["language_instruction"]].append(ref)
+    report["per_task_oracle_constant"] = sum(majority(v)[1] for v in by_instruction.values()) / n
 
     correct = tokens = loss_sum = 0.0
     ids = jnp.ones((batch_size,), jnp.int32)
@@ -139,7 +146,7 @@ def evaluate_adapter(
     report["answer_loss"] = loss_sum / max(tokens, 1.0)
 
     if train_source is not None:
-        train_meta = _fields(train_source, len(train_source), (task.label_key, "language_instruction"))
+        train_meta = _fields(train_source, len(train_source), (task.label_key, "language_instruction", "init_index"))
         label, _ = majority([str(m[task.label_key]) for m in train_meta])
         report["majority_label"] = label
         report["majority_baseline"] = float(np.mean([normalize_answer(r) == label for r in refs]))
@@ -147,8 +154,14 @@ def evaluate_adapter(
         for m in train_meta:
             by_task[m["language_instruction"]].append(str(m[task.label_key]))
         guess = {t: majority(v)[0] for t, v in by_task.items()}
-        report["per_task_majority_baseline"] = float(np.mean(
-            [guess.get(m["language_instruction"]) == normalize_answer(r) for m, r in zip(meta, refs)]))
+        hits = [guess.get(m["language_instruction"]) == normalize_answer(r) for m, r in zip(meta, refs)]
+        report["per_task_majority_baseline"] = float(np.mean(hits))
+        for text, row in report["per_instruction"].items():
+            mine = [h for m, h in zip(meta, hits) if m["language_instruction"] == text]
+            row["majority_baseline"] = float(np.mean(mine))
+        report["train_frames"] = len(train_meta)
+        # Distinct object layouts trained on (instruction, init index): what held-out layouts must generalise from.
+        report["train_layouts"] = len({(m["language_instruction"], m.get("init_index")) for m in train_meta})
 
     def diff(a, b) -> float:
         return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
@@ -179,15 +192,25 @@ def to_markdown(report: Mapping, title: str = "Memory adapter evaluation") -> st
     if "majority_baseline" in report:
         lines += [f"| majority-label baseline (`{report['majority_label']}`) | {_pct(report['majority_baseline'])} |",
                   f"| per-instruction majority baseline | {_pct(report['per_task_majority_baseline'])} |"]
+    if "per_task_oracle_constant" in report:
+        lines.append(f"| best constant answer per instruction, chosen on these frames' labels | "
+                     f"{_pct(report['per_task_oracle_constant'])} |")
     a = report["action_max_abs_diff"]
     lines += [f"| action max abs diff on/off, on/zeroed, off/zeroed | {a['on_vs_off']:g}, {a['on_vs_zeroed']:g}, "
               f"{a['off_vs_zeroed']:g} |", "", "## Per label", "", "| label | n | correct | accuracy |", "|---|---|---|---|"]
     for label, row in report["per_label"].items():
         lines.append(f"| {label} | {row['n']} | {row['correct']} | {_pct(row['accuracy'])} |")
+    if "train_layouts" in report:
+        lines.insert(lines.index("## Per label") - 1, f"\nTrained on {report['train_frames']} frames from "
+                     f"{report['train_layouts']} layouts (instruction, init index).")
     if "per_instruction" in report:
-        lines += ["", "## Per task instruction", "", "| instruction | n | correct | accuracy |", "|---|---|---|---|"]
+        base = any("majority_baseline" in row for row in report["per_instruction"].values())
+        lines += ["", "## Per task instruction", "",
+                  "| instruction | n | correct | accuracy |" + (" per-instruction majority |" if base else ""),
+                  "|---|---|---|---|" + ("---|" if base else "")]
         for text, row in report["per_instruction"].items():
-            lines.append(f"| {text} | {row['n']} | {row['correct']} | {_pct(row['accuracy'])} |")
+            lines.append(f"| {text} | {row['n']} | {row['correct']} | {_pct(row['accuracy'])} |"
+                         + (f" {_pct(row['majority_baseline'])} |" if "majority_baseline" in row else ""))
     labels = list(report["per_label"])
     cols = labels + ([OTHER] if any(OTHER in c for c in report["confusion"].values()) else [])
     lines += ["", "## Confusion (rows: true label, columns: greedy answer)", "",

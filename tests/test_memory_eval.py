@@ -90,7 +90,9 @@ def test_cli_report_has_metrics_baselines_and_tables(run_cli):
     assert all(sum(row.values()) == 1 for row in report["confusion"].values())
     (instruction, row), = report["per_instruction"].items()  # the synthetic task has one instruction
     assert instruction.startswith("put the red block") and row["n"] == 4
-    assert row["accuracy"] == report["exact_match"]
+    assert row["accuracy"] == report["exact_match"] and row["majority_baseline"] == 0.25
+    assert report["train_frames"] == 16 and report["train_layouts"] == 4  # one instruction, 4 init indices
+    assert report["per_task_oracle_constant"] == 0.25  # 4 held-out frames, 4 different labels
     md = (out / "memory_eval.md").read_text()
     assert md == to_markdown(report)
     assert "| exact match (adapter) |" in md and "## Confusion" in md and "majority-label baseline" in md

@@ -1243,7 +1243,9 @@ def _export_main(argv: Sequence[str]) -> int:
     if args.eval_json is not None:
         r = json.loads(args.eval_json.read_text())
         evaluation = {k: r[k] for k in ("n", "exact_match", "token_accuracy", "majority_label", "majority_baseline",
-                                        "per_task_majority_baseline", "base_exact_match", "action_max_abs_diff") if k in r}
+                                        "per_task_majority_baseline", "per_task_oracle_constant", "base_exact_match",
+                                        "action_max_abs_diff", "per_instruction", "train_frames", "train_layouts")
+                      if k in r}
     out = export_demo(args.base, args.adapter, args.data, args.out, split=args.split, num_frames=args.frames,
                       evaluation=evaluation)
     if args.eval_json is not None and (args.eval_json.parent / "memory_eval.md").is_file():
