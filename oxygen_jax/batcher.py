@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from oxygen_jax import transforms
+from oxygen_jax import compile_cache, transforms
 from oxygen_jax.config import EOS_ID, RobotConfig
 from oxygen_jax.engine import FailedRequest, FinishedRequest, RequestError
 from oxygen_jax.observation import Observation
@@ -215,7 +214,7 @@ class EngineWorker:
         self.engine, self.robot, self.seed, self.norm_stats, self.mesh = engine, robot, seed, norm_stats, mesh
         self.horizon = engine.config.action_horizon
         self.action_dim = engine.params.config.action_dim
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="oxygen-engine")
+        self._executor = compile_cache.thread_pool(1, "oxygen-engine")
         self._thread = self._executor.submit(threading.get_ident).result()
         _listen_for_compiles()
 

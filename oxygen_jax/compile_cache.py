@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache, switched on the same way by every command-line entry point.
+"""Compilation settings shared by the entry points: JAX's persistent cache, and stacks for compiling threads.
 
 A frame program takes seconds (tiny) to tens of seconds (full size) to compile; with the cache a
 second run of `python -m oxygen_jax.run` or a restarted server loads the compiled executables from
@@ -36,3 +36,28 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return cache
+
+
+COMPILE_THREAD_STACK = 64 << 20
+
+
+def thread_pool(max_workers: int, name: str) -> "concurrent.futures.ThreadPoolExecutor":
+    """A thread pool whose threads may compile XLA programs: each thread gets a 64 MiB stack.
+
+    XLA's compiler recurses deeply on large programs; off the main thread the default 8 MiB pthread
+    stack is what it gets, and overflowing it is a segmentation fault, not an exception. The
+    threads are started here, while the larger stack size is in effect (it is virtual memory).
+    """
+    import concurrent.futures
+    import threading
+
+    previous = threading.stack_size(COMPILE_THREAD_STACK)
+    try:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix=name)
+        barrier = threading.Barrier(max_workers + 1)
+        for _ in range(max_workers):  # one blocked task per worker forces every thread to start now
+            pool.submit(barrier.wait)
+        barrier.wait()
+    finally:
+        threading.stack_size(previous)
+    return pool

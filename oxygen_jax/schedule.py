@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import decode, mot
+from oxygen_jax import compile_cache, decode, mot
 from oxygen_jax.decode import DecodePool, Requests
 from oxygen_jax.lora import LoraBank
 from oxygen_jax.model import denoise, prefill, sample_actions
@@ -269,7 +269,7 @@ def run_parallel(params, observation, noise, requests, bank=None, *, num_steps: 
     """
     global _PARALLEL_POOL
     if _PARALLEL_POOL is None:
-        _PARALLEL_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="oxygen-parallel")
+        _PARALLEL_POOL = compile_cache.thread_pool(2, "oxygen-parallel")
     act = _PARALLEL_POOL.submit(
         lambda: jax.block_until_ready(action_program(params, observation, noise, num_steps=num_steps))
     )
@@ -388,8 +388,7 @@ def run_mot_parallel(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs,
     calls = heads + ([text] if text is not None else [])
     threads = _MOT_THREADS.get(len(calls))
     if threads is None:
-        threads = _MOT_THREADS[len(calls)] = concurrent.futures.ThreadPoolExecutor(
-            max_workers=len(calls), thread_name_prefix="oxygen-mot")
+        threads = _MOT_THREADS[len(calls)] = compile_cache.thread_pool(len(calls), "oxygen-mot")
     futures = [threads.submit(lambda c=c: jax.block_until_ready(c())) for c in calls]
     actions = {n: f.result() for n, f in zip(spec.names, futures)}
     tokens, n = futures[-1].result() if text is not None else (None, None)

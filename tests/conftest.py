@@ -12,6 +12,20 @@ from oxygen_jax.config import model_config  # noqa: E402
 from oxygen_jax.params import init_params  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after each test module.
+
+    Each XLA CPU executable keeps its own memory mappings; the whole suite compiles enough programs to
+    pass the kernel's per-process limit (vm.max_map_count, 65,530), and a failed mapping inside the
+    compiler is a segmentation fault. Modules share compiled programs within themselves, not across.
+    """
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_params():
     """Random `tiny` parameters, bidirectional prompt (shared by all tests)."""
