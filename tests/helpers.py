@@ -64,29 +64,41 @@ def diverse_text_params(params):
 
 def recompute_greedy(params, obs, num_tokens: int, row: int = 0, prompt=()):
     """Reference text decoding without any cache: every token re-runs the whole sequence
-    [prefix | request prompt | generated] through the VLM expert. Returns (tokens, logits [n, V])."""
+    [prefix | request prompt | generated] through the VLM expert. Returns (tokens, logits [n, V]).
+
+    The sequence is held in one fixed-length buffer whose unused tail is masked out (never attended
+    to, no position), so the one full forward compiles once instead of once per length.
+    """
+    import jax
     import jax.numpy as jnp
 
     from oxygen_jax import backbone, model
-    from oxygen_jax.masks import make_attn_mask, positions_from_mask
+    from oxygen_jax.masks import last_valid_index, make_attn_mask, positions_from_mask
 
-    tokens, input_mask, ar = model.embed_prefix(params, obs)
-    tokens, input_mask = tokens[row:row + 1], input_mask[row:row + 1]
-    out, logits_all = [], []
-    for _ in range(num_tokens):
-        tail = list(prompt) + out
-        if tail:
-            emb = model.embed_tokens(params, jnp.asarray([tail], jnp.int32)).astype(tokens.dtype)
-            seq = jnp.concatenate([tokens, emb], 1)
-            mask = jnp.concatenate([input_mask, jnp.ones((1, len(tail)), bool)], 1)
-            seq_ar = jnp.concatenate([ar, jnp.ones(len(tail), bool)])
-        else:
-            seq, mask, seq_ar = tokens, input_mask, ar
+    prefix, input_mask, ar = model.embed_prefix(params, obs)
+    prefix, input_mask = prefix[row:row + 1], input_mask[row:row + 1]
+    cap = len(prompt) + num_tokens
+
+    @jax.jit
+    def next_logits(params, tail, n):  # tail int32 [cap], n valid entries
+        emb = model.embed_tokens(params, tail[None]).astype(prefix.dtype)
+        seq = jnp.concatenate([prefix, emb], 1)
+        mask = jnp.concatenate([input_mask, (jnp.arange(cap) < n)[None]], 1)
+        seq_ar = jnp.concatenate([ar, jnp.ones(cap, bool)])
         spec = backbone.pi05_spec(params.config)
-        h, _ = backbone.forward_prefill(spec, params.vlm.layers, seq, positions_from_mask(mask), make_attn_mask(mask, seq_ar))
-        last = int(np.flatnonzero(np.asarray(mask[0]))[-1])
-        hn = model.final_norm(params, h[:, last:last + 1])
-        logits = np.asarray(model.lm_logits(params, hn[:, 0]))[0]
+        h, _ = backbone.forward_prefill(spec, params.vlm.layers, seq, positions_from_mask(mask),
+                                        make_attn_mask(mask, seq_ar))
+        last = last_valid_index(mask)[0]
+        hn = model.final_norm(params, jax.lax.dynamic_slice_in_dim(h, last, 1, axis=1))
+        return model.lm_logits(params, hn[:, 0])[0]
+
+    tail = np.zeros(cap, np.int32)
+    tail[: len(prompt)] = list(prompt)
+    out, logits_all = [], []
+    for i in range(num_tokens):
+        logits = np.asarray(next_logits(params, tail, len(prompt) + i))
         logits_all.append(logits)
         out.append(int(np.argmax(logits)))
+        if len(prompt) + i < cap:
+            tail[len(prompt) + i] = out[-1]
     return out, np.stack(logits_all)
