@@ -102,3 +102,20 @@ def recompute_greedy(params, obs, num_tokens: int, row: int = 0, prompt=()):
         if len(prompt) + i < cap:
             tail[len(prompt) + i] = out[-1]
     return out, np.stack(logits_all)
+
+
+MOT_IMAGE_TOKEN = 500  # the tiny MoT preset's image token id
+
+
+def mot_prompt_rows() -> tuple[np.ndarray, np.ndarray]:
+    """Three [B=3, P=12] prompt rows for the MoT tests: row 0 unpadded, row 1 left-padded, row 2 = row 1
+    with junk ids under its mask. Shared so test files reuse each other's compiled single-head programs."""
+    img = MOT_IMAGE_TOKEN
+    rows = np.asarray([
+        [7, 8, 502, img, img, img, img, 503, 9, 10, 11, 12],
+        [0, 0, 0, 7, 502, img, img, img, img, 503, 9, 10],
+        [13, 14, 15, 7, 502, img, img, img, img, 503, 9, 10],
+    ], np.int32)
+    mask = np.ones(rows.shape, bool)
+    mask[1:, :3] = False
+    return rows, mask

@@ -19,19 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import mot_prompt_rows
+
 from oxygen_jax import backbone as bb
 from oxygen_jax import decode, mot, schedule
 
-IMG = 500  # the tiny preset's image token id
-# The prompt rows of tests/test_mot.py (same shapes, so the single-head programs compiled there are reused): row 0
-# unpadded, row 1 left-padded, row 2 = row 1 with junk ids under its mask.
-_ROWS = np.asarray([
-    [7, 8, 502, IMG, IMG, IMG, IMG, 503, 9, 10, 11, 12],
-    [0, 0, 0, 7, 502, IMG, IMG, IMG, IMG, 503, 9, 10],
-    [13, 14, 15, 7, 502, IMG, IMG, IMG, IMG, 503, 9, 10],
-], np.int32)
-_MASK = np.ones(_ROWS.shape, bool)
-_MASK[1:, :3] = False
+_ROWS, _MASK = mot_prompt_rows()  # same shapes in test_mot and test_fanout: compiled programs are shared
 N, K, SLOTS = 6, 2, 3  # tokens per request, tokens per frame, decode slots
 
 

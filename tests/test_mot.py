@@ -14,19 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import mot_prompt_rows
+
 from oxygen_jax import backbone as bb
 from oxygen_jax import decode
 from oxygen_jax import heads as hd
 from oxygen_jax import mot
 
-IMG = 500  # the tiny preset's image token id
-_ROWS = np.asarray([
-    [7, 8, 502, IMG, IMG, IMG, IMG, 503, 9, 10, 11, 12],
-    [0, 0, 0, 7, 502, IMG, IMG, IMG, IMG, 503, 9, 10],
-    [13, 14, 15, 7, 502, IMG, IMG, IMG, IMG, 503, 9, 10],
-], np.int32)
-_MASK = np.ones(_ROWS.shape, bool)
-_MASK[1:, :3] = False
+_ROWS, _MASK = mot_prompt_rows()  # same shapes in test_mot and test_fanout: compiled programs are shared
 
 
 @jax.jit
