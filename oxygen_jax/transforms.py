@@ -386,13 +386,17 @@ def make_observation(
         tokens[b], token_mask[b] = tokenize_action_prompt(
             tokenizer, inp["prompt"], state if robot.discrete_state_input else None, t
         )
-    if tokens.max() >= model_config.vocab_size:
-        raise ValueError(
-            f"tokenizer ids reach {tokens.max()} but the model vocabulary has {model_config.vocab_size} entries; "
-            "use a tokenizer that matches the model"
-        )
+    check_token_ids(tokens, model_config.vocab_size, "tokenizer ids")
     return Observation(images=images, image_masks=image_masks, tokens=tokens, token_mask=token_mask)
 
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+    """Refuse ids the model's embedding has no row for (JAX would clamp the gather silently)."""
+    if tokens.size and tokens.max() >= vocab_size:
+        raise ValueError(
+            f"{what} reach {tokens.max()} but the model vocabulary has {vocab_size} entries; "
+            "use a tokenizer that matches the model"
+        )
 
 def robot_outputs(
     robot: RobotConfig,

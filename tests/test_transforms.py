@@ -1,5 +1,6 @@
 """Per-robot input/output transforms: client samples → Observation, model actions → robot commands."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -304,3 +305,9 @@ def test_synthetic_sample_is_a_valid_client_sample_with_native_state(name):
     assert out["state"].shape == (robot.state_dim,) and out["prompt"] == "go"
     assert all(img.shape == (32, 32, 3) and img.dtype == np.uint8 for img in out["images"].values())
     assert client_state(robot, sample).shape == (robot.state_dim,)
+
+
+def test_make_observation_refuses_token_ids_beyond_the_model_vocabulary(tok, tiny):
+    small = dataclasses.replace(tiny, vocab_size=10)  # the demo tokenizer's ids reach far beyond 10
+    with pytest.raises(ValueError, match="tokenizer ids reach .* model vocabulary has 10 entries"):
+        make_observation(robot_config("libero"), small, tok, [_libero()])

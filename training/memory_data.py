@@ -50,7 +50,7 @@ from oxygen_jax.config import ModelConfig, RobotConfig
 from oxygen_jax.normalize import NormStats
 from oxygen_jax.observation import Observation
 from oxygen_jax.tokenizer import Tokenizer, encode_suffix_prompt
-from oxygen_jax.transforms import make_observation
+from oxygen_jax.transforms import check_token_ids, make_observation
 from training.rlds_tfrecord import (
     RldsTFRecordSource,
     decode_image,
@@ -570,11 +570,7 @@ def make_memory_batch(
     obs = make_observation(robot, model_config, tokenizer, samples, norm_stats)
     rows = [encode_memory_suffix(tokenizer, _text(f[label_key]), suffix_len=suffix_len, prompt=prompt) for f in frames]
     tokens, suffix_mask, loss_mask = (np.stack(col) for col in zip(*rows))
-    if tokens.max() >= model_config.vocab_size:
-        raise ValueError(
-            f"suffix token ids reach {tokens.max()} but the model vocabulary has {model_config.vocab_size} entries; "
-            "use a tokenizer that matches the model"
-        )
+    check_token_ids(tokens, model_config.vocab_size, "suffix token ids")
     return MemoryBatch(observation=obs, suffix_tokens=tokens, suffix_mask=suffix_mask, loss_mask=loss_mask)
 
 
