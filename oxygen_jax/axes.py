@@ -35,4 +35,16 @@ Language decoding and schedules
     Fr   frames of a compiled rollout
     Rq   requests in a rollout's request table
     E    stored language adapters in a LoRA bank (adapter id 0 = base weights, not stored)
+    Y    rows flattened over batch and tokens, B * T (what the feed-forward layers see)
+
+Other backbones (Qwen3-VL)
+    Mr   M-RoPE position axes (3: time, height, width)
+    Ed   DeepStack layers (ViT features added to the first Ed LLM layers)
+    Mw   ViT patches merged into one LLM token, m * m (m: spatial merge size)
+    Ni   LLM image tokens, Np / Mw
+
+In einsum strings, a stacked pair (K/V, gate/up) is written `2` and q/k/v `3`. A module with axes
+of its own (the action heads of `heads`; image height and width Hi, Wi of other datasets in
+`training.memory_data`) lists them in its docstring and never reuses a letter of this glossary for
+another meaning.
 """

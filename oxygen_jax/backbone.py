@@ -1,8 +1,8 @@
 """One transformer decoder stack described by a `BackboneSpec`: π0.5's Gemma, Qwen3, Qwen3-VL text.
 
 Axis legend: B batch, T query tokens, S key tokens, D width, F MLP hidden, N query heads, K KV heads,
-G = N / K query heads per KV head, H head dim, L layers, V vocabulary, R = 3 M-RoPE axes (t, h, w),
-E DeepStack layers, A adapters in a LoRA bank.
+R = N / K query heads per KV head, H head dim, L layers, V vocabulary, Mr = 3 M-RoPE axes (t, h, w),
+Ed DeepStack layers, E adapters in a LoRA bank (all from `oxygen_jax.axes`).
 
 What differs between the families is data in the spec, not code paths:
 
@@ -29,7 +29,7 @@ K stored after q/k-norm and RoPE, 1/sqrt(H) folded into q):
                       request prompts). It alone takes per-row LoRA adapters (`lora.RowAdapters`):
                       the prefix cache and the actions cannot depend on them, by signature.
 
-Positions are int [B, T] (1-D RoPE) or [R, B, T] (M-RoPE; [B, T] is accepted and means equal
+Positions are int [B, T] (1-D RoPE) or [Mr, B, T] (M-RoPE; [B, T] is accepted and means equal
 axes, which is what text tokens and decode steps use). Layers may be stacked (`lax.scan`) or
 `params.Unstacked` (an unrolled loop, the fast form on XLA's CPU backend; see `params.scan_layers`).
 `params.ExpertLayers` (π0.5's VLM and action experts) is accepted as is: it is `DecoderLayers`
@@ -98,7 +98,7 @@ class Qwen3VisionSpec:
     num_heads: int  # Nv; head dim W / Nv
     mlp_dim: int  # Fv (gelu-tanh MLP)
     out_width: int  # LLM width D that the mergers project to
-    num_position_embeddings: int  # learned grid G*G (2304 = 48x48 for Qwen3-VL-4B)
+    num_position_embeddings: int  # learned grid g*g (2304 = 48x48 for Qwen3-VL-4B)
     deepstack_layers: tuple[int, ...] = ()  # ViT blocks whose outputs feed DeepStack mergers, in order
     patch_size: int = 16  # P pixels per side
     temporal_patch_size: int = 2  # Tp frames per patch (an image is repeated to fill it)
@@ -397,7 +397,7 @@ def rms_norm(spec: BackboneSpec, x: jax.Array, norm: RMSNorm | AdaRMSNorm, cond:
 
 
 def rope_angles(rope: RopeSpec, positions: jax.Array, head_dim: int) -> jax.Array:
-    """Rotation angles float32 [B, T, H/2] for int positions [B, T] or [R, B, T].
+    """Rotation angles float32 [B, T, H/2] for int positions [B, T] or [Mr, B, T].
 
     Angle i = position / theta^(2i/H), the position being that of the axis frequency i belongs
     to (M-RoPE) or the only one (1-D). A [B, T] position with M-RoPE means all axes equal.
@@ -436,10 +436,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     if mask.shape != (b, t, k.shape[1]):
         raise ValueError(f"attention mask must be [B, T, S] = {(b, t, k.shape[1])}, got {mask.shape}")
     qg = q.reshape(b, t, kh, n // kh, h)
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("BTKRH,BSKH->BKRTS", qg, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask[:, None, None, :, :], logits, _MASK_FILL)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    out = jnp.einsum("BKRTS,BSKH->BTKRH", probs, v)
     return out.reshape(b, t, n, h)
 
 
@@ -453,7 +453,7 @@ def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array,
     """
     lead, d = x.shape[:-1], x.shape[-1]
     xb = jnp.broadcast_to(x.reshape(1, -1, d), (2, x.size // d, d))
-    gate_up = jnp.einsum("CND,CDF->CNF", xb, gating.astype(x.dtype))
+    gate_up = jnp.einsum("2YD,2DF->2YF", xb, gating.astype(x.dtype))
     if lora is not None:
         gate_up = lora.add("gating", gate_up, x.reshape(-1, d))
     gate, up = gate_up
@@ -509,7 +509,7 @@ def _rope_tables(spec: BackboneSpec, positions: jax.Array):
 
 
 def _add_deepstack(x: jax.Array, deepstack: jax.Array | None, layer) -> jax.Array:
-    """x + deepstack[layer] after the first E layers (E = deepstack.shape[0]); `layer` may be traced."""
+    """x + deepstack[layer] after the first Ed layers (Ed = deepstack.shape[0]); `layer` may be traced."""
     if deepstack is None:
         return x
     e = deepstack.shape[0]
@@ -527,9 +527,9 @@ def forward_prefill(spec: BackboneSpec, layers, x, positions, mask, *, cond=None
     """Runs all layers over `x` with self-attention only.
 
     Args:
-      x: [B, T, D] embeddings; positions: int [B, T] or [R, B, T]; mask: bool [B, T, T].
+      x: [B, T, D] embeddings; positions: int [B, T] or [Mr, B, T]; mask: bool [B, T, T].
       cond: [B, Dc] adaRMS condition (π0.5's action expert only).
-      deepstack: [E, B, T, D] added to the residual after layers 0..E-1 (Qwen3-VL; zero off-image).
+      deepstack: [Ed, B, T, D] added to the residual after layers 0..Ed-1 (Qwen3-VL; zero off-image).
       return_hidden: also return every layer's output, recorded before the DeepStack addition
         (HF's `output_hidden_states` convention).
       keep_kv: layers whose K/V are returned, in this order (default: all). Only these are stored
@@ -603,7 +603,7 @@ def forward_read(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache_
     """Runs all layers over `x`, attending to the read-only cache followed by `x` itself.
 
     Args:
-      x: [B, T, D]; positions: int [B, T] or [R, B, T]; mask: bool [B, T, S + T].
+      x: [B, T, D]; positions: int [B, T] or [Mr, B, T]; mask: bool [B, T, S + T].
       cache_k, cache_v: [L, B, S, K, H] (never written).
     Returns:
       hidden [B, T, D] before the final norm.
@@ -624,12 +624,12 @@ def forward_write(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache
     """Writes the K/V of `x` into the cache, then attends to the whole cache.
 
     Args:
-      x: [B, T, D]; positions: int [B, T] or [R, B, T]; mask: bool [B, T, S] over the cache slots
+      x: [B, T, D]; positions: int [B, T] or [Mr, B, T]; mask: bool [B, T, S] over the cache slots
         (it must allow the slots being written, e.g. causally).
       cache_k, cache_v: [L, B, S, K, H].
       write_index: int [B, T] cache slot for each new token; an index >= S drops that write (rows
         that must not touch the cache).
-      lora: per-row adapters of this stack: `RowAdapters(bank, ids)` with bank leaves [L, A, ...]
+      lora: per-row adapters of this stack: `RowAdapters(bank, ids)` with bank leaves [L, E, ...]
         and ids int32 [B] (0 = base weights, n = bank adapter n). Row b then runs with adapter
         ids[b] on q, kv, attention output, gate/up and down; rows on id 0 get exactly (bit for
         bit) the adapter-free result. None: the adapter-free program, unchanged.
@@ -657,7 +657,7 @@ def forward_write(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache
         x = _block(spec, lp, x, cond, rope, mask, kv_fn, row_lora)
         return (x, new["k"], new["v"]), None
 
-    # The bank travels with the layer loop: its leaves are [L, A, ...], sliced per layer.
+    # The bank travels with the layer loop: its leaves are [L, E, ...], sliced per layer.
     extra = None if lora is None else lora.bank.adapters
     (x, cache_k, cache_v), _ = scan_layers(body, (x, cache_k, cache_v), layers, extra)
     return x, (cache_k, cache_v)
@@ -709,7 +709,7 @@ def prefill(spec: BackboneSpec, decoder: Decoder, x, positions, input_mask, *, m
 
     Args:
       x: [B, T, D] input embeddings (`embed_tokens`, or `qwen3_vl.embed_multimodal`).
-      positions: int [B, T] or [R, B, T]; input_mask: bool [B, T] real tokens.
+      positions: int [B, T] or [Mr, B, T]; input_mask: bool [B, T] real tokens.
       mask: bool [B, T, T]; default `prefix_mask(spec, input_mask)`.
       keep_kv: layers whose K/V are returned (default all); the others are never stored.
       keep_hidden: HF hidden-state indices (0..L, see below) to return instead of all of them; the

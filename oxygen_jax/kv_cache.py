@@ -1,12 +1,12 @@
 """The prefix KV cache: what one observation's prefill leaves for the action expert and the decoder.
 
 Axes (`oxygen_jax.axes`): L layers, B batch, P prefix tokens, K KV heads, H head dim, D VLM width,
-R = 3 M-RoPE axes (t, h, w).
+Mr = 3 M-RoPE axes (t, h, w).
 
     k, v         [L, B, P, K, H]  compute dtype; K after RoPE
     mask         bool [B, P]      True where a prefix token is valid (padding and masked cameras False)
     positions    int32 [B, P]     RoPE positions cumsum(mask) - 1 (π0.5, text); an M-RoPE (Qwen3-VL)
-                 or [R, B, P]     prefix has one row per axis, image tokens sharing positions
+                 or [Mr, B, P]    prefix has one row per axis, image tokens sharing positions
     last_hidden  [B, D]           final-normed VLM output at the last valid prefix token: the
                                   logits of the first decoded token come from it
 
@@ -43,7 +43,7 @@ class PrefixCache:
     @property
     def next_position(self) -> jax.Array:
         """int32 [B]: RoPE position of the first continuation token (max valid position + 1; 0 for an empty row)."""
-        valid_positions = jnp.where(self.mask, self.positions, -1)  # [B, P] or [R, B, P]
+        valid_positions = jnp.where(self.mask, self.positions, -1)  # [B, P] or [Mr, B, P]
         axes = tuple(range(valid_positions.ndim - 2)) + (valid_positions.ndim - 1,)
         return jnp.max(valid_positions, axis=axes).astype(jnp.int32) + 1
 

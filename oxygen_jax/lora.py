@@ -1,8 +1,8 @@
 """openpi LoRA adapters as pytrees: checkpoint layout, merging, and banks served per row.
 
-Axis legend: L layers, A adapters stored in a bank, B batch rows, T tokens, M = B*T flattened
-rows, D expert width, F MLP hidden, N query heads, K KV heads, C = 2 (K/V, or gate/up), H head
-dim, r LoRA rank.
+Axes (`oxygen_jax.axes`): L layers, E adapters stored in a bank, B batch rows, T tokens, Y = B*T
+flattened rows, D expert width, F MLP hidden, N query heads, K KV heads, 2 the K/V or gate/up pair,
+H head dim, r LoRA rank. A and B are the two LoRA factors, not axes.
 
 openpi's LoRA (`src/openpi/models/lora.py`), reproduced exactly (checked against the shared
 `openpi_tiny_pi05_lora` fixture, whose merged weights this module reproduces):
@@ -13,7 +13,7 @@ openpi's LoRA (`src/openpi/models/lora.py`), reproduced exactly (checked against
 
       target  W              A              B              effective update
       q       [N, D, H]      [N, D, r]      [N, r, H]      ΔW[n] = s·A[n]·B[n]          (per head)
-      kv      [C, K, D, H]   [C, K, D, r]   [C, K, r, H]   ΔW[c,k] = s·A[c,k]·B[c,k]
+      kv      [2, K, D, H]   [2, K, D, r]   [2, K, r, H]   ΔW[c,k] = s·A[c,k]·B[c,k]
       out     [N, H, D]      [N, H, r]      [N, r, D]      ΔW[n] = s·A[n]·Σ_m B[m]      (!)
 
   `out` (attn_vec) contracts heads in both factors ("BTNH,NHr->BTr", then "BTr,NrD->BTD"), so
@@ -21,7 +21,7 @@ openpi's LoRA (`src/openpi/models/lora.py`), reproduced exactly (checked against
 * feed-forward (`gating_einsum` = [gate; up], `linear`): `y = x·W + (x·A)·B`, NOT scaled, whatever
   alpha and rank are:
 
-      gating  [C, D, F]      [C, D, r]      [C, r, F]      ΔW[c] = A[c]·B[c]
+      gating  [2, D, F]      [2, D, r]      [2, r, F]      ΔW[c] = A[c]·B[c]
       linear  [F, D]         [F, r]         [r, D]         ΔW = A·B
 
 * A and B are cast to the activation dtype; the LoRA product is added after the base product.
@@ -37,10 +37,10 @@ Pytrees (leaves are arrays; alpha and rslora are static):
 * `ExpertLora` — one adapter of one expert, leaves as openpi stores them (leading L axis), or
   without the L axis for one layer. Targets without LoRA are None.
 * `ModelLora` — the adapters of both experts as restored from a checkpoint (either may be None).
-* `LoraBank` — A adapters of one expert, every leaf stacked on axis 1: [L, A, ...]. The layer
-  loop slices axis 0 (scan or unrolled), leaving [A, ...] per layer. Adapter id n in 1..A is bank
-  index n - 1; id 0 means the base weights and is not stored, so a bank of A adapters serves the
-  ids 0..A. Ids outside 0..A get the base weights.
+* `LoraBank` — E adapters of one expert, every leaf stacked on axis 1: [L, E, ...]. The layer
+  loop slices axis 0 (scan or unrolled), leaving [E, ...] per layer. Adapter id n in 1..E is bank
+  index n - 1; id 0 means the base weights and is not stored, so a bank of E adapters serves the
+  ids 0..E. Ids outside 0..E get the base weights.
 * `RowAdapters(bank, ids)` — the `lora` argument of `backbone.forward_write`: one adapter id per row.
 """
 
@@ -136,8 +136,8 @@ class ModelLora:
 
 @_pytree
 class LoraBank:
-    """A adapters of one expert for per-row serving: `adapters` leaves are [L, A, ...openpi shape
-    without L]. Adapter id n (1..A) is `adapters[:, n - 1]`; id 0 = base weights, not stored."""
+    """E adapters of one expert for per-row serving: `adapters` leaves are [L, E, ...openpi shape
+    without L]. Adapter id n (1..E) is `adapters[:, n - 1]`; id 0 = base weights, not stored."""
 
     adapters: ExpertLora
 
@@ -146,7 +146,7 @@ class LoraBank:
         return int(jax.tree.leaves(self.adapters)[0].shape[1])
 
     def adapter(self, adapter_id: int) -> ExpertLora:
-        """The stored adapter with id `adapter_id` (1..A), leaves [L, ...]."""
+        """The stored adapter with id `adapter_id` (1..E), leaves [L, ...]."""
         if not 1 <= adapter_id <= self.num_adapters:
             raise ValueError(f"adapter id {adapter_id} is not stored in this bank (ids 1..{self.num_adapters}; 0 = base)")
         return _take_adapter(self.adapters, adapter_id - 1)
@@ -162,8 +162,8 @@ class RowAdapters:
     """Per-row adapters for `backbone.forward_write`.
 
     Attributes:
-      bank: the adapters of the expert being run (leaves [L, A, ...]).
-      ids: int32 [B] adapter id of each row: 0 = base weights, n = bank adapter n (1..A).
+      bank: the adapters of the expert being run (leaves [L, E, ...]).
+      ids: int32 [B] adapter id of each row: 0 = base weights, n = bank adapter n (1..E).
     """
 
     bank: LoraBank
@@ -347,11 +347,11 @@ def _weight_delta(target: str, pair: LoraPair, scaling: float) -> jax.Array:
     if target == "q":
         return scaling * jnp.einsum("...NDr,...NrH->...NDH", a, b, precision=hi)
     if target == "kv":
-        return scaling * jnp.einsum("...CKDr,...CKrH->...CKDH", a, b, precision=hi)
+        return scaling * jnp.einsum("...2KDr,...2KrH->...2KDH", a, b, precision=hi)
     if target == "out":  # heads are summed in both factors
         return scaling * jnp.einsum("...NHr,...rD->...NHD", a, jnp.sum(b, axis=-3), precision=hi)
     if target == "gating":  # feed-forward LoRA: unscaled
-        return jnp.einsum("...CDr,...CrF->...CDF", a, b, precision=hi)
+        return jnp.einsum("...2Dr,...2rF->...2DF", a, b, precision=hi)
     return jnp.einsum("...Fr,...rD->...FD", a, b, precision=hi)
 
 
@@ -511,7 +511,7 @@ def init_bank(
 
     Args:
       config: the expert (a `ModelConfig` means its VLM expert, the one that serves language).
-      num_adapters: A; the bank serves ids 0 (base) .. A.
+      num_adapters: E; the bank serves ids 0 (base) .. E.
       rank: r, for every target.
       alpha: attention scaling numerator; default rank (scaling 1, as openpi's variants).
       seed: numpy seed (adapter i, target t drawn from PCG64([seed, i, t])).
@@ -519,7 +519,7 @@ def init_bank(
       dtype: leaf dtype; default the `ModelConfig`'s dtype, else float32.
 
     Returns:
-      A `LoraBank` with leaves [L, A, ...].
+      A `LoraBank` with leaves [L, E, ...].
     """
     expert = _expert_config(config)
     if dtype is None:
@@ -568,20 +568,20 @@ def check_bank_fits(bank: LoraBank, layers: ExpertLayers | Unstacked) -> None:
 # Per-row application inside a layer (used by backbone.forward_write)
 # ---------------------------------------------------------------------------------------------
 
-# (eqn x·A, eqn ·B, shape of the row selector given the number of rows R) per target; `x` is the
+# (eqn x·A, eqn ·B, shape of the row selector given the number of rows) per target; `x` is the
 # projection's input as `backbone` holds it.
 _ROW_EQNS = {
     "q": ("BTD,NDr->BTNr", "BTNr,NrH->BTNH", lambda r: (r, 1, 1, 1)),
-    "kv": ("BSD,CKDr->CBSKr", "CBSKr,CKrH->CBSKH", lambda r: (1, r, 1, 1, 1)),
+    "kv": ("BSD,2KDr->2BSKr", "2BSKr,2KrH->2BSKH", lambda r: (1, r, 1, 1, 1)),
     "out": ("BTNH,NHr->BTr", "BTr,NrD->BTD", lambda r: (r, 1, 1)),
-    "gating": ("MD,CDr->CMr", "CMr,CrF->CMF", lambda r: (1, r, 1)),
-    "linear": ("MF,Fr->Mr", "Mr,rD->MD", lambda r: (r, 1)),
+    "gating": ("YD,2Dr->2Yr", "2Yr,2rF->2YF", lambda r: (1, r, 1)),
+    "linear": ("YF,Fr->Yr", "Yr,rD->YD", lambda r: (r, 1)),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerRows:
-    """One layer's slice of a bank (leaves [A, ...]) and the row ids [B]; adds per-row LoRA terms.
+    """One layer's slice of a bank (leaves [E, ...]) and the row ids [B]; adds per-row LoRA terms.
 
     For each stored adapter n (a static loop; banks are small), the low-rank term is computed for
     ALL rows and kept only where `ids == n`: `y = where(ids == n, y + s·(x·A_n)·B_n, y)`. Rows on
@@ -595,8 +595,8 @@ class LayerRows:
     def add(self, target: str, y: jax.Array, x: jax.Array) -> jax.Array:
         """`y` (the base projection of `x`) plus each row's adapter term for `target`.
 
-        x / y layouts: q [B,T,D] -> [B,T,N,H]; kv [B,S,D] -> [C,B,S,K,H]; out [B,T,N,H] -> [B,T,D];
-        gating [M,D] -> [C,M,F]; linear [M,F] -> [M,D], with M = B*T rows in batch-major order.
+        x / y layouts: q [B,T,D] -> [B,T,N,H]; kv [B,S,D] -> [2,B,S,K,H]; out [B,T,N,H] -> [B,T,D];
+        gating [Y,D] -> [2,Y,F]; linear [Y,F] -> [Y,D], with Y = B*T rows in batch-major order.
         """
         pair = getattr(self.adapters, target)
         if pair is None:

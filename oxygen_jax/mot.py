@@ -21,7 +21,7 @@ pool admits requests from the `PrefixOutputs` of a model with `language=True`. T
 
 Axes (`oxygen_jax.axes`, plus those of `heads`): B batch, P prefix tokens, D VLM width, L layers,
 K KV heads, H head dim, Ha horizon, Ad action dim, Ds state dim; Np image patches, Pd flattened
-patch (`qwen3_vl`); R = 3 M-RoPE axes.
+patch (`qwen3_vl`); Mr = 3 M-RoPE axes.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ class PrefixInputs:
     Attributes:
       input_ids: int32 [B, P] with `image_token_id` placeholders where image tokens go.
       input_mask: bool [B, P] real tokens (left or right padding).
-      positions: int32 [R, B, P] M-RoPE positions (or [B, P] for 1-D RoPE), padding at 0.
+      positions: int32 [Mr, B, P] M-RoPE positions (or [B, P] for 1-D RoPE), padding at 0.
       next_position: int32 [B] max position + 1 per row.
       pixel_values: [Np, Pd] flattened patches of every image in row order, or None (text only).
       grid: static per-image (t, h, w) patch grids (`qwen3_vl.as_grid`).

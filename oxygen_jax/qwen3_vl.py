@@ -1,23 +1,23 @@
 """Qwen3-VL vision: patches, the ViT, the 2x2 mergers, DeepStack, and M-RoPE positions.
 
-Axis legend: Np patches of all images (merge-window order), Pd = C * Tp * P * P one flattened
-patch, W ViT width, Nv heads, Hv head dim, Fv ViT MLP, m spatial merge size, M = m² patches per
-LLM token, Ntok = Np / M image tokens, D LLM width, E DeepStack layers, B batch, T text tokens,
-R = 3 M-RoPE axes (t, h, w).
+Axis legend: Np patches of all images (merge-window order), Pd = 3 channels × temporal patch × p × p
+(p the patch side) one flattened patch, W ViT width, Nv heads, Hv head dim, Fv ViT MLP, m spatial merge size, Mw = m² patches per
+LLM token, Ni = Np / Mw image tokens, D LLM width, Ed DeepStack layers, B batch, T text tokens,
+Mr = 3 M-RoPE axes (t, h, w).
 
 Patch order (HF's image processor): images one after another; inside an image, frame-major, then
-m x m merge windows row-major, then the M patches of a window row-major, so the M patches of
+m x m merge windows row-major, then the Mw patches of a window row-major, so the Mw patches of
 one LLM token are consecutive. Example, an image of 4 x 4 patches and m = 2 (patch = (row, col)):
 
     (0,0) (0,1) (1,0) (1,1) | (0,2) (0,3) (1,2) (1,3) | (2,0) (2,1) (3,0) (3,1) | (2,2) ...
       window 0 -> token 0       window 1 -> token 1       window 2 -> token 2
 
-The ViT: Conv3d patch embedding (a matmul over flattened patches) + a learned G x G position
+The ViT: Conv3d patch embedding (a matmul over flattened patches) + a learned g x g position
 grid resampled bilinearly to the image's patch grid (align_corners) + 2-D RoPE (row, col) inside
-every block; attention stays within one frame of one image. The merger turns M patches into one
-LLM token (LN over W -> concat M -> Linear -> GELU -> Linear to D). DeepStack mergers (LN after the
+every block; attention stays within one frame of one image. The merger turns Mw patches into one
+LLM token (LN over W -> concat Mw -> Linear -> GELU -> Linear to D). DeepStack mergers (LN after the
 concat) turn the outputs of `deepstack_layers` blocks into features that are added to the LLM
-residual at image positions after LLM layers 0..E-1 (`backbone.forward_prefill(deepstack=...)`).
+residual at image positions after LLM layers 0..Ed-1 (`backbone.forward_prefill(deepstack=...)`).
 
 M-RoPE positions (`mrope_positions`): text tokens count up on all three axes; an image of
 gh x gw merged tokens starting at position s gets (s, s + row, s + col); the next text token is
@@ -58,20 +58,20 @@ class VisionBlocks:
 
 @_pytree
 class Merger:
-    """M patches -> one LLM token. DeepStack mergers are stacked on a leading E axis."""
+    """Mw patches -> one LLM token. DeepStack mergers are stacked on a leading Ed axis."""
 
-    norm: LayerNorm  # [(E,) W] for the main merger (before the concat), [(E,) M*W] for DeepStack (after)
-    fc1: Dense  # [(E,) M*W, M*W]
-    fc2: Dense  # [(E,) M*W, D]
+    norm: LayerNorm  # [(Ed,) W] for the main merger (before the concat), [(Ed,) Mw*W] for DeepStack (after)
+    fc1: Dense  # [(Ed,) Mw*W, Mw*W]
+    fc2: Dense  # [(Ed,) Mw*W, D]
 
 
 @_pytree
 class Vision:
     patch: Dense  # kernel [Pd, W] (Conv3d weight flattened in (C, Tp, P, P) order), bias [W]
-    pos_embed: jax.Array  # [G*G, W] learned grid, row-major
+    pos_embed: jax.Array  # [g*g, W] learned grid, row-major
     blocks: VisionBlocks | Unstacked
     merger: Merger
-    deepstack: Merger | None  # leading E axis; None when there are no DeepStack layers
+    deepstack: Merger | None  # leading Ed axis; None when there are no DeepStack layers
 
 
 def vision_tree(vspec: Qwen3VisionSpec, draw: backbone.Draw) -> Vision:
@@ -133,7 +133,7 @@ def _window_order(t: int, h: int, w: int, m: int) -> np.ndarray:
 
 
 def _pos_interp(vspec: Qwen3VisionSpec, grid: Grid) -> tuple[np.ndarray, np.ndarray]:
-    """Bilinear resampling (align_corners) of the G x G grid to every image: indices, weights [4, Np].
+    """Bilinear resampling (align_corners) of the g x g grid to every image: indices, weights [4, Np].
 
     Corner c in (floor-row floor-col, floor-row ceil-col, ceil-row floor-col, ceil-row ceil-col).
     """
@@ -206,11 +206,12 @@ def _dense(d: Dense, x: jax.Array) -> jax.Array:
 
 def _block(vspec: Qwen3VisionSpec, lp: VisionBlocks, x, sin, cos, mask) -> jax.Array:
     h = _layer_norm(x, lp.ln1, vspec.norm_eps)
-    q, k, v = jnp.einsum("NW,WCKH->CNKH", h, lp.qkv.kernel.astype(h.dtype)) + lp.qkv.bias.astype(h.dtype)[:, None]
+    # Local einsum letters: n the Np patches, h the Nv heads, d the head dim Hv.
+    q, k, v = jnp.einsum("nW,W3hd->3nhd", h, lp.qkv.kernel.astype(h.dtype)) + lp.qkv.bias.astype(h.dtype)[:, None]
     q = backbone.apply_rope(q[None], sin, cos) * jnp.asarray(vspec.head_dim ** -0.5, q.dtype)
     k = backbone.apply_rope(k[None], sin, cos)
     a = backbone.attention(q, k, v[None], mask)[0]
-    x = x + jnp.einsum("NKH,KHW->NW", a, lp.out.kernel.astype(a.dtype)) + lp.out.bias.astype(a.dtype)
+    x = x + jnp.einsum("nhd,hdW->nW", a, lp.out.kernel.astype(a.dtype)) + lp.out.bias.astype(a.dtype)
     h = _layer_norm(x, lp.ln2, vspec.norm_eps)
     return x + _dense(lp.fc2, jax.nn.gelu(_dense(lp.fc1, h), approximate=True))
 
@@ -231,8 +232,8 @@ def encode(vspec: Qwen3VisionSpec, vision: Vision, pixel_values: jax.Array, grid
       pixel_values: [Np, Pd] flattened patches of every image (`patchify`), in the activation dtype.
       grid_thw: static per-image (t, h, w) patch grids (`as_grid`).
     Returns:
-      dict: `vit` [Np, W] the last block's output, `tokens` [Ntok, D] the LLM image embeddings,
-      `deepstack` [E, Ntok, D] (E may be 0).
+      dict: `vit` [Np, W] the last block's output, `tokens` [Ni, D] the LLM image embeddings,
+      `deepstack` [Ed, Ni, D] (Ed may be 0).
     """
     grid = as_grid(grid_thw)
     _check_grid(vspec, grid)
@@ -285,7 +286,7 @@ def embed_multimodal(spec: BackboneSpec, decoder: Decoder, input_ids: jax.Array,
     """Text embeddings with the image tokens written, in order, over the image placeholder ids.
 
     Args:
-      input_ids: int [B, T]; image_tokens: [Ntok, D] (`encode(...)["tokens"]`, images in row order).
+      input_ids: int [B, T]; image_tokens: [Ni, D] (`encode(...)["tokens"]`, images in row order).
     Returns:
       (x [B, T, D], image_mask bool [B, T]).
     """
@@ -295,7 +296,7 @@ def embed_multimodal(spec: BackboneSpec, decoder: Decoder, input_ids: jax.Array,
 
 
 def scatter_deepstack(features: jax.Array, image_mask: jax.Array) -> jax.Array:
-    """DeepStack features [E, Ntok, D] -> residual additions [E, B, T, D] (zero off-image)."""
+    """DeepStack features [Ed, Ni, D] -> residual additions [Ed, B, T, D] (zero off-image)."""
     order = jnp.clip(jnp.cumsum(image_mask.reshape(-1).astype(jnp.int32)).reshape(image_mask.shape) - 1, 0,
                      max(features.shape[1] - 1, 0))
     return jnp.where(image_mask[None, ..., None], features[:, order], jnp.zeros((), features.dtype))
