@@ -231,6 +231,19 @@ def test_cli_rejects_an_adapter_run_without_a_base_in_one_line(tmp_path, capsys)
     assert err.count("\n") == 0 and "adapter mode needs --base" in err
 
 
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--train-tokenizer", "256", "--train-tokenizer: expected 0 or a vocabulary of at least 300"),
+    ("--steps", "0", "--steps: expected an integer >= 1, got 0"),
+    ("--rank", "x", "--rank: expected an integer >= 1, got 'x'"),
+])
+def test_cli_rejects_a_bad_flag_by_name_in_one_line_before_loading_anything(tmp_path, capsys, flag, value, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and expected in err
+    assert not (tmp_path / "o").exists()  # nothing created
+
 def test_answers_are_compared_after_normalisation():
     assert normalize_answer("  Done:  red block in basket. ") == "done: red block in basket"
     assert normalize_answer("done: red block in basket") == normalize_answer("Done: red block in basket.")

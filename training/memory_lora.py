@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 from oxygen_jax import decode, gemma, lora, model
 from oxygen_jax.config import ExpertConfig, ModelConfig, RobotConfig, SiglipConfig, model_config, robot_config
 from oxygen_jax.params import Expert, Params, Siglip
+from oxygen_jax.cli import OneLineParser, int_at_least
 from oxygen_jax.tokenizer import Tokenizer, encode_suffix_prompt
 from training.memory_data import MEMORY_PROMPT, MemoryBatch, epoch_batches, frame_texts, make_memory_batch
 from training.train_step import OptimizerConfig, make_optimizer
@@ -74,6 +75,7 @@ from training.train_step import OptimizerConfig, make_optimizer
 Mode = Literal["adapter", "base"]
 ADAPTER_FORMAT = 1
 DEFAULT_ADAPTER_NAME = "memory"
+MIN_TRAINED_VOCAB = 300  # a trained BPE needs its 256 byte pieces, the characters and the specials
 DEMO_PROMPT_LEN = 48  # default Tp: LIBERO instructions (<= 44 tokens with the built-in demo tokenizer) + BOS + "\n"
 
 
@@ -455,8 +457,9 @@ def train_text_tokenizer(texts: Sequence[str], vocab_size: int = 640) -> Tokeniz
     """
     import sentencepiece as spm
 
-    if vocab_size < 300:
-        raise ValueError(f"vocab_size must be >= 300 (256 byte pieces + characters + specials), got {vocab_size}")
+    if vocab_size < MIN_TRAINED_VOCAB:
+        raise ValueError(f"vocab_size must be >= {MIN_TRAINED_VOCAB} (256 byte pieces + characters + specials), "
+                         f"got {vocab_size}")
     lines = [t for t in texts if t]
     if not lines:
         raise ValueError("train_text_tokenizer needs at least one non-empty text")
@@ -938,8 +941,18 @@ def _tokenizer(args, train_source) -> Tokenizer:
     return train_demo_tokenizer()
 
 
+def _tokenizer_vocab(text: str) -> int:
+    """--train-tokenizer: 0 (the built-in demo tokenizer) or a BPE size with room for the byte pieces."""
+    value = int_at_least(0)(text)
+    if 0 < value < MIN_TRAINED_VOCAB:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 or a vocabulary of at least {MIN_TRAINED_VOCAB} (256 byte pieces + characters + specials), "
+            f"got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m training.memory_lora",
         description="Train a suffix-only language LoRA (default: the 'Memory: ' adapter) on a base π0.5, or "
                     "pre-train the base (VLM expert + SigLIP + embedding) on a text task with --mode base. "
@@ -959,40 +972,40 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--base", type=Path, default=None,
                    help="base checkpoint (checkpoint.save_params dir, e.g. OUT_OF_BASE_RUN/base); required for adapters")
     m.add_argument("--preset", choices=("tiny", "demo"), default="demo", help="random init for --mode base without --base")
-    m.add_argument("--image-size", type=int, default=None, help="SigLIP image side of the preset (default: preset's)")
-    m.add_argument("--patch-size", type=int, default=None, help="SigLIP patch side of the preset (default: 14)")
+    m.add_argument("--image-size", type=int_at_least(28), default=None, help="SigLIP image side of the preset (default: preset's)")
+    m.add_argument("--patch-size", type=int_at_least(1), default=None, help="SigLIP patch side of the preset (default: 14)")
     m.add_argument("--tokenizer", type=Path, default=None,
                    help="SentencePiece model (default: BASE/../tokenizer.model if present, else see --train-tokenizer)")
-    m.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB",
+    m.add_argument("--train-tokenizer", type=_tokenizer_vocab, default=0, metavar="VOCAB",
                    help="train a BPE tokenizer of this size on the train split's texts (0: the built-in demo tokenizer)")
-    m.add_argument("--prompt-len", type=int, default=DEMO_PROMPT_LEN, help="Tp: task-prompt tokens in the prefix")
+    m.add_argument("--prompt-len", type=int_at_least(1), default=DEMO_PROMPT_LEN, help="Tp: task-prompt tokens in the prefix")
     t = p.add_argument_group("task")
     t.add_argument("--prompt", default=None, help="request prompt (default 'Memory: ', or 'Scene: ' in base mode)")
     t.add_argument("--label-key", default=None, help="frame field to predict (default memory, or scene in base mode)")
     t.add_argument("--train-split", default="train")
     t.add_argument("--eval-split", default="heldout")
-    t.add_argument("--suffix-len", type=int, default=None, help="T (default: longest prompt + label + EOS in train)")
+    t.add_argument("--suffix-len", type=int_at_least(2), default=None, help="T (default: longest prompt + label + EOS in train)")
     o = p.add_argument_group("optimisation")
     d = TrainConfig()
-    o.add_argument("--steps", type=int, default=d.steps)
-    o.add_argument("--batch-size", type=int, default=d.batch_size)
-    o.add_argument("--rank", type=int, default=d.rank)
+    o.add_argument("--steps", type=int_at_least(1), default=d.steps)
+    o.add_argument("--batch-size", type=int_at_least(1), default=d.batch_size)
+    o.add_argument("--rank", type=int_at_least(1), default=d.rank)
     o.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: rank)")
     o.add_argument("--targets", default=",".join(d.targets), help="comma-separated LoRA targets")
     o.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 adapter, 1e-3 base)")
     o.add_argument("--final-lr", type=float, default=None, help="end of the cosine (default peak / 30)")
-    o.add_argument("--warmup", type=int, default=d.warmup_steps)
+    o.add_argument("--warmup", type=int_at_least(0), default=d.warmup_steps)
     o.add_argument("--weight-decay", type=float, default=d.weight_decay)
     o.add_argument("--clip-norm", type=float, default=d.clip_norm)
     o.add_argument("--seed", type=int, default=d.seed, help="batch order, adapter init, random base, augmentation")
     o.add_argument("--augment", type=float, default=d.augment,
                    help="image augmentation: random shift up to this fraction of the side, brightness x(1 +- it)")
-    o.add_argument("--devices", type=int, default=None, help="data-parallel devices (default: all)")
+    o.add_argument("--devices", type=int_at_least(1), default=None, help="data-parallel devices (default: all)")
     e = p.add_argument_group("evaluation and checkpoints")
-    e.add_argument("--eval-every", type=int, default=100, help="held-out greedy exact match every N steps (0: at the end)")
-    e.add_argument("--eval-frames", type=int, default=None, help="held-out frames per evaluation (default: all)")
-    e.add_argument("--checkpoint-every", type=int, default=50, help="save the training state every N steps")
-    e.add_argument("--stop-at", type=int, default=None, help="stop after this step as if killed (resume later)")
+    e.add_argument("--eval-every", type=int_at_least(0), default=100, help="held-out greedy exact match every N steps (0: at the end)")
+    e.add_argument("--eval-frames", type=int_at_least(1), default=None, help="held-out frames per evaluation (default: all)")
+    e.add_argument("--checkpoint-every", type=int_at_least(1), default=50, help="save the training state every N steps")
+    e.add_argument("--stop-at", type=int_at_least(1), default=None, help="stop after this step as if killed (resume later)")
     e.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     return p
 
