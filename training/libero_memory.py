@@ -6,7 +6,8 @@ Setup (an optional extra, not part of CI; its own venv, outside the repository):
     MUJOCO_GL=egl /work/venv-sim/bin/libero-pro smoke --suite libero_10 --steps 2     # smoke test
 
 Run (resumable: re-running the same command skips the frames already written), here the libero_10
-run that made /work/data/libero_memory/libero10_v2, the embedded demo's data: the 50 stored init states
+run that made /work/data/libero_memory/libero10_v2 (the embedded demo was trained on the smaller v1; see
+checkpoints/demo/README.md for both): the 50 stored init states
 of tasks 0, 1, 4, 6, 7 (10 frames planned per init state; init states 40-49 are the held-out split) plus
 240 *reset layouts* per task (4 frames each, all in the training split); 7,193 frames accepted (6,707
 train from 1,389 layouts, 486 held out), 14 distinct labels, 0.21 s per accepted frame on 2 shared CPU
