@@ -995,6 +995,9 @@ def main(argv: Sequence[str] | None = None) -> Path | None:
                 _write_json(out / "runs" / f"{g.name}.json", run)
                 summary += records
                 _write_json(out / "summary.json", summary)  # rewritten after each group: partial runs stay usable
+                # Each group compiles its own programs (its shapes); dropping the finished group's executables
+                # keeps a long grid under the kernel's memory-map limit (XLA CPU maps every executable).
+                jax.clear_caches()
             ctx.observations[workload].clear()
     if spec is not None:  # the machine load seen over the run (other processes share the CPU)
         env["loadavg_end"] = list(os.getloadavg())
