@@ -112,10 +112,6 @@ _ACTION_NAMES = {
 }
 
 
-def _normalise(text: str) -> str:
-    return " ".join(text.strip().lower().rstrip(".").split())
-
-
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -140,7 +136,7 @@ def main(argv=None) -> int:
     cache = None if args.no_cache else compile_cache.enable(args.cache_dir)
     bank, adapter_names, adapter, truths = None, (), 0, None
     if demo_mode:
-        from training.memory_lora import DEMO_DIR, load_demo
+        from training.memory_lora import DEMO_DIR, load_demo, normalize_answer
 
         try:
             demo = load_demo(args.demo or DEMO_DIR)
@@ -219,7 +215,7 @@ def main(argv=None) -> int:
                     f"frames ({done.latency_ms:.0f} ms): {prompt!r} -> {done.text!r}")
             if truths:
                 truth = truths[seen % len(truths)]
-                ok = _normalise(done.text or "") == _normalise(truth)
+                ok = normalize_answer(done.text or "") == normalize_answer(truth)
                 correct.append(ok)
                 line += f"\n{'':6s}true label: {truth!r} {'(match)' if ok else '(MISMATCH)'}"
             print(line)
