@@ -623,7 +623,7 @@ def _parser() -> argparse.ArgumentParser:
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=["tiny", "bench", "pi05"], help="random-weight model size (default tiny)")
     model.add_argument("--ckpt", help="openpi checkpoint (params dir or its parent), or one saved by oxygen_jax")
-    model.add_argument("--demo", nargs="?", const="checkpoints/demo", default=None, metavar="DIR",
+    model.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR",
                        help="serve the embedded demo (default DIR: checkpoints/demo) with its 'memory' adapter")
     ap.add_argument("--adapter", action="append", default=[], metavar="DIR",
                     help="a trained language adapter (training.memory_lora output) served by its name; repeatable")
@@ -689,10 +689,10 @@ def build(args: argparse.Namespace):
     if args.prompt_len:
         robot = robot.replace(max_token_len=args.prompt_len)
     norm_stats, bank, names, tok = None, None, (), None
-    if args.demo:
-        from training.memory_lora import load_demo
+    if args.demo is not None:
+        from training.memory_lora import DEMO_DIR, load_demo
 
-        demo = load_demo(args.demo)
+        demo = load_demo(args.demo or DEMO_DIR)  # the repository's demo wherever the server starts
         cfg, params, tok, bank, names = demo.config, demo.params, demo.tokenizer, demo.bank, demo.adapter_names
         robot = demo.robot.replace(max_token_len=args.prompt_len) if args.prompt_len else demo.robot
     elif args.ckpt:
@@ -757,8 +757,6 @@ async def _serve_until_signal(server: PolicyServer) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if args.prompt_capacity < 0:
-        return _fail(f"argument --prompt-capacity: expected an integer >= 0, got {args.prompt_capacity}", 2)
     if args.seed < 0:
         return _fail(f"argument --seed: expected an integer >= 0, got {args.seed}", 2)
     if args.tokenizer and not Path(args.tokenizer).is_file():
@@ -776,7 +774,8 @@ def main(argv=None) -> int:
         engine, tok, robot, norm_stats, mesh = build(args)
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint or bad value is one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        what = f"cannot load checkpoint {args.ckpt}: " if args.ckpt else f"cannot load the demo {args.demo}: " if args.demo else ""
+        demo = f"cannot load the demo {args.demo or 'checkpoints/demo'}: " if args.demo is not None else ""
+        what = f"cannot load checkpoint {args.ckpt}: " if args.ckpt else demo
         return _fail(f"{what}{type(e).__name__}: {first}")
     server = PolicyServer(engine, tok, robot, config, norm_stats=norm_stats, mesh=mesh)
     return asyncio.run(_serve_until_signal(server))
