@@ -369,6 +369,15 @@ class Busy(Exception):
     """The frame queue is full; the client should retry."""
 
 
+
+def _fail_frames(frames, exc: BaseException) -> None:
+    """Answers every frame with `exc` (skipping handlers that stopped waiting) and frees its stream."""
+    for f in frames:
+        f.stream.busy = False
+        if not f.future.done():
+            f.future.set_exception(exc)
+
+
 class Batcher:
     """Collects frames from all connections and feeds the engine thread one bucketed step at a time.
 
@@ -428,9 +437,7 @@ class Batcher:
         """
         self._closing = True
         if self._task is None:
-            for f in self._pending:
-                f.stream.busy = False
-                f.future.set_exception(Busy("unavailable: the server is shutting down before it was ready"))
+            _fail_frames(self._pending, Busy("unavailable: the server is shutting down before it was ready"))
             self._pending = []
             return
         self._wake.set()
@@ -503,10 +510,7 @@ class Batcher:
             out = await self.worker.run(asyncio.get_running_loop(), self.worker.step, frames, bucket)
         except Exception as e:  # noqa: BLE001 - an engine failure fails every row of the step, not the server
             log.exception("engine step failed for %d frames", len(frames))
-            for f in frames:
-                f.stream.busy = False
-                if not f.future.done():
-                    f.future.set_exception(e)
+            _fail_frames(frames, e)
             return
         finally:
             self._inflight = []
