@@ -67,7 +67,7 @@ from jax.sharding import PartitionSpec as P
 from oxygen_jax import decode, gemma, lora, model
 from oxygen_jax.config import ExpertConfig, ModelConfig, RobotConfig, SiglipConfig, model_config, robot_config
 from oxygen_jax.params import Expert, Params, Siglip
-from oxygen_jax.cli import OneLineParser, int_at_least
+from oxygen_jax.cli import OneLineParser, existing, int_at_least
 from oxygen_jax.tokenizer import Tokenizer, encode_suffix_prompt
 from training.memory_data import MEMORY_PROMPT, MemoryBatch, epoch_batches, frame_texts, make_memory_batch
 from training.train_step import OptimizerConfig, make_optimizer
@@ -1056,7 +1056,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"{args.mode}: {what}; {len(train_src)} train / {len(eval_src) if eval_src else 0} eval frames; "
           f"task {prompt!r} -> {label_key!r}, T={suffix_len}; {jax.device_count()} device(s)", flush=True)
-    digest_before = tree_digest(params)
+    digest_before = None if base_mode else tree_digest(params)  # base mode trains these leaves
     with open(out / "metrics.jsonl", "a") as metrics_file:
         def log(entry):
             metrics_file.write(json.dumps(entry) + "\n")
@@ -1178,8 +1178,7 @@ def _pick_frames(source: Sequence[Mapping], n: int, seed: int = 0) -> list[int]:
 
 
 def export_demo(base: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, out: str | os.PathLike,
-                *, split: str = "heldout", num_frames: int = 8, evaluation: Mapping | None = None,
-                commands: Sequence[str] = ()) -> Path:
+                *, split: str = "heldout", num_frames: int = 8, evaluation: Mapping | None = None) -> Path:
     """Assembles a demo folder: `base/` (copy of a save_params dir), `memory_adapter/`, `tokenizer.model`
     (from beside the adapter's run), `frames/` (PNG of both cameras + frames.json with true labels and the
     demo's own greedy answers) and `demo.json`."""
@@ -1234,21 +1233,21 @@ def export_demo(base: str | os.PathLike, adapter: str | os.PathLike, data: str |
         "adapter_name": meta["name"], "prompt": meta["prompt"], "robot": "libero", "prompt_len": run["prompt_len"],
         "max_new_tokens": task.suffix_len - len(task.prompt_ids), "tokenizer_vocab": tokenizer.vocab_size,
         "data": str(Path(data).resolve()), "frames_split": split, "actions": "random: the action expert was never trained",
-        **({"evaluation": dict(evaluation)} if evaluation else {}), **({"commands": list(commands)} if commands else {}),
+        **({"evaluation": dict(evaluation)} if evaluation else {}),
     }
     (out / DEMO_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return out
 
 
 def _export_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.memory_lora export-demo",
-                                description="Assemble the embedded demo folder from a base run and an adapter run.")
+    p = OneLineParser(prog="python -m training.memory_lora export-demo",
+                      description="Assemble the embedded demo folder from a base run and an adapter run.")
     p.add_argument("--base", type=Path, required=True, help="the base run's base/ (checkpoint.save_params dir)")
     p.add_argument("--adapter", type=Path, required=True, help="the adapter run's adapter/ (tokenizer.model beside it)")
     p.add_argument("--data", type=Path, required=True, help="memory dataset the frames are taken from")
     p.add_argument("--split", default="heldout")
-    p.add_argument("--frames", type=int, default=8, help="held-out frames to include (PNG, both cameras)")
-    p.add_argument("--eval-json", type=Path, default=None,
+    p.add_argument("--frames", type=int_at_least(1), default=8, help="held-out frames to include (PNG, both cameras)")
+    p.add_argument("--eval-json", type=existing("file"), default=None,
                    help="eval.memory_eval's memory_eval.json to summarise (its memory_eval.md is copied too)")
     p.add_argument("--out", type=Path, default=DEMO_DIR)
     args = p.parse_args(argv)
