@@ -490,6 +490,16 @@ class _Runner:
             "warmup": f < x.warmup, "drain": f >= x.measured_end,
         })
 
+    def _record_to_completion(self, f: int, ms: float, generated) -> None:
+        """Frame f of a setting whose requests all finish in their arrival frame (generated: counts [J] or None)."""
+        x = self.x
+        ids = x.arrivals[f]
+        n = [] if generated is None else [int(v) for v in np.asarray(generated)[: len(ids)]]
+        for rid, count in zip(ids, n):
+            self.requests[rid] = {"id": rid, "setting": self.setting, "arrival_frame": f, "admit_frame": f,
+                                  "finish_frame": f, "tokens": count, "budget": x.table.budgets[rid]}
+        self._record(x, f, ms, sum(n), len(ids) if generated is not None else 0, len(ids), max(n) - 1 if n else 0)
+
 
 class _ToCompletionRunner(_Runner):
     """isolated, shared_kv and parallel: each frame decodes its own arrivals to completion."""
@@ -539,17 +549,9 @@ class _ToCompletionRunner(_Runner):
                 schedule.run_parallel(params, obs, noise, x.table.batch([], j), num_steps=g.S, max_new_tokens=g.N)
 
     def frame(self, f: int) -> None:
-        x = self.x
-        ids = x.arrivals[f]
         start = time.perf_counter()
         _, generated = self._call(f)
-        ms = (time.perf_counter() - start) * 1e3
-        n = [] if generated is None else [int(v) for v in np.asarray(generated)[: len(ids)]]
-        for rid, count in zip(ids, n):
-            self.requests[rid] = {"id": rid, "setting": self.setting, "arrival_frame": f, "admit_frame": f,
-                                  "finish_frame": f, "tokens": count, "budget": x.table.budgets[rid]}
-        batch = len(ids) if generated is not None else 0
-        self._record(x, f, ms, sum(n), batch, len(ids), max(n) - 1 if n else 0)
+        self._record_to_completion(f, (time.perf_counter() - start) * 1e3, generated)
 
 
 class _ContinuousRunner(_Runner):

@@ -215,16 +215,9 @@ class _HeadsRunner(bench._Runner):
                                       max_new_tokens=g.N)
 
     def frame(self, f: int) -> None:
-        x = self.x
-        ids = x.arrivals[f]
         start = time.perf_counter()
         generated, head_ms = self._call(f)
-        ms = (time.perf_counter() - start) * 1e3
-        n = [] if generated is None else [int(v) for v in np.asarray(generated)[: len(ids)]]
-        for rid, count in zip(ids, n):
-            self.requests[rid] = {"id": rid, "setting": self.setting, "arrival_frame": f, "admit_frame": f,
-                                  "finish_frame": f, "tokens": count, "budget": x.table.budgets[rid]}
-        self._record(x, f, ms, sum(n), len(ids) if generated is not None else 0, len(ids), max(n) - 1 if n else 0)
+        self._record_to_completion(f, (time.perf_counter() - start) * 1e3, generated)
         if head_ms is not None:
             self.frames[-1]["head_ms"] = head_ms
 
@@ -279,14 +272,13 @@ def runners(ctx, group, inputs) -> list:
 def fanout_fields(spec: mot.ModelSpec, runner, iso_frames) -> dict:
     """Per-record fan-out fields: the ratio to the isolated single-head frames, per-head medians and action Hz."""
     frames = metrics.measured(runner.frames)
-    total_s = sum(f["frame_ms"] for f in frames) / 1e3
     single = [f["head_ms"] for f in metrics.measured(iso_frames or []) if "head_ms" in f]
     sum_single = float(np.median([sum(h.values()) for h in single])) if single else float("nan")
     median = float(np.median([f["frame_ms"] for f in frames])) if frames else float("nan")
     return {
         "heads": list(spec.names), "head_steps": {h.name: h.num_steps for h in spec.heads},
         "head_horizon": {h.name: h.horizon for h in spec.heads},
-        "head_action_hz": {h.name: h.horizon * len(frames) / total_s if total_s else float("nan") for h in spec.heads},
+        "head_action_hz": {h.name: metrics.action_hz(runner.frames, h.horizon) for h in spec.heads},
         "single_head_ms": {n: float(np.median([h[n] for h in single])) for n in spec.names} if single else {},
         "sum_single_head_ms": sum_single,
         "fanout_ratio": median / sum_single if single else float("nan"),
