@@ -870,6 +870,22 @@ class ManifestCheck:
         return "\n".join(lines)
 
 
+def load_params(path: PathLike, *, dtype: DType = "float32", prompt_attention: PromptAttention = "bidirectional"
+                ) -> tuple[ModelConfig, Params, str]:
+    """Parameters from either kind of checkpoint directory, restored once in `dtype`: (config, params, kind).
+
+    An oxygen_jax checkpoint (`save_params`, it has a config/ item) keeps its dimensions and takes `dtype`
+    and `prompt_attention`; anything else is read as openpi's (`load_openpi_params`). `kind` is
+    "checkpoint" or "openpi checkpoint", for messages. The entry points (run, serve) load through here.
+    """
+    src = Path(path).expanduser()
+    if (src / "config").is_dir():
+        stored = _config_from_json(_read_json_item(src.resolve(), "config"))
+        cfg, params = restore_params(src, stored.replace(dtype=dtype, prompt_attention=prompt_attention))
+        return cfg, params, "checkpoint"
+    cfg, params = load_openpi_params(src, dtype=dtype, prompt_attention=prompt_attention)
+    return cfg, params, "openpi checkpoint"
+
 def _compare(
     got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], config: ModelConfig
 ) -> list[ManifestRow]:

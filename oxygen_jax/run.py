@@ -96,13 +96,8 @@ def _load(args):
     if args.ckpt is None:
         cfg = model_config(args.preset, dtype=args.dtype, prompt_attention=args.prompt_attention)
         return cfg, init_params(cfg, args.seed), None, f"random '{args.preset}' weights"
-    if (args.ckpt / "config").is_dir():  # saved by oxygen_jax
-        cfg, params = checkpoint.restore_params(args.ckpt)
-        cfg = cfg.replace(dtype=args.dtype, prompt_attention=args.prompt_attention)
-        _, params = checkpoint.restore_params(args.ckpt, cfg)
-        return cfg, params, checkpoint.load_openpi_norm_stats(args.ckpt), f"checkpoint {args.ckpt}"
-    cfg, params = checkpoint.load_openpi_params(args.ckpt, dtype=args.dtype, prompt_attention=args.prompt_attention)
-    return cfg, params, checkpoint.load_openpi_norm_stats(args.ckpt), f"openpi checkpoint {args.ckpt}"
+    cfg, params, kind = checkpoint.load_params(args.ckpt, dtype=args.dtype, prompt_attention=args.prompt_attention)
+    return cfg, params, checkpoint.load_openpi_norm_stats(args.ckpt), f"{kind} {args.ckpt}"
 
 
 _ACTION_NAMES = {

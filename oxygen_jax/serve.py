@@ -698,11 +698,7 @@ def build(args: argparse.Namespace):
     elif args.ckpt:
         if not Path(args.ckpt).exists():
             raise FileNotFoundError(f"--ckpt {args.ckpt}: no such file or directory")
-        if (Path(args.ckpt) / "config").is_dir():  # saved by oxygen_jax
-            cfg, params = checkpoint.restore_params(args.ckpt)
-        else:
-            cfg, params = checkpoint.load_openpi_params(args.ckpt, dtype=args.dtype,
-                                                        prompt_attention=args.prompt_attention)
+        cfg, params, _ = checkpoint.load_params(args.ckpt, dtype=args.dtype, prompt_attention=args.prompt_attention)
         norm_stats = checkpoint.load_openpi_norm_stats(args.ckpt)
     else:
         cfg = model_config(args.preset or "tiny", dtype=args.dtype, prompt_attention=args.prompt_attention)

@@ -225,6 +225,16 @@ def test_own_checkpoint_dtype_comes_from_target_config(tmp_path, tiny):
         ckpt.restore_params(tmp_path / "ckpt", model_config("bench"))
 
 
+def test_load_params_reads_either_kind_in_the_requested_dtype(tmp_path, tiny):
+    config, params = tiny
+    path = ckpt.save_params(tmp_path / "ckpt", params, config)
+    cfg, restored, kind = ckpt.load_params(path, dtype="bfloat16", prompt_attention="causal")
+    assert kind == "checkpoint" and cfg == config.replace(dtype="bfloat16", prompt_attention="causal")
+    assert _leaves_equal(restored, jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), params))
+    shutil.rmtree(path / "config")  # without our config item the directory is read as openpi's
+    cfg, restored, kind = ckpt.load_params(path)
+    assert kind == "openpi checkpoint" and cfg == config and _leaves_equal(restored, params)
+
 def test_own_checkpoint_refuses_to_overwrite_and_is_openpi_readable(tmp_path, tiny):
     config, params = tiny
     path = ckpt.save_params(tmp_path / "ckpt", params, config)
