@@ -32,6 +32,7 @@ import numpy as np
 
 from oxygen_jax import lora
 from oxygen_jax.params import Params
+from training.memory_data import frame_texts  # text fields only: no image decoding
 from training.memory_lora import (
     DEFAULT_ADAPTER_NAME,
     TextTask,
@@ -57,12 +58,6 @@ def majority(labels: Sequence[str]) -> tuple[str, int]:
     if not counts:
         raise ValueError("majority of an empty label list")
     return max(counts.items(), key=lambda kv: kv[1])
-
-
-def _fields(source: Sequence[Mapping], n: int, keys: Sequence[str]) -> list[dict]:
-    from training.memory_data import frame_texts  # text only: no image decoding
-
-    return frame_texts(source, keys, n)
 
 
 def label_metrics(preds: Sequence[str], refs: Sequence[str]) -> dict:
@@ -118,22 +113,20 @@ def evaluate_adapter(
     off = engine_answers(params, task, batches, bank=None, adapter="base", **kw)
     zero = engine_answers(params, task, batches, bank=zeroed_bank(bank), adapter=DEFAULT_ADAPTER_NAME, **kw)
 
-    meta = _fields(source, n, (task.label_key, "language_instruction"))
+    meta = frame_texts(source, (task.label_key, "language_instruction"), n)
     refs = [str(m[task.label_key]) for m in meta]
     report = {"n": n, "prompt": task.prompt, "label_key": task.label_key, **label_metrics(on.texts, refs)}
     report["base_exact_match"] = label_metrics(off.texts, refs)["exact_match"]
-    per_instruction = collections.defaultdict(lambda: [0, 0])
-    for m, pred, ref in zip(meta, on.texts, refs):
-        row = per_instruction[m["language_instruction"]]
-        row[0] += normalize_answer(pred) == normalize_answer(ref)
-        row[1] += 1
-    report["per_instruction"] = {k: {"n": n, "correct": c, "accuracy": c / n}
-                                 for k, (c, n) in sorted(per_instruction.items())}
+    groups = collections.defaultdict(list)  # instruction -> indices of its frames
+    for i, m in enumerate(meta):
+        groups[m["language_instruction"]].append(i)
+    ok = [normalize_answer(pred) == normalize_answer(ref) for pred, ref in zip(on.texts, refs)]
+    report["per_instruction"] = {}
+    for text, ix in sorted(groups.items()):
+        hit = sum(ok[i] for i in ix)
+        report["per_instruction"][text] = {"n": len(ix), "correct": hit, "accuracy": hit / len(ix)}
     # The best image-blind answer: one constant label per instruction, chosen on these very frames' labels.
-    by_instruction = collections.defaultdict(list)
-    for m, ref in zip(meta, refs):
-        by_instruction[m["language_instruction"]].append(ref)
-    report["per_task_oracle_constant"] = sum(majority(v)[1] for v in by_instruction.values()) / n
+    report["per_task_oracle_constant"] = sum(majority([refs[i] for i in ix])[1] for ix in groups.values()) / n
 
     correct = tokens = loss_sum = 0.0
     ids = jnp.ones((batch_size,), jnp.int32)
@@ -146,7 +139,7 @@ def evaluate_adapter(
     report["answer_loss"] = loss_sum / max(tokens, 1.0)
 
     if train_source is not None:
-        train_meta = _fields(train_source, len(train_source), (task.label_key, "language_instruction", "init_index"))
+        train_meta = frame_texts(train_source, (task.label_key, "language_instruction", "init_index"), len(train_source))
         label, _ = majority([str(m[task.label_key]) for m in train_meta])
         report["majority_label"] = label
         report["majority_baseline"] = float(np.mean([normalize_answer(r) == label for r in refs]))
@@ -157,8 +150,7 @@ def evaluate_adapter(
         hits = [guess.get(m["language_instruction"]) == normalize_answer(r) for m, r in zip(meta, refs)]
         report["per_task_majority_baseline"] = float(np.mean(hits))
         for text, row in report["per_instruction"].items():
-            mine = [h for m, h in zip(meta, hits) if m["language_instruction"] == text]
-            row["majority_baseline"] = float(np.mean(mine))
+            row["majority_baseline"] = float(np.mean([hits[i] for i in groups[text]]))
         report["train_frames"] = len(train_meta)
         # Distinct object layouts trained on (instruction, init index): what held-out layouts must generalise from.
         report["train_layouts"] = len({(m["language_instruction"], m.get("init_index")) for m in train_meta})
@@ -196,13 +188,14 @@ def to_markdown(report: Mapping, title: str = "Memory adapter evaluation") -> st
         lines.append(f"| best constant answer per instruction, chosen on these frames' labels | "
                      f"{_pct(report['per_task_oracle_constant'])} |")
     a = report["action_max_abs_diff"]
-    lines += [f"| action max abs diff on/off, on/zeroed, off/zeroed | {a['on_vs_off']:g}, {a['on_vs_zeroed']:g}, "
-              f"{a['off_vs_zeroed']:g} |", "", "## Per label", "", "| label | n | correct | accuracy |", "|---|---|---|---|"]
+    lines.append(f"| action max abs diff on/off, on/zeroed, off/zeroed | {a['on_vs_off']:g}, {a['on_vs_zeroed']:g}, "
+                 f"{a['off_vs_zeroed']:g} |")
+    if "train_layouts" in report:
+        lines += ["", f"Trained on {report['train_frames']} frames from {report['train_layouts']} layouts "
+                      "(instruction, init index)."]
+    lines += ["", "## Per label", "", "| label | n | correct | accuracy |", "|---|---|---|---|"]
     for label, row in report["per_label"].items():
         lines.append(f"| {label} | {row['n']} | {row['correct']} | {_pct(row['accuracy'])} |")
-    if "train_layouts" in report:
-        lines.insert(lines.index("## Per label") - 1, f"\nTrained on {report['train_frames']} frames from "
-                     f"{report['train_layouts']} layouts (instruction, init index).")
     if "per_instruction" in report:
         base = any("majority_baseline" in row for row in report["per_instruction"].values())
         lines += ["", "## Per task instruction", "",
