@@ -7,7 +7,9 @@ disk instead. The directory is `$OXYGEN_JAX_CACHE_DIR`, else `~/.cache/oxygen_ja
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import threading
 from pathlib import Path
 
 import jax
@@ -41,16 +43,13 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
 COMPILE_THREAD_STACK = 64 << 20
 
 
-def thread_pool(max_workers: int, name: str) -> "concurrent.futures.ThreadPoolExecutor":
+def thread_pool(max_workers: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
     """A thread pool whose threads may compile XLA programs: each thread gets a 64 MiB stack.
 
     XLA's compiler recurses deeply on large programs; off the main thread the default 8 MiB pthread
     stack is what it gets, and overflowing it is a segmentation fault, not an exception. The
     threads are started here, while the larger stack size is in effect (it is virtual memory).
     """
-    import concurrent.futures
-    import threading
-
     previous = threading.stack_size(COMPILE_THREAD_STACK)
     try:
         pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix=name)
