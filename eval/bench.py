@@ -62,15 +62,17 @@ from tqdm import tqdm
 
 from eval import arrivals as arrivals_lib
 from eval import metrics
-from oxygen_jax import decode, mot, schedule
+from oxygen_jax.runtime import decode
+from oxygen_jax.models import mot
+from oxygen_jax.runtime import frame as schedule
 from oxygen_jax.cli import float_in, int_at_least
-from oxygen_jax.config import EOS_ID, model_config, oxygen_benchmark_robot
-from oxygen_jax.model import denoise, prefill, prefix_length
-from oxygen_jax.params import for_backend, init_params
-from oxygen_jax.scheduler import Scheduler, Ticket
-from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
-from oxygen_jax.observation import trim_prompt_padding
-from oxygen_jax.transforms import make_observation, synthetic_sample
+from oxygen_jax.models.pi05.config import EOS_ID, model_config, oxygen_benchmark_robot
+from oxygen_jax.models.pi05.model import denoise, prefill, prefix_length
+from oxygen_jax.models.pi05.params import for_backend, init_params
+from oxygen_jax.runtime.scheduler import Scheduler, Ticket
+from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
+from oxygen_jax.models.pi05.observation import trim_prompt_padding
+from oxygen_jax.robots.transforms import make_observation, synthetic_sample
 
 SETTINGS = schedule.BENCH_SETTINGS
 DEFAULT_SETTINGS = schedule.SETTINGS  # actions_only (prefill + denoise, no text) is an opt-in reference
@@ -897,7 +899,7 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
 
 def _load_model(args: argparse.Namespace, dtype: str):
     if args.ckpt is not None:
-        from oxygen_jax.checkpoint import load_openpi_params
+        from oxygen_jax.ckpts.checkpoint import load_openpi_params
 
         cfg, params = load_openpi_params(args.ckpt.expanduser(), dtype=dtype)
         return cfg, for_backend(params), "ckpt"
@@ -910,7 +912,7 @@ def _adapter_bank(args: argparse.Namespace, model_cfg):
     """One random language adapter of --adapter-rank (B drawn like a trained adapter's), or None."""
     if not args.adapter_rank:
         return None
-    from oxygen_jax import lora
+    from oxygen_jax.models import lora
 
     bank = lora.init_bank(model_cfg, 1, rank=args.adapter_rank, seed=args.seed)
     rng = np.random.default_rng(args.seed)

@@ -44,8 +44,10 @@ import numpy as np
 
 from eval import arrivals as arrivals_lib
 from eval import bench, metrics
-from oxygen_jax import decode, mot, schedule
-from oxygen_jax import heads as hd
+from oxygen_jax.runtime import decode
+from oxygen_jax.models import mot
+from oxygen_jax.runtime import frame as schedule
+from oxygen_jax.models import heads as hd
 
 HEADS = {"xr0": "xr0", "starvla": "starvla_qwenpi_v3", "gr00t": "gr00t"}
 """`--heads` names -> head names inside `mot.preset` models (bench and tiny scale alike)."""

@@ -33,8 +33,8 @@ from typing import Protocol
 import numpy as np
 from PIL import Image, ImageDraw
 
-from oxygen_jax import wire
-from oxygen_jax.transforms import resize_with_pad
+from oxygen_jax.serving import wire
+from oxygen_jax.robots.transforms import resize_with_pad
 
 NOOP = np.array([0.0] * 6 + [-1.0])  # openpi's LIBERO dummy action: hold still, gripper open
 

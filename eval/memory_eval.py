@@ -5,7 +5,7 @@
 Reports (JSON + markdown):
 
 * exact match of the greedy answers (normalised: strip, collapse whitespace, case-fold, trailing period
-  optional), decoded by `oxygen_jax.engine.Engine` with the adapter (one control frame per batch);
+  optional), decoded by `oxygen_jax.runtime.engine.Engine` with the adapter (one control frame per batch);
 * teacher-forced token accuracy and loss on the answer tokens (`training.memory_lora.suffix_logits`);
 * baselines: the majority label of the training split, the majority label per task instruction (the
   instruction is in the prefix, so a model could reach it without looking), the best constant answer per
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import lora
-from oxygen_jax.params import Params
+from oxygen_jax.models import lora
+from oxygen_jax.models.pi05.params import Params
 from training.memory_data import frame_texts  # text fields only: no image decoding
 from training.memory_lora import (
     DEFAULT_ADAPTER_NAME,
@@ -243,7 +243,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _find_tokenizer(args):
-    from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
+    from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 
     if args.tokenizer is not None:
         return Tokenizer.from_file(args.tokenizer)
@@ -255,9 +255,9 @@ def _find_tokenizer(args):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from oxygen_jax import checkpoint
-    from oxygen_jax.config import robot_config
-    from oxygen_jax.params import for_backend
+    from oxygen_jax.ckpts import checkpoint
+    from oxygen_jax.models.pi05.config import robot_config
+    from oxygen_jax.models.pi05.params import for_backend
     from training.memory_data import open_memory_dataset
     from training.memory_lora import DEMO_PROMPT_LEN, load_adapter
 

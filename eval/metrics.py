@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from oxygen_jax.schedule import BENCH_SETTINGS as SETTINGS
+from oxygen_jax.runtime.frame import BENCH_SETTINGS as SETTINGS
 """`actions_only` is a reference, not a setting of the paper: prefill + denoise, no language."""
 
 

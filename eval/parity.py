@@ -41,12 +41,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval import parity_hf
-from oxygen_jax import checkpoint, decode, model, siglip
-from oxygen_jax.config import CAMERA_SLOTS
-from oxygen_jax.lora import EXPERTS
-from oxygen_jax.masks import last_valid_index
-from oxygen_jax.observation import Observation
-from oxygen_jax.params import from_openpi_dict, to_openpi_dict
+from oxygen_jax.ckpts import checkpoint
+from oxygen_jax.runtime import decode
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.models import siglip
+from oxygen_jax.models.pi05.config import CAMERA_SLOTS
+from oxygen_jax.models.lora import EXPERTS
+from oxygen_jax.nn.masks import last_valid_index
+from oxygen_jax.models.pi05.observation import Observation
+from oxygen_jax.models.pi05.params import from_openpi_dict, to_openpi_dict
 
 # Default (atol, rtol) per family: the openpi_tiny_pi05 README's suggested float32 tolerances.
 _TOL = {

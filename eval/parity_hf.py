@@ -34,9 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import backbone, hf_checkpoint, qwen3_vl
-from oxygen_jax.backbone import BackboneSpec, Decoder
-from oxygen_jax.masks import last_valid_index
+from oxygen_jax.models import backbone
+from oxygen_jax.ckpts import hf as hf_checkpoint
+from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.backbone import BackboneSpec, Decoder
+from oxygen_jax.nn.masks import last_valid_index
 
 ATOL = 1e-4  # logits, K/V, hidden states, vision stages (float32)
 PIXEL_ATOL = 1e-6  # our patchify of the raw uint8 images vs the HF processor's output

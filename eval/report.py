@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from oxygen_jax.schedule import BENCH_SETTINGS
+from oxygen_jax.runtime.frame import BENCH_SETTINGS
 
 SETTING_ORDER = BENCH_SETTINGS
 LABELS = {"isolated": "isolated", "parallel": "parallel", "shared_kv": "shared KV", "continuous": "continuous batching",

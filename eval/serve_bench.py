@@ -93,7 +93,7 @@ def run_robots(url: str, robots: int, frames: int, *, warmup_frames: int = 2, ma
     """
     from websockets.sync.client import connect
 
-    from oxygen_jax import wire
+    from oxygen_jax.serving import wire
 
     lock = threading.Lock()
     records, finished, errors, horizon = [], [], [], [0]

@@ -4,33 +4,39 @@ Public API, by concept (submodules hold the details):
 """
 
 # Configuration
-from oxygen_jax.config import ModelConfig, RobotConfig, model_config, oxygen_benchmark_robot, robot_config
+from oxygen_jax.models.pi05.config import ModelConfig, RobotConfig, model_config, oxygen_benchmark_robot, robot_config
 
 # Parameters and checkpoints
-from oxygen_jax.params import Params, abstract_params, for_backend, init_params, stack_layers, unstack_layers
-from oxygen_jax.checkpoint import (
+from oxygen_jax.models.pi05.params import (
+    Params, abstract_params, for_backend, init_params, stack_layers, unstack_layers,
+)
+from oxygen_jax.ckpts.checkpoint import (
     CheckpointError, load_openpi_lora, load_openpi_norm_stats, load_openpi_params, restore_params, save_params,
 )
 
 # Backbones, action heads and several heads on one prefix (beyond π0.5)
-from oxygen_jax.backbone import BackboneSpec, pi05_spec
-from oxygen_jax.heads import HeadSpec
-from oxygen_jax.mot import ModelParams, ModelSpec, init_model, language_model, make_inputs, prefix_pass, sample_all
+from oxygen_jax.models.backbone import BackboneSpec, pi05_spec
+from oxygen_jax.models.heads import HeadSpec
+from oxygen_jax.models.mot import (
+    ModelParams, ModelSpec, init_model, language_model, make_inputs, prefix_pass, sample_all,
+)
 
 # Language adapters (LoRA): openpi's maths, merged or served per slot on the suffix path
-from oxygen_jax.lora import ExpertLora, LoraBank, ModelLora, RowAdapters, init_bank, merge, stack_adapters
+from oxygen_jax.models.lora import ExpertLora, LoraBank, ModelLora, RowAdapters, init_bank, merge, stack_adapters
 
 # The model: prefill once, denoise from the cache
-from oxygen_jax.observation import Observation, trim_prompt_padding
-from oxygen_jax.kv_cache import PrefixCache
-from oxygen_jax.model import compute_loss, denoise, prefill, sample_actions
+from oxygen_jax.models.pi05.observation import Observation, trim_prompt_padding
+from oxygen_jax.models.prefix import PrefixCache
+from oxygen_jax.models.pi05.model import compute_loss, denoise, prefill, sample_actions
 
 # Language decoding and the unified-KV runtime
-from oxygen_jax.decode import LanguageModel
-from oxygen_jax.decode import DecodePool, Requests, admit, decode_burst, init_pool, make_requests, release_finished
-from oxygen_jax.schedule import frame_step, mot_frame_step, rollout
-from oxygen_jax.scheduler import Scheduler, Ticket
-from oxygen_jax.engine import Engine, EngineConfig, RequestError
+from oxygen_jax.models.backbone import LanguageModel
+from oxygen_jax.runtime.decode import (
+    DecodePool, Requests, admit, decode_burst, init_pool, make_requests, release_finished,
+)
+from oxygen_jax.runtime.frame import frame_step, mot_frame_step, rollout
+from oxygen_jax.runtime.scheduler import Scheduler, Ticket
+from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
 
 __all__ = [
     "ModelConfig", "RobotConfig", "model_config", "robot_config", "oxygen_benchmark_robot",

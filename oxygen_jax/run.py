@@ -88,9 +88,9 @@ def _fail(message: str) -> int:
 
 def _load(args):
     """(config, params, norm_stats, what) from --ckpt or the preset; errors as ValueError/OSError."""
-    from oxygen_jax import checkpoint
-    from oxygen_jax.config import model_config
-    from oxygen_jax.params import init_params
+    from oxygen_jax.ckpts import checkpoint
+    from oxygen_jax.models.pi05.config import model_config
+    from oxygen_jax.models.pi05.params import init_params
 
     if args.ckpt is None:
         cfg = model_config(args.preset, dtype=args.dtype, prompt_attention=args.prompt_attention)
@@ -121,11 +121,12 @@ def main(argv=None) -> int:
 
     import jax
 
-    from oxygen_jax import compile_cache, transforms
-    from oxygen_jax.config import EOS_ID, robot_config
-    from oxygen_jax.engine import Engine, EngineConfig, RequestError
-    from oxygen_jax.params import for_backend, param_count
-    from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
+    from oxygen_jax.runtime import compile_cache
+    from oxygen_jax.robots import transforms
+    from oxygen_jax.models.pi05.config import EOS_ID, robot_config
+    from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
+    from oxygen_jax.models.pi05.params import for_backend, param_count
+    from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 
     cache = None if args.no_cache else compile_cache.enable(args.cache_dir)
     bank, adapter_names, adapter, truths = None, (), 0, None

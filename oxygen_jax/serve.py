@@ -10,7 +10,7 @@ Protocol (openpi's `WebsocketPolicyServer`, so an unmodified `openpi_client.Webs
 2. Each binary msgpack frame from the client is one observation in the robot's openpi format (e.g. LIBERO:
    "observation/image", "observation/wrist_image" uint8 [224, 224, 3], "observation/state" [8], "prompt"),
    answered by exactly one binary frame {"actions": float32 [Ha, Da], "server_timing": {...},
-   "policy_timing": {...}, ...}. Arrays use openpi's msgpack-numpy form (`oxygen_jax.wire`).
+   "policy_timing": {...}, ...}. Arrays use openpi's msgpack-numpy form (`oxygen_jax.serving.wire`).
 3. A malformed frame (bad msgpack, a text frame, missing/mis-shaped/non-finite fields, non-uint8 images,
    a bad language request) is answered with a text frame "BadRequest: ..." and the connection stays
    usable (openpi's client raises RuntimeError with that text). A full queue answers "busy: ...". An
@@ -58,20 +58,12 @@ from pathlib import Path
 
 import numpy as np
 
-from oxygen_jax import wire
+from oxygen_jax.serving import wire
 from oxygen_jax.cli import OneLineParser, float_in, int_at_least
-from oxygen_jax.batcher import (
-    BUCKETS,
-    Batcher,
-    Busy,
-    EngineWorker,
-    Frame,
-    FrameResult,
-    LanguageRequest,
-    StepOutput,
-    Stream,
+from oxygen_jax.serving.batcher import (
+    BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, LanguageRequest, StepOutput, Stream,
 )
-from oxygen_jax.config import RobotConfig
+from oxygen_jax.models.pi05.config import RobotConfig
 
 log = logging.getLogger("oxygen_jax.serve")
 
@@ -338,7 +330,7 @@ class PolicyServer:
         self._warm_task = asyncio.create_task(self._warm(), name="oxygen-warmup")
 
     async def _warm(self) -> None:
-        from oxygen_jax import transforms
+        from oxygen_jax.robots import transforms
 
         try:
             sample = transforms.synthetic_sample(self.robot, np.random.default_rng(0))
@@ -484,7 +476,7 @@ class PolicyServer:
 
     def _prepare(self, message: bytes):
         """Decodes and validates one observation frame (prep thread). Raises BadRequest."""
-        from oxygen_jax import transforms
+        from oxygen_jax.robots import transforms
 
         try:
             sample = wire.unpack(message, self.limits)
@@ -679,11 +671,11 @@ def build(args: argparse.Namespace):
     """
     import jax
 
-    from oxygen_jax import checkpoint
-    from oxygen_jax.config import model_config, robot_config
-    from oxygen_jax.engine import Engine, EngineConfig
-    from oxygen_jax.params import for_backend, init_params
-    from oxygen_jax.tokenizer import Tokenizer, train_demo_tokenizer
+    from oxygen_jax.ckpts import checkpoint
+    from oxygen_jax.models.pi05.config import model_config, robot_config
+    from oxygen_jax.runtime.engine import Engine, EngineConfig
+    from oxygen_jax.models.pi05.params import for_backend, init_params
+    from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 
     robot = robot_config(args.robot)
     if args.prompt_len:

@@ -8,8 +8,8 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 import pytest  # noqa: E402
 
-from oxygen_jax.config import model_config  # noqa: E402
-from oxygen_jax.params import init_params  # noqa: E402
+from oxygen_jax.models.pi05.config import model_config# noqa: E402
+from oxygen_jax.models.pi05.params import init_params# noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from oxygen_jax.config import ModelConfig
-from oxygen_jax.observation import Observation
+from oxygen_jax.models.pi05.config import ModelConfig
+from oxygen_jax.models.pi05.observation import Observation
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,8 +72,9 @@ def recompute_greedy(params, obs, num_tokens: int, row: int = 0, prompt=()):
     import jax
     import jax.numpy as jnp
 
-    from oxygen_jax import backbone, model
-    from oxygen_jax.masks import last_valid_index, make_attn_mask, positions_from_mask
+    from oxygen_jax.models import backbone
+    from oxygen_jax.models.pi05 import model
+    from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
 
     prefix, input_mask, ar = model.embed_prefix(params, obs)
     prefix, input_mask = prefix[row:row + 1], input_mask[row:row + 1]

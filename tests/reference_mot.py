@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from oxygen_jax.params import AdaRMSNorm, Params
+from oxygen_jax.nn.layers import AdaRMSNorm
+from oxygen_jax.models.pi05.params import Params
 
 _NEG = -2.3819763e38
 

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from helpers import diverse_text_params, make_obs
-from oxygen_jax import decode, lora, model, schedule
-from oxygen_jax.engine import Engine, EngineConfig, RequestError
+from oxygen_jax.runtime import decode
+from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.runtime import frame as schedule
+from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
 
 HA, N, PROMPT = 4, 5, [7, 8, 9]
 

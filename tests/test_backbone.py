@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from oxygen_jax import backbone as bb
-from oxygen_jax import gemma, model, qwen3_vl
-from oxygen_jax.config import PALIGEMMA_VOCAB_SIZE
-from oxygen_jax.params import Unstacked
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.models.pi05 import gemma
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.pi05.config import PALIGEMMA_VOCAB_SIZE
+from oxygen_jax.nn.layers import Unstacked
 
 _prefill = jax.jit(bb.forward_prefill, static_argnames=("return_hidden",))
 _write = jax.jit(bb.forward_write)

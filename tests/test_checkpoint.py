@@ -13,9 +13,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from oxygen_jax import checkpoint as ckpt
-from oxygen_jax.config import model_config
-from oxygen_jax.params import OPENPI_PATHS, abstract_params, init_params, openpi_shapes, to_openpi_dict
+from oxygen_jax.ckpts import checkpoint as ckpt
+from oxygen_jax.models.pi05.config import model_config
+from oxygen_jax.models.pi05.params import OPENPI_PATHS, abstract_params, init_params, openpi_shapes, to_openpi_dict
 
 _REPO = Path(__file__).resolve().parents[1]
 

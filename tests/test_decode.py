@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 
 from helpers import diverse_text_params, make_obs, recompute_greedy, shared_dir
-from oxygen_jax import decode, hf_checkpoint, model, mot, schedule
-from oxygen_jax.observation import Observation
+from oxygen_jax.runtime import decode
+from oxygen_jax.ckpts import hf as hf_checkpoint
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.models import mot
+from oxygen_jax.runtime import frame as schedule
+from oxygen_jax.models.pi05.observation import Observation
 
 HA = 4  # action horizon used throughout (tiny)
 
@@ -87,7 +91,7 @@ def test_sampled_tokens_depend_on_the_request_not_on_its_batch(params):
 
 
 def test_tiny_top_p_keeps_only_the_top_token():
-    from oxygen_jax.sampling import sample_tokens
+    from oxygen_jax.nn.sampling import sample_tokens
 
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)), jnp.float32)
     keys = jax.random.split(jax.random.key(0), 4)

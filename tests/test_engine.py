@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from helpers import diverse_text_params, make_obs
-from oxygen_jax import decode, model, schedule
-from oxygen_jax.engine import Engine, EngineConfig, RequestError
+from oxygen_jax.runtime import decode
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.runtime import frame as schedule
+from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
 
 HA = 4
 # One engine shape for most tests, so the frame program compiles once for the module.
@@ -133,7 +135,7 @@ def test_every_request_field_is_checked_at_submit(params, kwargs, field):
 
 
 def test_noise_is_checked_and_named_adapters_resolve(params, obs1):
-    from oxygen_jax.lora import init_bank
+    from oxygen_jax.models.lora import init_bank
 
     eng = Engine(params, CFG, bank=init_bank(params.config, 1, rank=2), adapter_names=("memory",))
     assert eng.adapter_id("memory") == 1 and eng.adapter_id("base") == 0
@@ -169,7 +171,7 @@ def test_fifty_frames_with_changing_occupancy_compile_the_frame_once(params):
 
 
 def test_scheduler_offers_fifo_per_stream_and_fixed_shapes():
-    from oxygen_jax.scheduler import Scheduler, Ticket
+    from oxygen_jax.runtime.scheduler import Scheduler, Ticket
 
     s = Scheduler(num_slots=3, admissions_per_frame=2, prompt_capacity=2)
     for rid, row in enumerate([5, 6, 5]):
@@ -184,7 +186,7 @@ def test_scheduler_offers_fifo_per_stream_and_fixed_shapes():
 
 
 def test_a_frame_that_fails_with_requests_is_rerun_without_them(params, obs1, monkeypatch):
-    from oxygen_jax import engine as engine_mod
+    from oxygen_jax.runtime import engine as engine_mod
 
     real = engine_mod.frame_step
 

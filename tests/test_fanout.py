@@ -21,8 +21,10 @@ import pytest
 
 from helpers import mot_prompt_rows
 
-from oxygen_jax import backbone as bb
-from oxygen_jax import decode, mot, schedule
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.runtime import decode
+from oxygen_jax.models import mot
+from oxygen_jax.runtime import frame as schedule
 
 _ROWS, _MASK = mot_prompt_rows()  # same shapes in test_mot and test_fanout: compiled programs are shared
 N, K, SLOTS = 6, 2, 3  # tokens per request, tokens per frame, decode slots

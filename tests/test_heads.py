@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from oxygen_jax import backbone as bb
-from oxygen_jax import heads as hd
-from oxygen_jax import mot
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.models import heads as hd
+from oxygen_jax.models import mot
 
 QWEN3_VL_4B = 4_437_815_808  # tests/test_backbone.py: Qwen3-VL-4B by eval_shape (text + ViT)
 

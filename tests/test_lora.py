@@ -13,10 +13,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import shared_dir
-from oxygen_jax import backbone as bb
-from oxygen_jax import checkpoint, lora
-from oxygen_jax.config import model_config
-from oxygen_jax.params import OPENPI_PATHS, to_openpi_dict, unstack_layers
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.ckpts import checkpoint
+from oxygen_jax.models import lora
+from oxygen_jax.models.pi05.config import model_config
+from oxygen_jax.models.pi05.params import OPENPI_PATHS, to_openpi_dict, unstack_layers
 
 
 def _lora_fixture(*parts: str):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from eval.memory_eval import OTHER, label_metrics, main, majority, to_markdown, zeroed_bank
-from oxygen_jax import checkpoint, lora
-from oxygen_jax.params import for_backend
+from oxygen_jax.ckpts import checkpoint
+from oxygen_jax.models import lora
+from oxygen_jax.models.pi05.params import for_backend
 from training.memory_data import write_memory_dataset
 from training.memory_lora import save_adapter
 from training.synthetic_memory import SyntheticMemoryConfig, all_labels, synthetic_splits

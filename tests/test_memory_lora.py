@@ -17,10 +17,13 @@ import numpy as np
 import pytest
 
 from helpers import REPO
-from oxygen_jax import checkpoint, decode, lora, model
-from oxygen_jax.config import robot_config
-from oxygen_jax.params import for_backend
-from oxygen_jax.tokenizer import train_demo_tokenizer
+from oxygen_jax.ckpts import checkpoint
+from oxygen_jax.runtime import decode
+from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.models.pi05.config import robot_config
+from oxygen_jax.models.pi05.params import for_backend
+from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from training.memory_data import open_memory_dataset, write_memory_dataset
 from training.memory_lora import (
     StateCheckpoints,
@@ -254,9 +257,9 @@ def test_answers_are_compared_after_normalisation():
 _DATA_PARALLEL = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
-    from oxygen_jax.config import model_config, robot_config
-    from oxygen_jax.params import for_backend, init_params
-    from oxygen_jax.tokenizer import train_demo_tokenizer
+    from oxygen_jax.models.pi05.config import model_config, robot_config
+    from oxygen_jax.models.pi05.params import for_backend, init_params
+    from oxygen_jax.robots.tokenizer import train_demo_tokenizer
     from training.memory_data import open_memory_dataset
     from training.memory_lora import TextTask, TrainConfig, make_mesh, train
 

@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 
 from helpers import make_obs
-from oxygen_jax import backbone as bb
-from oxygen_jax import model, siglip
-from oxygen_jax.config import model_config
-from oxygen_jax.kv_cache import PrefixCache
-from oxygen_jax.masks import last_valid_index, make_attn_mask, positions_from_mask
-from oxygen_jax.observation import Observation, validate_observation
-from oxygen_jax.params import RMSNorm, AdaRMSNorm, Dense, abstract_params, param_count
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.models import siglip
+from oxygen_jax.models.pi05.config import model_config
+from oxygen_jax.models.prefix import PrefixCache
+from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
+from oxygen_jax.models.pi05.observation import Observation, validate_observation
+from oxygen_jax.nn.layers import RMSNorm, AdaRMSNorm, Dense
+from oxygen_jax.models.pi05.params import abstract_params, param_count
 from reference_mot import attn_mask as naive_mask, joint_forward
 
 
@@ -330,7 +332,7 @@ def test_bad_observations_raise_errors_naming_the_problem(tiny_params):
 
 
 def test_trimming_prompt_padding_changes_no_output(tiny_params):
-    from oxygen_jax.observation import trim_prompt_padding
+    from oxygen_jax.models.pi05.observation import trim_prompt_padding
 
     obs = make_obs(tiny_params.config, batch=2, prompt_len=40, lengths=[5, 9])
     short = trim_prompt_padding(obs, bucket=8)
@@ -341,8 +343,8 @@ def test_trimming_prompt_padding_changes_no_output(tiny_params):
 
 
 def test_unstacked_layer_loop_gives_the_same_outputs_and_checkpoint_tree(tiny_params):
-    from oxygen_jax import decode
-    from oxygen_jax.params import stack_layers, to_openpi_dict, unstack_layers
+    from oxygen_jax.runtime import decode
+    from oxygen_jax.models.pi05.params import stack_layers, to_openpi_dict, unstack_layers
 
     unstacked = unstack_layers(tiny_params)
     obs = make_obs(tiny_params.config, batch=1, image_masks=[[True, False]])

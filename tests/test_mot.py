@@ -16,10 +16,10 @@ import pytest
 
 from helpers import mot_prompt_rows
 
-from oxygen_jax import backbone as bb
-from oxygen_jax import decode
-from oxygen_jax import heads as hd
-from oxygen_jax import mot
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.runtime import decode
+from oxygen_jax.models import heads as hd
+from oxygen_jax.models import mot
 
 _ROWS, _MASK = mot_prompt_rows()  # same shapes in test_mot and test_fanout: compiled programs are shared
 

@@ -5,14 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from oxygen_jax.normalize import (
-    NormStats,
-    load_norm_stats,
-    quantile_normalize,
-    quantile_unnormalize,
-    save_norm_stats,
-    zscore_normalize,
-    zscore_unnormalize,
+from oxygen_jax.robots.normalize import (
+    NormStats, load_norm_stats, quantile_normalize, quantile_unnormalize, save_norm_stats, zscore_normalize, zscore_unnormalize,
 )
 
 

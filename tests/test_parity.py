@@ -11,7 +11,8 @@ import pytest
 
 from eval import parity
 from helpers import openpi_fixture
-from oxygen_jax import checkpoint, model
+from oxygen_jax.ckpts import checkpoint
+from oxygen_jax.models.pi05 import model
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +89,9 @@ def test_lora_fixture_matches_openpi_in_both_layouts_with_merged_and_base_refere
 def _unseen_lora_fixture(root, params, adapters, alpha_in_config, training_layout=True):
     """A LoRA fixture unlike the shared one: tiny dims (2 KV heads, 2 cameras, 56 px), ranks 3/5 (attn/ffn)
     and 2, alpha != rank; references from the merged model with the true alpha."""
-    from oxygen_jax import lora, model
-    from oxygen_jax.config import CAMERA_SLOTS
+    from oxygen_jax.models import lora
+    from oxygen_jax.models.pi05 import model
+    from oxygen_jax.models.pi05.config import CAMERA_SLOTS
     from helpers import make_obs
     from test_lora import _write_lora_checkpoint
 
@@ -114,7 +116,7 @@ def _unseen_lora_fixture(root, params, adapters, alpha_in_config, training_layou
 
 
 def test_parity_runs_on_an_unseen_lora_fixture_reading_alpha_from_config_json(tmp_path, tiny_params):
-    from oxygen_jax import lora
+    from oxygen_jax.models import lora
     from test_lora import _bf16_exact, _random_b
 
     cfg = tiny_params.config
@@ -170,8 +172,8 @@ def test_the_parity_command_picks_the_comparison_by_fixture_kind(tmp_path, monke
     """An HF Qwen3 checkpoint directory (written here, so it is one no test has seen) runs
     `eval.parity_hf`; an openpi layout runs the openpi checks; anything else is refused by name."""
     from eval import parity_hf
-    from oxygen_jax import backbone as bb
-    from oxygen_jax import hf_checkpoint
+    from oxygen_jax.models import backbone as bb
+    from oxygen_jax.ckpts import hf as hf_checkpoint
 
     spec = bb.preset("qwen3_tiny")
     hf = tmp_path / "some_qwen3"

@@ -15,9 +15,10 @@ import pytest
 
 from eval import parity_hf
 from helpers import shared_dir
-from oxygen_jax import backbone as bb
-from oxygen_jax import hf_checkpoint, qwen3_vl
-from oxygen_jax.params import to_openpi_dict
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.ckpts import hf as hf_checkpoint
+from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.pi05.params import to_openpi_dict
 
 
 def _fixture(name: str):

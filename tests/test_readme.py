@@ -17,7 +17,7 @@ def test_readme_raw_data_example_runs_on_an_openpi_checkpoint():
     tok_line = 'tokenizer = Tokenizer.from_file("checkpoints/paligemma_tokenizer.model")'
     assert ckpt_line in code and tok_line in code  # the two lines a user edits
     code = code.replace(ckpt_line, f'CKPT = {str(openpi_fixture())!r}').replace(
-        tok_line, "from oxygen_jax.tokenizer import train_demo_tokenizer; tokenizer = train_demo_tokenizer()")
+        tok_line, "from oxygen_jax.robots.tokenizer import train_demo_tokenizer; tokenizer = train_demo_tokenizer()")
     code = code.replace("print(", "_printed = (")
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documented example itself

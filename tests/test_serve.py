@@ -28,19 +28,13 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from helpers import REPO
-from oxygen_jax import transforms, wire
-from oxygen_jax.batcher import (
-    Frame,
-    Stream,
-    bucket_for,
-    expected_streams,
-    fire_delay,
-    frame_noise,
-)
-from oxygen_jax.config import model_config, robot_config
-from oxygen_jax.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
+from oxygen_jax.robots import transforms
+from oxygen_jax.serving import wire
+from oxygen_jax.serving.batcher import Frame, Stream, bucket_for, expected_streams, fire_delay, frame_noise
+from oxygen_jax.models.pi05.config import model_config, robot_config
+from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
 from oxygen_jax.serve import PolicyServer, ServeConfig, ServerThread, main
-from oxygen_jax.tokenizer import train_demo_tokenizer
+from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
 
@@ -404,7 +398,7 @@ def test_crafted_array_headers_get_an_error_reply_and_the_server_lives(tiny):
 
 
 def test_bucketed_multi_robot_step_equals_each_robots_own_step(tiny, reference, tok):
-    from oxygen_jax.batcher import EngineWorker
+    from oxygen_jax.serving.batcher import EngineWorker
 
     worker = EngineWorker(reference, ROBOT, seed=SEED)
     frames = []

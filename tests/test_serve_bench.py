@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 from eval import libero_client, serve_bench
-from oxygen_jax.batcher import frame_noise
+from oxygen_jax.serving.batcher import frame_noise
 from oxygen_jax.serve import PolicyServer, ServeConfig, ServerThread
-from oxygen_jax.tokenizer import train_demo_tokenizer
+from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from test_serve import ROBOT, ScriptedEngine
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")

@@ -3,16 +3,9 @@
 import numpy as np
 import pytest
 
-from oxygen_jax import tokenizer as tk
-from oxygen_jax.tokenizer import (
-    StreamDetokenizer,
-    Tokenizer,
-    discretize_state,
-    encode_suffix_prompt,
-    format_text_prompt,
-    tokenize_action_prompt,
-    tokenize_text_prompt,
-    train_demo_tokenizer,
+from oxygen_jax.robots import tokenizer as tk
+from oxygen_jax.robots.tokenizer import (
+    StreamDetokenizer, Tokenizer, discretize_state, encode_suffix_prompt, format_text_prompt, tokenize_action_prompt, tokenize_text_prompt, train_demo_tokenizer,
 )
 
 

@@ -6,17 +6,12 @@ import math
 import numpy as np
 import pytest
 
-from oxygen_jax.config import model_config, robot_config
-from oxygen_jax.normalize import NormStats
-from oxygen_jax.observation import validate_observation
-from oxygen_jax.tokenizer import train_demo_tokenizer
-from oxygen_jax.transforms import (
-    client_state,
-    make_observation,
-    resize_with_pad,
-    robot_inputs,
-    robot_outputs,
-    synthetic_sample,
+from oxygen_jax.models.pi05.config import model_config, robot_config
+from oxygen_jax.robots.normalize import NormStats
+from oxygen_jax.models.pi05.observation import validate_observation
+from oxygen_jax.robots.tokenizer import train_demo_tokenizer
+from oxygen_jax.robots.transforms import (
+    client_state, make_observation, resize_with_pad, robot_inputs, robot_outputs, synthetic_sample,
 )
 
 BASE, LEFT, RIGHT = "base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"

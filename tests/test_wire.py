@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from oxygen_jax import wire
+from oxygen_jax.serving import wire
 
 
 def _header(dtype="<f4", shape=(2, 3), data=None, **extra) -> dict:

@@ -46,11 +46,11 @@ import jax
 import numpy as np
 from PIL import Image
 
-from oxygen_jax.config import ModelConfig, RobotConfig
-from oxygen_jax.normalize import NormStats
-from oxygen_jax.observation import Observation
-from oxygen_jax.tokenizer import Tokenizer, encode_suffix_prompt
-from oxygen_jax.transforms import check_token_ids, make_observation
+from oxygen_jax.models.pi05.config import ModelConfig, RobotConfig
+from oxygen_jax.robots.normalize import NormStats
+from oxygen_jax.models.pi05.observation import Observation
+from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
+from oxygen_jax.robots.transforms import check_token_ids, make_observation
 from training.rlds_tfrecord import (
     RldsTFRecordSource,
     decode_image,

@@ -34,7 +34,7 @@ trainable leaves, optimizer state) is saved by an orbax `CheckpointManager`; res
 Data parallelism: the batch is sharded over the `data` axis of a `jax.sharding.Mesh`, parameters, bank and
 optimizer state are replicated (`make_mesh`).
 
-Held-out evaluation decodes greedily through the real slot pool (`oxygen_jax.engine.Engine`, one frame per
+Held-out evaluation decodes greedily through the real slot pool (`oxygen_jax.runtime.engine.Engine`, one frame per
 batch), not by teacher forcing.
 
 A trained adapter is saved as an orbax item of openpi-named LoRA leaves plus `adapter.json` (name, rank,
@@ -64,11 +64,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oxygen_jax import decode, gemma, lora, model
-from oxygen_jax.config import ExpertConfig, ModelConfig, RobotConfig, SiglipConfig, model_config, robot_config
-from oxygen_jax.params import Expert, Params, Siglip
+from oxygen_jax.runtime import decode
+from oxygen_jax.models.pi05 import gemma
+from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.models.pi05.config import (
+    ExpertConfig, ModelConfig, RobotConfig, SiglipConfig, model_config, robot_config,
+)
+from oxygen_jax.models.pi05.params import Expert, Params, Siglip
 from oxygen_jax.cli import OneLineParser, existing, int_at_least
-from oxygen_jax.tokenizer import Tokenizer, encode_suffix_prompt
+from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
 from training.memory_data import MEMORY_PROMPT, MemoryBatch, epoch_batches, frame_texts, make_memory_batch
 from training.train_step import OptimizerConfig, make_optimizer
 
@@ -451,7 +456,7 @@ def task_texts(source: Sequence[Mapping], keys: Sequence[str] = ("language_instr
 def train_text_tokenizer(texts: Sequence[str], vocab_size: int = 640) -> Tokenizer:
     """A BPE tokenizer with PaliGemma's id layout (pad 0, eos 1, bos 2, unk 3), trained in memory on `texts`.
 
-    Same options as `oxygen_jax.tokenizer.train_demo_tokenizer` (identity normalisation, whitespace kept, split
+    Same options as `oxygen_jax.robots.tokenizer.train_demo_tokenizer` (identity normalisation, whitespace kept, split
     digits, byte fallback: any text round-trips), deterministic (one thread, unshuffled input). Trained on a
     task's own labels and instructions, its pieces are whole words, so labels are short token sequences.
     """
@@ -505,7 +510,7 @@ def engine_answers(
     prefix (noise fixed per batch by `noise_seed`, so actions are comparable across banks), and one request
     per real row (`adapter` = "base" or `adapter_name`) is admitted and decoded to EOS or the budget.
     """
-    from oxygen_jax.engine import Engine, EngineConfig  # the host engine (not needed for training itself)
+    from oxygen_jax.runtime.engine import Engine, EngineConfig# the host engine (not needed for training itself)
 
     b = batches[0][0].batch_size
     prompt = task.prompt_ids
@@ -913,8 +918,8 @@ def _robot(prompt_len: int) -> RobotConfig:
 
 
 def _load_base(args, tokenizer: Tokenizer) -> tuple[Params, str]:
-    from oxygen_jax import checkpoint
-    from oxygen_jax.params import init_params
+    from oxygen_jax.ckpts import checkpoint
+    from oxygen_jax.models.pi05.params import init_params
 
     if args.base is not None:
         _, params = checkpoint.restore_params(args.base)
@@ -930,7 +935,7 @@ def _load_base(args, tokenizer: Tokenizer) -> tuple[Params, str]:
 
 
 def _tokenizer(args, train_source) -> Tokenizer:
-    from oxygen_jax.tokenizer import train_demo_tokenizer
+    from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 
     if args.tokenizer is not None:
         return Tokenizer.from_file(args.tokenizer)
@@ -960,7 +965,7 @@ def _parser() -> argparse.ArgumentParser:
                     "training.libero_memory --export-tfds). Resumes from OUT/checkpoints when it exists.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Outputs in OUT: adapter/ (adapter mode: load with training.memory_lora.load_bank) or base/ (base "
-               "mode: oxygen_jax.checkpoint.restore_params), tokenizer.model, checkpoints/ (orbax, for resuming), "
+               "mode: oxygen_jax.ckpts.checkpoint.restore_params), tokenizer.model, checkpoints/ (orbax, for resuming), "
                "metrics.jsonl, run.json. Assemble the embedded demo folder from a base and an adapter run with "
                "`python -m training.memory_lora export-demo --help`.",
     )
@@ -1015,8 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["export-demo"]:
         return _export_main(argv[1:])
     args = _parser().parse_args(argv)
-    from oxygen_jax import checkpoint
-    from oxygen_jax.params import for_backend
+    from oxygen_jax.ckpts import checkpoint
+    from oxygen_jax.models.pi05.params import for_backend
     from training.memory_data import open_memory_dataset
 
     base_mode = args.mode == "base"
@@ -1137,8 +1142,8 @@ def load_demo(path: str | os.PathLike = DEMO_DIR) -> Demo:
     """Loads the embedded demo folder (default `checkpoints/demo`): checksummed base, adapter, tokenizer, frames."""
     from PIL import Image
 
-    from oxygen_jax import checkpoint
-    from oxygen_jax.params import for_backend
+    from oxygen_jax.ckpts import checkpoint
+    from oxygen_jax.models.pi05.params import for_backend
 
     root = Path(path).expanduser().resolve()
     manifest_file = root / DEMO_MANIFEST
@@ -1186,8 +1191,8 @@ def export_demo(base: str | os.PathLike, adapter: str | os.PathLike, data: str |
 
     from PIL import Image
 
-    from oxygen_jax import checkpoint
-    from oxygen_jax.params import for_backend
+    from oxygen_jax.ckpts import checkpoint
+    from oxygen_jax.models.pi05.params import for_backend
     from training.memory_data import open_memory_dataset
 
     base, adapter, out = Path(base).resolve(), Path(adapter).resolve(), Path(out).resolve()

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from oxygen_jax import model
-from oxygen_jax.observation import Observation
-from oxygen_jax.params import Params
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.models.pi05.observation import Observation
+from oxygen_jax.models.pi05.params import Params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

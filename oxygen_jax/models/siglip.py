@@ -13,7 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.params import LayerNorm, Siglip, scan_layers
+from oxygen_jax.nn.layers import LayerNorm, scan_layers
+from oxygen_jax.models.pi05.params import Siglip
 
 _LN_EPS = 1e-6
 

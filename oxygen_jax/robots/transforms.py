@@ -33,16 +33,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from PIL import Image
 
-from oxygen_jax.config import CAMERA_SLOTS, ModelConfig, RobotConfig
-from oxygen_jax.normalize import (
-    NormStats,
-    quantile_normalize,
-    quantile_unnormalize,
-    zscore_normalize,
-    zscore_unnormalize,
+from oxygen_jax.models.pi05.config import CAMERA_SLOTS, ModelConfig, RobotConfig
+from oxygen_jax.robots.normalize import (
+    NormStats, quantile_normalize, quantile_unnormalize, zscore_normalize, zscore_unnormalize,
 )
-from oxygen_jax.observation import Observation
-from oxygen_jax.tokenizer import Tokenizer, tokenize_action_prompt
+from oxygen_jax.models.pi05.observation import Observation
+from oxygen_jax.robots.tokenizer import Tokenizer, tokenize_action_prompt
 
 _BASE, _LEFT, _RIGHT = CAMERA_SLOTS
 

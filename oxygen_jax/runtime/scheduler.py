@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from oxygen_jax import decode
-from oxygen_jax.config import EOS_ID
+from oxygen_jax.runtime import decode
+from oxygen_jax.models.pi05.config import EOS_ID
 
 
 @dataclasses.dataclass(eq=False)  # identity: tickets sit in queues and are removed by identity

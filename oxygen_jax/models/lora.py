@@ -55,8 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.config import ExpertConfig, ModelConfig
-from oxygen_jax.params import Expert, ExpertLayers, Params, Unstacked
+from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig
+from oxygen_jax.nn.layers import Unstacked
+from oxygen_jax.models.pi05.params import Expert, ExpertLayers, Params
 
 TARGETS = ("q", "kv", "out", "gating", "linear")
 """LoRA targets, named after the `ExpertLayers` weights they update."""

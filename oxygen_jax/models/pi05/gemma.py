@@ -10,11 +10,12 @@ the weights' shapes (`expert_spec`). `model.py` and `decode.py` call `backbone` 
 
 from __future__ import annotations
 
-from oxygen_jax import backbone
-from oxygen_jax.backbone import BackboneSpec
-from oxygen_jax.config import PALIGEMMA_VOCAB_SIZE, ExpertConfig, model_config
-from oxygen_jax.lora import RowAdapters
-from oxygen_jax.params import AdaRMSNorm, ExpertLayers, RMSNorm, Unstacked
+from oxygen_jax.models import backbone
+from oxygen_jax.models.backbone import BackboneSpec
+from oxygen_jax.models.pi05.config import PALIGEMMA_VOCAB_SIZE, ExpertConfig, model_config
+from oxygen_jax.models.lora import RowAdapters
+from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked
+from oxygen_jax.models.pi05.params import ExpertLayers
 
 # `backbone.rms_norm` reads only the norm fields of a spec ((1 + w), eps), the same in every π0.5 spec.
 _NORM_SPEC = backbone.pi05_spec(model_config("tiny"))

@@ -27,12 +27,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax import backbone, siglip
-from oxygen_jax.backbone import Decoder, pi05_spec
-from oxygen_jax.kv_cache import PrefixCache
-from oxygen_jax.masks import last_valid_index, make_attn_mask, positions_from_mask
-from oxygen_jax.observation import Observation, validate_observation
-from oxygen_jax.params import Dense, Params
+from oxygen_jax.models import backbone
+from oxygen_jax.models import siglip
+from oxygen_jax.models.backbone import Decoder, pi05_spec
+from oxygen_jax.models.prefix import PrefixCache
+from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
+from oxygen_jax.models.pi05.observation import Observation, validate_observation
+from oxygen_jax.nn.layers import Dense
+from oxygen_jax.models.pi05.params import Params
 
 
 def _dense(d: Dense, x: jax.Array) -> jax.Array:

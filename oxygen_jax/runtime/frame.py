@@ -49,13 +49,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import compile_cache, decode, mot
-from oxygen_jax.decode import DecodePool, Requests
-from oxygen_jax.lora import LoraBank
-from oxygen_jax.model import denoise, prefill, sample_actions
-from oxygen_jax.mot import ModelParams, ModelSpec, PrefixInputs
-from oxygen_jax.observation import Observation
-from oxygen_jax.params import Params
+from oxygen_jax.runtime import compile_cache
+from oxygen_jax.runtime import decode
+from oxygen_jax.models import mot
+from oxygen_jax.runtime.decode import DecodePool, Requests
+from oxygen_jax.models.lora import LoraBank
+from oxygen_jax.models.pi05.model import denoise, prefill, sample_actions
+from oxygen_jax.models.mot import ModelParams, ModelSpec, PrefixInputs
+from oxygen_jax.models.pi05.observation import Observation
+from oxygen_jax.models.pi05.params import Params
 
 SETTINGS = ("isolated", "parallel", "shared_kv", "continuous")
 """The four execution settings, baselines first (the one list every module uses)."""

@@ -50,9 +50,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax import backbone as bb
-from oxygen_jax.backbone import BackboneSpec, RopeSpec
-from oxygen_jax.params import LayerNorm, Unstacked, scan_layers
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.models.backbone import BackboneSpec, RopeSpec
+from oxygen_jax.nn.layers import LayerNorm, Unstacked, scan_layers
 
 Kind = Literal["joint_kv", "cross_hidden", "cross_last"]
 _EXTRA = {"joint_kv": ("sink", "state"), "cross_hidden": ("state", "future"), "cross_last": ("state", "future")}

@@ -14,7 +14,7 @@ is both in one jittable program:
 A head's actions do not depend on which other heads share the program (tested bit for bit): a
 single-head model (`ModelSpec.only`) keeps only that head's reads and gives the same actions.
 
-Language: `language_model(spec, params)` is the backbone as a `decode.LanguageModel`; the decode slot
+Language: `language_model(spec, params)` is the backbone as a `backbone.LanguageModel`; the decode slot
 pool admits requests from the `PrefixOutputs` of a model with `language=True`. The whole fan-out frame
 (prefix pass, every head, admission and a k-token burst on the donated pool) is
 `schedule.mot_frame_step`; `schedule` also has the isolated / parallel / shared_kv settings.
@@ -34,13 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import backbone as bb
-from oxygen_jax import decode
-from oxygen_jax import heads as hd
-from oxygen_jax import qwen3_vl
-from oxygen_jax.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
-from oxygen_jax.heads import HeadParams, HeadSpec, PrefixOutputs
-from oxygen_jax.masks import last_valid_index
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.models import heads as hd
+from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
+from oxygen_jax.models.heads import HeadParams, HeadSpec, PrefixOutputs
+from oxygen_jax.nn.masks import last_valid_index
 
 QWEN3_VL_IMAGE_TOKEN_ID = 151_655  # Qwen3-VL-4B-Instruct config.json `image_token_id`
 
@@ -70,7 +69,7 @@ class ModelSpec:
 
     def __post_init__(self):
         _require(self.backbone.family in ("qwen3", "qwen3_vl"),
-                 f"ModelSpec.backbone must be a Qwen3 or Qwen3-VL spec (π0.5 lives in oxygen_jax.model), got {self.backbone.family!r}")
+                 f"ModelSpec.backbone must be a Qwen3 or Qwen3-VL spec (π0.5 lives in oxygen_jax.models.pi05.model), got {self.backbone.family!r}")
         _require(bool(self.heads) or self.language, "ModelSpec needs at least one head or language=True")
         names = [h.name for h in self.heads]
         _require(len(set(names)) == len(names), f"ModelSpec.heads must have distinct names, got {names}")
@@ -251,13 +250,13 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> P
                          last_hidden=last, kv_layers=reads.kv_layers, hidden_layers=reads.hidden_layers, rope=bspec.rope)
 
 
-def language_model(spec: ModelSpec, params: ModelParams) -> decode.LanguageModel:
+def language_model(spec: ModelSpec, params: ModelParams) -> bb.LanguageModel:
     """The model's language decoder (its backbone: embedder, layers, final norm, head) for the decode pool.
 
     `decode.init_pool` / `admit` / `decode_burst` take it in place of π0.5's `Params`; they admit from
     the `PrefixOutputs` of a `prefix_pass` with `spec.language` (every layer's K/V and the last hidden).
     """
-    return decode.LanguageModel(decoder=params.decoder, spec=spec.backbone)
+    return bb.LanguageModel(decoder=params.decoder, spec=spec.backbone)
 
 
 def run_heads(spec: ModelSpec, params: ModelParams, prefix: PrefixOutputs, noises: dict[str, jax.Array],

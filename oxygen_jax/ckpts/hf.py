@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import backbone, qwen3_vl
-from oxygen_jax.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
+from oxygen_jax.models import backbone
+from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
 
 # --------------------------------------------------------------------------------------------------
 # safetensors (format: u64 LE header length, JSON header, raw little-endian buffers)

@@ -48,10 +48,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.config import ExpertConfig, ModelConfig, PromptAttention, SiglipConfig
-from oxygen_jax.lora import LayerRows, RowAdapters, check_bank_fits
-from oxygen_jax.masks import make_attn_mask
-from oxygen_jax.params import AdaRMSNorm, ExpertLayers, RMSNorm, Unstacked, scan_layers
+from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig, PromptAttention, SiglipConfig
+from oxygen_jax.models.lora import LayerRows, RowAdapters, check_bank_fits
+from oxygen_jax.nn.masks import make_attn_mask
+from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked, scan_layers
+from oxygen_jax.models.pi05.params import ExpertLayers
 
 _MASK_FILL = -2.3819763e38  # openpi's fill: finite, so a row with no valid key stays finite
 
@@ -286,6 +287,20 @@ class Decoder:
     layers: DecoderLayers | ExpertLayers | Unstacked
     final_norm: RMSNorm  # scale [D]
     lm_head: jax.Array | None = None  # [V, D]; None when the head is tied to `embedding`
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LanguageModel:
+    """A backbone as a language model (what the decode pool serves): its weights and its (static) spec.
+
+    Attributes:
+      decoder: `backbone.Decoder` (embedder, layers, final norm, head).
+      spec: `BackboneSpec`, static.
+    """
+
+    decoder: Decoder
+    spec: BackboneSpec = dataclasses.field(metadata=dict(static=True))
 
 
 def from_expert_layers(layers: ExpertLayers | Unstacked) -> DecoderLayers | Unstacked:

@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import backbone
-from oxygen_jax.backbone import BackboneSpec, Decoder, Qwen3VisionSpec
-from oxygen_jax.params import Dense, LayerNorm, Unstacked, scan_layers
+from oxygen_jax.models import backbone
+from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec
+from oxygen_jax.nn.layers import Dense, LayerNorm, Unstacked, scan_layers
 
 Grid = tuple[tuple[int, int, int], ...]  # per image (t, h, w) in patches, before merging
 

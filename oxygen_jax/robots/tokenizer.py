@@ -66,7 +66,7 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"tokenizer model {path!r} not found; copy the PaliGemma tokenizer from "
                 f"{PALIGEMMA_TOKENIZER_URL} (e.g. `gsutil cp {PALIGEMMA_TOKENIZER_URL} {path}`), "
-                "or use oxygen_jax.tokenizer.train_demo_tokenizer() for tests and demos"
+                "or use oxygen_jax.robots.tokenizer.train_demo_tokenizer() for tests and demos"
             )
         with open(path, "rb") as f:
             data = f.read()

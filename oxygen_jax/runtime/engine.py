@@ -31,13 +31,14 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from oxygen_jax import decode, model
-from oxygen_jax.config import EOS_ID
-from oxygen_jax.lora import LoraBank
-from oxygen_jax.observation import Observation, validate_observation
-from oxygen_jax.params import Params
-from oxygen_jax.schedule import FrameOutput, frame_step
-from oxygen_jax.scheduler import Scheduler, Ticket
+from oxygen_jax.runtime import decode
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.models.pi05.config import EOS_ID
+from oxygen_jax.models.lora import LoraBank
+from oxygen_jax.models.pi05.observation import Observation, validate_observation
+from oxygen_jax.models.pi05.params import Params
+from oxygen_jax.runtime.frame import FrameOutput, frame_step
+from oxygen_jax.runtime.scheduler import Scheduler, Ticket
 
 MAX_SEED = 2**32 - 1
 
@@ -355,7 +356,7 @@ class Engine:
             return ""
         detok = self._detok.get(ticket.request_id)
         if detok is None:
-            from oxygen_jax.tokenizer import StreamDetokenizer
+            from oxygen_jax.robots.tokenizer import StreamDetokenizer
 
             detok = self._detok[ticket.request_id] = StreamDetokenizer(self.tokenizer)
         # A model whose vocabulary exceeds the tokenizer's can emit ids the tokenizer cannot decode: show

@@ -15,7 +15,7 @@ Two on-disk formats are handled, both orbax PyTree checkpoints:
   The model dimensions are not stored anywhere: `infer_model_config` reads them off the shapes.
   LoRA leaves (`lora_a` / `lora_b`, 20 for π0.5 with LoRA on both experts) are merged into the
   base weights by default, or returned separately by `load_openpi_lora`; ranks are read off their
-  shapes, alpha is not stored (see `oxygen_jax.lora`). Other extra keys are ignored (as openpi
+  shapes, alpha is not stored (see `oxygen_jax.models.lora`). Other extra keys are ignored (as openpi
   does); missing and mis-shaped keys are errors listing all of them. Norm statistics live beside
   the item in `assets/<asset_id>/norm_stats.json` (`load_openpi_norm_stats`).
 
@@ -70,16 +70,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from oxygen_jax import lora as lora_lib
-from oxygen_jax.config import DType, ExpertConfig, ModelConfig, PromptAttention, SiglipConfig, model_config
-from oxygen_jax.normalize import NormStats, load_norm_stats
-from oxygen_jax.params import (
-    OPENPI_PATHS,
-    Params,
-    abstract_params,
-    from_openpi_dict,
-    openpi_shapes,
-    to_openpi_dict,
+from oxygen_jax.models import lora as lora_lib
+from oxygen_jax.models.pi05.config import DType, ExpertConfig, ModelConfig, PromptAttention, SiglipConfig, model_config
+from oxygen_jax.robots.normalize import NormStats, load_norm_stats
+from oxygen_jax.models.pi05.params import (
+    OPENPI_PATHS, Params, abstract_params, from_openpi_dict, openpi_shapes, to_openpi_dict,
 )
 
 PathLike = str | os.PathLike

@@ -44,35 +44,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax import backbone
-from oxygen_jax.backbone import BackboneSpec, Decoder, pi05_spec
-from oxygen_jax.config import EOS_ID
-from oxygen_jax.heads import PrefixOutputs
-from oxygen_jax.kv_cache import PrefixCache
-from oxygen_jax.lora import LoraBank, RowAdapters
-from oxygen_jax.model import vlm_decoder
-from oxygen_jax.params import Params
-from oxygen_jax.sampling import sample_tokens
+from oxygen_jax.models import backbone
+from oxygen_jax.models.backbone import BackboneSpec, Decoder, LanguageModel, pi05_spec
+from oxygen_jax.models.pi05.config import EOS_ID
+from oxygen_jax.models.heads import PrefixOutputs
+from oxygen_jax.models.prefix import PrefixCache
+from oxygen_jax.models.lora import LoraBank, RowAdapters
+from oxygen_jax.models.pi05.model import vlm_decoder
+from oxygen_jax.models.pi05.params import Params
+from oxygen_jax.nn.sampling import sample_tokens
 
 _STATIC = dict(static=True)
 
 
 # --------------------------------------------------------------------------------------------------
 # Which language model and which prefix
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LanguageModel:
-    """A backbone language model the pool can serve: its weights and its (static) spec.
-
-    Attributes:
-      decoder: `backbone.Decoder` (embedder, layers, final norm, head).
-      spec: `BackboneSpec`, static.
-    """
-
-    decoder: Decoder
-    spec: BackboneSpec = dataclasses.field(metadata=_STATIC)
 
 
 LM = Params | LanguageModel

@@ -35,10 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from oxygen_jax import compile_cache, transforms
-from oxygen_jax.config import EOS_ID, RobotConfig
-from oxygen_jax.engine import FailedRequest, FinishedRequest, RequestError
-from oxygen_jax.observation import Observation
+from oxygen_jax.runtime import compile_cache
+from oxygen_jax.robots import transforms
+from oxygen_jax.models.pi05.config import EOS_ID, RobotConfig
+from oxygen_jax.runtime.engine import FailedRequest, FinishedRequest, RequestError
+from oxygen_jax.models.pi05.observation import Observation
 
 log = logging.getLogger("oxygen_jax.serve")
 

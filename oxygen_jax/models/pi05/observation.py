@@ -8,7 +8,7 @@ already dropped), Px image side in pixels, Tp prompt tokens.
     tokens      int32 [B, Tp]             prompt ids, 0-padded
     token_mask  bool  [B, Tp]             True on real prompt tokens
 
-`oxygen_jax.transforms` builds this from robot (client) dictionaries.
+`oxygen_jax.robots.transforms` builds this from robot (client) dictionaries.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.config import ModelConfig
+from oxygen_jax.models.pi05.config import ModelConfig
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,1 @@
+"""π0.5 (openpi layout): config presets, the parameter table, observations, prefill and denoising."""

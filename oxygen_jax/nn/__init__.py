@@ -1,0 +1,1 @@
+"""Floor 0: model-free building blocks (masks, token sampling, parameter leaves, the layer loop). Imports no other floor."""

@@ -1,0 +1,138 @@
+"""The house's floors: every import points down (or sideways within a floor), and no module cycle.
+
+Read from the sources with `ast`, so the test sees every import, also those inside functions.
+"""
+
+import ast
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Lowest floor first. A module may import modules of its own floor or of lower floors only.
+FLOORS = (
+    ("oxygen_jax.axes", "oxygen_jax.nn"),
+    ("oxygen_jax.models",),
+    ("oxygen_jax.models.pi05",),
+    ("oxygen_jax.robots",),
+    ("oxygen_jax.ckpts", "oxygen_jax.runtime"),
+    ("oxygen_jax.serving",),
+    ("oxygen_jax.cli", "oxygen_jax.demo", "oxygen_jax.run", "oxygen_jax.serve", "oxygen_jax"),
+    ("training", "eval"),
+)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for top in ("oxygen_jax", "training", "eval"):
+        for p in (REPO / top).rglob("*.py"):
+            parts = list(p.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = p
+    return mods
+
+
+def floor_of(module: str) -> int:
+    """The floor of the longest matching prefix (so `models.pi05` sits above `models`)."""
+    best, floor = -1, None
+    for i, prefixes in enumerate(FLOORS):
+        for pre in prefixes:
+            if (module == pre or module.startswith(pre + ".")) and len(pre) > best:
+                best, floor = len(pre), i
+    assert floor is not None, f"module {module} is on no floor: add it to FLOORS"
+    return floor
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for m, p in mods.items():
+        pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for n in names:
+                r = resolve(n)
+                if r and r != m:
+                    deps.add(r)
+        graph[m] = deps
+    return graph
+
+
+def _is_package_face(importer: str, imported: str) -> bool:
+    # A package's __init__ re-exporting its own submodules points down by definition.
+    return imported.startswith(importer + ".")
+
+
+def test_every_import_points_to_the_same_or_a_lower_floor():
+    graph = import_graph()
+    upward = sorted(f"{m} (floor {floor_of(m)}) imports {d} (floor {floor_of(d)})"
+                    for m, deps in graph.items() for d in deps
+                    if floor_of(d) > floor_of(m) and not _is_package_face(m, d))
+    assert not upward, "imports from a lower floor to a higher one:\n" + "\n".join(upward)
+
+
+def test_the_library_never_imports_training_or_eval():
+    graph = import_graph()
+    bad = sorted(f"{m} imports {d}" for m, deps in graph.items() if m.split(".")[0] == "oxygen_jax"
+                 for d in deps if d.split(".")[0] in ("training", "eval"))
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_between_modules():
+    graph = import_graph()
+    # Strongly connected components (iterative Tarjan); a package face and its own submodules are not a cycle.
+    index, low, on, stack, cycles, counter = {}, {}, set(), [], [], [0]
+
+    def visit(v):
+        work = [(v, iter(sorted(graph[v])))]
+        index[v] = low[v] = counter[0]; counter[0] += 1; stack.append(v); on.add(v)
+        while work:
+            node, it = work[-1]
+            for w in it:
+                if _is_package_face(node, w) or _is_package_face(w, node) or w not in graph:
+                    continue
+                if w not in index:
+                    index[w] = low[w] = counter[0]; counter[0] += 1; stack.append(w); on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on:
+                    low[node] = min(low[node], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        w = stack.pop(); on.discard(w); comp.append(w)
+                        if w == node:
+                            break
+                    if len(comp) > 1:
+                        cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_floor_checker_sees_an_upward_import():
+    assert floor_of("oxygen_jax.models.backbone") < floor_of("oxygen_jax.models.pi05.config")
+    assert floor_of("oxygen_jax.nn.masks") < floor_of("oxygen_jax.runtime.decode") < floor_of("oxygen_jax.serving.wire")
+    assert floor_of("oxygen_jax") > floor_of("oxygen_jax.serving.batcher")
