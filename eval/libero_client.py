@@ -33,8 +33,8 @@ from typing import Protocol
 import numpy as np
 from PIL import Image, ImageDraw
 
+from oxygen_jax.robots.libero import client_observation
 from oxygen_jax.serving import wire
-from oxygen_jax.robots.transforms import resize_with_pad
 
 NOOP = np.array([0.0] * 6 + [-1.0])  # openpi's LIBERO dummy action: hold still, gripper open
 
@@ -47,29 +47,6 @@ class Env(Protocol):
     def reset(self) -> dict: ...
 
     def step(self, action: np.ndarray) -> tuple[dict, float, bool, dict]: ...
-
-
-def quat_to_axis_angle(quat_xyzw: np.ndarray) -> np.ndarray:
-    """Unit quaternion (x, y, z, w) -> axis * angle [3] (zeros for the identity), as openpi's example."""
-    w = float(np.clip(quat_xyzw[3], -1.0, 1.0))
-    s = np.sqrt(1.0 - w * w)
-    if s < 1e-8:
-        return np.zeros(3)
-    return np.asarray(quat_xyzw[:3], np.float64) * (2.0 * np.arccos(w) / s)
-
-
-def client_observation(raw: dict, prompt: str, image_size: int = 224) -> dict:
-    """A robosuite observation -> openpi's LIBERO request (images rotated 180 degrees, uint8, padded)."""
-    image = np.ascontiguousarray(raw["agentview_image"][::-1, ::-1])
-    wrist = np.ascontiguousarray(raw["robot0_eye_in_hand_image"][::-1, ::-1])
-    state = np.concatenate(
-        [raw["robot0_eef_pos"], quat_to_axis_angle(raw["robot0_eef_quat"]), raw["robot0_gripper_qpos"]])
-    return {
-        "observation/image": resize_with_pad(image.astype(np.uint8), image_size, image_size),
-        "observation/wrist_image": resize_with_pad(wrist.astype(np.uint8), image_size, image_size),
-        "observation/state": state.astype(np.float64),
-        "prompt": prompt,
-    }
 
 
 class PolicyClient:

@@ -1,5 +1,5 @@
 """LIBERO goal predicates and memory labels (training.bddl_goals), and the memory generator's
-simulator-free parts (training.libero_memory: frame keys, state, shards). No simulator needed.
+simulator-free parts (training.libero: frame keys, state, shards). No simulator needed.
 
 Goal lists, objects and fixtures are copied from libero_10's BDDL files as the simulator parses them
 (`env.env.parsed_problem`).
@@ -10,8 +10,9 @@ import json
 import numpy as np
 import pytest
 
+from oxygen_jax.robots.libero import quat_to_axis_angle
 from training import bddl_goals as bg
-from training import libero_memory as lm
+from training.libero import config, generate, shards
 
 # libero_10 goals, as parsed_problem["goal_state"].
 GOAL_T0 = [["in", "alphabet_soup_1", "basket_1_contain_region"], ["in", "tomato_sauce_1", "basket_1_contain_region"]]
@@ -200,22 +201,22 @@ def test_truth_table_names_every_goal_predicate():
 
 
 def test_frame_key_names_task_init_subset_and_variant():
-    assert lm.frame_key(0, 7, (0, 1), 2) == "t0-i07-s01-v2"
-    assert lm.frame_key(6, 41, (), 0) == "t6-i41-s--v0"
+    assert config.frame_key(0, 7, (0, 1), 2) == "t0-i07-s01-v2"
+    assert config.frame_key(6, 41, (), 0) == "t6-i41-s--v0"
 
 
 def test_quat_to_axis_angle_matches_known_rotations():
     s = np.sqrt(0.5)
-    np.testing.assert_allclose(lm.quat_to_axis_angle(np.array([0.0, 0.0, 0.0, 1.0])), [0, 0, 0])
-    np.testing.assert_allclose(lm.quat_to_axis_angle(np.array([0.0, 0.0, s, s])), [0, 0, np.pi / 2], atol=1e-6)
-    np.testing.assert_allclose(lm.quat_to_axis_angle(np.array([1.0, 0.0, 0.0, 0.0])), [np.pi, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(quat_to_axis_angle(np.array([0.0, 0.0, 0.0, 1.0])), [0, 0, 0])
+    np.testing.assert_allclose(quat_to_axis_angle(np.array([0.0, 0.0, s, s])), [0, 0, np.pi / 2], atol=1e-6)
+    np.testing.assert_allclose(quat_to_axis_angle(np.array([1.0, 0.0, 0.0, 0.0])), [np.pi, 0, 0], atol=1e-6)
 
 
 def test_gen_config_rejects_bad_settings_with_the_fix():
     with pytest.raises(ValueError, match="use 'jpeg' or 'png'"):
-        lm.GenConfig(image_format="webp")
+        config.GenConfig(image_format="webp")
     with pytest.raises(ValueError, match="min_settle_steps"):
-        lm.GenConfig(settle_steps=2, min_settle_steps=3)
+        config.GenConfig(settle_steps=2, min_settle_steps=3)
 
 
 def _frame(key, rng):
@@ -225,14 +226,14 @@ def _frame(key, rng):
 
 
 def test_shards_round_trip_and_a_crash_loses_at_most_the_unindexed_shard(tmp_path):
-    cfg = lm.GenConfig(image_format="png", shard_size=2)
+    cfg = config.GenConfig(image_format="png", shard_size=2)
     rng = np.random.default_rng(0)
     frames = [_frame(f"k{i}", rng) for i in range(5)]
-    writer = lm._ShardWriter(tmp_path, cfg)
+    writer = shards.ShardWriter(tmp_path, cfg)
     for row, images, state in frames:
         writer.add(dict(row), images, state)
     writer.flush()  # 3 shards: 2 + 2 + 1 frames
-    back = list(lm.iter_frames(tmp_path))
+    back = list(shards.iter_frames(tmp_path))
     assert [f["key"] for f in back] == [f"k{i}" for i in range(5)]
     for f, (_, images, state) in zip(back, frames):
         np.testing.assert_array_equal(f["image"], images["image"])
@@ -245,7 +246,7 @@ def test_shards_round_trip_and_a_crash_loses_at_most_the_unindexed_shard(tmp_pat
     (tmp_path / "shards" / "shard_00007.npz").write_bytes(b"partial")
     with (tmp_path / "index.jsonl").open("a") as f:
         f.write('{"key": "cut')
-    writer = lm._ShardWriter(tmp_path, cfg)
+    writer = shards.ShardWriter(tmp_path, cfg)
     assert not (tmp_path / "shards" / "shard_00007.npz").exists()
     assert writer.next_shard == 3
     row, images, state = _frame("k5", rng)
@@ -253,28 +254,28 @@ def test_shards_round_trip_and_a_crash_loses_at_most_the_unindexed_shard(tmp_pat
     writer.flush()
     rows = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]  # every line parses
     assert [r["shard"] for r in rows] == [f"shard_0000{i}.npz" for i in (0, 0, 1, 1, 2, 3)]
-    assert [f["key"] for f in lm.iter_frames(tmp_path)] == [f"k{i}" for i in range(6)]
+    assert [f["key"] for f in shards.iter_frames(tmp_path)] == [f"k{i}" for i in range(6)]
 
 
 def test_plan_makes_the_empty_subset_once_and_every_other_subset_per_variant():
-    cfg = lm.GenConfig(variants=3, reset_variants=2)
-    plan = lm._plan(cfg, 2)
+    cfg = config.GenConfig(variants=3, reset_variants=2)
+    plan = generate._plan(cfg, 2)
     assert plan.count(((), 0)) == 1 and len(plan) == 1 + 3 * 3
     assert {s for s, _ in plan} == set(bg.goal_subsets(2))
-    reset_plan = lm._plan(cfg, 2, lm.RESET_BASE + 5)  # a reset layout uses reset_variants
+    reset_plan = generate._plan(cfg, 2, config.RESET_BASE + 5)  # a reset layout uses reset_variants
     assert reset_plan.count(((), 0)) == 1 and len(reset_plan) == 1 + 3 * 2
 
 
 def test_reset_layouts_follow_the_stored_inits_and_stay_out_of_the_held_out_split():
-    cfg = lm.GenConfig(inits=(0, 1, 40), held_out=(40,), resets=3)
-    assert lm.layout_inits(cfg) == [0, 1, 40, lm.RESET_BASE, lm.RESET_BASE + 1, lm.RESET_BASE + 2]
-    assert lm.frame_key(0, lm.RESET_BASE + 2, (1,), 0) == f"t0-i{lm.RESET_BASE + 2}-s1-v0"
+    cfg = config.GenConfig(inits=(0, 1, 40), held_out=(40,), resets=3)
+    assert generate.layout_inits(cfg) == [0, 1, 40, config.RESET_BASE, config.RESET_BASE + 1, config.RESET_BASE + 2]
+    assert config.frame_key(0, config.RESET_BASE + 2, (1,), 0) == f"t0-i{config.RESET_BASE + 2}-s1-v0"
     # How many layouts is not a physics setting: a run can be extended with more resets and resumed.
-    assert cfg.physics_key() == lm.GenConfig(resets=300, reset_variants=2).physics_key()
+    assert cfg.physics_key() == config.GenConfig(resets=300, reset_variants=2).physics_key()
     with pytest.raises(ValueError, match="use resets"):
-        lm.GenConfig(inits=(lm.RESET_BASE,))
+        config.GenConfig(inits=(config.RESET_BASE,))
     with pytest.raises(ValueError, match="resets must be >= 0"):
-        lm.GenConfig(resets=-1)
+        config.GenConfig(resets=-1)
 
 
 def test_summary_counts_labels_reasons_and_the_majority_share(tmp_path):
@@ -285,9 +286,9 @@ def test_summary_counts_labels_reasons_and_the_majority_share(tmp_path):
     ok = [row(0, "Done: nothing."), row(0, "Done: a in b."), row(1, "Done: nothing.")]
     rejected = [row(0, "Done: nothing.", reasons=["tilt basket_1 41deg", "collateral_motion milk_1 0.031m"]),
                 row(1, "Done: nothing.", reasons=["tilt basket_1 35deg"])]
-    lm._append_jsonl(tmp_path / "index.jsonl", ok)
-    lm._append_jsonl(tmp_path / "rejected.jsonl", rejected)
-    s = lm.summarize(tmp_path)
+    shards.append_jsonl(tmp_path / "index.jsonl", ok)
+    shards.append_jsonl(tmp_path / "rejected.jsonl", rejected)
+    s = generate.summarize(tmp_path)
     assert (s["accepted"], s["rejected_attempts"]) == (3, 2)
     assert s["accepted_per_task"] == {"0 T0": 2, "1 T1": 1}
     assert s["label_histogram"] == {"Done: nothing.": 2, "Done: a in b.": 1}
