@@ -14,6 +14,7 @@ from oxygen_jax.runtime import decode
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.runtime import frame as schedule
+from oxygen_jax.runtime.vla import Pi05
 from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
 
 HA, N, PROMPT = 4, 5, [7, 8, 9]
@@ -90,21 +91,21 @@ def test_mixed_pool_slots_each_match_their_adapter_merged_into_the_weights(param
 
 def test_actions_and_prefix_never_depend_on_the_bank_in_any_setting(params, banks, obs):
     noise = jax.random.normal(jax.random.key(3), (2, HA, 32))
+    vla, noises = Pi05(params, 2), {"actions": noise}
     q = len(PROMPT)
     results = {}
     for name, bank in banks.items():
         r = decode.make_requests(2, q, [0, 1], rows=[0, 1], prompts=[PROMPT] * 2, budgets=[N, N], stop_tokens=[-1, -1],
                                  adapters=[0, 0] if bank is None else [1, 2])
         pool = decode.init_pool(params, 2, model.prefix_length(params, obs), N, q)
-        _, out = schedule.frame_step(params, pool, obs, noise, r, np.zeros(2, bool), bank, num_steps=2,
-                                     tokens_per_frame=2)
-        sh_actions, sh_tokens, _ = schedule.shared_kv_program(params, obs, noise, r, bank, num_steps=2, max_new_tokens=N)
-        par_actions, par_tokens, _ = schedule.run_parallel(params, obs, noise, r, bank, num_steps=2, max_new_tokens=N)
-        iso_tokens, _ = schedule.text_program(params, obs, r, bank, max_new_tokens=N)
-        results[name] = dict(continuous=np.asarray(out.actions), shared_kv=np.asarray(sh_actions),
-                             parallel=np.asarray(par_actions), tokens=np.asarray(sh_tokens),
+        _, out = schedule.frame_step(vla, pool, obs, noises, r, np.zeros(2, bool), bank, tokens_per_frame=2)
+        sh_actions, sh_tokens, _ = schedule.shared_kv_program(vla, obs, noises, r, bank, max_new_tokens=N)
+        par_actions, par_tokens, _ = schedule.run_parallel(vla, obs, noises, r, bank, max_new_tokens=N)
+        iso_tokens, _ = schedule.text_program(vla, obs, r, bank, max_new_tokens=N)
+        results[name] = dict(continuous=np.asarray(out.actions["actions"]), shared_kv=np.asarray(sh_actions["actions"]),
+                             parallel=np.asarray(par_actions["actions"]), tokens=np.asarray(sh_tokens),
                              iso_tokens=np.asarray(iso_tokens), par_tokens=np.asarray(par_tokens))
-    iso_actions = np.asarray(schedule.action_program(params, obs, noise, num_steps=2))  # takes no bank at all
+    iso_actions = np.asarray(schedule.head_program(vla, "actions", obs, noises))  # takes no bank at all
     for name in banks:
         for setting in ("continuous", "shared_kv", "parallel"):
             np.testing.assert_array_equal(results[name][setting], iso_actions, err_msg=f"{name} {setting}")
@@ -126,9 +127,9 @@ def test_a_twenty_frame_rollout_has_the_same_actions_with_and_without_adapters(p
         table = schedule.make_request_table(arrivals, [N] * len(arrivals), stop_tokens=[-1] * len(arrivals),
                                             adapters=adapters)
         pool = decode.init_pool(params, 3, model.prefix_length(params, jax.tree.map(lambda x: x[0], obs)), N)
-        _, out = schedule.rollout(params, pool, obs, noise, table, bank, num_steps=2, tokens_per_frame=2,
+        _, out = schedule.rollout(Pi05(params, 2), pool, obs, {"actions": noise}, table, bank, tokens_per_frame=2,
                                   admissions_per_frame=1)
-        actions[name], tokens[name] = np.asarray(out.frames.actions), np.asarray(out.frames.new_tokens)
+        actions[name], tokens[name] = np.asarray(out.frames.actions["actions"]), np.asarray(out.frames.new_tokens)
     np.testing.assert_array_equal(actions["random"], actions["none"])
     np.testing.assert_array_equal(actions["zero"], actions["none"])
     np.testing.assert_array_equal(tokens["zero"], tokens["none"])

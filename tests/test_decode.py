@@ -13,6 +13,7 @@ from oxygen_jax.ckpts import hf as hf_checkpoint
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models import mot
 from oxygen_jax.runtime import frame as schedule
+from oxygen_jax.runtime.vla import Pi05
 from oxygen_jax.models.pi05.observation import Observation
 
 HA = 4  # action horizon used throughout (tiny)
@@ -117,7 +118,8 @@ def test_continuous_batching_gives_each_request_its_single_request_tokens(params
     table = schedule.make_request_table(arrivals, [budget] * len(arrivals), stop_tokens=[-1] * len(arrivals))
     pool = decode.init_pool(params, 3, model.prefix_length(params, obs[0]), budget)
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *obs)
-    _, out = schedule.rollout(params, pool, stacked, noise, table, num_steps=2, tokens_per_frame=k, admissions_per_frame=2)
+    _, out = schedule.rollout(Pi05(params, 2), pool, stacked, {"actions": noise}, table, tokens_per_frame=k,
+                              admissions_per_frame=2)
     fr = jax.device_get(out.frames)
     tokens, admit_frame = {}, {}
     for f in range(frames):
@@ -132,7 +134,7 @@ def test_continuous_batching_gives_each_request_its_single_request_tokens(params
         assert toks == _decode_alone(params, obs[admit_frame[rid]], 0, budget), rid
     # the actions of every frame are those of the plain sampler
     for f in range(frames):
-        np.testing.assert_allclose(fr.actions[f], model.sample_actions(params, obs[f], noise[f], 2), atol=1e-5)
+        np.testing.assert_allclose(fr.actions["actions"][f], model.sample_actions(params, obs[f], noise[f], 2), atol=1e-5)
 
 
 def test_actions_and_greedy_tokens_identical_in_all_four_settings(params):
@@ -140,18 +142,19 @@ def test_actions_and_greedy_tokens_identical_in_all_four_settings(params):
     noise = jax.random.normal(jax.random.key(5), (1, HA, 32))
     n, steps = 6, 3
     req = decode.make_requests(1, 0, [0], budgets=[n], stop_tokens=[-1])
-    iso_a = schedule.action_program(params, obs, noise, num_steps=steps)
-    iso_t, _ = schedule.text_program(params, obs, req, max_new_tokens=n)
-    sh_a, sh_t, _ = schedule.shared_kv_program(params, obs, noise, req, num_steps=steps, max_new_tokens=n)
-    par_a, par_t, _ = schedule.run_parallel(params, obs, noise, req, num_steps=steps, max_new_tokens=n)
+    vla, noises = Pi05(params, steps), {"actions": noise}
+    iso_a = schedule.head_program(vla, "actions", obs, noises)
+    iso_t, _ = schedule.text_program(vla, obs, req, max_new_tokens=n)
+    sh_a, sh_t, _ = schedule.shared_kv_program(vla, obs, noises, req, max_new_tokens=n)
+    par_a, par_t, _ = schedule.run_parallel(vla, obs, noises, req, max_new_tokens=n)
     pool = decode.init_pool(params, 2, model.prefill(params, obs).length, n)
     cb_tokens, cb_a = [], None
     for f in range(3):
         r = req if f == 0 else decode.make_requests(1, 0, [], budgets=[])
-        pool, out = schedule.frame_step(params, pool, obs, noise, r, num_steps=steps, tokens_per_frame=2)
-        cb_a = cb_a if cb_a is not None else out.actions
+        pool, out = schedule.frame_step(vla, pool, obs, noises, r, tokens_per_frame=2)
+        cb_a = cb_a if cb_a is not None else out.actions["actions"]
         cb_tokens += [int(t) for t in np.asarray(out.new_tokens[0]) if t >= 0]
-    for a in (sh_a, par_a, cb_a):
+    for a in (sh_a["actions"], par_a["actions"], cb_a):
         np.testing.assert_allclose(a, iso_a, rtol=0, atol=1e-6)
     expected = np.asarray(iso_t[0]).tolist()
     assert np.asarray(sh_t[0]).tolist() == expected == np.asarray(par_t[0]).tolist() == cb_tokens

@@ -214,3 +214,13 @@ def test_warmup_compiles_a_batch_shape_without_touching_requests(params):
     res = eng.step(obs3)
     assert schedule.frame_step._cache_size() == before  # already compiled
     assert [f.request_id for f in res.finished] == [rid]
+
+
+def test_adapter_none_means_the_base_weights(params, obs1):
+    eng = Engine(params, CFG)
+    assert eng.adapter_id(None) == eng.adapter_id("base") == 0
+    a = eng.submit(max_tokens=4, stop_token=None, adapter=None)
+    b = eng.submit(max_tokens=4, stop_token=None, adapter="base")
+    done, _ = _run(eng, obs1, 3)
+    tokens = {f.request_id: f.tokens for f in done}
+    assert tokens[a] == tokens[b] == _alone(params, obs1, 0, 4)

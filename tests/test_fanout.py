@@ -4,7 +4,7 @@ One tiny Qwen3-VL model (images, DeepStack, M-RoPE) with XR0-, QwenPI_v3- and GR
 decoder; three prompt rows (those of tests/test_mot.py: unpadded, left-padded, junk under the mask). The
 specification:
 
-* each head's actions from the fan-out frame (`schedule.mot_frame_step`) are bit-identical to that head run alone
+* each head's actions from the fan-out frame (`runtime.frame.frame_step`) are bit-identical to that head run alone
   with its own prefix pass (`mot.sample_all` of the single-head model), in frames with and without language;
 * the language tokens are those of one request decoded alone from the same prefix, and those of a cache-free
   recompute (a full forward per token);
@@ -25,6 +25,7 @@ from oxygen_jax.models import backbone as bb
 from oxygen_jax.runtime import decode
 from oxygen_jax.models import mot
 from oxygen_jax.runtime import frame as schedule
+from oxygen_jax.runtime.vla import MultiHead
 
 _ROWS, _MASK = mot_prompt_rows()  # same shapes in test_mot and test_fanout: compiled programs are shared
 N, K, SLOTS = 6, 2, 3  # tokens per request, tokens per frame, decode slots
@@ -51,8 +52,8 @@ def tiny():
     for f in range(4):
         req = decode.make_requests(2, 0, [0, 1] if f == 0 else [], rows=[0, 1] if f == 0 else None,
                                    budgets=[N, N] if f == 0 else [], stop_tokens=[-1, -1] if f == 0 else None)
-        pool, out = schedule.mot_frame_step(params, spec, pool, inputs, noises, states, req, np.zeros(SLOTS, bool),
-                                            tokens_per_frame=K)
+        pool, out = schedule.frame_step(MultiHead(params, spec), pool, inputs, noises, req, np.zeros(SLOTS, bool),
+                                        None, states, tokens_per_frame=K)
         frames.append(jax.device_get(out))
     tokens = {}
     for out in frames:
@@ -75,7 +76,7 @@ def test_each_heads_actions_are_bit_identical_to_that_head_alone_with_and_withou
     with_text, without = tiny["frames"][0], tiny["frames"][3]
     assert with_text.batch == 2 and without.batch == 0 and (without.new_tokens < 0).all()
     for name in spec.names:
-        alone = schedule.mot_head_program(params, spec, name, tiny["inputs"], tiny["noises"], tiny["states"])
+        alone = schedule.head_program(MultiHead(params, spec), name, tiny["inputs"], tiny["noises"], tiny["states"])
         np.testing.assert_array_equal(with_text.actions[name], alone, err_msg=name)
         np.testing.assert_array_equal(without.actions[name], alone, err_msg=name)
         assert alone.shape == (3, spec.head(name).horizon, spec.head(name).action_dim)
@@ -101,10 +102,10 @@ def _recompute_greedy(spec, params, n):
 
 def test_language_tokens_equal_a_single_request_decode_and_a_cache_free_recompute(tiny):
     """Tokens emitted across frames (1 + 2 + 2 + 1) by the fan-out frame = each request decoded alone (its own
-    language-only prefix pass, a pool of one slot: `mot_text_program`) = greedy argmax of a full forward per token."""
+    language-only prefix pass, a pool of one slot: `text_program`) = greedy argmax of a full forward per token."""
     spec, params, inputs = tiny["spec"], tiny["params"], tiny["inputs"]
-    alone = [np.asarray(schedule.mot_text_program(params.only(), spec, inputs, _one_request(row),
-                                                  max_new_tokens=N)[0][0]).tolist() for row in (0, 1)]
+    alone = [np.asarray(schedule.text_program(MultiHead(params, spec), inputs, _one_request(row),
+                                              max_new_tokens=N)[0][0]).tolist() for row in (0, 1)]
     assert [tiny["tokens"][0], tiny["tokens"][1]] == alone == _recompute_greedy(spec, params, N)
     assert all(len(set(t)) > 2 for t in alone)  # meaningful sequences, not one repeated token
 
@@ -113,9 +114,10 @@ def test_four_settings_give_the_same_actions_and_greedy_tokens(tiny):
     """The left-padded row's request in every setting; the actions of both rows."""
     spec, params, inputs, req = tiny["spec"], tiny["params"], tiny["inputs"], _one_request(1)
     noises, states = tiny["noises"], tiny["states"]
-    iso = schedule.run_mot_isolated(params, spec, inputs, noises, states, req, max_new_tokens=N)
-    par = schedule.run_mot_parallel(params, spec, inputs, noises, states, req, max_new_tokens=N)
-    shared = schedule.mot_shared_kv_program(params, spec, inputs, noises, states, req, max_new_tokens=N)
+    vla = MultiHead(params, spec)
+    iso = schedule.run_isolated(vla, inputs, noises, req, None, states, max_new_tokens=N)
+    par = schedule.run_parallel(vla, inputs, noises, req, None, states, max_new_tokens=N)
+    shared = schedule.shared_kv_program(vla, inputs, noises, req, None, states, max_new_tokens=N)
     continuous = tiny["frames"][0].actions, [tiny["tokens"][1]]
     for actions, tokens in [(iso[0], iso[1]), (par[0], par[1]), (shared[0], shared[1]), continuous]:
         assert set(actions) == set(spec.names)
@@ -129,7 +131,7 @@ def test_twenty_frames_with_changing_arrivals_and_cancellations_compile_the_fram
     spec, params, lm = tiny["spec"], tiny["params"], tiny["lm"]
     rng = np.random.default_rng(1)
     pool = decode.init_pool(lm, SLOTS, tiny["inputs"].input_ids.shape[1], N)
-    before = schedule.mot_frame_step._cache_size()
+    before = schedule.frame_step._cache_size()
     sizes, next_id = [], 0
     for f in range(20):
         inputs = mot.make_inputs(spec, _ROWS, _MASK, _images(rng))
@@ -140,9 +142,9 @@ def test_twenty_frames_with_changing_arrivals_and_cancellations_compile_the_fram
         budgets = [int(rng.integers(1, N + 1)) for _ in ids]
         req = decode.make_requests(2, 0, ids, rows=[i % 2 for i in ids], budgets=budgets, temperatures=[0.7] * arrivals)
         evict = rng.random(SLOTS) < 0.1
-        pool, out = schedule.mot_frame_step(params, spec, pool, inputs, noises, tiny["states"], req, evict,
-                                            tokens_per_frame=K)
+        pool, out = schedule.frame_step(MultiHead(params, spec), pool, inputs, noises, req, evict, None, tiny["states"],
+                                        tokens_per_frame=K)
         assert all(np.isfinite(a).all() for a in jax.device_get(out.actions).values())
-        sizes.append(schedule.mot_frame_step._cache_size())
+        sizes.append(schedule.frame_step._cache_size())
     assert sizes == [sizes[0]] * 20 and sizes[0] - before <= 1
     assert next_id > 10  # requests did arrive, queue-free or not, through one program

@@ -3,8 +3,13 @@
     engine = Engine(params, EngineConfig(num_slots=8, max_new_tokens=30, tokens_per_frame=5))
     rid = engine.submit(prompt_tokens=[...], max_tokens=20)       # any time, from the host
     result = engine.step(observation)                            # one compiled frame
-    result.actions          # [B, Ha, Ad] this frame's action chunk (never waits for text)
+    result.actions          # [B, Ha, Ad] this frame's chunk of the primary head (never waits for text)
+    result.head_actions     # head name -> [B, Ha, Ad], every head of the model
     result.finished         # list of FinishedRequest (tokens, text, latency in frames and ms)
+
+Any model: `params` is π0.5 `Params` (one head, "actions", with `EngineConfig.num_steps` denoising steps)
+or a `runtime.vla.MultiHead(spec, params)` (a backbone with several heads, e.g. XR0 + StarVLA + language on
+Qwen3-VL; observations are then `mot.PrefixInputs`, and heads with a state token take `states`).
 
 Requests wait in a FIFO queue (`scheduler.Scheduler`) while every slot is busy; none is dropped, and
 memory is bounded by the pool. One device→host transfer per frame brings back actions, new tokens and
@@ -32,13 +37,11 @@ import jax
 import numpy as np
 
 from oxygen_jax.runtime import decode
-from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.config import EOS_ID
 from oxygen_jax.models.lora import LoraBank
-from oxygen_jax.models.pi05.observation import Observation, validate_observation
-from oxygen_jax.models.pi05.params import Params
 from oxygen_jax.runtime.frame import FrameOutput, frame_step
 from oxygen_jax.runtime.scheduler import Scheduler, Ticket
+from oxygen_jax.runtime.vla import Vla, as_vla
 
 MAX_SEED = 2**32 - 1
 
@@ -54,8 +57,8 @@ class EngineConfig:
     prompt_capacity: int = 0  # Q: max request-prompt tokens written after the shared prefix
     admissions_per_frame: int = 4  # J: requests admitted per frame at most
     tokens_per_frame: int = 5  # k
-    num_steps: int = 10  # denoising steps per action chunk
-    action_horizon: int = 10  # Ha, for the noise the engine draws when step() gets none
+    num_steps: int = 10  # π0.5's denoising steps per action chunk (a ModelSpec's heads carry their own)
+    action_horizon: int = 10  # π0.5's Ha, for the noise the engine draws when step() gets none
     seed: int = 0  # noise seed (frame f uses fold_in(seed, f))
 
     def __post_init__(self):
@@ -89,7 +92,7 @@ class FailedRequest:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    actions: np.ndarray  # [B, Ha, Ad]
+    actions: np.ndarray  # [B, Ha, Ad] of the primary head
     finished: list[FinishedRequest]
     new_text: dict[int, str]  # request id -> text completed this frame (with a tokenizer)
     frame: int
@@ -97,6 +100,7 @@ class StepResult:
     batch: int  # active slots in this frame's decode burst
     queued: int  # requests still waiting for a slot after this frame
     errors: list[FailedRequest] = dataclasses.field(default_factory=list)  # dropped this frame
+    head_actions: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # every head: name -> [B, Ha, Ad]
 
 
 def _is_int(x) -> bool:
@@ -108,19 +112,22 @@ def _is_real(x) -> bool:
 
 
 class Engine:
-    """Continuous-batching engine over `schedule.frame_step` (one compiled program per frame shape)."""
+    """Continuous-batching engine over `runtime.frame.frame_step` (one compiled program per frame shape)."""
 
-    def __init__(self, params: Params, config: EngineConfig = EngineConfig(), tokenizer=None, *,
+    def __init__(self, params, config: EngineConfig = EngineConfig(), tokenizer=None, *,
                  bank: LoraBank | None = None, adapter_names: Sequence[str] = ()):
         """Args:
-          params: model parameters (`params.for_backend` form recommended).
+          params: π0.5 `Params` or a `runtime.vla.Vla` (`MultiHead(spec, params)`); `for_backend` form recommended.
           config: pool and frame sizes.
           tokenizer: for text prompts and detokenised results (optional).
           bank: language adapters of the VLM expert (`lora.LoraBank`, E stored adapters), served per
             request on the suffix path only; actions and the prefix cache never see them.
           adapter_names: names of the bank's adapters 1..E (id 0 is "base", the model's own weights).
         """
+        self.vla: Vla = as_vla(params, config.num_steps)
         self.params, self.config, self.tokenizer, self.bank = params, config, tokenizer, bank
+        if not self.vla.has_language:
+            raise ValueError("Engine decodes language from the shared prefix: build the ModelSpec with language=True")
         self._unk = 3 if tokenizer is None else tokenizer.unk_id
         stored = 0 if bank is None else bank.num_adapters
         if len(adapter_names) != stored:
@@ -149,7 +156,7 @@ class Engine:
         stop_token: int | None = EOS_ID,
         seed: int | None = None,
         row: int = 0,
-        adapter: str | int = 0,
+        adapter: str | int | None = None,
         owner: object = None,
     ) -> int:
         """Queues a language request on stream `row`; returns its id.
@@ -157,12 +164,12 @@ class Engine:
         The request continues the prefix of that stream's observation in the frame that admits it.
         Its own prompt (`prompt_tokens`, or `prompt` text with a tokenizer) is written after that
         prefix. `stop_token=None` decodes exactly `max_tokens` tokens. `adapter` is a name given to
-        the engine (or "base") or an adapter id.
+        the engine, "base", an adapter id, or None (the base weights).
 
         Raises:
           RequestError: naming the first invalid field; nothing is queued.
         """
-        cfg, vocab = self.config, self.params.config.vocab_size
+        cfg, vocab = self.config, self.vla.vocab_size
         if prompt is not None and prompt_tokens is not None:
             raise RequestError("give either prompt (text) or prompt_tokens, not both")
         if prompt is not None:
@@ -208,8 +215,10 @@ class Engine:
         ))
         return rid
 
-    def adapter_id(self, adapter: str | int) -> int:
-        """The id of an adapter name or id; RequestError for unknown ones."""
+    def adapter_id(self, adapter: str | int | None) -> int:
+        """The id of an adapter name or id (None = the base weights); RequestError for unknown ones."""
+        if adapter is None:
+            return 0
         if isinstance(adapter, str):
             if adapter not in self.adapters:
                 raise RequestError(f"unknown adapter {adapter!r}; this engine has {sorted(self.adapters)}")
@@ -238,23 +247,52 @@ class Engine:
 
     # -- frames ---------------------------------------------------------------------------------
 
-    def _check_noise(self, noise, b: int) -> jax.Array:
-        shape = (b, self.config.action_horizon, self.params.config.action_dim)
+    def _check_noise(self, noise, b: int) -> dict[str, jax.Array]:
+        """head name -> noise [B, Ha, Ad]; an array is the noise of a one-head model (π0.5)."""
+        heads = self.vla.heads
         if noise is None:
-            return jax.random.normal(jax.random.fold_in(self._base_key, self._frame), shape)
-        if tuple(noise.shape) != shape:
-            raise ValueError(f"noise must have shape [B, Ha, Ad] = {shape}, got {tuple(noise.shape)}")
-        if not np.issubdtype(np.dtype(noise.dtype), np.floating):
-            raise ValueError(f"noise must be floating point, got dtype {noise.dtype}")
-        if not isinstance(noise, jax.core.Tracer) and not np.isfinite(np.asarray(noise, np.float32)).all():
-            raise ValueError("noise contains NaN or inf")
+            # Head 0 draws fold_in(seed, frame) exactly as a one-head engine always has; others fold in their index.
+            key = jax.random.fold_in(self._base_key, self._frame)
+            return {n: jax.random.normal(key if i == 0 else jax.random.fold_in(key, i), self._noise_shape(n, b))
+                    for i, n in enumerate(heads)}
+        if not isinstance(noise, dict):
+            if len(heads) != 1:
+                raise ValueError(f"this model has heads {heads}: pass noise as a dict head name -> [B, Ha, Ad]")
+            noise = {heads[0]: noise}
+        if set(noise) != set(heads):
+            raise ValueError(f"noise must name exactly the heads {heads}, got {tuple(noise)}")
+        for n, x in noise.items():
+            shape = self._noise_shape(n, b)
+            if tuple(x.shape) != shape:
+                raise ValueError(f"noise must have shape [B, Ha, Ad] = {shape}, got {tuple(x.shape)}"
+                                 + (f" (head {n!r})" if len(heads) > 1 else ""))
+            if not np.issubdtype(np.dtype(x.dtype), np.floating):
+                raise ValueError(f"noise must be floating point, got dtype {x.dtype}")
+            if not isinstance(x, jax.core.Tracer) and not np.isfinite(np.asarray(x, np.float32)).all():
+                raise ValueError("noise contains NaN or inf")
         return noise
 
-    def _ensure_pool(self, observation: Observation) -> None:
-        key = (observation.num_cameras, observation.tokens.shape[1])
+    def _noise_shape(self, name: str, b: int) -> tuple[int, int, int]:
+        return (b, *self.vla.action_shape(name, self.config.action_horizon))
+
+    def _check_states(self, states, b: int) -> dict[str, jax.Array] | None:
+        """head name -> state [B, Ds] for exactly the heads with a state token (None when no head has one)."""
+        want = self.vla.state_dims()
+        got = dict(states or {})
+        if set(got) != set(want):
+            raise ValueError(f"states must name exactly the heads with a state token {tuple(want)}, got {tuple(got)}")
+        for n, x in got.items():
+            if tuple(x.shape) != (b, want[n]):
+                raise ValueError(f"states[{n!r}] must have shape [B, Ds] = {(b, want[n])}, got {tuple(x.shape)}")
+            if not isinstance(x, jax.core.Tracer) and not np.isfinite(np.asarray(x, np.float32)).all():
+                raise ValueError(f"states[{n!r}] contains NaN or inf")
+        return got or None
+
+    def _ensure_pool(self, inputs) -> None:
+        key = self.vla.shape_key(inputs)
         if self._pool is not None and key == self._prefix_key:
             return
-        prefix_len = model.prefix_length(self.params, observation)
+        prefix_len = decode.prefix_length(jax.eval_shape(lambda v, x: v.prefix(x), self.vla, inputs))
         if self._pool is not None and prefix_len != self._pool.prefix_len:
             raise ValueError(
                 f"observation prefix length changed from {self._pool.prefix_len} to {prefix_len} tokens "
@@ -263,26 +301,33 @@ class Engine:
             )
         if self._pool is None:
             cfg = self.config
-            self._pool = decode.init_pool(self.params, cfg.num_slots, prefix_len, cfg.max_new_tokens, cfg.prompt_capacity)
+            self._pool = self._new_pool(cfg.num_slots, prefix_len, cfg.max_new_tokens, cfg.prompt_capacity)
         self._prefix_key = key
 
-    def warmup(self, observation: Observation) -> float:
+    def _new_pool(self, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int) -> decode.DecodePool:
+        return decode.init_pool(self.vla.language(), num_slots, prefix_len, max_new_tokens, prompt_len)
+
+    def warmup(self, observation, states=None) -> float:
         """Compiles the frame program for this observation's shapes without touching any request.
 
         Runs one frame on a scratch pool (no requests, nothing emitted), so a server can compile every
         batch bucket before it reports healthy. Returns the seconds it took.
         """
         start = time.perf_counter()
-        validate_observation(observation, self.params.config)
+        self.vla.check_inputs(observation)
         self._ensure_pool(observation)
-        p, b = self._pool, observation.batch_size
-        scratch = decode.init_pool(self.params, p.num_slots, p.prefix_len, p.max_new_tokens, p.prompt_len)
+        p, b = self._pool, self.vla.batch_size(observation)
+        states = self._check_states(states if states is not None else self._zero_states(b), b)
+        scratch = self._new_pool(p.num_slots, p.prefix_len, p.max_new_tokens, p.prompt_len)
         requests, _ = Scheduler(p.num_slots, self.config.admissions_per_frame, p.prompt_len).offer(b)
-        noise = jax.random.normal(jax.random.key(0), (b, self.config.action_horizon, self.params.config.action_dim))
-        _, out = frame_step(self.params, scratch, observation, noise, requests, np.zeros((p.num_slots,), bool),
-                            self.bank, num_steps=self.config.num_steps, tokens_per_frame=self.config.tokens_per_frame)
+        noises = {n: jax.random.normal(jax.random.key(0), self._noise_shape(n, b)) for n in self.vla.heads}
+        _, out = frame_step(self.vla, scratch, observation, noises, requests, np.zeros((p.num_slots,), bool),
+                            self.bank, states, tokens_per_frame=self.config.tokens_per_frame)
         jax.block_until_ready(out)
         return time.perf_counter() - start
+
+    def _zero_states(self, b: int) -> dict[str, np.ndarray]:
+        return {n: np.zeros((b, d), np.float32) for n, d in self.vla.state_dims().items()}
 
     def _drop_unservable(self, rows: Sequence[int] | None, b: int) -> list[FailedRequest]:
         """Without explicit streams, row r means batch row r: requests beyond the batch cannot run."""
@@ -297,40 +342,46 @@ class Engine:
                                             t.owner))
         return errors
 
-    def step(self, observation: Observation, noise: jax.Array | None = None, *,
-             rows: Sequence[int] | None = None) -> StepResult:
+    def step(self, observation, noise=None, *, rows: Sequence[int] | None = None,
+             states: dict | None = None) -> StepResult:
         """Runs one control frame with this frame's observation; returns actions and finished texts.
 
         Args:
-          observation: B rows (robots).
-          noise: float [B, Ha, Ad], finite; default drawn from the engine's seed and frame index.
+          observation: B rows (robots): an `Observation` (π0.5) or `mot.PrefixInputs` (a ModelSpec).
+          noise: float [B, Ha, Ad] (one-head models) or head name -> [B, Ha, Ad], finite; default drawn
+            from the engine's seed and frame index.
           rows: stream id of each batch row (-1 = padding); default rows 0..B-1.
+          states: head name -> robot state [B, Ds] for the heads with a state token.
         """
-        validate_observation(observation, self.params.config)
-        b = observation.batch_size
-        if rows is not None and len(rows) != b:
-            raise ValueError(f"rows names {len(rows)} streams but the observation has {b} rows")
+        self.vla.check_inputs(observation)
+        b = self.vla.batch_size(observation)
+        if rows is not None:
+            if not isinstance(rows, Sequence) or isinstance(rows, str) or not all(_is_int(r) for r in rows):
+                raise ValueError(f"rows must be a sequence of integer stream ids (-1 = padding), got {rows!r}")
+            if len(rows) != b:
+                raise ValueError(f"rows names {len(rows)} streams but the observation has {b} rows")
         noise = self._check_noise(noise, b)
+        states = self._check_states(states, b)
         self._ensure_pool(observation)
         errors = self._drop_unservable(rows, b)
         cfg = self.config
         requests, evict = self._sched.offer(b if rows is None else rows)
         start = time.perf_counter()
         try:
-            pool, out = frame_step(self.params, self._pool, observation, noise, requests, evict, self.bank,
-                                   num_steps=cfg.num_steps, tokens_per_frame=cfg.tokens_per_frame)
+            pool, out = frame_step(self.vla, self._pool, observation, noise, requests, evict, self.bank, states,
+                                   tokens_per_frame=cfg.tokens_per_frame)
             out: FrameOutput = jax.device_get(out)  # the frame's single host sync
         except Exception as e:  # noqa: BLE001 - the actions must survive a failing request
             if not np.any(requests.valid):
                 raise
             errors += self._retry_without_requests(e)
             requests, evict = self._sched.offer([])
-            pool, out = frame_step(self.params, self._pool, observation, noise, requests, evict, self.bank,
-                                   num_steps=cfg.num_steps, tokens_per_frame=cfg.tokens_per_frame)
+            pool, out = frame_step(self.vla, self._pool, observation, noise, requests, evict, self.bank, states,
+                                   tokens_per_frame=cfg.tokens_per_frame)
             out = jax.device_get(out)
         self._pool = pool
         end = time.perf_counter()
-        if not np.isfinite(out.actions).all():
+        if not all(np.isfinite(a).all() for a in out.actions.values()):
             raise FloatingPointError(
                 f"frame {self._frame}: the model returned non-finite actions (NaN/inf); check the parameters "
                 "and the observation (images in [-1, 1], normalised state)")
@@ -348,7 +399,7 @@ class Engine:
             for t in self._sched.reset_live():
                 errors.append(FailedRequest(t.request_id, "decode state lost after a failed frame", t.owner))
             p = self._pool
-            self._pool = decode.init_pool(self.params, p.num_slots, p.prefix_len, p.max_new_tokens, p.prompt_len)
+            self._pool = self._new_pool(p.num_slots, p.prefix_len, p.max_new_tokens, p.prompt_len)
         return errors
 
     def _text(self, ticket: Ticket, tokens: list[int]) -> str:
@@ -391,8 +442,9 @@ class Engine:
             ))
         self._frame += 1
         return StepResult(
-            actions=np.asarray(out.actions), finished=finished, new_text=new_text, frame=frame,
+            actions=np.asarray(out.actions[self.vla.primary]), finished=finished, new_text=new_text, frame=frame,
             frame_ms=(end - start) * 1e3, batch=events.batch, queued=self._sched.num_queued, errors=errors,
+            head_actions={n: np.asarray(a) for n, a in out.actions.items()},
         )
 
     def requests_of(self, owner: object) -> list[int]:

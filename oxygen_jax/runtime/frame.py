@@ -1,42 +1,27 @@
-"""Per-frame programs and the four execution settings, all built from the same pure functions.
+"""Per-frame programs and the four execution settings, one family for every model (`runtime.vla.Vla`).
 
-Axes (`oxygen_jax.axes`): Fr frames, B observation rows (robots), Ha action horizon, Ad model
-action dim (32), Ns decode slots, Rq requests in a rollout table, J admissions per frame, M max new
-tokens; k = tokens_per_frame.
+Axes (`oxygen_jax.axes`): Fr frames, B observation rows (robots), Ha action horizon, Ad action dim,
+Ns decode slots, Rq requests in a rollout table, J admissions per frame, M max new tokens;
+k = tokens_per_frame.
 
 One control frame of the `continuous` setting (one compiled program, the pool donated):
 
-    observation ──prefill──► prefix KV ──denoise (num_steps, read-only)──► actions
-                                 │
-                                 └──admit this frame's requests (copy prefix rows into free slots,
-                                    run request prompts, sample token 0)
-    decode pool ─────────────────┴──k batched decode steps over all active slots──► release finished
+    inputs ──prefix (once)──► prefix ─┬─► head 1 (π0.5: "actions"): denoise, read-only ──► actions
+                                      ├─► head 2 ... (several heads: XR0, StarVLA, GR00T on one Qwen3-VL prefix)
+                                      └─► admit this frame's requests (copy prefix rows into free slots,
+                                          run request prompts, sample token 0)
+    decode pool ──────────────────────────k batched decode steps over all active slots──► release finished
 
-Settings (same params, observations, noise, requests and sampling policy):
+Settings (same model, inputs, noise, requests and sampling policy):
 
-* `isolated`   — actions program (prefill + denoise), then a text program with its own prefill that
-                 decodes the frame's requests to completion; sequential.
-* `shared_kv`  — one program: one prefill, denoise, and the frame's requests to completion.
+* `isolated`   — every head its own program (its own prefix pass keeping only its reads), then a text
+                 program with its own prefix pass that decodes the frame's requests to completion; sequential.
+* `parallel`   — those programs dispatched concurrently, one host thread each.
+* `shared_kv`  — one program: one prefix pass, every head, and the frame's requests to completion.
 * `continuous` — `frame_step` above: requests persist across frames, k tokens per frame.
-* `parallel`   — the isolated programs dispatched concurrently from two host threads.
 
-Models with several action heads on one backbone (`mot.ModelSpec`: e.g. XR0-, QwenPI_v3- and
-GR00T-style heads and the language decoder on one Qwen3-VL prefix) have the same four settings:
-
-* `isolated`   — every head its own program (its own prefix pass keeping only its reads, then its
-                 prepare + denoise: `mot.sample_all` of the single-head model), then the text's own
-                 prefix pass and its requests to completion (`mot_text_program`); sequential.
-* `parallel`   — those programs dispatched concurrently, one host thread each (`run_mot_parallel`).
-* `shared_kv`  — one prefix pass, every head, the frame's requests to completion (`mot_shared_kv_program`).
-* `continuous` — `mot_frame_step`, the fan-out frame:
-
-    inputs ──prefix pass (ViT + backbone, once; the union of the reads)──► PrefixOutputs ─┬─► head 1: prepare, denoise
-                                                                                          ├─► head 2: prepare, denoise
-                                                                                          ├─► ...
-    decode pool ── admit this frame's requests from the same prefix ── k-token burst ─────┴─► release finished
-
-A head's actions are bit-identical in all four (and to `mot.sample_all` of that head alone), with or
-without other heads and language requests in the frame (tested).
+A head's actions are bit-identical in all four (and to that head run alone), with or without other
+heads and language requests in the frame (tested).
 """
 
 from __future__ import annotations
@@ -49,15 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.runtime import compile_cache
-from oxygen_jax.runtime import decode
-from oxygen_jax.models import mot
-from oxygen_jax.runtime.decode import DecodePool, Requests
 from oxygen_jax.models.lora import LoraBank
-from oxygen_jax.models.pi05.model import denoise, prefill, sample_actions
-from oxygen_jax.models.mot import ModelParams, ModelSpec, PrefixInputs
-from oxygen_jax.models.pi05.observation import Observation
-from oxygen_jax.models.pi05.params import Params
+from oxygen_jax.runtime import compile_cache, decode
+from oxygen_jax.runtime.decode import DecodePool, Requests
+from oxygen_jax.runtime.vla import Vla
 
 SETTINGS = ("isolated", "parallel", "shared_kv", "continuous")
 """The four execution settings, baselines first (the one list every module uses)."""
@@ -72,8 +52,7 @@ class FrameOutput:
     """What one continuous-batching frame returns to the host (one transfer).
 
     Attributes:
-      actions: float32 [B, Ha, Ad]; for a model with several heads (`mot_frame_step`) a dict head
-        name -> float32 [B, Ha, Ad] of that head.
+      actions: head name -> float32 [B, Ha, Ad] of that head (π0.5: the one head "actions").
       admitted: bool [J] which of this frame's offered requests got a slot.
       request_id: int32 [Ns] the request each slot served this frame (-1 = none).
       new_tokens: int32 [Ns, 1 + k] tokens emitted this frame: column 0 is token 0 of a request
@@ -103,32 +82,38 @@ def _language(lm, pool, prefix, requests, tokens_per_frame, bank=None):
                       finished=released.done, num_generated=released.num_generated, batch=batch)
 
 
-def _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame, evict=None, bank=None):
+def _frame(vla: Vla, pool, inputs, noises, states, requests, tokens_per_frame, evict=None, bank=None):
     if evict is not None:
         pool = decode.evict(pool, evict)
-    # prefill and denoise never see the bank: actions and the prefix cache cannot depend on adapters.
-    cache = prefill(params, observation)
-    actions = denoise(params, cache, noise, num_steps)
-    pool, text = _language(params, pool, cache, requests, tokens_per_frame, bank)
+    # The prefix and the heads never see the bank: actions and the prefix cannot depend on adapters.
+    prefix = vla.prefix(inputs)
+    actions = vla.actions(prefix, noises, states)
+    pool, text = _language(vla.language(), pool, prefix, requests, tokens_per_frame, bank)
     return pool, FrameOutput(actions=actions, **text)
 
 
-@functools.partial(jax.jit, static_argnames=("num_steps", "tokens_per_frame"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("tokens_per_frame",), donate_argnames=("pool",))
 def frame_step(
-    params: Params, pool: DecodePool, observation: Observation, noise: jax.Array, requests: Requests,
-    evict: jax.Array | None = None, bank: LoraBank | None = None, *, num_steps: int, tokens_per_frame: int,
+    vla: Vla, pool: DecodePool, inputs, noises: dict[str, jax.Array], requests: Requests,
+    evict: jax.Array | None = None, bank: LoraBank | None = None, states: dict[str, jax.Array] | None = None, *,
+    tokens_per_frame: int,
 ) -> tuple[DecodePool, FrameOutput]:
-    """One control frame of continuous batching: prefill once, actions, admissions, k-token burst.
+    """One control frame of continuous batching: one prefix pass, every head, admissions, a k-token burst.
 
     Args:
+      vla: the model (`runtime.vla.Pi05(params, num_steps)` or `MultiHead(spec, params)`).
+      pool: a `decode.init_pool(vla.language(), ...)` pool; donated.
+      inputs: this frame's observation (`Observation` for π0.5, `mot.PrefixInputs` for a `ModelSpec`).
+      noises: head name -> noise [B, Ha, Ad]; exactly the model's heads.
       evict: optional bool [Ns]: slots to free before admitting (cancelled requests); pass an array
         every frame (all False when nothing is cancelled) so the program never changes.
-      bank: optional language adapters (`lora.LoraBank` of the VLM expert) for the requests' and
+      bank: optional language adapters (`lora.LoraBank` of the language decoder) for the requests' and
         slots' adapter ids; only admission and decoding read it.
+      states: head name -> robot state [B, Ds] for heads with a state token (None: no such head).
     Donates `pool`. Occupancy, arrivals, cancellations and finishing are array values: this compiles
-    once per (shapes, num_steps, tokens_per_frame).
+    once per (model spec, shapes, tokens_per_frame).
     """
-    return _frame(params, pool, observation, noise, requests, num_steps, tokens_per_frame, evict, bank)
+    return _frame(vla, pool, inputs, noises, states, requests, tokens_per_frame, evict, bank)
 
 
 @jax.tree_util.register_dataclass
@@ -184,34 +169,33 @@ class RolloutOutput:
     admitted_from: jax.Array
 
 
-@functools.partial(
-    jax.jit, static_argnames=("num_steps", "tokens_per_frame", "admissions_per_frame"), donate_argnames=("pool",)
-)
+@functools.partial(jax.jit, static_argnames=("tokens_per_frame", "admissions_per_frame"), donate_argnames=("pool",))
 def rollout(
-    params: Params, pool: DecodePool, observations: Observation, noise: jax.Array, table: RequestTable,
-    bank: LoraBank | None = None, *, num_steps: int, tokens_per_frame: int, admissions_per_frame: int,
+    vla: Vla, pool: DecodePool, inputs, noises: dict[str, jax.Array], table: RequestTable,
+    bank: LoraBank | None = None, states: dict[str, jax.Array] | None = None, *, tokens_per_frame: int,
+    admissions_per_frame: int,
 ) -> tuple[DecodePool, RolloutOutput]:
-    """`frame_step` scanned over F frames: one compile for the whole rollout.
+    """`frame_step` scanned over Fr frames: one compile for the whole rollout.
 
     Args:
-      observations: `Observation` with a leading frame axis [Fr, B, ...].
-      noise: [Fr, B, Ha, Ad].
+      inputs: the frames' observations with a leading frame axis [Fr, B, ...].
+      noises: head name -> [Fr, B, Ha, Ad]; states: head name -> [Fr, B, Ds] (or None).
       table: requests sorted by arrival; waiting requests queue (FIFO) until a slot is free and are
         then admitted with the observation of the frame that admits them.
     Returns:
       (pool, RolloutOutput with [Fr, ...] leaves).
     """
 
-    def body(carry, inputs):
+    def body(carry, xs):
         pool, next_req = carry
-        f, obs, nz = inputs
+        f, obs, nz, st = xs
         offered = _window(table, next_req, admissions_per_frame, f)
-        pool, out = _frame(params, pool, obs, nz, offered, num_steps, tokens_per_frame, bank=bank)
+        pool, out = _frame(vla, pool, obs, nz, st, offered, tokens_per_frame, bank=bank)
         return (pool, next_req + jnp.sum(out.admitted, dtype=jnp.int32)), (out, next_req)
 
-    frames = noise.shape[0]
+    frames = jax.tree.leaves(noises)[0].shape[0]
     (pool, _), (outs, starts) = jax.lax.scan(
-        body, (pool, jnp.int32(0)), (jnp.arange(frames, dtype=jnp.int32), observations, noise)
+        body, (pool, jnp.int32(0)), (jnp.arange(frames, dtype=jnp.int32), inputs, noises, states)
     )
     return pool, RolloutOutput(frames=outs, admitted_from=starts)
 
@@ -219,179 +203,85 @@ def rollout(
 # --- settings that decode each frame's requests to completion ------------------------------------
 
 
-def _text_to_completion(params, cache, requests: Requests, max_new_tokens: int, bank=None):
-    pool = decode.init_pool(params, requests.size, decode.prefix_length(cache), max_new_tokens, requests.prompt.shape[1])
-    pool, _, _ = decode.admit(params, pool, cache, requests, bank)
-    pool = decode.decode_to_completion(params, pool, bank)
+def _text_to_completion(lm, prefix, requests: Requests, max_new_tokens: int, bank=None):
+    pool = decode.init_pool(lm, requests.size, decode.prefix_length(prefix), max_new_tokens, requests.prompt.shape[1])
+    pool, _, _ = decode.admit(lm, pool, prefix, requests, bank)
+    pool = decode.decode_to_completion(lm, pool, bank)
     # Slots are filled in request order, so slot j holds request j.
     return pool.tokens, pool.num_generated
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens",))
-def text_program(params: Params, observation: Observation, requests: Requests, bank: LoraBank | None = None, *,
-                 max_new_tokens: int):
-    """Isolated text task: its own prefill, the requests decoded to completion.
+def text_program(vla: Vla, inputs, requests: Requests, bank: LoraBank | None = None, *, max_new_tokens: int):
+    """Isolated text task: its own prefix pass (keeping only what language reads), the requests to completion.
 
     Returns:
       (tokens int32 [J, M], num_generated int32 [J]); row j is request j.
     """
-    return _text_to_completion(params, prefill(params, observation), requests, max_new_tokens, bank)
+    text = vla.without_heads()
+    return _text_to_completion(text.language(), text.prefix(inputs), requests, max_new_tokens, bank)
 
 
-@functools.partial(jax.jit, static_argnames=("num_steps",))
-def action_program(params: Params, observation: Observation, noise: jax.Array, *, num_steps: int) -> jax.Array:
-    """Isolated action task: prefill + denoise."""
-    return sample_actions(params, observation, noise, num_steps)
-
-
-@functools.partial(jax.jit, static_argnames=("num_steps", "max_new_tokens"))
-def shared_kv_program(
-    params: Params, observation: Observation, noise: jax.Array, requests: Requests, bank: LoraBank | None = None, *,
-    num_steps: int, max_new_tokens: int,
-):
-    """Shared KV without batching: one prefill serves the actions and the text (to completion).
-
-    Returns:
-      (actions [B, Ha, Ad], tokens [J, M], num_generated [J]).
-    """
-    cache = prefill(params, observation)
-    actions = denoise(params, cache, noise, num_steps)
-    tokens, n = _text_to_completion(params, cache, requests, max_new_tokens, bank)
-    return actions, tokens, n
-
-
-_PARALLEL_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def run_parallel(params, observation, noise, requests, bank=None, *, num_steps: int, max_new_tokens: int):
-    """Action and text programs dispatched concurrently from two host threads; waits for both.
-
-    Returns:
-      (actions, tokens, num_generated), all on the host side as ready jax arrays.
-    """
-    global _PARALLEL_POOL
-    if _PARALLEL_POOL is None:
-        _PARALLEL_POOL = compile_cache.thread_pool(2, "oxygen-parallel")
-    act = _PARALLEL_POOL.submit(
-        lambda: jax.block_until_ready(action_program(params, observation, noise, num_steps=num_steps))
-    )
-    txt = _PARALLEL_POOL.submit(
-        lambda: jax.block_until_ready(text_program(params, observation, requests, bank, max_new_tokens=max_new_tokens))
-    )
-    tokens, n = txt.result()
-    return act.result(), tokens, n
-
-
-# --- models with several action heads on one prefix (mot.ModelSpec) ------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("tokens_per_frame",), donate_argnames=("pool",))
-def mot_frame_step(
-    params: ModelParams, spec: ModelSpec, pool: DecodePool, inputs: PrefixInputs, noises: dict[str, jax.Array],
-    states: dict[str, jax.Array], requests: Requests, evict: jax.Array | None = None, *, tokens_per_frame: int,
-) -> tuple[DecodePool, FrameOutput]:
-    """The fan-out frame: one prefix pass, every head of `spec`, then language admission and a k-token burst.
-
-    Args:
-      spec: the model (static): its heads and `language=True` (the pool reads every layer's K/V).
-      pool: a `decode.init_pool(mot.language_model(spec, params), ...)` pool; donated.
-      inputs: this frame's prompts and images (`mot.make_inputs`).
-      noises: head name -> noise [B, Ha, Ad] of that head; exactly the heads of `spec`.
-      states: head name -> robot state [B, Ds] for the heads with a state token ({} if none).
-      requests, evict: as in `frame_step`.
-    Returns:
-      (pool, `FrameOutput` with `actions` = head name -> float32 [B, Ha, Ad]). Compiles once per
-      (spec, shapes, tokens_per_frame); occupancy, arrivals and finishing are array values.
-    """
-    if not spec.language:
-        raise ValueError("mot_frame_step decodes language from the shared prefix: build the ModelSpec with language=True")
-    if evict is not None:
-        pool = decode.evict(pool, evict)
-    prefix = mot.prefix_pass(spec, params, inputs)
-    actions = mot.run_heads(spec, params, prefix, noises, states)
-    pool, text = _language(mot.language_model(spec, params), pool, prefix, requests, tokens_per_frame)
-    return pool, FrameOutput(actions=actions, **text)
-
-
-def _text_spec(spec: ModelSpec) -> ModelSpec:
-    """The language decoder alone on `spec`'s backbone: a prefix pass keeping K/V and the last hidden only."""
-    return spec.only(language=True)
+@functools.partial(jax.jit, static_argnames=("name",))
+def head_program(vla: Vla, name: str, inputs, noises: dict[str, jax.Array],
+                 states: dict[str, jax.Array] | None = None) -> jax.Array:
+    """Isolated action task of one head: the model holding only that head, its own prefix pass keeping only
+    its reads, then the head. Returns actions float32 [B, Ha, Ad]."""
+    alone = vla.only(name)
+    st = {name: states[name]} if states and name in states else None
+    return alone.actions(alone.prefix(inputs), {name: noises[name]}, st)[name]
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens",))
-def mot_text_program(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs, requests: Requests, *,
-                     max_new_tokens: int):
-    """Isolated text task of a multi-head model: its own prefix pass (no heads), the requests to completion.
-
-    Returns:
-      (tokens int32 [J, M], num_generated int32 [J]); row j is request j.
-    """
-    text = _text_spec(spec)
-    prefix = mot.prefix_pass(text, params, inputs)
-    return _text_to_completion(mot.language_model(text, params), prefix, requests, max_new_tokens)
-
-
-@functools.partial(jax.jit, static_argnames=("max_new_tokens",))
-def mot_shared_kv_program(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs, noises: dict[str, jax.Array],
-                          states: dict[str, jax.Array], requests: Requests, *, max_new_tokens: int):
-    """Shared KV without batching for a multi-head model: one prefix pass, every head, the text to completion.
+def shared_kv_program(vla: Vla, inputs, noises: dict[str, jax.Array], requests: Requests,
+                      bank: LoraBank | None = None, states: dict[str, jax.Array] | None = None, *,
+                      max_new_tokens: int):
+    """Shared KV without batching: one prefix pass serves every head and the text (to completion).
 
     Returns:
       (actions: head name -> [B, Ha, Ad], tokens [J, M], num_generated [J]).
     """
-    if not spec.language:
-        raise ValueError("mot_shared_kv_program decodes language from the shared prefix: build the ModelSpec with language=True")
-    prefix = mot.prefix_pass(spec, params, inputs)
-    actions = mot.run_heads(spec, params, prefix, noises, states)
-    tokens, n = _text_to_completion(mot.language_model(spec, params), prefix, requests, max_new_tokens)
+    prefix = vla.prefix(inputs)
+    actions = vla.actions(prefix, noises, states)
+    tokens, n = _text_to_completion(vla.language(), prefix, requests, max_new_tokens, bank)
     return actions, tokens, n
 
 
-def mot_head_program(params: ModelParams, spec: ModelSpec, name: str, inputs: PrefixInputs, noises: dict[str, jax.Array],
-                     states: dict[str, jax.Array]) -> jax.Array:
-    """Isolated action task of one head: `mot.sample_all` of the model holding only that head (its own
-    prefix pass keeping only its reads). Returns actions [B, Ha, Ad]."""
-    alone = {name: states[name]} if name in states else {}
-    return mot.sample_all(params.only(name), spec.only(name), inputs, {name: noises[name]}, alone)[name]
-
-
-def _mot_isolated_calls(params, spec, inputs, noises, states, requests, max_new_tokens):
-    heads = [functools.partial(mot_head_program, params, spec, n, inputs, noises, states) for n in spec.names]
+def _isolated_calls(vla: Vla, inputs, noises, requests, bank, states, max_new_tokens):
+    heads = [functools.partial(head_program, vla, n, inputs, noises, states) for n in vla.heads]
     text = None
-    if spec.language and requests is not None:
-        text = functools.partial(mot_text_program, params.only(), spec, inputs, requests, max_new_tokens=max_new_tokens)
+    if vla.has_language and requests is not None:
+        text = functools.partial(text_program, vla, inputs, requests, bank, max_new_tokens=max_new_tokens)
     return heads, text
 
 
-def run_mot_isolated(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs, noises, states, requests=None, *,
-                     max_new_tokens: int):
+def run_isolated(vla: Vla, inputs, noises, requests=None, bank=None, states=None, *, max_new_tokens: int):
     """Every head's own program, then the text's own program, one after the other (each waited for).
 
     Returns:
       (actions: head name -> [B, Ha, Ad], tokens [J, M] or None, num_generated [J] or None).
     """
-    heads, text = _mot_isolated_calls(params, spec, inputs, noises, states, requests, max_new_tokens)
-    actions = {n: jax.block_until_ready(call()) for n, call in zip(spec.names, heads)}
+    heads, text = _isolated_calls(vla, inputs, noises, requests, bank, states, max_new_tokens)
+    actions = {n: jax.block_until_ready(call()) for n, call in zip(vla.heads, heads)}
     tokens, n = jax.block_until_ready(text()) if text is not None else (None, None)
     return actions, tokens, n
 
 
-_MOT_THREADS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by number of programs
+_THREADS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by number of programs
 
 
-def run_mot_parallel(params: ModelParams, spec: ModelSpec, inputs: PrefixInputs, noises, states, requests=None, *,
-                     max_new_tokens: int):
+def run_parallel(vla: Vla, inputs, noises, requests=None, bank=None, states=None, *, max_new_tokens: int):
     """The isolated programs dispatched concurrently, one host thread per program; waits for all.
 
     Returns:
-      as `run_mot_isolated`.
+      as `run_isolated`.
     """
-    heads, text = _mot_isolated_calls(params, spec, inputs, noises, states, requests, max_new_tokens)
+    heads, text = _isolated_calls(vla, inputs, noises, requests, bank, states, max_new_tokens)
     calls = heads + ([text] if text is not None else [])
-    threads = _MOT_THREADS.get(len(calls))
+    threads = _THREADS.get(len(calls))
     if threads is None:
-        threads = _MOT_THREADS[len(calls)] = compile_cache.thread_pool(len(calls), "oxygen-mot")
+        threads = _THREADS[len(calls)] = compile_cache.thread_pool(len(calls), "oxygen-settings")
     futures = [threads.submit(lambda c=c: jax.block_until_ready(c())) for c in calls]
-    actions = {n: f.result() for n, f in zip(spec.names, futures)}
+    actions = {n: f.result() for n, f in zip(vla.heads, futures)}
     tokens, n = futures[-1].result() if text is not None else (None, None)
     return actions, tokens, n

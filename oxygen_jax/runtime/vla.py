@@ -1,0 +1,182 @@
+"""What the runtime drives: a vision-language-action model as one prefix pass, named action heads and a
+language decoder that continues the same prefix.
+
+Every program of `runtime.frame`, `Engine` and the server take a `Vla` and call only the methods below,
+so any model family runs through one frame program, one engine and one server:
+
+    inputs ──prefix(inputs)──► prefix ─┬─► actions(prefix, noises, states): head name -> [B, Ha, Ad]
+                                       └─► language(): the decoder the slot pool admits from the prefix
+
+Two kinds:
+
+* `Pi05(params, num_steps)`: π0.5 (SigLIP + Gemma VLM expert prefill; one head, "actions", the flow-matching
+  action expert reading every layer's K/V; the VLM expert is the language decoder). Inputs: `Observation`.
+* `MultiHead(spec, params)`: a backbone with several heads and optionally a language decoder
+  (`models.mot.ModelSpec`: Qwen3 / Qwen3-VL with XR0-, StarVLA- and GR00T-style heads). Inputs:
+  `mot.PrefixInputs`.
+
+Both are registered pytrees: the weights are leaves, the spec and step count static, so a `Vla` is passed
+to jitted programs like any params tree and compiles once per (spec, shapes).
+
+Axes (`oxygen_jax.axes`): B batch rows, Ha action horizon, Ad action dim, Ds state dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from oxygen_jax.models import mot
+from oxygen_jax.models.mot import ModelParams, ModelSpec, PrefixInputs
+from oxygen_jax.models.pi05 import model as pi05_model
+from oxygen_jax.models.pi05.observation import Observation, validate_observation
+from oxygen_jax.models.pi05.params import Params
+
+_STATIC = dict(static=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pi05:
+    """π0.5 as the runtime sees it: one head named "actions" and the VLM expert as the language decoder."""
+
+    params: Params
+    num_steps: int = dataclasses.field(default=10, metadata=_STATIC)
+
+    HEAD = "actions"
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        return (self.HEAD,)
+
+    @property
+    def primary(self) -> str:
+        return self.HEAD
+
+    @property
+    def vocab_size(self) -> int:
+        return self.params.config.vocab_size
+
+    @property
+    def has_language(self) -> bool:
+        return True
+
+    def action_shape(self, name: str, horizon: int) -> tuple[int, int]:
+        """(Ha, Ad) of a head's chunk; π0.5's horizon is the caller's choice (the expert is position-free)."""
+        return (horizon, self.params.config.action_dim)
+
+    def state_dims(self) -> dict[str, int]:
+        """Heads that read a robot state vector -> Ds (π0.5 reads its state as prompt tokens: none)."""
+        return {}
+
+    def check_inputs(self, inputs) -> None:
+        validate_observation(inputs, self.params.config)
+
+    def batch_size(self, inputs: Observation) -> int:
+        return inputs.batch_size
+
+    def shape_key(self, inputs: Observation) -> tuple:
+        """What fixes the prefix length: the camera count and the prompt length (bucket)."""
+        return (inputs.num_cameras, inputs.tokens.shape[1])
+
+    def prefix(self, inputs: Observation):
+        return pi05_model.prefill(self.params, inputs)
+
+    def actions(self, prefix, noises: dict[str, jax.Array], states: dict[str, jax.Array] | None = None):
+        return {self.HEAD: pi05_model.denoise(self.params, prefix, noises[self.HEAD], self.num_steps)}
+
+    def language(self) -> Params:
+        return self.params
+
+    def only(self, *names: str, language: bool = False) -> Pi05:
+        """π0.5's prefix serves its head and its language alike: every subset runs the same prefill."""
+        return self
+
+    def without_heads(self) -> Pi05:
+        return self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MultiHead:
+    """A `ModelSpec` with its weights: the backbone's prefix pass keeps the union of what every reader needs."""
+
+    params: ModelParams
+    spec: ModelSpec = dataclasses.field(metadata=_STATIC)
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        return self.spec.names
+
+    @property
+    def primary(self) -> str:
+        """The first head: its chunk is what a robot executes (the others are returned beside it)."""
+        if not self.spec.heads:
+            raise ValueError("this model has no action head")
+        return self.spec.names[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.backbone.vocab_size
+
+    @property
+    def has_language(self) -> bool:
+        return self.spec.language
+
+    def action_shape(self, name: str, horizon: int | None = None) -> tuple[int, int]:
+        """(Ha, Ad) of a head's chunk: fixed by the head (`horizon` is ignored)."""
+        h = self.spec.head(name)
+        return (h.horizon, h.action_dim)
+
+    def state_dims(self) -> dict[str, int]:
+        return {h.name: h.state_dim for h in self.spec.heads if "state" in h.extra_tokens}
+
+    def check_inputs(self, inputs) -> None:
+        if not isinstance(inputs, PrefixInputs):
+            raise ValueError(f"a {type(self).__name__} model takes mot.PrefixInputs (mot.make_inputs), got {type(inputs).__name__}")
+        ids, mask = inputs.input_ids, inputs.input_mask
+        if ids.ndim != 2 or mask.shape != ids.shape:
+            raise ValueError(f"input_ids and input_mask must both be [B, P], got {ids.shape} and {mask.shape}")
+        if not isinstance(ids, jax.core.Tracer):
+            host = np.asarray(ids)
+            if host.size and (host.min() < 0 or host.max() >= self.vocab_size):
+                raise ValueError(f"input_ids must lie in [0, {self.vocab_size}), got [{host.min()}, {host.max()}]")
+
+    def batch_size(self, inputs: PrefixInputs) -> int:
+        return inputs.input_ids.shape[0]
+
+    def shape_key(self, inputs: PrefixInputs) -> tuple:
+        return (inputs.input_ids.shape[1], inputs.grid)
+
+    def prefix(self, inputs: PrefixInputs):
+        return mot.prefix_pass(self.spec, self.params, inputs)
+
+    def actions(self, prefix, noises: dict[str, jax.Array], states: dict[str, jax.Array] | None = None):
+        return mot.run_heads(self.spec, self.params, prefix, noises, states)
+
+    def language(self):
+        if not self.spec.language:
+            raise ValueError("this model has no language decoder: build its ModelSpec with language=True")
+        return mot.language_model(self.spec, self.params)
+
+    def only(self, *names: str, language: bool = False) -> MultiHead:
+        """The model with only the named heads (their weights and reads), with or without language."""
+        return MultiHead(self.params.only(*names), self.spec.only(*names, language=language))
+
+    def without_heads(self) -> MultiHead:
+        """The language decoder alone: a prefix pass keeping K/V and the last hidden state only."""
+        return self.only(language=True)
+
+
+Vla = Pi05 | MultiHead
+
+
+def as_vla(model, num_steps: int = 10) -> Vla:
+    """A `Vla` from π0.5 `Params` (with `num_steps` denoising steps), or a `Vla` unchanged."""
+    if isinstance(model, (Pi05, MultiHead)):
+        return model
+    if isinstance(model, Params):
+        return Pi05(model, num_steps)
+    raise ValueError(f"expected π0.5 Params, runtime.vla.Pi05 or runtime.vla.MultiHead(spec, params), got {type(model).__name__}")
