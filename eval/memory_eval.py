@@ -6,7 +6,7 @@ Reports (JSON + markdown):
 
 * exact match of the greedy answers (normalised: strip, collapse whitespace, case-fold, trailing period
   optional), decoded by `oxygen_jax.runtime.engine.Engine` with the adapter (one control frame per batch);
-* teacher-forced token accuracy and loss on the answer tokens (`training.memory_lora.suffix_logits`);
+* teacher-forced token accuracy and loss on the answer tokens (`training.memory.model.suffix_logits`);
 * baselines: the majority label of the training split, the majority label per task instruction (the
   instruction is in the prefix, so a model could reach it without looking), the best constant answer per
   instruction chosen on the evaluated frames' own labels (an upper bound for any image-blind answer), and
@@ -30,18 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME
+from oxygen_jax.demo import normalize_answer
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05.params import Params
+from training.memory.data import TextTask, fixed_batches
+from training.memory.evaluate import engine_answers
+from training.memory.model import answer_loss, teacher_forced_logits
 from training.memory_data import frame_texts  # text fields only: no image decoding
-from training.memory_lora import (
-    DEFAULT_ADAPTER_NAME,
-    TextTask,
-    answer_loss,
-    engine_answers,
-    fixed_batches,
-    normalize_answer,
-    teacher_forced_logits,
-)
 
 OTHER = "(other)"
 
@@ -228,7 +224,7 @@ def _parser() -> argparse.ArgumentParser:
                     "adapter on/off/zeroed (must be exactly 0).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--base", type=Path, required=True, help="base checkpoint (oxygen_jax checkpoint.save_params dir)")
-    p.add_argument("--adapter", type=Path, required=True, help="adapter directory (training.memory_lora.save_adapter)")
+    p.add_argument("--adapter", type=Path, required=True, help="adapter directory (oxygen_jax.ckpts.adapters.save_adapter)")
     p.add_argument("--data", type=Path, required=True, help="memory dataset version folder")
     p.add_argument("--split", default="heldout")
     p.add_argument("--train-split", default="train", help="split for the majority baselines ('' to skip)")
@@ -243,26 +239,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _find_tokenizer(args):
+    from oxygen_jax.ckpts.load import find_tokenizer
     from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 
     if args.tokenizer is not None:
         return Tokenizer.from_file(args.tokenizer)
-    for cand in (args.base.parent / "tokenizer.model", args.adapter.parent / "tokenizer.model"):
-        if cand.is_file():
-            return Tokenizer.from_file(cand)
-    return train_demo_tokenizer()
+    found = find_tokenizer(args.base, args.adapter)
+    return Tokenizer.from_file(found) if found else train_demo_tokenizer()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from oxygen_jax.ckpts import checkpoint
+    from oxygen_jax.ckpts import own
+    from oxygen_jax.ckpts.adapters import load_adapter
     from oxygen_jax.models.pi05.config import robot_config
     from oxygen_jax.models.pi05.params import for_backend
+    from training.memory.config import DEMO_PROMPT_LEN
     from training.memory_data import open_memory_dataset
-    from training.memory_lora import DEMO_PROMPT_LEN, load_adapter
 
     try:
-        cfg, params = checkpoint.restore_params(args.base)
+        cfg, params = own.restore_params(args.base)
         adapter, meta = load_adapter(args.adapter, cfg, base=args.base)
         source = open_memory_dataset(args.data, args.split)
         train_source = open_memory_dataset(args.data, args.train_split) if args.train_split else None

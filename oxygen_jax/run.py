@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                    help="openpi's bidirectional prompt, or OxyGen's causal variant")
     m.add_argument("--tokenizer", type=existing("file"),
-                   help="PaliGemma SentencePiece model (default: a tiny demo tokenizer trained offline)")
+                   help="PaliGemma SentencePiece model (default: tokenizer.model beside --ckpt, else a tiny demo "
+                        "tokenizer trained offline)")
     r = ap.add_argument_group("loop")
     r.add_argument("--frames", type=int_at_least(1), default=16, help="control frames to run (default: 16)")
     r.add_argument("--steps", type=int_at_least(1), default=10, help="denoising steps per action chunk (default: 10)")
@@ -86,19 +87,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _load(args):
-    """(config, params, norm_stats, what) from --ckpt or the preset; errors as ValueError/OSError."""
-    from oxygen_jax.ckpts import checkpoint
-    from oxygen_jax.models.pi05.config import model_config
-    from oxygen_jax.models.pi05.params import init_params
-
-    if args.ckpt is None:
-        cfg = model_config(args.preset, dtype=args.dtype, prompt_attention=args.prompt_attention)
-        return cfg, init_params(cfg, args.seed), None, f"random '{args.preset}' weights"
-    cfg, params, kind = checkpoint.load_params(args.ckpt, dtype=args.dtype, prompt_attention=args.prompt_attention)
-    return cfg, params, checkpoint.load_openpi_norm_stats(args.ckpt), f"{kind} {args.ckpt}"
-
-
 _ACTION_NAMES = {
     "libero": "dx dy dz droll dpitch dyaw grip",
     "droid": "7 joint velocities + gripper",
@@ -121,17 +109,18 @@ def main(argv=None) -> int:
 
     import jax
 
+    from oxygen_jax.ckpts.load import load_model
     from oxygen_jax.runtime import compile_cache
     from oxygen_jax.robots import transforms
     from oxygen_jax.models.pi05.config import EOS_ID, robot_config
     from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
-    from oxygen_jax.models.pi05.params import for_backend, param_count
+    from oxygen_jax.models.pi05.params import param_count
     from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 
     cache = None if args.no_cache else compile_cache.enable(args.cache_dir)
     bank, adapter_names, adapter, truths = None, (), 0, None
     if demo_mode:
-        from training.memory_lora import DEMO_DIR, load_demo, normalize_answer
+        from oxygen_jax.demo import DEMO_DIR, load_demo, normalize_answer
 
         try:
             demo = load_demo(args.demo or DEMO_DIR)
@@ -144,18 +133,20 @@ def main(argv=None) -> int:
         what = f"embedded demo ({args.demo or DEMO_DIR}), adapter {adapter!r}"
     else:
         robot = robot_config(args.robot)
-        try:
-            tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else train_demo_tokenizer()
-        except (ValueError, OSError) as e:
-            return _fail(f"--tokenizer {args.tokenizer}: {e}")
-        try:
-            cfg, params, norm_stats, what = _load(args)
+        try:  # params laid out for the backend: unrolled layer loop on CPU, scanned on accelerators
+            model = load_model(args.ckpt, preset=None if args.ckpt else args.preset, family="pi05", dtype=args.dtype,
+                               prompt_attention=args.prompt_attention, seed=args.seed)
         except (ValueError, OSError) as e:
             return _fail(f"--ckpt {args.ckpt}: {str(e).splitlines()[0]}")
+        cfg, params, norm_stats, what = model.config, model.params, model.norm_stats, model.what
+        tok_file = args.tokenizer or model.tokenizer  # else the one found beside the checkpoint
+        try:
+            tok = Tokenizer.from_file(tok_file) if tok_file else train_demo_tokenizer()
+        except (ValueError, OSError) as e:
+            return _fail(f"--tokenizer {tok_file}: {e}")
         if tok.vocab_size > cfg.vocab_size:
             return _fail(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}; "
                          "pass the tokenizer the model was trained with (--tokenizer)")
-        params = for_backend(params)  # unrolled layer loop on CPU, scanned on accelerators
         prompt, max_new = args.prompt if args.prompt is not None else "Subtask: ", args.max_new_tokens or 12
         rng = np.random.default_rng(args.seed)
         samples = None

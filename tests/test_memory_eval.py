@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from eval.memory_eval import OTHER, label_metrics, main, majority, to_markdown, zeroed_bank
-from oxygen_jax.ckpts import checkpoint
+from oxygen_jax.ckpts import own
+from oxygen_jax.ckpts.adapters import save_adapter
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05.params import for_backend
-from training.memory_data import write_memory_dataset
-from training.memory_lora import save_adapter
+from training.memory_data import MEMORY_PROMPT, write_memory_dataset
 from training.synthetic_memory import SyntheticMemoryConfig, all_labels, synthetic_splits
 
 REFS = ["Done: nothing.", "Done: red block in basket.", "Done: red block in basket.", "Done: blue block on plate."]
@@ -54,13 +54,13 @@ def run_cli(tiny_params, tmp_path_factory):
     frames = synthetic_splits(SyntheticMemoryConfig(image_size=56, num_inits=5, num_train_inits=4))
     data = write_memory_dataset(root / "data", frames, image_size=56, name="synthetic_memory")
     params = for_backend(tiny_params)
-    base = checkpoint.save_params(root / "base", params)
+    base = own.save_params(root / "base", params)
     bank = lora.init_bank(params.config, 1, rank=4, seed=1)
     rng = np.random.default_rng(0)
     bank = jax.tree_util.tree_map_with_path(
         lambda path, x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)
         if getattr(path[-1], "name", None) == "b" else x, bank)
-    adapter = save_adapter(root / "adapter", bank.adapter(1), base=base,
+    adapter = save_adapter(root / "adapter", bank.adapter(1), prompt=MEMORY_PROMPT, base=base,
                            extra={"label_key": "memory", "suffix_len": 40, "prompt_len": 48})
     out = root / "report"
     rc = main(["--base", str(base), "--adapter", str(adapter), "--data", str(data), "--out", str(out),

@@ -17,31 +17,21 @@ import numpy as np
 import pytest
 
 from helpers import REPO
-from oxygen_jax.ckpts import checkpoint
+from oxygen_jax.ckpts import own
+from oxygen_jax.ckpts.adapters import load_adapter, load_bank, save_adapter
 from oxygen_jax.runtime import decode
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.config import robot_config
 from oxygen_jax.models.pi05.params import for_backend
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
+from training.memory.__main__ import main
+from training.memory.config import TrainConfig
+from training.memory.data import TextTask, augment_frame
+from training.memory.evaluate import greedy_exact_match
+from training.memory.loop import StateCheckpoints, train
+from training.memory.model import make_mesh, teacher_forced_logits, with_base_trainable
 from training.memory_data import open_memory_dataset, write_memory_dataset
-from training.memory_lora import (
-    StateCheckpoints,
-    TextTask,
-    TrainConfig,
-    augment_frame,
-    greedy_exact_match,
-    load_adapter,
-    load_bank,
-    main,
-    make_mesh,
-    normalize_answer,
-    save_adapter,
-    teacher_forced_logits,
-    train,
-    train_text_tokenizer,
-    with_base_trainable,
-)
 from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
 
 PROMPT_LEN, SUFFIX_LEN, BATCH = 48, 40, 8
@@ -151,7 +141,7 @@ def test_base_pretraining_updates_vlm_siglip_and_embedding_never_the_action_expe
 
 def test_cli_kill_and_resume_is_bit_identical_to_a_straight_run(params, dataset, straight, tmp_path, capsys):
     final = jax.device_get(straight["result"].state)
-    base = checkpoint.save_params(tmp_path / "base", params)
+    base = own.save_params(tmp_path / "base", params)
     out = tmp_path / "run"
     flags = ["--data", str(dataset), "--out", str(out), "--base", str(base), "--checkpoint-every", "30", *CLI_FLAGS]
     assert main(flags + ["--stop-at", "30"]) == 0  # "killed" after step 30, just after its checkpoint
@@ -174,7 +164,7 @@ def test_cli_kill_and_resume_is_bit_identical_to_a_straight_run(params, dataset,
 
 def test_saved_adapters_that_do_not_fit_fail_naming_every_leaf(params, tmp_path):
     bank = _trained_looking_bank(params)
-    path = save_adapter(tmp_path / "a", bank.adapter(1), name="memory")
+    path = save_adapter(tmp_path / "a", bank.adapter(1), name="memory", prompt="Memory: ")
     loaded, names = load_bank([path], params.config)
     assert names == ("memory",) and _tree_equal(loaded, bank)
 
@@ -183,7 +173,8 @@ def test_saved_adapters_that_do_not_fit_fail_naming_every_leaf(params, tmp_path)
         load_adapter(path, wide)
     assert "kv_einsum/lora_a" in str(err.value) and "gating_einsum_lora_a" in str(err.value)
 
-    other = save_adapter(tmp_path / "b", lora.init_bank(params.config, 1, rank=8).adapter(1), name="narrate")
+    other = save_adapter(tmp_path / "b", lora.init_bank(params.config, 1, rank=8).adapter(1), name="narrate",
+                         prompt="Narrate: ")
     with pytest.raises(ValueError, match=r"(?s)adapter 1 \(id 2\) does not match.*q\.a: expected"):
         load_bank([path, other], params.config)
 
@@ -195,10 +186,10 @@ def test_saved_adapters_that_do_not_fit_fail_naming_every_leaf(params, tmp_path)
 
 
 def test_base_fingerprint_mismatch_is_an_error(params, tmp_path):
-    base_a = checkpoint.save_params(tmp_path / "base_a", params)
+    base_a = own.save_params(tmp_path / "base_a", params)
     shifted = params.replace(embedding=params.embedding + 1.0)
-    base_b = checkpoint.save_params(tmp_path / "base_b", shifted)
-    path = save_adapter(tmp_path / "a", _trained_looking_bank(params).adapter(1), base=base_a)
+    base_b = own.save_params(tmp_path / "base_b", shifted)
+    path = save_adapter(tmp_path / "a", _trained_looking_bank(params).adapter(1), prompt="Memory: ", base=base_a)
     load_adapter(path, params.config, base=base_a)
     with pytest.raises(ValueError, match="was trained on base .*base_a.*other weights"):
         load_adapter(path, params.config, base=base_b)
@@ -216,16 +207,6 @@ def test_augmentation_is_a_pure_function_of_the_draw_and_only_shifts_and_scales(
     assert np.all(np.diff(cols) >= 0)  # a shifted (edge-padded) copy of the ramp, not a scramble
     with pytest.raises(ValueError, match="augment must be in"):
         TrainConfig(augment=0.6)
-
-
-def test_task_tokenizer_is_deterministic_and_makes_labels_short():
-    texts = ["Memory: ", "Scene: ", "put the red block in the basket", "Done: red block in basket.", "Done: nothing."]
-    tok = train_text_tokenizer(texts, 300)
-    assert tok.to_bytes() == train_text_tokenizer(texts, 300).to_bytes()
-    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
-    label = "Done: red block in basket."
-    assert tok.decode(tok.encode(label)) == label and len(tok.encode(label)) < len(train_demo_tokenizer().encode(label))
-    assert tok.decode(tok.encode("unseen: ünïcode")) == "unseen: ünïcode"  # byte fallback
 
 
 def test_cli_rejects_an_adapter_run_without_a_base_in_one_line(tmp_path, capsys):
@@ -247,12 +228,6 @@ def test_cli_rejects_a_bad_flag_by_name_in_one_line_before_loading_anything(tmp_
     assert err.count("\n") == 0 and expected in err
     assert not (tmp_path / "o").exists()  # nothing created
 
-def test_answers_are_compared_after_normalisation():
-    assert normalize_answer("  Done:  red block in basket. ") == "done: red block in basket"
-    assert normalize_answer("done: red block in basket") == normalize_answer("Done: red block in basket.")
-    assert normalize_answer("Done: nothing..") == "done: nothing."  # one trailing period only
-    assert normalize_answer("Done: red") != normalize_answer("Done: blue")
-
 
 _DATA_PARALLEL = textwrap.dedent("""
     import json, sys
@@ -261,7 +236,10 @@ _DATA_PARALLEL = textwrap.dedent("""
     from oxygen_jax.models.pi05.params import for_backend, init_params
     from oxygen_jax.robots.tokenizer import train_demo_tokenizer
     from training.memory_data import open_memory_dataset
-    from training.memory_lora import TextTask, TrainConfig, make_mesh, train
+    from training.memory.config import TrainConfig
+    from training.memory.data import TextTask
+    from training.memory.loop import train
+    from training.memory.model import make_mesh
 
     assert jax.device_count() == 8, jax.devices()
     dataset, prompt_len, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -292,17 +270,3 @@ def test_data_parallel_over_8_simulated_devices_matches_one_device(params, task,
     for i, x in enumerate(leaves):  # bank and Adam state after two steps: float32 summation order aside
         np.testing.assert_allclose(eight[f"arr_{i}"], x, rtol=1e-4, atol=1e-6 * scale, err_msg=f"leaf {i}")
 
-
-def test_embedded_demo_loads_verified_and_fits_in_15_mb():
-    from training.memory_lora import DEMO_DIR, load_demo
-
-    if not (DEMO_DIR / "demo.json").is_file():
-        pytest.skip(f"no embedded demo at {DEMO_DIR}")
-    size = sum(f.stat().st_size for f in DEMO_DIR.rglob("*") if f.is_file())
-    assert size <= 15e6, f"checkpoints/demo holds {size / 1e6:.1f} MB"
-    demo = load_demo()  # restore_params verifies every array against its SHA-256, load_adapter every LoRA leaf
-    assert demo.adapter_names == ("memory",) and demo.prompt == "Memory: "
-    assert demo.tokenizer.vocab_size <= demo.config.vocab_size
-    assert len(demo.frames) >= 8 and all(f["memory"].startswith("Done: ") for f in demo.frames)
-    for f in demo.frames:  # LIBERO client images (make_observation resizes them to the model's side)
-        assert f["image"].dtype == np.uint8 and f["image"].ndim == 3 and f["wrist_image"].shape == f["image"].shape

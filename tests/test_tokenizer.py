@@ -6,6 +6,7 @@ import pytest
 from oxygen_jax.robots import tokenizer as tk
 from oxygen_jax.robots.tokenizer import (
     StreamDetokenizer, Tokenizer, discretize_state, encode_suffix_prompt, format_text_prompt, tokenize_action_prompt, tokenize_text_prompt, train_demo_tokenizer,
+    train_text_tokenizer,
 )
 
 
@@ -50,6 +51,16 @@ def test_from_file_loads_a_written_model(tok, tmp_path):
     path = tmp_path / "demo.model"
     path.write_bytes(tok.to_bytes())
     assert Tokenizer.from_file(path).vocab_size == tok.vocab_size
+
+
+def test_task_tokenizer_is_deterministic_and_makes_labels_short():
+    texts = ["Memory: ", "Scene: ", "put the red block in the basket", "Done: red block in basket.", "Done: nothing."]
+    tok = train_text_tokenizer(texts, 300)
+    assert tok.to_bytes() == train_text_tokenizer(texts, 300).to_bytes()
+    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+    label = "Done: red block in basket."
+    assert tok.decode(tok.encode(label)) == label and len(tok.encode(label)) < len(train_demo_tokenizer().encode(label))
+    assert tok.decode(tok.encode("unseen: ünïcode")) == "unseen: ünïcode"  # byte fallback
 
 
 # --- encode / decode ------------------------------------------------------------------------------

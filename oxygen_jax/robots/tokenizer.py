@@ -4,7 +4,8 @@ Axes: T prompt tokens (`max_len`, the robot's `max_token_len`). Everything here 
 
 Special ids follow the Gemma/PaliGemma layout: pad 0, eos 1, bos 2, unk 3. The real model file is
 `gs://big_vision/paligemma_tokenizer.model` (257,152 pieces); it is never downloaded here. Tests and
-demo runs use `train_demo_tokenizer()`, a tiny BPE model with the same id layout trained in memory.
+demo runs use `train_demo_tokenizer()`, a tiny BPE model with the same id layout trained in memory;
+`train_text_tokenizer(texts)` trains one the same way on a task's own texts (the embedded demo's).
 
 Prompt formats (`max_len` = 200 for openpi configs, 100 for OxyGen's):
 
@@ -127,8 +128,11 @@ class Tokenizer:
 
 
 # -------------------------------------------------------------------------------------------------
-# Demo tokenizer (tests, demos without the real model file)
+# Trained tokenizers: the built-in demo one (tests, demos without the real model file) and one trained on
+# a task's own texts
 # -------------------------------------------------------------------------------------------------
+
+MIN_TRAINED_VOCAB = 300  # a trained BPE needs its 256 byte pieces, the characters and the specials
 
 _DEMO_TASKS = (
     "pick up the red cup", "pick the red cup", "put the bowl on the plate", "open the top drawer",
@@ -163,11 +167,17 @@ def _demo_corpus() -> list[str]:
     return lines
 
 
-@functools.lru_cache(maxsize=8)
-def _demo_model_proto(vocab_size: int) -> bytes:
+def _check_vocab(vocab_size: int) -> None:
+    if vocab_size < MIN_TRAINED_VOCAB:
+        raise ValueError(f"vocab_size must be >= {MIN_TRAINED_VOCAB} (256 byte pieces + characters + specials), "
+                         f"got {vocab_size}")
+
+
+def _train_bpe(lines: Sequence[str], vocab_size: int) -> bytes:
+    """A BPE model proto trained in memory on `lines`, PaliGemma's id layout, deterministic."""
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_demo_corpus()),
+        sentence_iterator=iter(lines),
         model_writer=buf,
         vocab_size=vocab_size,
         model_type="bpe",
@@ -180,12 +190,17 @@ def _demo_model_proto(vocab_size: int) -> bytes:
         split_digits=True,
         byte_fallback=True,  # any UTF-8 text round-trips
         character_coverage=1.0,
-        hard_vocab_limit=False,  # the corpus is tiny; let the trainer stop early
+        hard_vocab_limit=False,  # a small corpus may run out of merges first; let the trainer stop early
         num_threads=1,  # deterministic
         shuffle_input_sentence=False,
         minloglevel=2,
     )
     return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=8)
+def _demo_model_proto(vocab_size: int) -> bytes:
+    return _train_bpe(_demo_corpus(), vocab_size)
 
 
 def train_demo_tokenizer(vocab_size: int = 400) -> Tokenizer:
@@ -194,9 +209,22 @@ def train_demo_tokenizer(vocab_size: int = 400) -> Tokenizer:
     pad 0, eos 1, bos 2, unk 3; identity normalisation, whitespace kept, byte fallback. The result has
     at most `vocab_size` pieces (fewer if the built-in corpus runs out of merges). Cached per size.
     """
-    if vocab_size < 300:
-        raise ValueError(f"vocab_size must be >= 300 (256 byte pieces + characters + specials), got {vocab_size}")
+    _check_vocab(vocab_size)
     return Tokenizer.from_bytes(_demo_model_proto(vocab_size))
+
+
+def train_text_tokenizer(texts: Sequence[str], vocab_size: int = 640) -> Tokenizer:
+    """A BPE tokenizer with PaliGemma's id layout (pad 0, eos 1, bos 2, unk 3), trained in memory on `texts`.
+
+    The options of `train_demo_tokenizer` (identity normalisation, whitespace kept, split digits, byte
+    fallback: any text round-trips), deterministic (one thread, unshuffled input). Trained on a task's own
+    labels and instructions, its pieces are whole words, so labels are short token sequences.
+    """
+    _check_vocab(vocab_size)
+    lines = [t for t in texts if t]
+    if not lines:
+        raise ValueError("train_text_tokenizer needs at least one non-empty text")
+    return Tokenizer.from_bytes(_train_bpe(lines, vocab_size))
 
 
 # -------------------------------------------------------------------------------------------------

@@ -1,0 +1,213 @@
+"""`python -m training.memory`: train a "Memory: " adapter on a base π0.5, or pre-train the base on a text
+task (`--mode base`); `python -m training.memory export-demo` assembles the embedded demo folder.
+
+Writes into --out: adapter/ or base/, tokenizer.model, checkpoints/ (resumed when present), metrics.jsonl
+and run.json. Axes (`oxygen_jax.axes`): T suffix tokens, Tp prompt tokens in the prefix, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+
+from oxygen_jax.cli import OneLineParser, int_at_least
+from oxygen_jax.ckpts import own
+from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME, save_adapter, tree_digest
+from oxygen_jax.models.pi05.config import RobotConfig, robot_config
+from oxygen_jax.models.pi05.params import Params, for_backend, init_params
+from oxygen_jax.robots.tokenizer import (
+    MIN_TRAINED_VOCAB, Tokenizer, encode_suffix_prompt, train_demo_tokenizer, train_text_tokenizer,
+)
+from training.memory.config import DEMO_PROMPT_LEN, TrainConfig, checkpoint_config_json, preset_config
+from training.memory.data import TextTask, task_texts
+from training.memory.export_demo import main as export_main
+from training.memory.loop import train
+from training.memory.model import make_mesh, with_base_trainable
+from training.memory_data import MEMORY_PROMPT, frame_texts, open_memory_dataset
+
+
+def _robot(prompt_len: int) -> RobotConfig:
+    return robot_config("libero", max_token_len=prompt_len)
+
+
+def _load_base(args, tokenizer: Tokenizer) -> tuple[Params, str]:
+    if args.base is not None:
+        _, params = own.restore_params(args.base)
+        what = f"checkpoint {Path(args.base).resolve()}"
+    else:
+        cfg = preset_config(args.preset, tokenizer.vocab_size, args.image_size, args.patch_size)
+        params = init_params(cfg, args.seed)
+        what = f"random {args.preset} preset (seed {args.seed})"
+    if tokenizer.vocab_size > params.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
+                         f"{params.config.vocab_size}; use the tokenizer the base was trained with (--tokenizer)")
+    return params, what
+
+
+def _tokenizer(args, train_source) -> Tokenizer:
+    if args.tokenizer is not None:
+        return Tokenizer.from_file(args.tokenizer)
+    if args.base is not None and (Path(args.base).parent / "tokenizer.model").is_file():
+        return Tokenizer.from_file(Path(args.base).parent / "tokenizer.model")
+    if args.train_tokenizer:  # the task's texts plus both request prompts, so each prompt is a few pieces
+        return train_text_tokenizer([MEMORY_PROMPT, "Scene: ", *task_texts(train_source)], args.train_tokenizer)
+    return train_demo_tokenizer()
+
+
+def _tokenizer_vocab(text: str) -> int:
+    """--train-tokenizer: 0 (the built-in demo tokenizer) or a BPE size with room for the byte pieces."""
+    value = int_at_least(0)(text)
+    if 0 < value < MIN_TRAINED_VOCAB:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 or a vocabulary of at least {MIN_TRAINED_VOCAB} (256 byte pieces + characters + specials), "
+            f"got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="python -m training.memory",
+        description="Train a suffix-only language LoRA (default: the 'Memory: ' adapter) on a base π0.5, or "
+                    "pre-train the base (VLM expert + SigLIP + embedding) on a text task with --mode base. "
+                    "Data: a memory dataset folder (training.memory_data / training.synthetic_memory / "
+                    "training.libero_memory --export-tfds). Resumes from OUT/checkpoints when it exists.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Outputs in OUT: adapter/ (adapter mode: load with oxygen_jax.ckpts.adapters.load_bank) or base/ (base "
+               "mode: oxygen_jax.ckpts.own.restore_params), tokenizer.model, checkpoints/ (orbax, for resuming), "
+               "metrics.jsonl, run.json. Assemble the embedded demo folder from a base and an adapter run with "
+               "`python -m training.memory export-demo --help`.",
+    )
+    p.add_argument("--data", type=Path, required=True, help="memory dataset version folder (tfds, array_record)")
+    p.add_argument("--out", type=Path, required=True, help="output directory (created; an existing one is resumed)")
+    p.add_argument("--mode", choices=("adapter", "base"), default="adapter",
+                   help="adapter: LoRA bank only, base frozen; base: fine-tune VLM expert + SigLIP + embedding")
+    m = p.add_argument_group("model")
+    m.add_argument("--base", type=Path, default=None,
+                   help="base checkpoint (own.save_params dir, e.g. OUT_OF_BASE_RUN/base); required for adapters")
+    m.add_argument("--preset", choices=("tiny", "demo"), default="demo", help="random init for --mode base without --base")
+    m.add_argument("--image-size", type=int_at_least(28), default=None, help="SigLIP image side of the preset (default: preset's)")
+    m.add_argument("--patch-size", type=int_at_least(1), default=None, help="SigLIP patch side of the preset (default: 14)")
+    m.add_argument("--tokenizer", type=Path, default=None,
+                   help="SentencePiece model (default: BASE/../tokenizer.model if present, else see --train-tokenizer)")
+    m.add_argument("--train-tokenizer", type=_tokenizer_vocab, default=0, metavar="VOCAB",
+                   help="train a BPE tokenizer of this size on the train split's texts (0: the built-in demo tokenizer)")
+    m.add_argument("--prompt-len", type=int_at_least(1), default=DEMO_PROMPT_LEN, help="Tp: task-prompt tokens in the prefix")
+    t = p.add_argument_group("task")
+    t.add_argument("--prompt", default=None, help="request prompt (default 'Memory: ', or 'Scene: ' in base mode)")
+    t.add_argument("--label-key", default=None, help="frame field to predict (default memory, or scene in base mode)")
+    t.add_argument("--train-split", default="train")
+    t.add_argument("--eval-split", default="heldout")
+    t.add_argument("--suffix-len", type=int_at_least(2), default=None, help="T (default: longest prompt + label + EOS in train)")
+    o = p.add_argument_group("optimisation")
+    d = TrainConfig()
+    o.add_argument("--steps", type=int_at_least(1), default=d.steps)
+    o.add_argument("--batch-size", type=int_at_least(1), default=d.batch_size)
+    o.add_argument("--rank", type=int_at_least(1), default=d.rank)
+    o.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: rank)")
+    o.add_argument("--targets", default=",".join(d.targets), help="comma-separated LoRA targets")
+    o.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 adapter, 1e-3 base)")
+    o.add_argument("--final-lr", type=float, default=None, help="end of the cosine (default peak / 30)")
+    o.add_argument("--warmup", type=int_at_least(0), default=d.warmup_steps)
+    o.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    o.add_argument("--clip-norm", type=float, default=d.clip_norm)
+    o.add_argument("--seed", type=int, default=d.seed, help="batch order, adapter init, random base, augmentation")
+    o.add_argument("--augment", type=float, default=d.augment,
+                   help="image augmentation: random shift up to this fraction of the side, brightness x(1 +- it)")
+    o.add_argument("--devices", type=int_at_least(1), default=None, help="data-parallel devices (default: all)")
+    e = p.add_argument_group("evaluation and checkpoints")
+    e.add_argument("--eval-every", type=int_at_least(0), default=100, help="held-out greedy exact match every N steps (0: at the end)")
+    e.add_argument("--eval-frames", type=int_at_least(1), default=None, help="held-out frames per evaluation (default: all)")
+    e.add_argument("--checkpoint-every", type=int_at_least(1), default=50, help="save the training state every N steps")
+    e.add_argument("--stop-at", type=int_at_least(1), default=None, help="stop after this step as if killed (resume later)")
+    e.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs (or resumes) one training run, or `export-demo ...`; returns the exit status (2: bad input)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["export-demo"]:
+        return export_main(argv[1:])
+    args = _parser().parse_args(argv)
+    base_mode = args.mode == "base"
+    prompt = args.prompt if args.prompt is not None else ("Scene: " if base_mode else MEMORY_PROMPT)
+    label_key = args.label_key or ("scene" if base_mode else "memory")
+    if not base_mode and args.base is None:
+        print("python -m training.memory: error: adapter mode needs --base (an own.save_params dir)",
+              file=sys.stderr)
+        return 2
+    try:
+        train_src = open_memory_dataset(args.data, args.train_split)
+        eval_src = open_memory_dataset(args.data, args.eval_split) if args.eval_split else None
+    except (FileNotFoundError, ValueError) as e:
+        print(f"python -m training.memory: error: --data {args.data}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    out = args.out.expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tok_file = out / "tokenizer.model"
+    tokenizer = Tokenizer.from_file(tok_file) if tok_file.is_file() and args.tokenizer is None else _tokenizer(args, train_src)
+    params, what = _load_base(args, tokenizer)
+    params = for_backend(params)
+    suffix_len = args.suffix_len or _longest_suffix(train_src, tokenizer, prompt, label_key)
+    lr = args.lr if args.lr is not None else (1e-3 if base_mode else 3e-3)
+    config = TrainConfig(
+        mode=args.mode, prompt=prompt, label_key=label_key, steps=args.steps, batch_size=args.batch_size,
+        suffix_len=suffix_len, rank=args.rank, alpha=args.alpha, targets=tuple(args.targets.split(",")),
+        peak_lr=lr, final_lr=args.final_lr if args.final_lr is not None else lr / 30, warmup_steps=args.warmup,
+        weight_decay=args.weight_decay, clip_norm=args.clip_norm, seed=args.seed, augment=args.augment,
+    )
+    task = TextTask(robot=_robot(args.prompt_len), tokenizer=tokenizer, prompt=prompt, label_key=label_key,
+                    suffix_len=suffix_len)
+    tok_file.write_bytes(tokenizer.to_bytes())
+    run = {"argv": argv, "base": what, "data": str(args.data.resolve()),
+           "train_frames": len(train_src), "eval_frames": len(eval_src) if eval_src is not None else 0,
+           "tokenizer_vocab": tokenizer.vocab_size, "prompt_len": args.prompt_len, "config": config.to_json(),
+           "model": checkpoint_config_json(params.config), "devices": args.devices or jax.device_count()}
+    (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+    print(f"{args.mode}: {what}; {len(train_src)} train / {len(eval_src) if eval_src else 0} eval frames; "
+          f"task {prompt!r} -> {label_key!r}, T={suffix_len}; {jax.device_count()} device(s)", flush=True)
+    digest_before = None if base_mode else tree_digest(params)  # base mode trains these leaves
+    with open(out / "metrics.jsonl", "a") as metrics_file:
+        def log(entry):
+            metrics_file.write(json.dumps(entry) + "\n")
+            metrics_file.flush()
+            if entry["event"] != "train":
+                print(json.dumps(entry), flush=True)
+
+        result = train(config, params, task, train_src, eval_source=eval_src, eval_every=args.eval_every,
+                       eval_frames=args.eval_frames, checkpoint_dir=out / "checkpoints",
+                       checkpoint_every=args.checkpoint_every, stop_at=args.stop_at, mesh=make_mesh(args.devices),
+                       progress=not args.no_progress, log=log)
+    if not base_mode:  # the frozen base, checked rather than assumed
+        unchanged = tree_digest(params) == digest_before
+        with open(out / "metrics.jsonl", "a") as metrics_file:
+            metrics_file.write(json.dumps({"event": "base_check", "base_leaves_bit_identical": unchanged}) + "\n")
+        print(f"base leaves bit-identical after training: {unchanged}")
+    if int(result.state.step) < config.steps:
+        print(f"stopped at step {int(result.state.step)} of {config.steps}; rerun the same command to resume")
+        return 0
+    if base_mode:
+        final = with_base_trainable(params, jax.device_get(result.state.trainable))
+        dest = own.save_params(out / "base", final, overwrite=True)
+    else:
+        adapter = jax.device_get(result.state.trainable).adapter(1)
+        dest = save_adapter(out / "adapter", adapter, name=DEFAULT_ADAPTER_NAME, prompt=prompt, base=args.base,
+                            extra={"label_key": label_key, "suffix_len": suffix_len, "prompt_len": args.prompt_len,
+                                   "steps": config.steps}, overwrite=True)
+    evals = [h for h in result.history if h["event"] == "eval"]
+    print(f"saved {dest}" + (f"; held-out greedy exact match {evals[-1]['exact_match']:.3f}" if evals else ""))
+    return 0
+
+
+def _longest_suffix(source, tokenizer: Tokenizer, prompt: str, label_key: str) -> int:
+    labels = {str(f[label_key]) for f in frame_texts(source, (label_key,))}
+    return len(encode_suffix_prompt(tokenizer, prompt)) + max(len(tokenizer.encode(x)) for x in labels) + 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""How memory frames become training and evaluation batches: the suffix task (`TextTask`), the batch of
+every step as a pure function of (seed, step) (`StepBatches`), image augmentation and in-order batches.
+
+Axes (`oxygen_jax.axes`): B batch rows, T suffix tokens, Px image side; frames are `training.memory_data` dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from oxygen_jax.models.pi05.config import ModelConfig, RobotConfig
+from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
+from training.memory_data import MemoryBatch, epoch_batches, frame_texts, make_memory_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTask:
+    """How frames become batches: the robot's observation transform, tokenizer and suffix task."""
+
+    robot: RobotConfig
+    tokenizer: Tokenizer
+    prompt: str
+    label_key: str
+    suffix_len: int
+
+    def batch(self, frames: Sequence[Mapping], model_config: ModelConfig) -> MemoryBatch:
+        return make_memory_batch(frames, self.robot, model_config, self.tokenizer, suffix_len=self.suffix_len,
+                                 prompt=self.prompt, label_key=self.label_key)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return encode_suffix_prompt(self.tokenizer, self.prompt)
+
+
+class StepBatches:
+    """The batch of every step as a pure function of (seed, step): epoch = step // batches per epoch, rows from
+    `epoch_batches(..., seed, epoch)` (full batches only). Resuming at any step needs no iterator state."""
+
+    def __init__(self, source: Sequence[Mapping], task: TextTask, model_config: ModelConfig, *, batch_size: int,
+                 seed: int, augment: float = 0.0):
+        self.source, self.task, self.model_config = source, task, model_config
+        self.batch_size, self.seed, self.augment = batch_size, seed, augment
+        self.per_epoch = len(source) // batch_size
+        if self.per_epoch == 0:
+            raise ValueError(f"the training split has {len(source)} frames, fewer than batch_size={batch_size}")
+        self._epoch: tuple[int, list[np.ndarray]] | None = None
+
+    def indices(self, step: int) -> np.ndarray:
+        epoch, i = divmod(int(step), self.per_epoch)
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, epoch_batches(len(self.source), batch_size=self.batch_size, seed=self.seed,
+                                                epoch=epoch))
+        return self._epoch[1][i]
+
+    def __call__(self, step: int) -> MemoryBatch:
+        idx = self.indices(step)
+        frames = [self.source[int(i)] for i in idx]
+        if self.augment:
+            frames = [augment_frame(f, self.augment, np.random.default_rng([self.seed, int(step), r]))
+                      for r, f in enumerate(frames)]
+        try:
+            return self.task.batch(frames, self.model_config)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"step {step}, frames {idx.tolist()}: {e}") from e
+
+
+def augment_frame(frame: Mapping, strength: float, rng: np.random.Generator) -> dict:
+    """A copy of `frame` whose camera images are shifted (edge-padded, up to `strength` of the side in each
+    direction) and brightness-scaled by a factor in [1 - strength, 1 + strength], independently per camera."""
+    out = dict(frame)
+    for key in ("image", "wrist_image"):
+        img = np.asarray(frame[key])
+        h, w = img.shape[:2]
+        m = int(round(strength * min(h, w)))
+        dy, dx = rng.integers(0, 2 * m + 1, 2)
+        padded = np.pad(img, ((m, m), (m, m), (0, 0)), mode="edge")
+        crop = padded[dy:dy + h, dx:dx + w].astype(np.float32) * rng.uniform(1 - strength, 1 + strength)
+        out[key] = np.clip(np.round(crop), 0, 255).astype(np.uint8)
+    return out
+
+
+def fixed_batches(source: Sequence[Mapping], task: TextTask, model_config: ModelConfig, batch_size: int,
+                  limit: int | None = None) -> list[tuple[MemoryBatch, int]]:
+    """In-order batches of the first `limit` frames (all by default): [(batch, real rows)], the last one padded
+    with copies of its first frame (their loss mask is all False)."""
+    n = len(source) if limit is None else min(limit, len(source))
+    out = []
+    for start in range(0, n, batch_size):
+        frames = [source[i] for i in range(start, min(start + batch_size, n))]
+        real = len(frames)
+        frames += [frames[0]] * (batch_size - real)
+        batch = task.batch(frames, model_config)
+        if real < batch_size:
+            mask = batch.loss_mask.copy()
+            mask[real:] = False
+            batch = dataclasses.replace(batch, loss_mask=mask)
+        out.append((batch, real))
+    return out
+
+
+def task_texts(source: Sequence[Mapping], keys: Sequence[str] = ("language_instruction", "memory", "scene")) -> list[str]:
+    """Distinct texts of the given frame keys (those present), in first-seen order: a tokenizer corpus."""
+    seen: dict[str, None] = {}
+    for frame in frame_texts(source, keys):  # no image decoding
+        for k in keys:
+            if k in frame:
+                seen.setdefault(str(frame[k]), None)
+    return list(seen)

@@ -1,0 +1,192 @@
+"""The trainable trees, the loss and the compiled train step: the teacher-forced request-prompt pass.
+
+Axes (`oxygen_jax.axes`): B batch rows, T suffix tokens (request prompt ‖ answer ‖ EOS ‖ padding), P prefix
+tokens, V vocabulary, D VLM width, L layers, E stored adapters (1 here: adapter id 1; id 0 = base weights).
+
+Adapter mode differentiates a `lora.LoraBank` only (the prefix is computed before `jax.grad` and the base
+parameters are a plain argument of the step); base mode differentiates `BaseTrainable` (embedding, VLM
+expert, SigLIP). Data parallelism: `make_mesh` and `place` (rows over the mesh's "data" axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import gemma, model
+from oxygen_jax.models.pi05.params import Expert, Params, Siglip
+from oxygen_jax.runtime import decode
+from training.memory.config import Mode, TrainConfig
+from training.memory_data import MemoryBatch
+
+
+# -------------------------------------------------------------------------------------------------
+# Trainable trees and state
+# -------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BaseTrainable:
+    """The leaves base pre-training optimises: token embedding [V, D], the VLM expert, SigLIP."""
+
+    embedding: jax.Array
+    vlm: Expert
+    siglip: Siglip
+
+
+def base_trainable(params: Params) -> BaseTrainable:
+    return BaseTrainable(embedding=params.embedding, vlm=params.vlm, siglip=params.siglip)
+
+
+def with_base_trainable(params: Params, trainable: BaseTrainable) -> Params:
+    """`params` with the embedding, VLM expert and SigLIP replaced (action expert and projections kept)."""
+    return params.replace(embedding=trainable.embedding, vlm=trainable.vlm, siglip=trainable.siglip)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """step int32 []; trainable: a `lora.LoraBank` (adapter mode) or `BaseTrainable`; opt_state: optax state."""
+
+    step: jax.Array
+    trainable: lora.LoraBank | BaseTrainable
+    opt_state: optax.OptState
+
+
+def init_state(config: TrainConfig, params: Params, optimizer: optax.GradientTransformation) -> TrainState:
+    """Step 0: a fresh float32 bank (B = 0, adapter id 1) or the base's own trainable leaves."""
+    if config.mode == "adapter":
+        trainable = lora.init_bank(params.config, 1, config.rank, config.alpha, config.seed, targets=config.targets,
+                                   dtype=jnp.float32)
+    else:
+        trainable = jax.tree.map(jnp.array, base_trainable(params))  # own buffers: the state is donated
+    return TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, opt_state=optimizer.init(trainable))
+
+
+# -------------------------------------------------------------------------------------------------
+# Loss: the teacher-forced request-prompt pass
+# -------------------------------------------------------------------------------------------------
+
+
+def suffix_logits(params: Params, prefix, tokens: jax.Array, bank: lora.LoraBank | None = None,
+                  adapter: jax.Array | None = None) -> jax.Array:
+    """Teacher-forced logits of suffix tokens written after their own prefix rows: float32 [B, T, V].
+
+    Exactly the slot pool's admission computation at every suffix position: `decode.suffix_forward`, then per
+    position the final RMSNorm of [B, 1, D] and the tied head in vocabulary-major form [V, D]·[D, B], so
+    entry [b, j] is, bit for bit, what admission samples from when row b's request prompt is
+    `tokens[b, :j + 1]` and the admission batch has these B rows (tested). The per-position loop is what
+    makes it exact: normalising [B, T, D] at once, or one [V, D]·[D, B·T] product, lets XLA vectorise the
+    sums differently and changes last bits.
+
+    Args:
+      prefix: `PrefixCache` with B rows (row b continues sequence b).
+      tokens: int32 [B, T]; bank, adapter: optional LoRA bank and int32 [B] adapter ids.
+    """
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    _, _, h = decode.suffix_forward(params, prefix, rows, tokens, bank, adapter)
+
+    def position(h_j):  # [B, D] -> [V, B], as admission computes its seed logits
+        normed, _ = gemma.rms_norm(h_j[:, None, :], params.vlm.final_norm)
+        return model.lm_logits_vocab_major(params, normed[:, 0])
+
+    return jax.lax.map(position, jnp.swapaxes(h, 0, 1)).transpose(2, 0, 1)  # [T, V, B] -> [B, T, V]
+
+
+def answer_loss(logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, dict]:
+    """Mean cross-entropy of the answer tokens (targets `tokens[:, 1:]` where `loss_mask[:, 1:]`).
+
+    Args:
+      logits: float32 [B, T, V] (`suffix_logits`); tokens int32 [B, T]; loss_mask bool [B, T].
+    Returns:
+      (loss [], {"tokens": answer tokens counted, "correct": teacher-forced argmax hits}).
+    """
+    lg, targets = logits[:, :-1], tokens[:, 1:]
+    w = loss_mask[:, 1:].astype(jnp.float32)
+    logp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    n = jnp.sum(w)
+    loss = jnp.sum(nll * w) / jnp.maximum(n, 1.0)
+    correct = jnp.sum((jnp.argmax(lg, axis=-1) == targets) * w)
+    return loss, {"tokens": n, "correct": correct}
+
+
+def batch_loss(mode: Mode, trainable, params: Params, batch: MemoryBatch, prefix=None):
+    """(loss, stats) of one batch; `prefix` (adapter mode) is the base model's cache of `batch.observation`."""
+    if mode == "adapter":
+        ids = jnp.ones((batch.suffix_tokens.shape[0],), jnp.int32)
+        logits = suffix_logits(params, prefix, batch.suffix_tokens, trainable, ids)
+    else:
+        params = with_base_trainable(params, trainable)
+        logits = suffix_logits(params, model.prefill(params, batch.observation), batch.suffix_tokens)
+    return answer_loss(logits, batch.suffix_tokens, batch.loss_mask)
+
+
+def _train_step(mode: Mode, optimizer, state: TrainState, params: Params, batch: MemoryBatch):
+    prefix = None
+    if mode == "adapter":
+        # Outside jax.grad: the base model's prefix is data for the adapter, never differentiated.
+        prefix = jax.lax.stop_gradient(model.prefill(params, batch.observation))
+    grad_fn = jax.value_and_grad(lambda t: batch_loss(mode, t, params, batch, prefix), has_aux=True)
+    (loss, stats), grads = grad_fn(state.trainable)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
+    trainable = optax.apply_updates(state.trainable, updates)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **stats}
+    return TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state), metrics
+
+
+def make_mesh(num_devices: int | None = None) -> Mesh:
+    """A 1-D mesh with axis "data" over the first `num_devices` devices (default: all)."""
+    devices = jax.devices()
+    n = len(devices) if num_devices is None else num_devices
+    if not 1 <= n <= len(devices):
+        raise ValueError(f"asked for {n} devices but {len(devices)} exist; on CPU simulate more with "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=N (set before jax starts)")
+    return Mesh(np.asarray(devices[:n]), ("data",))
+
+
+class TrainStep(NamedTuple):
+    """A compiled step `fn(state, params, batch) -> (state, metrics)` (donates `state`) and its optimizer."""
+
+    fn: Callable[[TrainState, Params, MemoryBatch], tuple[TrainState, dict]]
+    optimizer: optax.GradientTransformation
+
+
+@functools.lru_cache(maxsize=16)
+def make_train_step(config: TrainConfig, mesh: Mesh | None = None) -> TrainStep:
+    """The jitted train step of `config` (cached per config and mesh, so repeated runs compile once).
+
+    With a mesh, the batch is sharded over its "data" axis (rows), and state, parameters and metrics are
+    replicated: each device runs its rows and XLA all-reduces the gradients.
+    """
+    optimizer = config.optimizer()
+    fn = functools.partial(_train_step, config.mode, optimizer)
+    if mesh is None:
+        return TrainStep(jax.jit(fn, donate_argnums=0), optimizer)
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    return TrainStep(jax.jit(fn, donate_argnums=0, in_shardings=(rep, rep, rows), out_shardings=(rep, rep)), optimizer)
+
+
+def place(tree, mesh: Mesh | None, *, sharded: bool = False):
+    """Puts a pytree on the mesh: rows split over "data" when `sharded`, else replicated (no mesh: default device)."""
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, tree)
+    return jax.device_put(tree, NamedSharding(mesh, P("data") if sharded else P()))
+
+
+@jax.jit
+def teacher_forced_logits(params: Params, batch: MemoryBatch, bank: lora.LoraBank | None = None,
+                          adapter: jax.Array | None = None) -> jax.Array:
+    """Prefill `batch.observation` with `params`, then `suffix_logits` of its suffix: float32 [B, T, V]."""
+    return suffix_logits(params, model.prefill(params, batch.observation), batch.suffix_tokens, bank, adapter)
