@@ -30,7 +30,9 @@ from websockets.sync.client import connect
 from helpers import REPO
 from oxygen_jax.robots import transforms
 from oxygen_jax.serving import wire
-from oxygen_jax.serving.batcher import Frame, Stream, bucket_for, expected_streams, fire_delay, frame_noise
+from oxygen_jax.serving.batcher import Frame, Stream, bucket_for, expected_streams, fire_delay
+from oxygen_jax.serving.codec import Pi05Codec, frame_noise
+from oxygen_jax.runtime.vla import Pi05
 from oxygen_jax.models.pi05.config import model_config, robot_config
 from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
 from oxygen_jax.serve import PolicyServer, ServeConfig, ServerThread, main
@@ -111,6 +113,7 @@ class ScriptedEngine:
     def __init__(self, step_s: float = 0.0, per_row_s: float = 0.0):
         self.config = EngineConfig(num_slots=4, max_new_tokens=8, prompt_capacity=8, action_horizon=HA)
         self.params = types.SimpleNamespace(config=model_config("tiny"))
+        self.vla = Pi05(self.params)
         self.adapters = {"base": 0}
         self.step_s, self.per_row_s = step_s, per_row_s
         self.gate, self.entered = threading.Event(), threading.Event()
@@ -119,7 +122,7 @@ class ScriptedEngine:
         self._live: dict[int, tuple] = {}
         self._next, self._frame = 0, 0
 
-    def warmup(self, observation) -> float:
+    def warmup(self, observation, states=None) -> float:
         return self.step_s
 
     def submit(self, prompt=None, *, max_tokens, row, owner, **_) -> int:
@@ -141,7 +144,7 @@ class ScriptedEngine:
 
     num_queued = 0
 
-    def step(self, observation, noise, *, rows) -> StepResult:
+    def step(self, observation, noise, *, rows, states=None) -> StepResult:
         self.entered.set()
         self.gate.wait()
         if self.fail_next:
@@ -157,8 +160,9 @@ class ScriptedEngine:
                     admit_frame=self._frame, finish_frame=self._frame, latency_frames=1,
                     latency_ms=(time.perf_counter() - t) * 1e3, row=row, owner=owner))
         self._frame += 1
-        return StepResult(actions=np.asarray(noise, np.float32), finished=finished, new_text={}, frame=self._frame - 1,
-                          frame_ms=0.0, batch=len(finished), queued=0)
+        actions = np.asarray(noise[Pi05.HEAD], np.float32)
+        return StepResult(actions=actions, finished=finished, new_text={}, frame=self._frame - 1,
+                          frame_ms=0.0, batch=len(finished), queued=0, head_actions={Pi05.HEAD: actions})
 
 
 # -------------------------------------------------------------------------------------------------
@@ -400,7 +404,7 @@ def test_crafted_array_headers_get_an_error_reply_and_the_server_lives(tiny):
 def test_bucketed_multi_robot_step_equals_each_robots_own_step(tiny, reference, tok):
     from oxygen_jax.serving.batcher import EngineWorker
 
-    worker = EngineWorker(reference, ROBOT, seed=SEED)
+    worker = EngineWorker(reference, Pi05Codec(reference, ROBOT, tok), seed=SEED)
     frames = []
     for i, stream_id in enumerate((3, 9, 12)):  # 3 robots padded to bucket 4
         sample = _sample(10 + i)

@@ -16,8 +16,10 @@ Da the robot's action dim.
   (`EngineWorker.warmup`); padding rows repeat row 0 and belong to no stream (row id -1).
 * When to fire (`fire_delay`): at once when no other robot is expected soon, or when every expected
   robot is in; otherwise wait until the tightest pending deadline minus the predicted step time.
-* Noise is deterministic: row noise of frame f of stream s is `frame_noise(seed, s, f)`, so a client
-  (or a test) can reproduce a served action chunk with `Engine.step(observation, noise)`.
+* Noise is deterministic: row noise of frame f of stream s is `codec.frame_noise(seed, s, f)` (one per
+  head), so a client (or a test) can reproduce a served action chunk with `Engine.step(observation, noise)`.
+* Model specifics (rows, stacking, noise shapes, the output transform) are the `codec`'s: any model family
+  an `Engine` runs is served by this code.
 * The event loop never runs model code: only `EngineWorker` methods touch the Engine, on its thread.
 """
 
@@ -33,13 +35,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 
+from oxygen_jax.models.pi05.config import EOS_ID
 from oxygen_jax.runtime import compile_cache
-from oxygen_jax.robots import transforms
-from oxygen_jax.models.pi05.config import EOS_ID, RobotConfig
 from oxygen_jax.runtime.engine import FailedRequest, FinishedRequest, RequestError
-from oxygen_jax.models.pi05.observation import Observation
 
 log = logging.getLogger("oxygen_jax.serve")
 
@@ -53,15 +52,6 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} rows exceed the largest batch bucket {max(buckets)}")
-
-
-def frame_noise(seed: int, stream: int, frame: int, horizon: int, action_dim: int) -> np.ndarray:
-    """The flow-matching noise of one served frame: float32 [Ha, Ad].
-
-    Standard normal from `np.random.default_rng([seed, stream, frame])`: reproducible from the server
-    seed, the stream id the server sends in its metadata, and the `frame` index of the response.
-    """
-    return np.random.default_rng([seed, stream, frame]).standard_normal((horizon, action_dim)).astype(np.float32)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -120,14 +110,14 @@ class Frame:
     """One robot observation waiting for its step.
 
     Attributes:
-      observation: the model observation of this robot (numpy, batch 1).
+      observation: the model row of this robot (`codec.prepare`: numpy, batch 1).
       state: the robot's native state [Ds] (robot_outputs needs it for ALOHA).
       arrival: perf_counter time the frame was queued.
       index: the stream's frame index, set when the frame is handed to the engine.
     """
 
     stream: Stream
-    observation: Observation
+    observation: Any
     state: np.ndarray
     language: list[LanguageRequest]
     arrival: float
@@ -137,7 +127,8 @@ class Frame:
 
 @dataclasses.dataclass(frozen=True)
 class FrameResult:
-    """What a frame's connection replies: actions [Ha, Da] and accepted requests, or a BadRequest text."""
+    """What a frame's connection replies: actions [Ha, Da] (+ per-head extras) and accepted requests, or a
+    BadRequest text."""
 
     actions: np.ndarray | None
     error: str | None
@@ -147,6 +138,7 @@ class FrameResult:
     bucket: int  # padded batch size of the step
     step_ms: float
     queue_ms: float
+    extras: dict = dataclasses.field(default_factory=dict)  # codec.outputs extras (e.g. "heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,21 +180,6 @@ def _listen_for_compiles() -> None:
             _listening = True
 
 
-def _tile(obs: Observation, rows: int) -> Observation:
-    return Observation(*(np.repeat(np.asarray(x)[:1], rows, axis=0) for x in dataclasses.astuple(obs)))
-
-
-def _stack(observations: Sequence[Observation], rows: int) -> Observation:
-    """Concatenates batch-1 observations and pads to `rows` by repeating the first one."""
-    fields = []
-    for parts in zip(*(dataclasses.astuple(o) for o in observations)):
-        x = np.concatenate([np.asarray(p) for p in parts], axis=0)
-        if rows > len(x):
-            x = np.concatenate([x, np.repeat(x[:1], rows - len(x), axis=0)], axis=0)
-        fields.append(x)
-    return Observation(*fields)
-
-
 class EngineWorker:
     """Owns an `Engine` and the single thread that may call it (the Engine is not thread-safe).
 
@@ -211,10 +188,8 @@ class EngineWorker:
     bucket divides evenly, and replicated otherwise; params must already be replicated on the mesh.
     """
 
-    def __init__(self, engine, robot: RobotConfig, *, seed: int = 0, norm_stats=None, mesh=None):
-        self.engine, self.robot, self.seed, self.norm_stats, self.mesh = engine, robot, seed, norm_stats, mesh
-        self.horizon = engine.config.action_horizon
-        self.action_dim = engine.params.config.action_dim
+    def __init__(self, engine, codec, *, seed: int = 0, mesh=None):
+        self.engine, self.codec, self.seed, self.mesh = engine, codec, seed, mesh
         self._executor = compile_cache.thread_pool(1, "oxygen-engine")
         self._thread = self._executor.submit(threading.get_ident).result()
         _listen_for_compiles()
@@ -239,16 +214,16 @@ class EngineWorker:
         """XLA compilations that ran on the engine thread so far."""
         return _compiles[self._thread]
 
-    def _place(self, obs: Observation, noise: np.ndarray):
+    def _place(self, tree, rows: int):
         if self.mesh is None:
-            return obs, noise
+            return tree
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
-        spec = PartitionSpec("robots") if noise.shape[0] % self.mesh.size == 0 else PartitionSpec()
-        return jax.device_put((obs, noise), NamedSharding(self.mesh, spec))
+        spec = PartitionSpec("robots") if rows % self.mesh.size == 0 else PartitionSpec()
+        return jax.device_put(tree, NamedSharding(self.mesh, spec))
 
-    def warmup(self, example: Observation, buckets: Sequence[int]) -> dict[int, float]:
+    def warmup(self, example, buckets: Sequence[int]) -> dict[int, float]:
         """Compiles every bucket; returns the steady step time (ms) of each, measured after compiling.
 
         One device: `Engine.warmup` per bucket (a scratch pool, no request touched), run twice. Several
@@ -259,14 +234,16 @@ class EngineWorker:
         times = {}
         if self.mesh is None:
             for b in buckets:
-                self.engine.warmup(_tile(example, b))
-                times[b] = self.engine.warmup(_tile(example, b)) * 1e3
+                inputs, states = self.codec.batch([example] * b, b)
+                self.engine.warmup(inputs, states)
+                times[b] = self.engine.warmup(inputs, states) * 1e3
             return times
 
         def padding_step(b: int) -> float:
-            obs, noise = self._place(_tile(example, b), np.zeros((b, self.horizon, self.action_dim), np.float32))
+            inputs, states = self.codec.batch([example] * b, b)
+            obs, noise, states = self._place((inputs, self.codec.noise(self.seed, [], [], b), states), b)
             start = time.perf_counter()
-            self.engine.step(obs, noise, rows=[-1] * b)
+            self.engine.step(obs, noise, rows=[-1] * b, states=states)
             return (time.perf_counter() - start) * 1e3
 
         for b in [*buckets, buckets[0]]:
@@ -303,20 +280,19 @@ class EngineWorker:
         actions, out_rows, step_ms, res = {}, len(live), 0.0, None
         if live:
             bucket = max(bucket, len(live))
-            obs = _stack([f.observation for f in live], bucket)
-            noise = np.zeros((bucket, self.horizon, self.action_dim), np.float32)
-            for i, f in enumerate(live):
-                noise[i] = frame_noise(self.seed, f.stream.id, f.index, self.horizon, self.action_dim)
-            obs, noise = self._place(obs, noise)
+            inputs, states = self.codec.batch([f.observation for f in live], bucket)
+            noise = self.codec.noise(self.seed, [f.stream.id for f in live], [f.index for f in live], bucket)
+            obs, noise, states = self._place((inputs, noise, states), bucket)
             start = time.perf_counter()
-            res = self.engine.step(obs, noise, rows=[f.stream.id for f in live] + [-1] * (bucket - len(live)))
+            res = self.engine.step(obs, noise, rows=[f.stream.id for f in live] + [-1] * (bucket - len(live)),
+                                   states=states)
             step_ms = (time.perf_counter() - start) * 1e3
-            model_actions = np.asarray(res.actions)
             for i, f in enumerate(live):
-                actions[id(f)] = transforms.robot_outputs(self.robot, model_actions[i], f.state, self.norm_stats)
+                actions[id(f)] = self.codec.outputs(res.head_actions, i, f.state)
         now = time.perf_counter()
         results = [FrameResult(
-            actions=actions.get(id(f)), error=errors.get(id(f)), index=f.index,
+            actions=actions[id(f)][0] if id(f) in actions else None, error=errors.get(id(f)), index=f.index,
+            extras=actions[id(f)][1] if id(f) in actions else {},
             accepted=[{"id": rid, "tag": req.tag} for rid, req in zip(accepted.get(id(f), []), f.language)],
             rows=out_rows, bucket=bucket if live else 0, step_ms=step_ms,
             queue_ms=(now - f.arrival) * 1e3 - step_ms,
@@ -418,7 +394,7 @@ class Batcher:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self, example: Observation) -> None:
+    async def start(self, example) -> None:
         """Compiles every bucket on the engine thread, then starts stepping frames."""
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()

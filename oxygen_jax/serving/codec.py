@@ -1,0 +1,145 @@
+"""What the server needs of a model family: client samples to model rows, rows to a step, chunks back.
+
+One codec per served model; the batcher and the server call only these methods, so π0.5 and a backbone
+with several heads are served by the same code:
+
+    sample ──prepare──► row (batch 1) ──batch(rows, bucket)──► (inputs, states) ──Engine.step──► head chunks
+    head chunks [B, Ha, Ad] ──outputs(i)──► "actions" (primary head, robot units) + per-head extras
+
+* `Pi05Codec`: rows are π0.5 `Observation`s (`transforms.make_observation`); one head, so a response is
+  exactly openpi's.
+* `HeadsCodec`: rows are `prompt_rows.PromptRows` (image tokens + prompt, left-padded to a fixed length);
+  the primary head's chunk is "actions", and every head's chunk is under "heads": {name: [Ha, Da]} —
+  in robot units (unnormalised, sliced to the robot's action dim) when the head has at least the robot's
+  action dims, else as the head emits it.
+
+Noise is deterministic per (seed, stream, frame, head): `frame_noise`.
+
+Axes: B rows of a step, Ha horizon, Ad model (head) action dim, Da robot action dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from oxygen_jax.models.pi05.config import RobotConfig
+from oxygen_jax.models.pi05.observation import Observation
+from oxygen_jax.robots import prompt_rows, transforms
+from oxygen_jax.runtime.vla import MultiHead
+
+
+def frame_noise(seed: int, stream: int, frame: int, horizon: int, action_dim: int, head: int = 0) -> np.ndarray:
+    """Noise [horizon, action_dim] of one row: frame `frame` of stream `stream`, head number `head`.
+
+    Standard normal from `np.random.default_rng([seed, stream, frame])` for head 0 (so a one-head server
+    draws what it always drew) and `default_rng([seed, stream, frame, head])` for the others: reproducible
+    from the server seed, the stream id in the metadata and the `frame` index of the response.
+    """
+    key = [seed, stream, frame] + ([head] if head else [])
+    return np.random.default_rng(key).standard_normal((horizon, action_dim)).astype(np.float32)
+
+
+def _stack_observations(observations: Sequence[Observation], rows: int) -> Observation:
+    """Concatenates batch-1 observations and pads to `rows` by repeating the first one."""
+    fields = []
+    for parts in zip(*(dataclasses.astuple(o) for o in observations)):
+        x = np.concatenate([np.asarray(p) for p in parts], axis=0)
+        if rows > len(x):
+            x = np.concatenate([x, np.repeat(x[:1], rows - len(x), axis=0)], axis=0)
+        fields.append(x)
+    return Observation(*fields)
+
+
+class _Codec:
+    """What both families share: the robot, its tokenizer and norm stats, noise and the output transform."""
+
+    def __init__(self, engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None):
+        self.engine, self.robot, self.tokenizer = engine, robot, tokenizer
+        self.norm_stats, self.default_prompt = norm_stats, default_prompt
+        self.vla = engine.vla
+        self.heads = self.vla.heads
+        self.shapes = {n: self.vla.action_shape(n, engine.config.action_horizon) for n in self.heads}
+
+    @property
+    def primary(self) -> str:
+        return self.vla.primary
+
+    def example(self):
+        """A row from a synthetic sample (warm-up compiles every bucket with it)."""
+        return self.prepare(transforms.synthetic_sample(self.robot, np.random.default_rng(0)))
+
+    def noise(self, seed: int, streams: Sequence[int], frames: Sequence[int], bucket: int) -> dict[str, np.ndarray]:
+        """head name -> [bucket, Ha, Ad]: row i is `frame_noise` of (streams[i], frames[i]); padding rows zero."""
+        out = {}
+        for h, name in enumerate(self.heads):
+            x = np.zeros((bucket, *self.shapes[name]), np.float32)
+            for i, (s, f) in enumerate(zip(streams, frames)):
+                x[i] = frame_noise(seed, s, f, *self.shapes[name], head=h)
+            out[name] = x
+        return out
+
+    def _robot_chunk(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
+        return transforms.robot_outputs(self.robot, chunk, state, self.norm_stats)
+
+    def metadata(self) -> dict:
+        ha, ad = self.shapes[self.primary]
+        meta = {"action_horizon": ha, "noise": {"rule": "np.random.default_rng([seed, stream, frame]).standard_normal("
+                                                        f"({ha}, {ad})).astype(np.float32)"}}
+        if len(self.heads) > 1:
+            meta["heads"] = {n: {"action_horizon": s[0], "model_action_dim": s[1]} for n, s in self.shapes.items()}
+            meta["primary_head"] = self.primary
+            meta["noise"]["heads"] = "head number h > 0 (in the order of 'heads') uses default_rng([seed, stream, frame, h])"
+        return meta
+
+
+class Pi05Codec(_Codec):
+    """π0.5: rows are `Observation`s; the response is openpi's ("actions" only)."""
+
+    def prepare(self, sample: Mapping) -> Observation:
+        return transforms.make_observation(self.robot, self.vla.params.config, self.tokenizer, [sample],
+                                           self.norm_stats, default_prompt=self.default_prompt)
+
+    def batch(self, rows: Sequence[Observation], bucket: int):
+        return _stack_observations(rows, bucket), None
+
+    def outputs(self, head_actions: Mapping[str, np.ndarray], i: int, state: np.ndarray) -> tuple[np.ndarray, dict]:
+        return self._robot_chunk(head_actions[self.primary][i], state), {}
+
+
+class HeadsCodec(_Codec):
+    """A `ModelSpec` (Qwen3-VL backbone, several heads): rows are `PromptRows`; every head's chunk is returned."""
+
+    def __init__(self, engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None, *,
+                 image_size: int, prompt_len: int):
+        super().__init__(engine, robot, tokenizer, norm_stats, default_prompt)
+        self.spec, self.image_size, self.prompt_len = self.vla.spec, image_size, prompt_len
+        prompt_rows.image_tokens(self.spec, image_size)  # fails early on an image size the ViT cannot patch
+
+    def prepare(self, sample: Mapping) -> prompt_rows.PromptRows:
+        return prompt_rows.make_rows(self.robot, self.spec, self.tokenizer, [sample], self.norm_stats,
+                                     image_size=self.image_size, prompt_len=self.prompt_len,
+                                     default_prompt=self.default_prompt)
+
+    def batch(self, rows: Sequence[prompt_rows.PromptRows], bucket: int):
+        inputs, states = prompt_rows.model_inputs(self.spec, prompt_rows.stack_rows(rows, bucket))
+        return inputs, states or None
+
+    def outputs(self, head_actions: Mapping[str, np.ndarray], i: int, state: np.ndarray) -> tuple[np.ndarray, dict]:
+        heads = {}
+        for name in self.heads:
+            chunk = np.asarray(head_actions[name][i], np.float32)
+            heads[name] = self._robot_chunk(chunk, state) if chunk.shape[-1] >= self.robot.action_dim else chunk
+        return heads[self.primary], {"heads": heads}
+
+
+def make_codec(engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None, *,
+               image_size: int | None = None, prompt_len: int | None = None) -> _Codec:
+    """The codec of the engine's model: π0.5 rows, or prompt rows of `image_size` px images and `prompt_len` tokens."""
+    if not isinstance(engine.vla, MultiHead):
+        return Pi05Codec(engine, robot, tokenizer, norm_stats, default_prompt)
+    if image_size is None or prompt_len is None:
+        raise ValueError("serving a backbone with heads needs image_size (px) and prompt_len (tokens per row)")
+    return HeadsCodec(engine, robot, tokenizer, norm_stats, default_prompt, image_size=image_size, prompt_len=prompt_len)
