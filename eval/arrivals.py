@@ -2,7 +2,7 @@
 
 A pattern maps a frame index to the list of requests arriving in that frame; each request is given
 by its own token cap t_max (None = no cap of its own, the decode length N governs). Semantics follow
-the OxyGen reference workloads (method_and_benchmark.md §4). Every draw is seeded and the generator
+the OxyGen paper's reference workloads (docs/benchmarks.md). Every draw is seeded and the generator
 is recreated for each `schedule` call, so the same spec always gives the same arrivals.
 
 Grammar (`KIND[:ARGS][:OPTION]...`, OPTION = `tmax=INT` | `seed=INT` | `rate=NUM`):

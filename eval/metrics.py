@@ -8,7 +8,7 @@ Records are plain dicts, as written to the result JSON by `eval.bench`:
     request  {"id": int, "setting": str, "arrival_frame": f, "admit_frame": f | None,
               "finish_frame": f | None (None = still running at the end), "tokens": int, "budget": int}
 
-Rules (method_and_benchmark.md §6 and §9.22-24):
+Rules (the benchmark protocol; docs/benchmarks.md):
 
 * warm-up frames, and requests that arrive in them, are excluded everywhere; so are drain frames
   (run after the measured ones only so that requests arriving in measured frames can finish);
@@ -21,7 +21,7 @@ Worked example (Ha = 10): frames of 100, 100, 200 ms with 5, 5, 10 tokens give 1
 and 20/0.4 s = 50 tokens/s; a request arriving in frame 1 and finishing in frame 2 took 2 frames and
 300 ms.
 
-Ideal frame times come from component times (§8.4) measured alone: T_pre = prefill (SigLIP + VLM),
+Ideal frame times come from component times measured alone: T_pre = prefill (SigLIP + VLM),
 S·T_d = S denoise steps, t(B) = one decode step at batch B. Token 0 of a request comes from the
 prefill logits, so a request of N tokens costs N − 1 decode forwards.
 """
@@ -247,7 +247,7 @@ def _check_setting(setting: str) -> None:
 def ideal_frame_ms(
     setting: str, comp: Components, *, num_steps: int, arrivals: int, decode_steps: int, batch: float
 ) -> float:
-    """The ideal time of one frame from component times (§8.4), given the frame's actual work.
+    """The ideal time of one frame from component times, given the frame's actual work.
 
         isolated    T_pre + S·T_d  [+ T_pre + steps·t(B) when requests arrived]
         shared_kv   T_pre + S·T_d  + steps·t(B)
@@ -301,7 +301,7 @@ def steady_state_ideal_ms(
     setting: str, comp: Components, *, num_steps: int, decode_len: int, tokens_per_frame: int = 1,
     arrivals_per_frame: float = 1.0,
 ) -> float:
-    """Closed-form §8.4 ideal frame time for one arrival per frame (λ scales the text share).
+    """Closed-form ideal frame time for one arrival per frame (λ scales the text share).
 
         isolated    2·T_pre + S·T_d + (N − 1)·t(1)
         shared_kv   T_pre + S·T_d + (N − 1)·t(1)

@@ -263,7 +263,7 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
         "host, over measured frames (warm-up excluded); Hz and tokens/s are ratios of sums; request latency runs "
         "from the arrival frame's tick to the end of the frame emitting the last token. *speedup* = isolated mean "
         "frame time / this setting's (same frames, same run); *ideal* values come from component times measured "
-        "alone (§8.4 of the method notes); *achieved* = ideal frame time / measured mean frame time.", "",
+        "alone (`eval.metrics.ideal_frame_ms`); *achieved* = ideal frame time / measured mean frame time.", "",
         "## Environment", "", _environment_md(env), "",
         "## Component times", "", _components_md(results["components"]), "",
         *(["## Fan-out: several heads and language on one prefix", "",

@@ -7,20 +7,22 @@ import math
 
 import pytest
 
-from eval import bench, report
+from eval import report
+from eval.bench import __main__ as bench_cli
+from eval.bench import grid, harness, pi05
 
 
 # --- grid and command line -----------------------------------------------------------------------
 
 
 def _grid(*argv):
-    return bench.build_grid(bench.parse_args(list(argv)))
+    return grid.build_grid(bench_cli.parse_args(list(argv)))
 
 
 def test_paper_grid_keeps_ks_of_the_paper_set_that_divide_n():
     groups = _grid("--grid", "paper")
     assert len(groups) == 3 * 4 * 5  # workloads x S x N
-    ks = {g.N: g.ks for g in groups}
+    ks = {g.decode_len: g.ks for g in groups}
     assert ks[30] == (1, 2, 3, 5, 6, 10, 15, 30)
     assert ks[20] == (1, 2, 5, 10)
     assert ks[5] == (1, 5)
@@ -28,18 +30,18 @@ def test_paper_grid_keeps_ks_of_the_paper_set_that_divide_n():
 
 
 def test_default_grid_is_the_paper_figures_on_the_bench_preset():
-    args = bench.parse_args([])
+    args = bench_cli.parse_args([])
     assert (args.grid, args.preset, args.frames) == ("figure", "bench", 30)
-    groups = bench.build_grid(args)
-    assert [g.N for g in groups] == [5, 10, 15, 20, 30]
+    groups = grid.build_grid(args)
+    assert [g.decode_len for g in groups] == [5, 10, 15, 20, 30]
     assert groups[-1].ks == (1, 2, 3, 5, 10) and groups[0].ks == (5,)
-    quick = bench.parse_args(["--quick"])
+    quick = bench_cli.parse_args(["--quick"])
     assert (quick.grid, quick.preset) == ("quick", "tiny")
 
 
 def test_explicit_lists_replace_the_grid_and_non_dividing_k_is_kept():
     groups = _grid("--N", "10", "--k", "3", "4", "--S", "5", "--arrival", "poisson:1.5", "burst:4/8")
-    assert [(g.S, g.N, g.ks, g.arrival) for g in groups] == [
+    assert [(g.num_steps, g.decode_len, g.ks, g.arrival) for g in groups] == [
         (5, 10, (3, 4), "poisson:1.5"), (5, 10, (3, 4), "burst:4/8")]
     assert _grid("--N", "20", "--k", "alldiv")[0].ks == (1, 2, 4, 5, 10, 20)
     assert _grid("--settings", "isolated", "shared_kv")[0].ks == ()  # no continuous, no k
@@ -52,18 +54,18 @@ def test_explicit_lists_replace_the_grid_and_non_dividing_k_is_kept():
 ])
 def test_bad_command_lines_exit_with_an_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
-        bench.parse_args(argv)
+        bench_cli.parse_args(argv)
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
 
 
 def test_peak_slots_follow_request_lifetimes():
     one_per_frame = [[30]] * 40
-    assert bench._peak_slots(one_per_frame, 5) == 6  # N/k
-    assert bench._peak_slots(one_per_frame, 1) == 29  # N - 1: token 0 comes from the prefill
-    assert bench._peak_slots([[10] * 4] + [[]] * 7, 5) == 4
-    assert bench._peak_slots([[1], [1], [1]], 5) == 1
-    assert bench._peak_slots([[]] * 3, 5) == 1
+    assert harness.peak_slots(one_per_frame, 5) == 6  # N/k
+    assert harness.peak_slots(one_per_frame, 1) == 29  # N - 1: token 0 comes from the prefill
+    assert harness.peak_slots([[10] * 4] + [[]] * 7, 5) == 4
+    assert harness.peak_slots([[1], [1], [1]], 5) == 1
+    assert harness.peak_slots([[]] * 3, 5) == 1
 
 
 # --- tiny end-to-end run -------------------------------------------------------------------------
@@ -77,7 +79,7 @@ def tiny_run(tmp_path_factory):
     16-token bucket, so every setting (continuous batching's pool included) sees the shorter prefix; a rank-2
     language adapter serves half the requests of a second continuous run."""
     out = tmp_path_factory.mktemp("bench")
-    bench.main([
+    bench_cli.main([
         "--preset", "tiny", "--workloads", "libero", "--S", "2", "--N", str(_N), "--k", str(_K),
         "--arrival", "burst:2/2", "--frames", str(_FRAMES), "--warmup", "1", "--component-batches", "1,2",
         "--component-repeats", "2", "--prompt-bucket", "16", "--adapter-rank", "2", "--no-progress", "--out", str(out),
@@ -94,7 +96,7 @@ def test_bench_writes_summary_components_environment_and_run_files(tiny_run):
     assert with_adapter["adapter_rank"] == 2 and with_adapter["requests_unfinished"] == 0
     assert with_adapter["frames_measured"] == _FRAMES and with_adapter["avg_batch"] == pytest.approx(2.0)
     for r in summary:
-        assert set(bench.SUMMARY_KEYS) <= set(r)
+        assert set(harness.SUMMARY_KEYS) <= set(r)
         assert (r["workload"], r["preset"], r["S"], r["N"], r["arrival"]) == ("libero", "tiny", 2, _N, "burst:2/2")
         assert r["frames_measured"] == _FRAMES
         assert r["frame_ms_median"] > 0 and r["action_hz"] > 0 and r["tokens_per_s"] > 0
@@ -128,7 +130,7 @@ def test_run_file_holds_frames_and_requests_of_every_setting(tiny_run):
     warmup = run["config"]["warmup_frames"]
     assert run["config"]["prefix_len"] == 2 * 16 + 16  # two 16-patch cameras + the 16-token prompt bucket
     assert warmup == math.ceil(_N / _K)  # continuous ramp, longer than --warmup 1
-    for setting in bench.DEFAULT_SETTINGS:
+    for setting in grid.DEFAULT_SETTINGS:
         mine = [f for f in frames if f["setting"] == setting and "adapter" not in f["label"]]
         assert sum(not f["warmup"] and not f["drain"] for f in mine) == _FRAMES
         assert all(f["frame_ms"] > 0 for f in mine)
@@ -138,7 +140,7 @@ def test_run_file_holds_frames_and_requests_of_every_setting(tiny_run):
     end = warmup + _FRAMES  # continuous alone runs the drain frames, with their own arrivals
     by_setting = {s: sorted((q["id"], q["arrival_frame"], q["budget"]) for q in requests
                             if q["setting"] == s and q["arrival_frame"] < end and "adapter" not in q.get("label", ""))
-                  for s in bench.DEFAULT_SETTINGS}
+                  for s in grid.DEFAULT_SETTINGS}
     on_adapter = [q["adapter"] for q in requests if "adapter" in q.get("label", "")]
     assert sorted(set(on_adapter)) == [0, 1] and abs(sum(on_adapter) - len(on_adapter) / 2) <= 0.5
     assert all(v == by_setting["isolated"] for v in by_setting.values())  # the same requests everywhere
@@ -167,7 +169,7 @@ def heads_run(tmp_path_factory):
     number); isolated (the head its own prefix pass, the text its own) against the fan-out frame, one request per
     frame."""
     out = tmp_path_factory.mktemp("bench_heads")
-    bench.main([
+    bench_cli.main([
         "--heads", "gr00t", "--preset", "tiny", "--image-size", "64", "--workloads", "libero", "--N", "4",
         "--k", "2", "--frames", "3", "--warmup", "1", "--settings", "isolated", "continuous", "--component-batches",
         "1", "--component-repeats", "1", "--no-progress", "--out", str(out),
@@ -184,7 +186,7 @@ def test_heads_bench_reports_the_fanout_ratio_against_the_single_head_frames_of_
     iso = [f for f in run["frames"] if f["setting"] == "isolated" and not f["warmup"] and not f["drain"]]
     sums = sorted(sum(f["head_ms"].values()) for f in iso)
     for r in summary:
-        assert set(bench.SUMMARY_KEYS) <= set(r)
+        assert set(harness.SUMMARY_KEYS) <= set(r)
         assert r["recompiles_after_warmup"] == 0 and r["requests_unfinished"] == 0 and r["frames_measured"] == 3
         assert r["head_steps"] == {"gr00t": 2}  # the head's own (tiny preset)
         assert r["sum_single_head_ms"] == pytest.approx(sums[1])  # median of 3 frames' sums
@@ -201,13 +203,13 @@ def test_heads_bench_reports_the_fanout_ratio_against_the_single_head_frames_of_
 
 
 def test_heads_command_lines_are_checked():
-    assert bench.parse_args(["--heads", "starvla,xr0"]).heads == ("starvla_qwenpi_v3", "xr0")
-    assert bench.parse_args([]).heads is None  # pi0.5, as before
-    assert [g.S for g in _grid("--heads", "xr0")] == [0] * 5  # each head's own steps
+    assert bench_cli.parse_args(["--heads", "starvla,xr0"]).heads == ("starvla_qwenpi_v3", "xr0")
+    assert bench_cli.parse_args([]).heads is None  # pi0.5, as before
+    assert [g.num_steps for g in _grid("--heads", "xr0")] == [0] * 5  # each head's own steps
     for argv in (["--heads", "pi05"], ["--heads", "xr0,xr0"], ["--heads", "xr0", "--preset", "pi05"],
                  ["--heads", "xr0", "--S", "2", "4"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(argv)
+            bench_cli.parse_args(argv)
 
 
 def test_report_explains_a_missing_summary(tmp_path, capsys):
@@ -219,6 +221,6 @@ def test_report_explains_a_missing_summary(tmp_path, capsys):
 def test_checkpoint_option_restores_an_openpi_checkpoint():
     from helpers import openpi_fixture
 
-    args = bench.parse_args(["--ckpt", str(openpi_fixture()), "--dry-run"])
-    cfg, params, preset = bench._load_model(args, "float32")
-    assert preset == "ckpt" and cfg.vlm.depth == 3 and cfg.vocab_size == 1024
+    args = bench_cli.parse_args(["--ckpt", str(openpi_fixture()), "--dry-run"])
+    model, params, preset = pi05.load_model(args, "float32")
+    assert preset == "ckpt" and model.cfg.vlm.depth == 3 and model.cfg.vocab_size == 1024

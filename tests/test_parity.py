@@ -9,15 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eval import parity
+from eval.parity import __main__ as parity_cli
+from eval.parity import openpi as openpi_parity
 from helpers import openpi_fixture
-from oxygen_jax.ckpts import checkpoint
+from oxygen_jax.ckpts.openpi import load_openpi_params
 from oxygen_jax.models.pi05 import model
 
 
 @pytest.fixture(scope="module")
 def rows():
-    return parity.run_fixture(openpi_fixture())
+    return openpi_parity.run_fixture(openpi_fixture())
 
 
 def test_every_reference_quantity_matches_in_both_checkpoint_layouts(rows):
@@ -36,11 +37,11 @@ def test_rng_driven_loss_reproduces_openpi_draws():
     fx = openpi_fixture()
     seed = json.loads((fx / "config.json").read_text())["seeds"]["loss_rng_seed"]
     ref = np.load(fx / "reference.npz")
-    _, params = checkpoint.load_openpi_params(fx / "params")
+    _, params = load_openpi_params(fx / "params")
     noise, time = model.sample_noise_and_time(jax.random.key(seed), ref["loss/actions"].shape)
     np.testing.assert_allclose(noise, ref["loss/noise"], atol=1e-6)
     np.testing.assert_allclose(time, ref["loss/time"], atol=1e-6)
-    obs = parity._observation(ref)
+    obs = openpi_parity._observation(ref)
     loss = model.compute_loss_rng(params, jax.random.key(seed), obs, jnp.asarray(ref["loss/actions"]))
     np.testing.assert_allclose(loss, ref["loss/loss"], atol=5e-4)
 
@@ -48,8 +49,8 @@ def test_rng_driven_loss_reproduces_openpi_draws():
 def test_dropping_the_masked_camera_of_a_fixture_row_reproduces_openpi_actions():
     fx = openpi_fixture()
     ref = np.load(fx / "reference.npz")
-    _, params = checkpoint.load_openpi_params(fx / "params")
-    obs = parity._observation(ref)
+    _, params = load_openpi_params(fx / "params")
+    obs = openpi_parity._observation(ref)
     row = 1  # its left wrist camera is masked in the fixture
     assert not ref["image_mask/left_wrist_0_rgb"][row]
     keep = [0, 2]
@@ -66,7 +67,7 @@ def lora_rows():
     path = shared_dir() / "fixtures" / "openpi_tiny_pi05_lora"
     if not path.is_dir():
         pytest.skip(f"../shared fixtures not present: {path}")
-    return parity.run_fixture(path)
+    return openpi_parity.run_fixture(path)
 
 
 def test_lora_fixture_matches_openpi_in_both_layouts_with_merged_and_base_references(lora_rows):
@@ -104,8 +105,8 @@ def _unseen_lora_fixture(root, params, adapters, alpha_in_config, training_layou
     prefix = jax.jit(model.prefix_forward)(merged, obs)
     ref = {"tokenized_prompt": obs.tokens, "tokenized_prompt_mask": obs.token_mask, "noise": noise,
            "prefix/input_mask": prefix["input_mask"], "prefix/positions": prefix["positions"],
-           "prefix/kv_cache_k": prefix["k"], "actions/num_steps_10": parity._actions(merged, obs, noise, 10),
-           "nolora/actions/num_steps_10": parity._actions(params, obs, noise, 10)}
+           "prefix/kv_cache_k": prefix["k"], "actions/num_steps_10": openpi_parity._actions(merged, obs, noise, 10),
+           "nolora/actions/num_steps_10": openpi_parity._actions(params, obs, noise, 10)}
     for i, cam in enumerate(CAMERA_SLOTS[:2]):
         ref[f"image/{cam}"], ref[f"image_mask/{cam}"] = obs.images[:, i], obs.image_masks[:, i]
     np.savez(root / "reference.npz", **{k: np.asarray(v) for k, v in ref.items()})
@@ -126,12 +127,12 @@ def test_parity_runs_on_an_unseen_lora_fixture_reading_alpha_from_config_json(tm
     act = _random_b(lora.init_bank(cfg.action_expert, 1, rank=2, alpha=1.0, seed=8), 9).adapter(1)
     adapters = lora.ModelLora(vlm=attn.replace(gating=ffn.gating, linear=ffn.linear, alpha=12.0), action_expert=act)
     # (Both layouts of such checkpoints restore identically: test_lora covers it; one layout suffices here.)
-    rows = parity.run_fixture(_unseen_lora_fixture(tmp_path / "right", base, adapters, alpha_in_config=12.0,
+    rows = openpi_parity.run_fixture(_unseen_lora_fixture(tmp_path / "right", base, adapters, alpha_in_config=12.0,
                                                    training_layout=False))
     assert all(r.ok for r in rows) and {r.layout for r in rows} == {"released"}
     assert any(r.quantity.startswith("lora changes") for r in rows)
     # Told the wrong alpha (here: the default, alpha = rank), the same run fails.
-    rows = parity.run_fixture(_unseen_lora_fixture(tmp_path / "wrong", base, adapters, alpha_in_config=3.0,
+    rows = openpi_parity.run_fixture(_unseen_lora_fixture(tmp_path / "wrong", base, adapters, alpha_in_config=3.0,
                                                    training_layout=False))
     assert {r.quantity for r in rows if not r.ok} >= {"actions/num_steps_10", "prefix/kv_cache_k (valid rows)"}
 
@@ -141,21 +142,21 @@ def test_lora_settings_come_from_config_json_or_readme(tmp_path):
         "paligemma_llm (expert 0, variant x)": {"rank": 4, "alpha": 12.0, "rslora": True},
         "action_expert (expert 1, variant y)": {"rank": 8, "alpha": 8.0},
     }}))
-    assert parity.lora_settings(tmp_path) == {"lora_alpha": {"vlm": 12.0, "action_expert": 8.0}, "lora_rslora": True}
+    assert openpi_parity.lora_settings(tmp_path) == {"lora_alpha": {"vlm": 12.0, "action_expert": 8.0}, "lora_rslora": True}
     (tmp_path / "config.json").unlink()
     (tmp_path / "README.md").write_text("| expert 0 LoRA | attn + ffn, rank 4, alpha 2 (scaling 0.5) |\n")
-    assert parity.lora_settings(tmp_path) == {"lora_alpha": {"vlm": 2.0}, "lora_rslora": False}
+    assert openpi_parity.lora_settings(tmp_path) == {"lora_alpha": {"vlm": 2.0}, "lora_rslora": False}
     (tmp_path / "README.md").unlink()
-    assert parity.lora_settings(tmp_path) == {"lora_alpha": None, "lora_rslora": False}
+    assert openpi_parity.lora_settings(tmp_path) == {"lora_alpha": None, "lora_rslora": False}
 
 
 def test_tolerances_are_read_per_quantity_from_config_json():
-    tol = parity.Tolerances({"prefix/kv_cache_k|v, prefix/out_final_norm (where valid)": "atol 0.002, rtol 1e-4",
+    tol = openpi_parity.Tolerances({"prefix/kv_cache_k|v, prefix/out_final_norm (where valid)": "atol 0.002, rtol 1e-4",
                              "actions/*": "atol 5e-4", "nolora/actions/num_steps_10": "must differ"})
     assert tol.get("prefix/kv_cache_v (valid rows)", "prefix_out") == (0.002, 1e-4)
     assert tol.get("actions/num_steps_3", "actions") == (5e-4, 0.0)
-    assert tol.get("nolora/actions/num_steps_10", "actions") == parity._TOL["actions"]  # no atol given: default
-    assert tol.get("oxygen_actions/num_steps_10", "actions") == parity._TOL["actions"]
+    assert tol.get("nolora/actions/num_steps_10", "actions") == openpi_parity._TOL["actions"]  # no atol given: default
+    assert tol.get("oxygen_actions/num_steps_10", "actions") == openpi_parity._TOL["actions"]
 
 
 def test_manifest_of_full_size_pi05_maps_exactly():
@@ -164,30 +165,31 @@ def test_manifest_of_full_size_pi05_maps_exactly():
     path = shared_dir() / "fixtures" / "pi05_param_manifest.json"
     if not path.is_file():
         pytest.skip(f"../shared fixtures not present: {path}")
-    assert parity.main(["--manifest", str(path)]) == 0
-    assert parity.main(["--manifest", str(path.with_name("pi05_lora_param_manifest.json"))]) == 0
+    assert parity_cli.main(["--manifest", str(path)]) == 0
+    assert parity_cli.main(["--manifest", str(path.with_name("pi05_lora_param_manifest.json"))]) == 0
 
 
 def test_the_parity_command_picks_the_comparison_by_fixture_kind(tmp_path, monkeypatch, capsys):
     """An HF Qwen3 checkpoint directory (written here, so it is one no test has seen) runs
-    `eval.parity_hf`; an openpi layout runs the openpi checks; anything else is refused by name."""
-    from eval import parity_hf
+    `eval.parity.hf`; an openpi layout runs the openpi checks; anything else is refused by name."""
+    from eval.parity import hf as parity_hf
     from oxygen_jax.models import backbone as bb
     from oxygen_jax.ckpts import hf as hf_checkpoint
+    from oxygen_jax.ckpts.safetensors import write_safetensors
 
     spec = bb.preset("qwen3_tiny")
     hf = tmp_path / "some_qwen3"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(hf_checkpoint.config_from_spec(spec)))
-    hf_checkpoint.write_safetensors(hf / "model.safetensors", hf_checkpoint.to_hf(spec, bb.init_decoder(spec)))
+    write_safetensors(hf / "model.safetensors", hf_checkpoint.to_hf(spec, bb.init_decoder(spec)))
     openpi = tmp_path / "some_pi05"
     (openpi / "train_checkpoint" / "7" / "params").mkdir(parents=True)
     calls = []
     monkeypatch.setattr(parity_hf, "main", lambda argv: calls.append(("hf", argv)) or 0)
-    monkeypatch.setattr(parity, "run_fixture", lambda path: calls.append(("openpi", path)) or [])
-    assert parity.main([str(hf)]) == 0 and parity.main([str(openpi)]) == 0
+    monkeypatch.setattr(openpi_parity, "run_fixture", lambda path: calls.append(("openpi", path)) or [])
+    assert parity_cli.main([str(hf)]) == 0 and parity_cli.main([str(openpi)]) == 0
     assert calls == [("hf", [str(hf)]), ("openpi", openpi)]
     (tmp_path / "neither").mkdir()
     with pytest.raises(SystemExit):
-        parity.main([str(tmp_path / "neither")])
+        parity_cli.main([str(tmp_path / "neither")])
     assert "neither an openpi fixture" in capsys.readouterr().err

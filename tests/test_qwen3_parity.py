@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eval import parity_hf
+from eval.parity import hf as parity_hf
 from helpers import shared_dir
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.ckpts import hf as hf_checkpoint
+from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors, read_safetensors, write_safetensors
 from oxygen_jax.models import qwen3_vl
 from oxygen_jax.models.pi05.params import to_openpi_dict
 
@@ -69,9 +70,9 @@ def test_fixture_kind_is_recognised_from_its_files():
     q3, q3vl = _fixture("qwen3_tiny"), _fixture("qwen3vl_tiny")
     assert parity_hf.is_hf_fixture(q3) and parity_hf.is_hf_fixture(q3vl)
     assert not parity_hf.is_hf_fixture(shared_dir() / "fixtures" / "openpi_tiny_pi05")
-    names = hf_checkpoint.read_checkpoint_tensors(q3vl).keys()
+    names = read_checkpoint_tensors(q3vl).keys()
     assert hf_checkpoint.detect_family(json.loads((q3vl / "config.json").read_text()), names) == "qwen3_vl"
-    assert hf_checkpoint.detect_family({}, hf_checkpoint.read_checkpoint_tensors(q3).keys()) == "qwen3"
+    assert hf_checkpoint.detect_family({}, read_checkpoint_tensors(q3).keys()) == "qwen3"
     with pytest.raises(ValueError, match="config.json says 'qwen3' but the tensors look like 'qwen3_vl'"):
         hf_checkpoint.detect_family({"model_type": "qwen3"}, names)
 
@@ -143,8 +144,8 @@ def unseen_fixture(tmp_path_factory):
     tensors = hf_checkpoint.to_hf(spec, decoder, vision)
     visual = {k: v for k, v in tensors.items() if k.startswith("model.visual.")}
     text = {k: v for k, v in tensors.items() if k not in visual}
-    hf_checkpoint.write_safetensors(path / "model-00001-of-00002.safetensors", visual)
-    hf_checkpoint.write_safetensors(path / "model-00002-of-00002.safetensors", text)
+    write_safetensors(path / "model-00001-of-00002.safetensors", visual)
+    write_safetensors(path / "model-00002-of-00002.safetensors", text)
     index = {"weight_map": {**{k: "model-00001-of-00002.safetensors" for k in visual}, **{k: "model-00002-of-00002.safetensors" for k in text}}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     img = 290
@@ -188,8 +189,8 @@ def test_unseen_checkpoint_loads_from_its_own_files_with_identical_weights(unsee
         for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
             np.testing.assert_array_equal(a, b)
     bf16 = {k: v.astype(jnp.bfloat16) for k, v in hf_checkpoint.to_hf(spec, decoder).items()}
-    hf_checkpoint.write_safetensors(path / "bf16.safetensors", bf16)
-    back = hf_checkpoint.read_safetensors(path / "bf16.safetensors")
+    write_safetensors(path / "bf16.safetensors", bf16)
+    back = read_safetensors(path / "bf16.safetensors")
     assert all(back[k].dtype == jnp.bfloat16 and np.array_equal(back[k], bf16[k]) for k in bf16)
 
 

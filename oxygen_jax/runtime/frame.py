@@ -232,6 +232,16 @@ def head_program(vla: Vla, name: str, inputs, noises: dict[str, jax.Array],
     return alone.actions(alone.prefix(inputs), {name: noises[name]}, st)[name]
 
 
+@jax.jit
+def actions_program(vla: Vla, inputs, noises: dict[str, jax.Array],
+                    states: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+    """Every head from one prefix pass keeping only the heads' reads, no language (actions-only frames).
+
+    Returns head name -> actions float32 [B, Ha, Ad]."""
+    heads = vla.only(*vla.heads)
+    return heads.actions(heads.prefix(inputs), noises, states)
+
+
 @functools.partial(jax.jit, static_argnames=("max_new_tokens",))
 def shared_kv_program(vla: Vla, inputs, noises: dict[str, jax.Array], requests: Requests,
                       bank: LoraBank | None = None, states: dict[str, jax.Array] | None = None, *,

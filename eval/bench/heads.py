@@ -1,4 +1,4 @@
-"""`eval.bench --heads`: several action heads and the language decoder on one Qwen3-VL prefix (fan-out).
+"""Several heads as a bench family (`eval.bench --heads`): action heads and the language decoder on one Qwen3-VL prefix.
 
     python -m eval.bench --heads xr0,starvla,gr00t --preset bench --workloads libero --N 30 --k 5 \\
         --settings isolated shared_kv continuous --out results/heads
@@ -14,15 +14,15 @@ frame. The settings (`schedule`, models with several heads):
                 each waited for, then the text's own prefix pass with the frame's requests to completion
     parallel    the same programs dispatched concurrently, one host thread each
     shared_kv   one program: one prefix pass, every head, the frame's requests to completion
-    continuous  `schedule.mot_frame_step` (the fan-out frame): one prefix pass, every head, admission and a
+    continuous  `schedule.frame_step` (the fan-out frame): one prefix pass, every head, admission and a
                 k-token burst on the persistent pool
     actions_only  one prefix pass and every head, no language (reference)
 
 Frames without arrivals run the heads alone in the non-batched settings (isolated: the single-head programs;
 shared_kv: one prefix pass and every head). The isolated runner times each single-head program on its own, so
 every record carries `fanout_ratio` = this setting's median frame / the median over the same run's isolated
-frames of the sum of the single-head frames (the acceptance number for `continuous`: the fan-out frame with
-language against three separate single-head frames without), `single_head_ms` (median per head) and
+frames of the sum of the single-head frames (for `continuous`: the fan-out frame with language against
+separate single-head frames without), `single_head_ms` (median per head) and
 `head_action_hz` (actions per second of each head: its horizon per frame). `action_hz` is the chunk rate
 (frames per second; every head delivers one chunk per frame). Denoise steps are each head's own
 (`head_steps`; XR0 5, the StarVLA heads 4) unless `--S` is given (then every head runs S steps); grid points
@@ -30,11 +30,16 @@ record S = 0 for "each head's own".
 
 Components (`components.json`, measured alone, warm medians): the prefix pass of the whole model
 (`prefill_ms`), each head's prepare + denoise on that prefix (`heads_ms`), one decode step t(B).
+
+`environment.json` also records the heads, the image size and the machine load (`os.getloadavg`) at the start
+and end of the run, since other processes share the CPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import os
 import time
 from collections.abc import Sequence
 
@@ -42,20 +47,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import arrivals as arrivals_lib
-from eval import bench, metrics
-from oxygen_jax.runtime import decode
-from oxygen_jax.models import mot
-from oxygen_jax.runtime import frame as schedule
+from eval import metrics
+from eval.bench import harness
+from eval.bench.grid import WORKLOADS, Group
 from oxygen_jax.models import heads as hd
+from oxygen_jax.models import mot
+from oxygen_jax.runtime import decode
+from oxygen_jax.runtime import frame as schedule
+from oxygen_jax.runtime.vla import MultiHead
 
 HEADS = {"xr0": "xr0", "starvla": "starvla_qwenpi_v3", "gr00t": "gr00t"}
 """`--heads` names -> head names inside `mot.preset` models (bench and tiny scale alike)."""
 
+
 def parse_heads(text: str) -> tuple[str, ...]:
     """'xr0,starvla,gr00t' -> the mot head names, in the given order (argparse type)."""
-    import argparse
-
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in HEADS]
     if not names or bad or len(set(names)) != len(names):
@@ -82,10 +88,17 @@ def check_image_size(preset: str, image_size: int) -> str | None:
     return None
 
 
-def load_model(args, dtype: str):
+def load_model(args: argparse.Namespace, dtype: str) -> tuple[mot.ModelSpec, mot.ModelParams, str]:
     """(spec, params for this backend, preset name) for `--heads` (random weights, seeded by --seed)."""
-    spec = model_spec(args.preset, args.heads, args.S[0] if args.S else None)
-    return spec, mot.for_backend(mot.init_model(spec, args.seed, dtype)), args.preset
+    from oxygen_jax.ckpts import load
+
+    spec = model_spec(args.preset, args.heads, args.num_steps[0] if args.num_steps else None)
+    return spec, load.load_model(preset=spec, dtype=dtype, seed=args.seed).params, args.preset
+
+
+def environment(args: argparse.Namespace) -> dict:
+    """The heads, the image size and the machine load at the start (the harness adds it at the end)."""
+    return {"heads": list(args.heads), "image_size": args.image_size, "loadavg_start": list(os.getloadavg())}
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -123,38 +136,29 @@ def _frame_noise(spec, rng) -> tuple[dict, dict]:
     return noises, states
 
 
-def group_inputs(ctx, group, robot):
+def group_inputs(ctx: harness.RunContext, group: Group, robot) -> harness.GroupInputs:
     """The group's frames (prompts with images, per-head noise and states) and requests, on the device."""
-    args = ctx.args
-    warmup, drain = bench._warmup_and_drain(args, group)
+    args, spec = ctx.args, ctx.model
+    warmup, drain = harness.warmup_and_drain(args, group)
     total = warmup + args.frames + drain
-    rng = np.random.default_rng([args.seed, 1 + bench.WORKLOADS.index(robot.name)])
-    first = _frame_inputs(ctx.spec, robot, args.image_size, rng)
+    rng = np.random.default_rng([args.seed, 1 + WORKLOADS.index(robot.name)])
+    first = _frame_inputs(spec, robot, args.image_size, rng)
     inputs = [first] * total if args.reuse_observation else [first] + [
-        _frame_inputs(ctx.spec, robot, args.image_size, rng) for _ in range(total - 1)]
-    noise = [_frame_noise(ctx.spec, rng) for _ in range(total)]
-    caps = arrivals_lib.parse(group.arrival).schedule(total)
-    budgets, ids, next_id = [], [], 0
-    for frame_caps in caps:
-        ids.append(list(range(next_id, next_id + len(frame_caps))))
-        budgets += [group.N if cap is None else min(cap, group.N) for cap in frame_caps]
-        next_id += len(frame_caps)
-    table = bench._RequestTable(budgets, ctx.fixed_length)
-    return bench._GroupInputs(group=group, num_frames=total, warmup=warmup, measured_end=warmup + args.frames,
-                              observations=inputs, noise=noise, arrivals=ids, table=table,
-                              frame_requests=[jax.device_put(table.batch(i, len(i))) if i else None for i in ids],
-                              prefix_len=int(first.input_ids.shape[1]))
+        _frame_inputs(spec, robot, args.image_size, rng) for _ in range(total - 1)]
+    noise = [_frame_noise(spec, rng) for _ in range(total)]
+    arrivals, table, frame_requests = harness.group_requests(group, total, ctx.fixed_length)
+    return harness.GroupInputs(group=group, num_frames=total, warmup=warmup, measured_end=warmup + args.frames,
+                               observations=inputs, noise=noise, arrivals=arrivals, table=table,
+                               frame_requests=frame_requests, prefix_len=int(first.input_ids.shape[1]),
+                               action_horizon=None, config={"heads": list(spec.names), "image_size": args.image_size})
 
 
 # --- runners --------------------------------------------------------------------------------------
 
 
-def _actions_program(params, spec, inputs, noises, states):
-    """One prefix pass and every head, no language (shared_kv frames without arrivals, actions_only)."""
-    return mot.sample_all(params, spec.replace(language=False), inputs, noises, states)
 
 
-class _HeadsRunner(bench._Runner):
+class _HeadsRunner(harness.Runner):
     """isolated, parallel, shared_kv and actions_only for a multi-head model: a frame's requests to completion."""
 
     def __init__(self, setting: str, params, spec, inputs):
@@ -163,58 +167,58 @@ class _HeadsRunner(bench._Runner):
 
     def _call(self, f: int):
         """Runs frame f; returns (num_generated or None, {head: ms} of the single-head programs or None)."""
-        x, spec, params, n = self.x, self.spec, self.params, self.x.group.N
+        x, spec, vla, n = self.x, self.spec, MultiHead(self.params, self.spec), self.x.group.decode_len
         inputs, (noises, states), req = x.observations[f], x.noise[f], x.frame_requests[f]
         if self.setting == "isolated":
             head_ms = {}
             for name in spec.names:  # each head's own frame, timed alone (to the host)
                 start = time.perf_counter()
-                jax.device_get(schedule.mot_head_program(params, spec, name, inputs, noises, states))
+                jax.device_get(schedule.head_program(vla, name, inputs, noises, states))
                 head_ms[name] = (time.perf_counter() - start) * 1e3
             if req is None:
                 return None, head_ms
-            _, generated = jax.device_get(schedule.mot_text_program(params.only(), spec, inputs, req, max_new_tokens=n))
+            _, generated = jax.device_get(schedule.text_program(vla, inputs, req, max_new_tokens=n))
             return generated, head_ms
         if self.setting == "parallel":
-            _, _, generated = jax.device_get(schedule.run_mot_parallel(params, spec, inputs, noises, states, req,
-                                                                       max_new_tokens=n))
+            _, _, generated = jax.device_get(schedule.run_parallel(vla, inputs, noises, req, None, states,
+                                                                   max_new_tokens=n))
             return generated, None
         if req is None or self.setting == "actions_only":
-            jax.device_get(_actions_program(params, spec, inputs, noises, states))
+            jax.device_get(schedule.actions_program(vla, inputs, noises, states))
             return None, None
-        _, _, generated = jax.device_get(schedule.mot_shared_kv_program(params, spec, inputs, noises, states, req,
-                                                                        max_new_tokens=n))
+        _, _, generated = jax.device_get(schedule.shared_kv_program(vla, inputs, noises, req, None, states,
+                                                                    max_new_tokens=n))
         return generated, None
 
     def compile(self, log: dict[str, float]) -> None:
-        x, spec, params = self.x, self.spec, self.params
-        g, wl = x.group, x.group.workload
+        x, spec, vla = self.x, self.spec, MultiHead(self.params, self.spec)
+        n, wl = x.group.decode_len, x.group.workload
         sizes = sorted({len(a) for a in x.arrivals})
         inputs, (noises, states) = x.observations[0], x.noise[0]
         keys = []
         if self.setting in ("isolated", "parallel"):
             for name in spec.names:
                 keys.append((f"head/{wl}/{name}", functools.partial(
-                    schedule.mot_head_program, params, spec, name, inputs, noises, states)))
+                    schedule.head_program, vla, name, inputs, noises, states)))
             for j in (s for s in sizes if s > 0):
                 req = x.table.batch([], j)
-                keys.append((f"mot_text/{wl}/N={g.N}/J={j}", functools.partial(
-                    schedule.mot_text_program, params.only(), spec, inputs, req, max_new_tokens=g.N)))
+                keys.append((f"mot_text/{wl}/N={n}/J={j}", functools.partial(
+                    schedule.text_program, vla, inputs, req, max_new_tokens=n)))
         else:
             if 0 in sizes or self.setting == "actions_only":
                 keys.append((f"mot_actions/{wl}",
-                             functools.partial(_actions_program, params, spec, inputs, noises, states)))
+                             functools.partial(schedule.actions_program, vla, inputs, noises, states)))
             for j in (s for s in sizes if s > 0 and self.setting == "shared_kv"):
                 req = x.table.batch([], j)
-                keys.append((f"mot_shared_kv/{wl}/N={g.N}/J={j}", functools.partial(
-                    schedule.mot_shared_kv_program, params, spec, inputs, noises, states, req, max_new_tokens=g.N)))
+                keys.append((f"mot_shared_kv/{wl}/N={n}/J={j}", functools.partial(
+                    schedule.shared_kv_program, vla, inputs, noises, req, None, states, max_new_tokens=n)))
         for key, thunk in keys:
-            bench._first_call(log, key, thunk)
+            harness.first_call(log, key, thunk)
             self.program_keys.append(key)
         if self.setting == "parallel":  # start the dispatch threads outside the timed frames
             j = next((s for s in sizes if s > 0), None)
-            schedule.run_mot_parallel(params, spec, inputs, noises, states, x.table.batch([], j) if j else None,
-                                      max_new_tokens=g.N)
+            schedule.run_parallel(vla, inputs, noises, x.table.batch([], j) if j else None, None, states,
+                                  max_new_tokens=n)
 
     def frame(self, f: int) -> None:
         start = time.perf_counter()
@@ -224,55 +228,54 @@ class _HeadsRunner(bench._Runner):
             self.frames[-1]["head_ms"] = head_ms
 
 
-class _FanoutRunner(bench._ContinuousRunner):
-    """continuous: `schedule.mot_frame_step` (the fan-out frame) on a persistent pool, queued by
-    `scheduler.Scheduler`; the frame loop and its records are `eval.bench`'s."""
+class _FanoutRunner(harness.ContinuousRunner):
+    """continuous: `schedule.frame_step` (the fan-out frame) on the harness's persistent pool."""
 
     def __init__(self, k: int, params, spec, inputs, slots: int):
         super().__init__(k, params, inputs, slots)
         self.spec, self.lm = spec, mot.language_model(spec, params)
 
     def _new_pool(self):
-        return decode.init_pool(self.lm, self.slots, self.x.prefix_len, self.x.group.N, 0)
+        return decode.init_pool(self.lm, self.slots, self.x.prefix_len, self.x.group.decode_len, 0)
 
     def _step(self, pool, f: int, req, evict):
         noises, states = self.x.noise[f]
-        return schedule.mot_frame_step(self.params, self.spec, pool, self.x.observations[f], noises, states, req, evict,
-                                       tokens_per_frame=self.k)
+        return schedule.frame_step(MultiHead(self.params, self.spec), pool, self.x.observations[f], noises, req, evict,
+                                   None, states, tokens_per_frame=self.k)
 
     def compile(self, log: dict[str, float]) -> None:
         x, g = self.x, self.x.group
-        key = f"mot_frame_step/{g.workload}/k={self.k}/N={g.N}/slots={self.slots}/J={self.admissions}"
+        key = f"mot_frame_step/{g.workload}/k={self.k}/N={g.decode_len}/slots={self.slots}/J={self.admissions}"
 
         def thunk():  # a throwaway pool with one admitted request, so the decode path ran too
             req = x.table.batch([0] if x.table.budgets else [], self.admissions)
             return jax.device_get(self._step(self._new_pool(), 0, req, np.zeros((self.slots,), bool))[1])
 
-        bench._first_call(log, key, thunk)
+        harness.first_call(log, key, thunk)
         self.program_keys.append(key)
         self.pool = self._new_pool()
         self.tickets = x.table.tickets()
 
 
-def runners(ctx, group, inputs) -> list:
+def runners(ctx: harness.RunContext, group: Group, inputs: harness.GroupInputs) -> list[harness.Runner]:
     """One runner per selected setting (continuous once per k), in the order of `--settings`."""
-    out = []
+    out: list[harness.Runner] = []
     for setting in ctx.args.settings:
         if setting == "continuous":
             for k in group.ks:
-                budgets = [[inputs.table.budgets[i] for i in ids] for ids in inputs.arrivals]
-                slots = bench._peak_slots(budgets, k) if ctx.args.slots == "auto" else ctx.args.slots
-                out.append(_FanoutRunner(k, ctx.params, ctx.spec, inputs, slots))
+                out.append(_FanoutRunner(k, ctx.params, ctx.model, inputs, harness.pool_slots(ctx.args, inputs, k)))
         else:
-            out.append(_HeadsRunner(setting, ctx.params, ctx.spec, inputs))
+            out.append(_HeadsRunner(setting, ctx.params, ctx.model, inputs))
     return out
 
 
 # --- summaries and components ---------------------------------------------------------------------
 
 
-def fanout_fields(spec: mot.ModelSpec, runner, iso_frames) -> dict:
-    """Per-record fan-out fields: the ratio to the isolated single-head frames, per-head medians and action Hz."""
+def summary_fields(ctx: harness.RunContext, runner: harness.Runner, iso_frames) -> dict:
+    """Per-record fan-out fields: the ratio to the isolated single-head frames, per-head medians and action Hz,
+    and the image size."""
+    spec = ctx.model
     frames = metrics.measured(runner.frames)
     single = [f["head_ms"] for f in metrics.measured(iso_frames or []) if "head_ms" in f]
     sum_single = float(np.median([sum(h.values()) for h in single])) if single else float("nan")
@@ -284,6 +287,7 @@ def fanout_fields(spec: mot.ModelSpec, runner, iso_frames) -> dict:
         "single_head_ms": {n: float(np.median([h[n] for h in single])) for n in spec.names} if single else {},
         "sum_single_head_ms": sum_single,
         "fanout_ratio": median / sum_single if single else float("nan"),
+        "image_size": ctx.args.image_size,
     }
 
 
@@ -292,23 +296,24 @@ def measure_components(spec, params, inputs, noises, states, *, batches: Sequenc
     """Warm medians, each alone: the whole model's prefix pass, each head's prepare + denoise on it, and one
     decode step with B active requests (each B)."""
     prefix_fn = jax.jit(mot.prefix_pass, static_argnums=0)
-    prefix_ms = bench._median_ms(lambda: prefix_fn(spec, params, inputs), repeats)
+    prefix_ms = harness.median_ms(lambda: prefix_fn(spec, params, inputs), repeats)
     prefix = prefix_fn(spec, params, inputs)
     sample = jax.jit(hd.sample)
-    heads_ms = {h.name: bench._median_ms(lambda h=h: sample(params.heads[h.name], h, prefix, noises[h.name],
+    heads_ms = {h.name: harness.median_ms(lambda h=h: sample(params.heads[h.name], h, prefix, noises[h.name],
                                                             states.get(h.name)), repeats)
                 for h in spec.heads}
-    g = max(max_new_tokens, (repeats + 2) * bench._BURST + 2)
+    g = max(max_new_tokens, (repeats + 2) * harness.BURST + 2)
     lm = mot.language_model(spec, params)
-    decode_ms = {b: bench._decode_step_ms(lm, prefix, b, g, repeats) for b in sorted(set(batches))}
+    decode_ms = {b: harness.decode_step_ms(lm, prefix, b, g, repeats) for b in sorted(set(batches))}
     return metrics.Components(prefill_ms=prefix_ms, denoise_ms={}, decode_step_ms=decode_ms, heads_ms=heads_ms)
 
 
-def components(ctx, robot, max_new_tokens: int) -> metrics.Components:
-    """`measure_components` on one synthetic frame of `robot` (seeded apart from the measured frames)."""
-    args = ctx.args
+def components(ctx: harness.RunContext, robot, groups: Sequence[Group]) -> metrics.Components:
+    """`measure_components` on one synthetic frame of `robot` (seeded apart from the measured frames), for the
+    longest N of `groups`."""
+    args, spec = ctx.args, ctx.model
     rng = np.random.default_rng([args.seed, 99])
-    inputs = _frame_inputs(ctx.spec, robot, args.image_size, rng)
-    noises, states = _frame_noise(ctx.spec, rng)
-    return measure_components(ctx.spec, ctx.params, inputs, noises, states, batches=args.component_batches,
-                              max_new_tokens=max_new_tokens, repeats=args.component_repeats)
+    inputs = _frame_inputs(spec, robot, args.image_size, rng)
+    noises, states = _frame_noise(spec, rng)
+    return measure_components(spec, ctx.params, inputs, noises, states, batches=args.component_batches,
+                              max_new_tokens=max(g.decode_len for g in groups), repeats=args.component_repeats)

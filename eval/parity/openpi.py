@@ -1,34 +1,28 @@
-"""Numerical parity with openpi (and OxyGen's text decoding) on a reference fixture.
+"""Numerical parity with openpi's π0.5 (and OxyGen's text decoding) on a reference fixture.
 
-    python -m eval.parity FIXTURE_DIR           # restore both checkpoint layouts, compare everything
-    python -m eval.parity --manifest FILE       # parameter manifest vs the full-size pi05 tree
+    python -m eval.parity FIXTURE_DIR           # this comparison for an openpi fixture (see `eval.parity.__main__`)
 
-The fixture's kind picks the comparison: a Hugging Face Qwen3 / Qwen3-VL checkpoint directory
-(config.json + safetensors, `eval.parity_hf.is_hf_fixture`) runs `eval.parity_hf`; anything else
-is an openpi π0.5 fixture, below.
-
-An openpi FIXTURE_DIR is laid out like ../shared/fixtures/openpi_tiny_pi05: `params/` (released layout),
-`train_checkpoint/<step>/params/` (training layout, trailing `value` keys), `reference.npz` and
-optionally `reference_text_oxygen.npz`. Every dimension (batch, cameras, horizon, action dim, prompt
-length, step counts, decode length, LoRA ranks) is inferred from the checkpoint and the arrays.
+An openpi FIXTURE_DIR is laid out like the shared `openpi_tiny_pi05` fixture (`tests/helpers.openpi_fixture`):
+`params/` (released layout), `train_checkpoint/<step>/params/` (training layout, trailing `value` keys),
+`reference.npz` and optionally `reference_text_oxygen.npz`. Every dimension (batch, cameras, horizon, action
+dim, prompt length, step counts, decode length, LoRA ranks) is inferred from the checkpoint and the arrays.
 
 LoRA fixtures (like `openpi_tiny_pi05_lora`) are recognised by `lora_*` leaves in the checkpoint.
-The adapters are merged on restore (`checkpoint.load_openpi_params`), with the alpha and rslora
+The adapters are merged on restore (`ckpts.openpi.load_openpi_params`), with the alpha and rslora
 that config.json's "lora" entry (or the README's "expert N LoRA | ... alpha X" rows) gives per
 expert, alpha = rank otherwise. On top of the usual quantities they add: the merged weights
 against `merged_params.npz`; `merged_*` outputs of openpi's LoRA-free model run with those merged
 weights; `nolora/*` (base weights only, and a check that the LoRA result differs from it); and
 `trainlayout/*` for training-layout checkpoints, whose frozen leaves are stored as bfloat16.
 
-A quantity passes when max|ours - ref| <= atol + rtol * max|ref|. Tolerances come from config.json
-`suggested_tolerances_float32_cpu` (float32 on CPU) where it names the quantity, else from the
-defaults below (those of the openpi_tiny_pi05 README). Integer and boolean quantities must match
-exactly. Exit status 1 on any FAIL.
+A quantity passes when max|ours - ref| <= atol + rtol * max|ref| (`eval.parity.checks`). Tolerances come
+from config.json `suggested_tolerances_float32_cpu` (float32 on CPU) where it names the quantity, else
+from the defaults below (the float32 tolerances the openpi_tiny_pi05 fixture suggests). Integer and boolean
+quantities must match exactly.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -40,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import parity_hf
-from oxygen_jax.ckpts import checkpoint
+from eval.parity.checks import Checker, Row
+from oxygen_jax.ckpts.openpi import load_openpi_lora, load_openpi_params
 from oxygen_jax.runtime import decode
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models import siglip
@@ -103,41 +97,6 @@ class Tolerances:
         return _TOL[family]
 
 
-@dataclasses.dataclass
-class Row:
-    quantity: str
-    layout: str
-    max_abs: float
-    max_rel: float  # max_abs / max|ref|
-    tol: str
-    ok: bool
-
-
-class _Checker:
-    def __init__(self, layout: str, tol: Tolerances | None = None):
-        self.layout, self.rows, self.tol = layout, [], tol or Tolerances()
-
-    def close(self, name: str, ours, ref, family: str, valid=None, like: str | None = None):
-        """Compares within the tolerance of `name` (or of the quantity `like`, e.g. the LoRA-free twin)."""
-        ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-        if ours.shape != ref.shape:
-            self.rows.append(Row(name, self.layout, math.inf, math.inf, f"shape {ours.shape} vs {ref.shape}", False))
-            return
-        if valid is not None:
-            ours, ref = ours[valid], ref[valid]
-        atol, rtol = self.tol.get(like or name, family)
-        d = float(np.max(np.abs(ours - ref))) if ref.size else 0.0
-        scale = float(np.max(np.abs(ref))) if ref.size else 0.0
-        ok = bool(np.isfinite(d) and d <= atol + rtol * scale)
-        self.rows.append(Row(name, self.layout, d, d / scale if scale else d, f"atol {atol:g} rtol {rtol:g}", ok))
-
-    def exact(self, name: str, ours, ref):
-        ours, ref = np.asarray(ours), np.asarray(ref)
-        ok = ours.shape == ref.shape and bool(np.array_equal(ours, ref))
-        d = float(np.sum(ours != ref)) if ours.shape == ref.shape else math.inf
-        self.rows.append(Row(name, self.layout, d, d / max(ref.size, 1), "exact (mismatches)", ok))
-
-
 def _observation(ref) -> Observation:
     cams = [c for c in CAMERA_SLOTS if f"image/{c}" in ref]
     return Observation(
@@ -148,7 +107,7 @@ def _observation(ref) -> Observation:
     )
 
 
-def _check_model(chk: _Checker, params, ref, obs: Observation):
+def _check_model(chk: Checker, params, ref, obs: Observation):
     cams = [c for c in CAMERA_SLOTS if f"image/{c}" in ref]
     for i, cam in enumerate(cams):
         if f"siglip/{cam}/tokens" not in ref:
@@ -218,8 +177,8 @@ def _actions(params, obs: Observation, noise, num_steps: int):
     return model.denoise(params, model.prefill(params, obs), noise, num_steps)
 
 
-def _check_bf16(chk: _Checker, path: Path, ref, obs: Observation, **load_kwargs):
-    _, p16 = checkpoint.load_openpi_params(path, dtype="bfloat16", **load_kwargs)
+def _check_bf16(chk: Checker, path: Path, ref, obs: Observation, **load_kwargs):
+    _, p16 = load_openpi_params(path, dtype="bfloat16", **load_kwargs)
     noise = jnp.asarray(ref["noise"], jnp.float32)
     if "bf16/actions/num_steps_10" in ref:
         chk.close("bf16/actions/num_steps_10 (smoke)", model.sample_actions(p16, obs, noise, 10), ref["bf16/actions/num_steps_10"], "bf16")
@@ -256,7 +215,7 @@ def lora_settings(fixture: Path) -> dict:
     return {"lora_alpha": alpha or None, "lora_rslora": rslora}
 
 
-def _check_merged_reference(chk: _Checker, base, merged_npz, ref, obs: Observation):
+def _check_merged_reference(chk: Checker, base, merged_npz, ref, obs: Observation):
     """openpi's LoRA-free model with its own merged weights (`merged_*` references) against ours."""
     flat = {**{k: np.asarray(v) for k, v in to_openpi_dict(base).items()}, **merged_npz}
     params = from_openpi_dict(flat, base.config)
@@ -281,7 +240,7 @@ def _check_merged_reference(chk: _Checker, base, merged_npz, ref, obs: Observati
         chk.close("merged_loss/loss_explicit", loss, ref["merged_loss/loss_explicit"], "loss")
 
 
-def _check_lora(chk: _Checker, path: Path, params, ref, obs: Observation, merged_npz, train_layout: bool):
+def _check_lora(chk: Checker, path: Path, params, ref, obs: Observation, merged_npz, train_layout: bool):
     """LoRA-specific quantities of one layout (`params` has the adapters merged)."""
     noise = jnp.asarray(ref["noise"], jnp.float32)
     flat = to_openpi_dict(params)
@@ -289,7 +248,7 @@ def _check_lora(chk: _Checker, path: Path, params, ref, obs: Observation, merged
         chk.close(f"lora/merged_weights/{key}", flat[key], merged_npz[key], "weights")
     actions = _actions(params, obs, noise, 10)
     if "nolora/actions/num_steps_10" in ref:
-        _, base = checkpoint.load_openpi_params(path, lora="ignore")
+        _, base = load_openpi_params(path, lora="ignore")
         chk.close("nolora/actions/num_steps_10 (base weights only)", _actions(base, obs, noise, 10),
                   ref["nolora/actions/num_steps_10"], "actions", like="actions/num_steps_10")
         # A loader that dropped the adapters would match nolora/ instead: ours must be far closer to
@@ -297,9 +256,9 @@ def _check_lora(chk: _Checker, path: Path, params, ref, obs: Observation, merged
         ours = np.asarray(actions, np.float64)
         err = float(np.max(np.abs(ours - ref["actions/num_steps_10"])))
         effect = float(np.max(np.abs(ours - ref["nolora/actions/num_steps_10"])))
-        atol, _ = chk.tol.get("actions/num_steps_10", "actions")
-        chk.rows.append(Row("lora changes actions/num_steps_10 (vs nolora/)", chk.layout, effect, 0.0,
-                            f"> max(atol, 10 * err vs actions/) = {max(atol, 10 * err):.3g}", effect > max(atol, 10 * err)))
+        atol, _ = chk.tolerance("actions/num_steps_10", "actions")
+        chk.add("lora changes actions/num_steps_10 (vs nolora/)", effect, 0.0,
+                f"> max(atol, 10 * err vs actions/) = {max(atol, 10 * err):.3g}", effect > max(atol, 10 * err))
     if train_layout:
         if "trainlayout/actions/num_steps_10" in ref:
             chk.close("trainlayout/actions/num_steps_10", actions, ref["trainlayout/actions/num_steps_10"], "actions",
@@ -323,7 +282,7 @@ def greedy_text(params, obs: Observation, num_tokens: int):
     return np.asarray(pool.tokens), np.stack([np.asarray(x) for x in logits], 1), cache
 
 
-def _check_text(chk: _Checker, params, text, obs: Observation, noise):
+def _check_text(chk: Checker, params, text, obs: Observation, noise):
     causal = params.with_config(prompt_attention="causal")
     variants = {"maskaware": obs, "oxygen_allcams": dataclasses.replace(obs, image_masks=jnp.ones_like(obs.image_masks))}
     for name, o in variants.items():
@@ -365,7 +324,7 @@ def _layouts(fixture: Path) -> list[tuple[str, Path]]:
     return out
 
 
-def _is_openpi_fixture(fixture: Path) -> bool:
+def is_openpi_fixture(fixture: Path) -> bool:
     train = fixture / "train_checkpoint"
     return (fixture / "params").is_dir() or (train.is_dir() and any((p / "params").is_dir() for p in train.iterdir()))
 
@@ -387,16 +346,16 @@ def run_fixture(fixture: Path) -> list[Row]:
     rows, flat_first = [], None
     settings = lora_settings(fixture)
     for index, (layout, path) in enumerate(_layouts(fixture)):
-        adapters = checkpoint.load_openpi_lora(path, alpha=settings["lora_alpha"], rslora=settings["lora_rslora"])
+        adapters = load_openpi_lora(path, alpha=settings["lora_alpha"], rslora=settings["lora_rslora"])
         load_kwargs = settings if adapters is not None else {}  # None: no LoRA leaves in this checkpoint
-        cfg, params = checkpoint.load_openpi_params(path, **load_kwargs)
-        chk = _Checker(layout, tol)
+        cfg, params = load_openpi_params(path, **load_kwargs)
+        chk = Checker(tol.get, layout)
         flat = {k: np.asarray(v) for k, v in to_openpi_dict(params).items()}
         if flat_first is None:
             flat_first = flat
         else:
             same = flat.keys() == flat_first.keys() and all(np.array_equal(flat[k], flat_first[k]) for k in flat)
-            chk.rows.append(Row("params identical to released layout", layout, 0.0 if same else math.inf, 0.0, "exact", same))
+            chk.add("params identical to released layout", 0.0 if same else math.inf, 0.0, "exact", same)
         _check_model(chk, params, ref, obs)
         if adapters is not None:
             _check_lora(chk, path, params, ref, obs, merged_npz, train_layout=layout != "released")
@@ -412,61 +371,8 @@ def run_fixture(fixture: Path) -> list[Row]:
         print(f"[{layout}] {path}: vlm {cfg.vlm}, action expert {cfg.action_expert}, siglip {cfg.siglip}, "
               f"vocab {cfg.vocab_size}{note}", file=sys.stderr)
         if adapters is not None and merged_npz and index == 0:  # layout-independent: once
-            chk = _Checker("merged_params.npz", tol)
-            _, base = checkpoint.load_openpi_params(path, lora="ignore")
+            chk = Checker(tol.get, "merged_params.npz")
+            _, base = load_openpi_params(path, lora="ignore")
             _check_merged_reference(chk, base, merged_npz, ref, obs)
             rows += chk.rows
     return rows
-
-
-def format_table(rows: list[Row]) -> str:
-    lines = ["| quantity | layout | max abs err | max abs / max ref | tolerance | result |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r.quantity} | {r.layout} | {r.max_abs:.3g} | {r.max_rel:.3g} | {r.tol} | {'PASS' if r.ok else 'FAIL'} |"
-        )
-    return "\n".join(lines)
-
-
-def _manifest(path: Path) -> bool:
-    result = checkpoint.check_manifest(path)
-    print(result.summary())
-    return result.ok and result.matches_preset
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m eval.parity",
-        description="Compare oxygen_jax with openpi/OxyGen reference outputs, or check a parameter manifest.",
-    )
-    ap.add_argument("fixture", nargs="?", type=Path,
-                    help="fixture directory: openpi (params/, train_checkpoint/, reference.npz) or Hugging Face "
-                         "(config.json, safetensors, reference.npz)")
-    ap.add_argument("--manifest", type=Path, help="parameter manifest JSON to check against the full-size pi05 tree")
-    args = ap.parse_args(argv)
-    if (args.fixture is None) == (args.manifest is None):
-        ap.error("give exactly one of FIXTURE_DIR or --manifest FILE")
-    if args.manifest is not None:
-        if not args.manifest.is_file():
-            ap.error(f"manifest not found: {args.manifest}")
-        return 0 if _manifest(args.manifest) else 1
-    if not args.fixture.is_dir():
-        ap.error(f"fixture directory not found: {args.fixture}")
-    if parity_hf.is_hf_fixture(args.fixture):
-        return parity_hf.main([str(args.fixture)])
-    if not _is_openpi_fixture(args.fixture):
-        ap.error(f"{args.fixture}: neither an openpi fixture (params/ or train_checkpoint/<step>/params/ with "
-                 "reference.npz) nor an HF Qwen3 / Qwen3-VL checkpoint (config.json with model_type 'qwen3' or "
-                 "'qwen3_vl', model.safetensors, reference.npz)")
-    rows = run_fixture(args.fixture)
-    print(format_table(rows))
-    if (args.fixture / "reference_text_oxygen.npz").is_file():
-        print("\nnote: oxygen/* (OxyGen's own decode of rows with a masked camera, seeded at n_valid - 1) is not "
-              "reproduced on purpose; maskaware/* is the reference for masked cameras.")
-    failed = [r for r in rows if not r.ok]
-    print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed" + (f"; FAILED: {', '.join(r.quantity for r in failed)}" if failed else ""))
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """Numerical parity with Hugging Face Qwen3 / Qwen3-VL reference fixtures.
 
-    python -m eval.parity_hf FIXTURE_DIR
+    python -m eval.parity.hf FIXTURE_DIR         # `python -m eval.parity FIXTURE_DIR` picks it for such a fixture
 
 FIXTURE_DIR is an HF checkpoint directory (config.json + model.safetensors or a sharded index)
-plus `reference.npz` made by transformers (see ../shared/fixtures/qwen3_tiny/README.md and
-qwen3vl_tiny/README.md for the arrays). The family is recognised from the files (config.json
+plus `reference.npz` made by transformers (the shared `qwen3_tiny` and `qwen3vl_tiny` fixtures the tests
+read, whose READMEs list the arrays). The family is recognised from the files (config.json
 `model_type` / `architectures`, cross-checked against the presence of `model.visual.*` weights),
 the spec from config.json and every shape from the arrays: nothing about a particular fixture is
 hard-wired.
@@ -16,16 +16,14 @@ greedy tokens through a cached decode of the left-padded batch (positions contin
 `num_valid + step` for 1-D RoPE, `max prefix position + 1 + step` for M-RoPE).
 
 A float quantity passes when max |ours - ref| <= atol (absolute, float32 on CPU); integer
-quantities must match exactly. Exit status 1 on any FAIL.
+quantities must match exactly (`eval.parity.checks`). Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
-import math
 import re
 import sys
 from pathlib import Path
@@ -34,8 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eval.parity.checks import Checker, Row, format_table, summary
 from oxygen_jax.models import backbone
 from oxygen_jax.ckpts import hf as hf_checkpoint
+from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
 from oxygen_jax.models import qwen3_vl
 from oxygen_jax.models.backbone import BackboneSpec, Decoder
 from oxygen_jax.nn.masks import last_valid_index
@@ -44,37 +44,8 @@ ATOL = 1e-4  # logits, K/V, hidden states, vision stages (float32)
 PIXEL_ATOL = 1e-6  # our patchify of the raw uint8 images vs the HF processor's output
 
 
-@dataclasses.dataclass
-class Row:
-    quantity: str
-    max_abs: float  # max |ours - ref|, or the number of mismatches for exact quantities
-    tol: str
-    ok: bool
-
-
-class _Checker:
-    def __init__(self):
-        self.rows: list[Row] = []
-
-    def close(self, name: str, ours, ref, atol: float = ATOL, valid=None):
-        ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-        if ours.shape != ref.shape:
-            self.rows.append(Row(name, math.inf, f"shape {ours.shape} vs {ref.shape}", False))
-            return
-        if valid is not None:
-            ours, ref = ours[valid], ref[valid]
-        d = float(np.max(np.abs(ours - ref))) if ref.size else 0.0
-        self.rows.append(Row(name, d, f"atol {atol:g}", bool(np.isfinite(d) and d <= atol)))
-
-    def exact(self, name: str, ours, ref, valid=None):
-        ours, ref = np.asarray(ours), np.asarray(ref)
-        if ours.shape != ref.shape:
-            self.rows.append(Row(name, math.inf, f"shape {ours.shape} vs {ref.shape}", False))
-            return
-        if valid is not None:
-            ours, ref = ours[valid], ref[valid]
-        d = int(np.sum(ours != ref))
-        self.rows.append(Row(name, float(d), "exact (mismatches)", d == 0))
+def _tolerance(quantity: str, family: str | None) -> tuple[float, None]:
+    return (PIXEL_ATOL if family == "pixels" else ATOL), None  # absolute tolerances only
 
 
 def _safetensors_present(path: Path) -> bool:
@@ -88,7 +59,7 @@ def is_hf_fixture(path) -> bool:
         return False
     try:
         config = json.loads((path / "config.json").read_text())
-        hf_checkpoint.detect_family(config, hf_checkpoint.read_checkpoint_tensors(path).keys())
+        hf_checkpoint.detect_family(config, read_checkpoint_tensors(path).keys())
     except (ValueError, KeyError, OSError):
         return False
     return True
@@ -151,7 +122,7 @@ def _raw_images(ref) -> list[np.ndarray]:
     return [ref[k] for k in sorted(keys, key=lambda k: [int(x) for x in re.findall(r"\d+", k)])]
 
 
-def _check_vision(chk: _Checker, ck: hf_checkpoint.HFCheckpoint, ref):
+def _check_vision(chk: Checker, ck: hf_checkpoint.HFCheckpoint, ref):
     """ViT stages, M-RoPE positions and image embedding; returns (x [B, T, D], positions, start, deepstack)."""
     spec, vspec = ck.spec, ck.spec.vision
     ids, am = ref["input_ids"], ref["attention_mask"].astype(bool)
@@ -165,7 +136,7 @@ def _check_vision(chk: _Checker, ck: hf_checkpoint.HFCheckpoint, ref):
     if images:
         pv, grids = zip(*(qwen3_vl.patchify(im, vspec) for im in images))
         chk.exact("image_grid_thw (from raw images)", np.asarray(grids), ref["image_grid_thw"])
-        chk.close("pixel_values (patchify raw images)", np.concatenate(pv), ref["pixel_values"], PIXEL_ATOL)
+        chk.close("pixel_values (patchify raw images)", np.concatenate(pv), ref["pixel_values"], "pixels")
     enc = _encode(vspec, ck.vision, jnp.asarray(ref["pixel_values"]), grid)
     if "vit_last_hidden" in ref:
         chk.close("vision/vit_last_hidden", enc["vit"], ref["vit_last_hidden"])
@@ -202,7 +173,7 @@ def _run_fixture(fixture: Path) -> tuple[BackboneSpec, list[Row]]:
     ck = hf_checkpoint.load(fixture)
     spec, dec = ck.spec, ck.decoder
     ref = dict(np.load(fixture / "reference.npz"))
-    chk = _Checker()
+    chk = Checker(_tolerance)
     ids, am = ref["input_ids"], ref["attention_mask"].astype(bool)
     valid = am
 
@@ -240,15 +211,8 @@ def _run_fixture(fixture: Path) -> tuple[BackboneSpec, list[Row]]:
     return spec, chk.rows
 
 
-def format_table(rows: list[Row]) -> str:
-    lines = ["| quantity | max abs err | tolerance | result |", "|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.quantity} | {r.max_abs:.3g} | {r.tol} | {'PASS' if r.ok else 'FAIL'} |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.parity_hf",
+    ap = argparse.ArgumentParser(prog="python -m eval.parity.hf",
                                  description="Compare oxygen_jax's Qwen3 / Qwen3-VL backbone with Hugging Face reference outputs.")
     ap.add_argument("fixture", type=Path, help="HF checkpoint directory with config.json, safetensors and reference.npz")
     args = ap.parse_args(argv)
@@ -265,9 +229,8 @@ def main(argv=None) -> int:
           + f", {'tied' if spec.tie_embeddings else 'untied'} head"
           + (f"; ViT {v.depth} x {v.width}, DeepStack {v.deepstack_layers}" if v is not None else ""))
     print(format_table(rows))
-    failed = [r for r in rows if not r.ok]
-    print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed" + (f"; FAILED: {', '.join(r.quantity for r in failed)}" if failed else ""))
-    return 1 if failed else 0
+    print("\n" + summary(rows))
+    return 0 if all(r.ok for r in rows) else 1
 
 
 if __name__ == "__main__":

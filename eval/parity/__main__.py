@@ -1,0 +1,63 @@
+"""`python -m eval.parity`: numerical parity on a reference fixture, or a parameter-manifest check.
+
+    python -m eval.parity FIXTURE_DIR           # restore the fixture's checkpoints, compare everything
+    python -m eval.parity --manifest FILE       # parameter manifest vs the full-size pi05 tree
+
+The fixture's kind picks the comparison: a Hugging Face Qwen3 / Qwen3-VL checkpoint directory
+(config.json + safetensors, `eval.parity.hf.is_hf_fixture`) runs `eval.parity.hf`; an openpi π0.5
+fixture (`params/` or `train_checkpoint/<step>/params/`) runs `eval.parity.openpi`, in both checkpoint
+layouts. Exit status 1 on any FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eval.parity import hf, openpi
+from eval.parity.checks import format_table, summary
+from oxygen_jax.ckpts.manifest import check_manifest
+
+
+def _manifest(path: Path) -> bool:
+    result = check_manifest(path)
+    print(result.summary())
+    return result.ok and result.matches_preset
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m eval.parity",
+        description="Compare oxygen_jax with openpi/OxyGen reference outputs, or check a parameter manifest.",
+    )
+    ap.add_argument("fixture", nargs="?", type=Path,
+                    help="fixture directory: openpi (params/, train_checkpoint/, reference.npz) or Hugging Face "
+                         "(config.json, safetensors, reference.npz)")
+    ap.add_argument("--manifest", type=Path, help="parameter manifest JSON to check against the full-size pi05 tree")
+    args = ap.parse_args(argv)
+    if (args.fixture is None) == (args.manifest is None):
+        ap.error("give exactly one of FIXTURE_DIR or --manifest FILE")
+    if args.manifest is not None:
+        if not args.manifest.is_file():
+            ap.error(f"manifest not found: {args.manifest}")
+        return 0 if _manifest(args.manifest) else 1
+    if not args.fixture.is_dir():
+        ap.error(f"fixture directory not found: {args.fixture}")
+    if hf.is_hf_fixture(args.fixture):
+        return hf.main([str(args.fixture)])
+    if not openpi.is_openpi_fixture(args.fixture):
+        ap.error(f"{args.fixture}: neither an openpi fixture (params/ or train_checkpoint/<step>/params/ with "
+                 "reference.npz) nor an HF Qwen3 / Qwen3-VL checkpoint (config.json with model_type 'qwen3' or "
+                 "'qwen3_vl', model.safetensors, reference.npz)")
+    rows = openpi.run_fixture(args.fixture)
+    print(format_table(rows))
+    if (args.fixture / "reference_text_oxygen.npz").is_file():
+        print("\nnote: oxygen/* (OxyGen's own decode of rows with a masked camera, seeded at n_valid - 1) is not "
+              "reproduced on purpose; maskaware/* is the reference for masked cameras.")
+    print("\n" + summary(rows))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
