@@ -219,8 +219,8 @@ def server_command(args: argparse.Namespace, mode: str, port: int) -> list[str]:
     return [sys.executable, "-m", "oxygen_jax.serve", *model, "--robot", "libero", "--host", "127.0.0.1",
             "--port", str(port), "--batch-sizes", sizes, "--steps", str(args.steps), "--slots", str(args.slots),
             "--max-new-tokens", str(args.max_tokens), "--tokens-per-frame", str(args.tokens_per_frame),
-            "--prompt-len", str(args.prompt_len), "--dtype", args.dtype, "--compile-cache", args.compile_cache,
-            "--log-level", "WARNING"]
+            "--prompt-len", str(args.prompt_len), "--dtype", args.dtype,
+            *(["--compile-cache", args.compile_cache] if args.compile_cache else []), "--log-level", "WARNING"]
 
 
 def _healthz(port: int) -> int:
@@ -378,7 +378,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--slots", type=_positive_int, default=32, help="decode slots")
     ap.add_argument("--prompt-len", type=_positive_int, default=48, help="prompt tokens in the prefix")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "oxygen_jax" / "jax_compilation"))
+    ap.add_argument("--compile-cache", default=None,
+                    help="the servers' compilation cache (default: serve's, the directory run uses; 'none' disables)")
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for a server to compile")
     ap.add_argument("--out", type=Path, required=True)
     return ap

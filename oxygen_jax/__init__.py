@@ -10,9 +10,10 @@ from oxygen_jax.models.pi05.config import ModelConfig, RobotConfig, model_config
 from oxygen_jax.models.pi05.params import (
     Params, abstract_params, for_backend, init_params, stack_layers, unstack_layers,
 )
-from oxygen_jax.ckpts.checkpoint import (
-    CheckpointError, load_openpi_lora, load_openpi_norm_stats, load_openpi_params, restore_params, save_params,
-)
+from oxygen_jax.ckpts.load import LoadedModel, load_model
+from oxygen_jax.ckpts.openpi import load_openpi_lora, load_openpi_norm_stats, load_openpi_params
+from oxygen_jax.ckpts.orbax_io import CheckpointError
+from oxygen_jax.ckpts.own import restore_params, save_params
 
 # Backbones, action heads and several heads on one prefix (beyond π0.5)
 from oxygen_jax.models.backbone import BackboneSpec, pi05_spec
@@ -34,7 +35,8 @@ from oxygen_jax.models.backbone import LanguageModel
 from oxygen_jax.runtime.decode import (
     DecodePool, Requests, admit, decode_burst, init_pool, make_requests, release_finished,
 )
-from oxygen_jax.runtime.frame import frame_step, mot_frame_step, rollout
+from oxygen_jax.runtime.frame import frame_step, rollout
+from oxygen_jax.runtime.vla import MultiHead, Pi05, Vla
 from oxygen_jax.runtime.scheduler import Scheduler, Ticket
 from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
 
@@ -42,9 +44,9 @@ __all__ = [
     "ModelConfig", "RobotConfig", "model_config", "robot_config", "oxygen_benchmark_robot",
     "Params", "init_params", "abstract_params", "for_backend", "stack_layers", "unstack_layers",
     "load_openpi_params", "load_openpi_lora", "load_openpi_norm_stats", "save_params", "restore_params",
-    "CheckpointError",
+    "CheckpointError", "load_model", "LoadedModel",
     "BackboneSpec", "pi05_spec", "HeadSpec", "ModelSpec", "ModelParams", "init_model", "make_inputs", "prefix_pass",
-    "sample_all", "language_model", "LanguageModel", "mot_frame_step",
+    "sample_all", "language_model", "LanguageModel", "Vla", "Pi05", "MultiHead",
     "ExpertLora", "ModelLora", "LoraBank", "RowAdapters", "init_bank", "merge", "stack_adapters",
     "Observation", "trim_prompt_padding", "PrefixCache", "prefill", "denoise", "sample_actions", "compute_loss",
     "DecodePool", "Requests", "init_pool", "make_requests", "admit", "decode_burst", "release_finished",

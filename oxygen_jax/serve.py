@@ -60,9 +60,11 @@ import numpy as np
 
 from oxygen_jax.serving import wire
 from oxygen_jax.cli import OneLineParser, float_in, int_at_least
+from oxygen_jax.runtime import compile_cache
 from oxygen_jax.serving.batcher import (
     BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, LanguageRequest, StepOutput, Stream,
 )
+from oxygen_jax.serving.codec import make_codec
 from oxygen_jax.models.pi05.config import RobotConfig
 
 log = logging.getLogger("oxygen_jax.serve")
@@ -263,12 +265,13 @@ class PolicyServer:
     """
 
     def __init__(self, engine, tokenizer, robot: RobotConfig, config: ServeConfig = ServeConfig(), *,
-                 norm_stats=None, mesh=None):
+                 norm_stats=None, mesh=None, image_size: int | None = None, prompt_len: int | None = None):
         self.engine, self.tokenizer, self.robot, self.config = engine, tokenizer, robot, config
         self.norm_stats = norm_stats
-        self.model_config = engine.params.config
+        self.codec = make_codec(engine, robot, tokenizer, norm_stats, config.default_prompt,
+                                image_size=image_size, prompt_len=prompt_len)
         self.limits = wire.Limits(max_message_bytes=config.max_message_bytes, max_array_bytes=config.max_message_bytes)
-        self.worker = EngineWorker(engine, robot, seed=config.seed, norm_stats=norm_stats, mesh=mesh)
+        self.worker = EngineWorker(engine, self.codec, seed=config.seed, mesh=mesh)
         self.metrics = Metrics(self)
         self.batcher = Batcher(self.worker, buckets=config.buckets, max_pending=config.max_pending,
                                on_step=self.metrics.on_step)
@@ -302,17 +305,17 @@ class PolicyServer:
         e, r = self.engine.config, self.robot
         meta = {
             "server": "oxygen_jax", "protocol": 1, "stream": stream.id, "robot": r.name,
-            "action_horizon": e.action_horizon, "action_dim": r.action_dim, "batch_sizes": list(self.config.buckets),
+            "action_dim": r.action_dim, "batch_sizes": list(self.config.buckets),
             "devices": self.worker.num_devices,
             "step_ms": {str(b): round(ms, 3) for b, ms in self.batcher.warmup_ms.items()},  # warm-up, per batch size
             "deadline_ms": self.config.deadline_ms, "max_message_bytes": self.config.max_message_bytes,
             "language": {"field": "language_requests", "max_tokens": e.max_new_tokens,
                          "prompt_capacity": e.prompt_capacity, "max_requests": self.config.max_requests_per_robot,
                          "adapters": sorted(getattr(self.engine, "adapters", {"base": 0}))},
-            "noise": {"seed": self.config.seed,
-                      "rule": "np.random.default_rng([seed, stream, frame]).standard_normal("
-                              f"({e.action_horizon}, {self.model_config.action_dim})).astype(np.float32)"},
         }
+        codec = self.codec.metadata()
+        codec["noise"] = {"seed": self.config.seed, **codec["noise"]}
+        meta.update(codec)
         if r.name == "aloha":
             meta["reset_pose"] = list(_ALOHA_RESET_POSE)
         return meta
@@ -330,13 +333,8 @@ class PolicyServer:
         self._warm_task = asyncio.create_task(self._warm(), name="oxygen-warmup")
 
     async def _warm(self) -> None:
-        from oxygen_jax.robots import transforms
-
         try:
-            sample = transforms.synthetic_sample(self.robot, np.random.default_rng(0))
-            example = transforms.make_observation(self.robot, self.model_config, self.tokenizer, [sample],
-                                                  self.norm_stats, default_prompt=self.config.default_prompt)
-            await self.batcher.start(example)
+            await self.batcher.start(self.codec.example())
             self._compiles_at_warm = self.worker.compiles
         except Exception:  # noqa: BLE001 - re-raised by wait_ready (the CLI reports it in one line)
             log.exception("warm-up failed")
@@ -490,9 +488,7 @@ class PolicyServer:
             sample.get("language_requests"), max_requests=self.config.max_requests_per_robot,
             default_max_tokens=self.engine.config.max_new_tokens)
         try:
-            observation = transforms.make_observation(
-                self.robot, self.model_config, self.tokenizer, [sample], self.norm_stats,
-                default_prompt=self.config.default_prompt)
+            observation = self.codec.prepare(sample)
             state = transforms.client_state(self.robot, sample)
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e).removeprefix("sample 0: ")) from None
@@ -502,6 +498,7 @@ class PolicyServer:
         finished, failed = stream.take_language()
         return {
             "actions": np.asarray(result.actions, np.float32),
+            **result.extras,
             "stream": stream.id,
             "frame": result.index,
             "server_timing": {"infer_ms": result.step_ms, "queue_ms": max(result.queue_ms, 0.0),
@@ -618,13 +615,14 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR",
                        help="serve the embedded demo (default DIR: checkpoints/demo) with its 'memory' adapter")
     ap.add_argument("--adapter", action="append", default=[], metavar="DIR",
-                    help="a trained language adapter (training.memory_lora output) served by its name; repeatable")
+                    help="a trained language adapter (training.memory output) served by its name; repeatable")
     ap.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="client observation format")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"])
-    ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model; default: the offline demo tokenizer")
+    ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model; default: tokenizer.model beside --ckpt, "
+                                         "else the offline demo tokenizer")
     ap.add_argument("--prompt-len", type=_positive_int, help="prompt tokens in the prefix (default: the robot's)")
     ap.add_argument("--steps", type=_positive_int, default=10, help="denoising steps per action chunk")
     ap.add_argument("--slots", type=_positive_int, default=16, help="decode slots shared by all robots")
@@ -642,8 +640,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--default-prompt", help="prompt for robots that send none")
     ap.add_argument("--api-key", help="require 'Authorization: Api-Key KEY' from clients")
     ap.add_argument("--seed", type=int, default=0, help="parameter (presets) and noise seed")
-    ap.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "oxygen_jax" / "jax_compilation"),
-                    help="persistent XLA compilation cache directory ('none' disables)")
+    ap.add_argument("--compile-cache", default=str(compile_cache.default_dir()),
+                    help="persistent XLA compilation cache directory, the one `run` uses ($OXYGEN_JAX_CACHE_DIR, else "
+                         "~/.cache/oxygen_jax/xla); 'none' disables")
     ap.add_argument("--no-shard", action="store_true", help="use one device even when several are visible")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return ap
@@ -654,16 +653,6 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
-def _configure_compile_cache(path: str) -> None:
-    import jax
-
-    if path.lower() == "none":
-        return
-    Path(path).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # tiny programs too: restarts skip all
-
-
 def build(args: argparse.Namespace):
     """Loads the model and builds (engine, tokenizer, robot, norm_stats, mesh) from CLI arguments.
 
@@ -671,42 +660,37 @@ def build(args: argparse.Namespace):
     """
     import jax
 
-    from oxygen_jax.ckpts import checkpoint
-    from oxygen_jax.models.pi05.config import model_config, robot_config
+    from oxygen_jax.ckpts.load import load_model
+    from oxygen_jax.models.pi05.config import robot_config
     from oxygen_jax.runtime.engine import Engine, EngineConfig
-    from oxygen_jax.models.pi05.params import for_backend, init_params
     from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 
     robot = robot_config(args.robot)
     if args.prompt_len:
         robot = robot.replace(max_token_len=args.prompt_len)
-    norm_stats, bank, names, tok = None, None, (), None
+    norm_stats, bank, names, tok, tok_file = None, None, (), None, args.tokenizer
     if args.demo is not None:
-        from training.memory_lora import DEMO_DIR, load_demo
+        from oxygen_jax.demo import DEMO_DIR, load_demo
 
         demo = load_demo(args.demo or DEMO_DIR)  # the repository's demo wherever the server starts
         cfg, params, tok, bank, names = demo.config, demo.params, demo.tokenizer, demo.bank, demo.adapter_names
         robot = demo.robot.replace(max_token_len=args.prompt_len) if args.prompt_len else demo.robot
-    elif args.ckpt:
-        if not Path(args.ckpt).exists():
-            raise FileNotFoundError(f"--ckpt {args.ckpt}: no such file or directory")
-        cfg, params, _ = checkpoint.load_params(args.ckpt, dtype=args.dtype, prompt_attention=args.prompt_attention)
-        norm_stats = checkpoint.load_openpi_norm_stats(args.ckpt)
-    else:
-        cfg = model_config(args.preset or "tiny", dtype=args.dtype, prompt_attention=args.prompt_attention)
-        params = init_params(cfg, args.seed)
+    else:  # params laid out for the backend; π0.5 only while the engine drives π0.5 only
+        model = load_model(args.ckpt or None, preset=None if args.ckpt else args.preset or "tiny", family="pi05",
+                           dtype=args.dtype, prompt_attention=args.prompt_attention, seed=args.seed)
+        cfg, params, norm_stats = model.config, model.params, model.norm_stats
+        tok_file = tok_file or model.tokenizer  # --tokenizer, else the one beside the checkpoint
     if args.adapter:
         if bank is not None:
             raise ValueError("--adapter cannot be combined with --demo (the demo brings its adapter)")
-        from training.memory_lora import load_bank
+        from oxygen_jax.ckpts.adapters import load_bank
 
         bank, names = load_bank(args.adapter, cfg, base=args.ckpt)
     if tok is None:
-        tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else train_demo_tokenizer()
+        tok = Tokenizer.from_file(tok_file) if tok_file else train_demo_tokenizer()
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}; "
                          "pass the checkpoint's tokenizer with --tokenizer")
-    params = for_backend(params)
     mesh = None
     if len(jax.devices()) > 1 and not args.no_shard:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -758,7 +742,10 @@ def main(argv=None) -> int:
             max_requests_per_robot=args.max_requests_per_robot, max_message_bytes=int(args.max_message_mb * (1 << 20)),
             ping_interval=args.ping_interval, ping_timeout=args.ping_timeout, seed=args.seed,
             default_prompt=args.default_prompt, api_key=args.api_key)
-        _configure_compile_cache(args.compile_cache)
+        if args.compile_cache.lower() != "none" and compile_cache.enable(args.compile_cache) is None:
+            # The cache only saves start-up time: its absence must not stop the server.
+            log.warning("cannot create the compilation cache directory %s: serving without a persistent cache",
+                        args.compile_cache)
         engine, tok, robot, norm_stats, mesh = build(args)
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint or bad value is one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

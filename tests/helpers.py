@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,6 +28,21 @@ def openpi_fixture() -> Path:
     if not path.is_dir():
         pytest.skip(f"../shared fixtures not present: {path}")
     return path
+
+
+def leaves_equal(a, b) -> bool:
+    """The two pytrees have the same leaves, bit for bit: dtype, shape and values."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    same = lambda x, y: x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))  # noqa: E731
+    return len(la) == len(lb) and all(same(x, y) for x, y in zip(la, lb))
+
+
+def write_norm_stats(root: Path, asset_id: str, dim: int) -> None:
+    """openpi's `assets/<asset_id>/norm_stats.json` under a checkpoint root: zero mean, unit std, q01/q99 = -1/1."""
+    entry = {"mean": [0.0] * dim, "std": [1.0] * dim, "q01": [-1.0] * dim, "q99": [1.0] * dim}
+    path = root / "assets" / asset_id / "norm_stats.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"norm_stats": {"state": entry, "actions": entry}}))
 
 
 def make_obs(

@@ -13,7 +13,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from oxygen_jax.ckpts import checkpoint as ckpt
+from helpers import leaves_equal, write_norm_stats
+from oxygen_jax.ckpts.manifest import check_manifest
+from oxygen_jax.ckpts.openpi import infer_model_config, load_openpi_norm_stats, load_openpi_params
+from oxygen_jax.ckpts.orbax_io import CheckpointError
+from oxygen_jax.ckpts.own import restore_params, save_params
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import OPENPI_PATHS, abstract_params, init_params, openpi_shapes, to_openpi_dict
 
@@ -30,12 +34,6 @@ def _fixture(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"../shared fixtures not present: {path}")
     return path
-
-
-def _leaves_equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    same = lambda x, y: x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))  # noqa: E731
-    return len(la) == len(lb) and all(same(x, y) for x, y in zip(la, lb))
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +63,15 @@ def _write_openpi(path: Path, flat: dict, *, value_suffix: bool = False) -> Path
 @pytest.mark.parametrize("preset", ["tiny", "bench", "pi05"])
 def test_infer_model_config_inverts_openpi_shapes(preset):
     config = model_config(preset)
-    assert ckpt.infer_model_config(openpi_shapes(config)) == config
-    assert ckpt.infer_model_config(openpi_shapes(config), dtype="bfloat16").dtype == "bfloat16"
+    assert infer_model_config(openpi_shapes(config)) == config
+    assert infer_model_config(openpi_shapes(config), dtype="bfloat16").dtype == "bfloat16"
 
 
 def test_infer_names_missing_key():
     shapes = openpi_shapes(model_config("tiny"))
     del shapes["PaliGemma/img/pos_embedding"]
     with pytest.raises(ValueError, match="PaliGemma/img/pos_embedding"):
-        ckpt.infer_model_config(shapes)
+        infer_model_config(shapes)
 
 
 def test_infer_rejects_siglip_head_dim_that_config_cannot_represent():
@@ -81,7 +79,7 @@ def test_infer_rejects_siglip_head_dim_that_config_cannot_represent():
     key = "PaliGemma/img/Transformer/encoderblock/MultiHeadDotProductAttention_0/query/kernel"
     shapes[key] = (1, 32, 2, 8)
     with pytest.raises(ValueError, match="head_dim") as e:
-        ckpt.infer_model_config(shapes)
+        infer_model_config(shapes)
     assert key in str(e.value)
 
 
@@ -90,7 +88,7 @@ def test_infer_rejects_experts_with_different_depth():
     key = "PaliGemma/llm/layers/attn/q_einsum_1/w"
     shapes[key] = (3,) + shapes[key][1:]
     with pytest.raises(ValueError, match="depth") as e:
-        ckpt.infer_model_config(shapes)
+        infer_model_config(shapes)
     assert key in str(e.value)
 
 
@@ -103,15 +101,15 @@ _FIXTURE_LAYOUTS = ["params", "train_checkpoint/1/params", "train_checkpoint/1",
 
 @pytest.fixture(scope="module")
 def fixture_reference():
-    return ckpt.load_openpi_params(_fixture("openpi_tiny_pi05", "params"))
+    return load_openpi_params(_fixture("openpi_tiny_pi05", "params"))
 
 
 @pytest.mark.parametrize("layout", _FIXTURE_LAYOUTS)
 def test_openpi_fixture_layouts_restore_identical_arrays(layout, fixture_reference):
     ref_config, ref_params = fixture_reference
-    config, params = ckpt.load_openpi_params(_fixture("openpi_tiny_pi05", *layout.split("/")))
+    config, params = load_openpi_params(_fixture("openpi_tiny_pi05", *layout.split("/")))
     assert config == ref_config
-    assert _leaves_equal(params, ref_params)
+    assert leaves_equal(params, ref_params)
     assert len(jax.tree.leaves(params)) == 51
 
 
@@ -129,15 +127,15 @@ def test_openpi_fixture_inferred_config(fixture_reference):
 
 def test_openpi_fixture_restores_as_bfloat16(fixture_reference):
     _, ref = fixture_reference
-    config, params = ckpt.load_openpi_params(_fixture("openpi_tiny_pi05", "train_checkpoint", "1"), dtype="bfloat16")
+    config, params = load_openpi_params(_fixture("openpi_tiny_pi05", "train_checkpoint", "1"), dtype="bfloat16")
     assert config.dtype == "bfloat16"
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
     expected = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), ref)
-    assert _leaves_equal(params, expected)
+    assert leaves_equal(params, expected)
 
 
 def test_openpi_fixture_has_no_norm_stats():
-    assert ckpt.load_openpi_norm_stats(_fixture("openpi_tiny_pi05")) is None
+    assert load_openpi_norm_stats(_fixture("openpi_tiny_pi05")) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,7 +145,7 @@ def test_openpi_fixture_has_no_norm_stats():
 
 def test_full_size_manifest_maps_exactly_onto_pi05_tree():
     path = _fixture("pi05_param_manifest.json")
-    result = ckpt.check_manifest(path)
+    result = check_manifest(path)
     assert result.ok, result.summary()
     assert result.matches_preset, result.summary()
     assert result.config == model_config("pi05")
@@ -159,7 +157,7 @@ def test_full_size_manifest_maps_exactly_onto_pi05_tree():
 
 def test_lora_manifest_checks_every_lora_leaf_against_its_expert_and_rank(tmp_path):
     path = _fixture("pi05_lora_param_manifest.json")
-    result = ckpt.check_manifest(path)
+    result = check_manifest(path)
     assert result.ok and result.matches_preset, result.summary()
     assert len(result.lora) == 20 and all(r.note == "LoRA leaf" for r in result.lora)
     ranks = {r.path: r.got[-1] for r in result.lora if r.path.endswith("lora_a")}
@@ -171,7 +169,7 @@ def test_lora_manifest_checks_every_lora_leaf_against_its_expert_and_rank(tmp_pa
     leaves["PaliGemma/llm/layers/attn/extra_lora_a"] = {"shape": [1], "dtype": "float32"}
     damaged = tmp_path / "manifest.json"
     damaged.write_text(json.dumps({"leaves": leaves}))
-    result = ckpt.check_manifest(damaged)
+    result = check_manifest(damaged)
     notes = {r.path: r.note for r in result.rows if not r.ok}
     assert notes == {
         "PaliGemma/llm/layers/mlp/linear_lora_b": "mis-shaped LoRA leaf",
@@ -188,7 +186,7 @@ def test_manifest_reports_mismatch_against_given_config(tmp_path):
     shapes["something/else"] = (2,)
     manifest = tmp_path / "m.json"
     manifest.write_text(json.dumps({"leaves": {k: {"shape": list(s), "dtype": "float32"} for k, s in shapes.items()}}))
-    result = ckpt.check_manifest(manifest, model_config("tiny"), preset=None)
+    result = check_manifest(manifest, model_config("tiny"), preset=None)
     assert [r.path for r in result.misshaped] == ["action_out_proj/bias"]
     assert result.misshaped[0].expected == (32,) and result.misshaped[0].got == (31,)
     assert [r.path for r in result.missing] == ["time_mlp_in/kernel"]
@@ -207,42 +205,32 @@ def test_own_checkpoint_round_trip_is_bit_exact(tmp_path, tiny, dtype):
     if dtype != config.dtype:
         config = config.replace(dtype=dtype)
         params = init_params(config, jax.random.key(0))
-    ckpt.save_params(tmp_path / "ckpt", params, config)
-    restored_config, restored = ckpt.restore_params(tmp_path / "ckpt")
+    save_params(tmp_path / "ckpt", params, config)
+    restored_config, restored = restore_params(tmp_path / "ckpt")
     assert restored_config == config
-    assert _leaves_equal(restored, params)
+    assert leaves_equal(restored, params)
     assert {leaf.dtype for leaf in jax.tree.leaves(restored)} == {jnp.dtype(dtype)}
 
 
 def test_own_checkpoint_dtype_comes_from_target_config(tmp_path, tiny):
     config, params = tiny
-    ckpt.save_params(tmp_path / "ckpt", params)
+    save_params(tmp_path / "ckpt", params)
     bf16 = config.replace(dtype="bfloat16")
-    _, restored = ckpt.restore_params(tmp_path / "ckpt", bf16)
+    _, restored = restore_params(tmp_path / "ckpt", bf16)
     expected = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), params)
-    assert _leaves_equal(restored, expected)
+    assert leaves_equal(restored, expected)
     with pytest.raises(ValueError, match="differ"):
-        ckpt.restore_params(tmp_path / "ckpt", model_config("bench"))
+        restore_params(tmp_path / "ckpt", model_config("bench"))
 
-
-def test_load_params_reads_either_kind_in_the_requested_dtype(tmp_path, tiny):
-    config, params = tiny
-    path = ckpt.save_params(tmp_path / "ckpt", params, config)
-    cfg, restored, kind = ckpt.load_params(path, dtype="bfloat16", prompt_attention="causal")
-    assert kind == "checkpoint" and cfg == config.replace(dtype="bfloat16", prompt_attention="causal")
-    assert _leaves_equal(restored, jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), params))
-    shutil.rmtree(path / "config")  # without our config item the directory is read as openpi's
-    cfg, restored, kind = ckpt.load_params(path)
-    assert kind == "openpi checkpoint" and cfg == config and _leaves_equal(restored, params)
 
 def test_own_checkpoint_refuses_to_overwrite_and_is_openpi_readable(tmp_path, tiny):
     config, params = tiny
-    path = ckpt.save_params(tmp_path / "ckpt", params, config)
+    path = save_params(tmp_path / "ckpt", params, config)
     with pytest.raises(FileExistsError):
-        ckpt.save_params(path, params, config)
-    ckpt.save_params(path, params, config, overwrite=True)
-    openpi_config, openpi_params = ckpt.load_openpi_params(path)
-    assert openpi_config == config and _leaves_equal(openpi_params, params)
+        save_params(path, params, config)
+    save_params(path, params, config, overwrite=True)
+    openpi_config, openpi_params = load_openpi_params(path)
+    assert openpi_config == config and leaves_equal(openpi_params, params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,9 +247,9 @@ def tiny_flat(tiny):
 def test_openpi_checkpoint_round_trip(tmp_path, tiny, tiny_flat, value_suffix):
     _write_openpi(tmp_path / "params", tiny_flat, value_suffix=value_suffix)
     for path in (tmp_path / "params", tmp_path):  # the item, and the step dir containing it
-        config, params = ckpt.load_openpi_params(path)
+        config, params = load_openpi_params(path)
         assert config == tiny[0]
-        assert _leaves_equal(params, tiny[1])
+        assert leaves_equal(params, tiny[1])
 
 
 # One key that inference reads, one it does not: both must be named.
@@ -272,7 +260,7 @@ def test_openpi_missing_key_is_named(tmp_path, tiny_flat, key):
     del tiny_flat[key]
     _write_openpi(tmp_path / "params", tiny_flat)
     with pytest.raises(ValueError, match="missing") as e:
-        ckpt.load_openpi_params(tmp_path / "params")
+        load_openpi_params(tmp_path / "params")
     assert key in str(e.value)
 
 
@@ -281,51 +269,51 @@ def test_openpi_misshaped_key_names_key_and_both_shapes(tmp_path, tiny_flat):
     tiny_flat[key] = jnp.zeros((33,), jnp.float32)
     _write_openpi(tmp_path / "params", tiny_flat)
     with pytest.raises(ValueError) as e:
-        ckpt.load_openpi_params(tmp_path / "params")
+        load_openpi_params(tmp_path / "params")
     assert f"{key}: expected (32,), got (33,)" in str(e.value)
 
 
 def test_openpi_extra_keys_are_ignored(tmp_path, tiny, tiny_flat):
     tiny_flat["some_head/kernel"] = jnp.ones((3, 5))
     _write_openpi(tmp_path / "params", tiny_flat, value_suffix=True)
-    config, params = ckpt.load_openpi_params(tmp_path / "params")
-    assert config == tiny[0] and _leaves_equal(params, tiny[1])
+    config, params = load_openpi_params(tmp_path / "params")
+    assert config == tiny[0] and leaves_equal(params, tiny[1])
 
 
 def test_openpi_lora_factor_without_its_partner_is_named(tmp_path, tiny_flat):
     tiny_flat["PaliGemma/llm/layers/attn/q_einsum/lora_a"] = jnp.ones((2, 4, 64, 4))
     _write_openpi(tmp_path / "params", tiny_flat)
     with pytest.raises(ValueError, match="LoRA") as e:
-        ckpt.load_openpi_params(tmp_path / "params")
+        load_openpi_params(tmp_path / "params")
     assert "PaliGemma/llm/layers/attn/q_einsum/lora_b: missing" in str(e.value)
 
 
 def test_openpi_dtype_argument_is_honoured(tmp_path, tiny_flat):
     _write_openpi(tmp_path / "params", tiny_flat)
-    config, params = ckpt.load_openpi_params(tmp_path / "params", dtype="bfloat16", prompt_attention="causal")
+    config, params = load_openpi_params(tmp_path / "params", dtype="bfloat16", prompt_attention="causal")
     assert (config.dtype, config.prompt_attention) == ("bfloat16", "causal")
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
 
 
 def test_bad_paths_give_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        ckpt.load_openpi_params(tmp_path / "nope")
+        load_openpi_params(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="not an orbax checkpoint"):
-        ckpt.load_openpi_params(tmp_path / "empty")
+        load_openpi_params(tmp_path / "empty")
     step = tmp_path / "step"
     (step / "train_state").mkdir(parents=True)
     (step / "_CHECKPOINT_METADATA").write_text("{}")
     with pytest.raises(ValueError, match="no 'params' item"):
-        ckpt.load_openpi_params(step)
+        load_openpi_params(step)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        ckpt.restore_params(tmp_path / "nope")
+        restore_params(tmp_path / "nope")
 
 
 def test_openpi_tree_without_params_entry_is_rejected(tmp_path):
     ocp.PyTreeCheckpointer().save((tmp_path / "params").resolve(), {"weights": {"w": np.zeros(3, np.float32)}})
     with pytest.raises(ValueError, match="no 'params' entry"):
-        ckpt.load_openpi_params(tmp_path / "params")
+        load_openpi_params(tmp_path / "params")
 
 
 # --------------------------------------------------------------------------------------------
@@ -333,32 +321,24 @@ def test_openpi_tree_without_params_entry_is_rejected(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _write_norm_stats(root: Path, asset_id: str, dim: int) -> None:
-    entry = {"mean": [0.0] * dim, "std": [1.0] * dim, "q01": [-1.0] * dim, "q99": [1.0] * dim}
-    stats = {"state": entry, "actions": entry}
-    path = root / "assets" / asset_id / "norm_stats.json"
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"norm_stats": stats}))
-
-
 def test_norm_stats_found_beside_params(tmp_path):
-    _write_norm_stats(tmp_path, "physical-intelligence/libero", 8)
+    write_norm_stats(tmp_path, "physical-intelligence/libero", 8)
     (tmp_path / "params").mkdir()
     (tmp_path / "params" / "_METADATA").write_text("{}")
     for path in (tmp_path, tmp_path / "params"):
-        stats = ckpt.load_openpi_norm_stats(path)
+        stats = load_openpi_norm_stats(path)
         assert set(stats) == {"state", "actions"}
         np.testing.assert_array_equal(stats["actions"].q99, np.ones(8))
-    _write_norm_stats(tmp_path, "droid", 7)
+    write_norm_stats(tmp_path, "droid", 7)
     with pytest.raises(ValueError, match="asset_id"):
-        ckpt.load_openpi_norm_stats(tmp_path)
-    assert ckpt.load_openpi_norm_stats(tmp_path, "droid")["state"].dim == 7
+        load_openpi_norm_stats(tmp_path)
+    assert load_openpi_norm_stats(tmp_path, "droid")["state"].dim == 7
     with pytest.raises(FileNotFoundError, match="aloha"):
-        ckpt.load_openpi_norm_stats(tmp_path, "aloha")
+        load_openpi_norm_stats(tmp_path, "aloha")
 
 
 def test_every_openpi_path_is_checked_by_the_manifest_rows():
-    rows = ckpt.check_manifest(_fixture("pi05_param_manifest.json")).rows
+    rows = check_manifest(_fixture("pi05_param_manifest.json")).rows
     assert [r.path for r in rows] == list(OPENPI_PATHS)
 
 
@@ -381,7 +361,7 @@ def _flip_bytes(path: Path, *, count: int = 64, at: float = 0.5, mask: int = 0xF
 
 def _assert_one_line(err: pytest.ExceptionInfo, *names: str) -> None:
     msg = str(err.value)
-    assert isinstance(err.value, ckpt.CheckpointError) and isinstance(err.value, ValueError)
+    assert isinstance(err.value, CheckpointError) and isinstance(err.value, ValueError)
     assert "\n" not in msg and "tensorstore_spec" not in msg and len(msg) < 600, msg
     assert any(n in msg for n in names), msg
 
@@ -389,7 +369,7 @@ def _assert_one_line(err: pytest.ExceptionInfo, *names: str) -> None:
 @pytest.fixture(scope="module")
 def saved_tiny(tmp_path_factory, tiny):
     config, params = tiny
-    return ckpt.save_params(tmp_path_factory.mktemp("own") / "ckpt", params, config)
+    return save_params(tmp_path_factory.mktemp("own") / "ckpt", params, config)
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -403,8 +383,8 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_own_checkpoint_with_flipped_bytes_in_a_data_file_names_the_leaf(tmp_path, saved_tiny, mask):
     path = _copy(saved_tiny, tmp_path / "ckpt")
     _flip_bytes(_largest_data_file(path / "params"), mask=mask)  # 64 bytes in the middle: raw float data
-    with pytest.raises(ckpt.CheckpointError, match="SHA-256") as e:
-        ckpt.restore_params(path)
+    with pytest.raises(CheckpointError, match="SHA-256") as e:
+        restore_params(path)
     _assert_one_line(e, *OPENPI_PATHS)
 
 
@@ -412,8 +392,8 @@ def test_own_checkpoint_without_checksums_loads_with_a_warning(tmp_path, saved_t
     path = _copy(saved_tiny, tmp_path / "ckpt")
     shutil.rmtree(path / "checksums")
     with pytest.warns(UserWarning, match="no checksums"):
-        config, params = ckpt.restore_params(path)
-    assert config == tiny[0] and _leaves_equal(params, tiny[1])
+        config, params = restore_params(path)
+    assert config == tiny[0] and leaves_equal(params, tiny[1])
 
 
 def test_openpi_checkpoint_with_flipped_bytes_names_the_leaf(tmp_path, tiny_flat):
@@ -421,16 +401,16 @@ def test_openpi_checkpoint_with_flipped_bytes_names_the_leaf(tmp_path, tiny_flat
     # orbax happened to put a value's zstd header there, as an unreadable array).
     item = _write_openpi(tmp_path / "params", tiny_flat)
     _flip_bytes(_largest_data_file(item))
-    with pytest.raises(ckpt.CheckpointError, match="damaged") as e:
-        ckpt.load_openpi_params(item)
+    with pytest.raises(CheckpointError, match="damaged") as e:
+        load_openpi_params(item)
     _assert_one_line(e, *OPENPI_PATHS)
 
 
 def test_openpi_fixture_with_flipped_bytes_names_the_leaf(tmp_path):
     item = _copy(_fixture("openpi_tiny_pi05", "params"), tmp_path / "params")
     _flip_bytes(_largest_data_file(item), at=0.3)
-    with pytest.raises(ckpt.CheckpointError, match="damaged") as e:
-        ckpt.load_openpi_params(item)
+    with pytest.raises(CheckpointError, match="damaged") as e:
+        load_openpi_params(item)
     _assert_one_line(e, *OPENPI_PATHS)
 
 
@@ -441,11 +421,11 @@ def test_non_finite_or_implausible_leaf_is_refused_naming_the_leaf(tmp_path, tin
     tiny_flat[key][1, 5, 7] = value
     _write_openpi(tmp_path / "params", tiny_flat)
     for dtype in ("float32", "bfloat16"):
-        with pytest.raises(ckpt.CheckpointError, match="non-finite" if not np.isfinite(value) else "above 10000") as e:
-            ckpt.load_openpi_params(tmp_path / "params", dtype=dtype)
+        with pytest.raises(CheckpointError, match="non-finite" if not np.isfinite(value) else "above 10000") as e:
+            load_openpi_params(tmp_path / "params", dtype=dtype)
         _assert_one_line(e, key)
     if np.isfinite(value):  # a caller who knows better can raise the bound
-        ckpt.load_openpi_params(tmp_path / "params", max_abs=1e37)
+        load_openpi_params(tmp_path / "params", max_abs=1e37)
 
 
 def _garble(path: Path) -> None:
@@ -471,8 +451,8 @@ def test_damaged_orbax_directory_gives_one_line_naming_file_and_cause(tmp_path, 
     fn, names = _DAMAGE[damage]
     path = _copy(saved_tiny, tmp_path / "ckpt")
     fn(path / "params")
-    for load in (ckpt.restore_params, ckpt.load_openpi_params):
-        with pytest.raises(ckpt.CheckpointError) as e:
+    for load in (restore_params, load_openpi_params):
+        with pytest.raises(CheckpointError) as e:
             load(path)
         _assert_one_line(e, names)
         assert str(path) in str(e.value)
@@ -481,10 +461,10 @@ def test_damaged_orbax_directory_gives_one_line_naming_file_and_cause(tmp_path, 
 def test_damaged_json_items_of_own_checkpoint_are_named(tmp_path, saved_tiny):
     path = _copy(saved_tiny, tmp_path / "ckpt")
     _garble(path / "checksums" / "metadata")
-    with pytest.raises(ckpt.CheckpointError) as e:
-        ckpt.restore_params(path)
+    with pytest.raises(CheckpointError) as e:
+        restore_params(path)
     _assert_one_line(e, "checksums/metadata")
     _garble(path / "config" / "metadata")
-    with pytest.raises(ckpt.CheckpointError) as e:
-        ckpt.restore_params(path)
+    with pytest.raises(CheckpointError) as e:
+        restore_params(path)
     _assert_one_line(e, "config/metadata")

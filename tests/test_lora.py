@@ -14,7 +14,7 @@ import pytest
 
 from helpers import shared_dir
 from oxygen_jax.models import backbone as bb
-from oxygen_jax.ckpts import checkpoint
+from oxygen_jax.ckpts.openpi import load_openpi_lora, load_openpi_params
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import OPENPI_PATHS, to_openpi_dict, unstack_layers
@@ -56,8 +56,8 @@ def _identical(a, b) -> bool:
 @pytest.fixture(scope="module")
 def fixture_lora():
     """(config, base params, adapters) of the shared LoRA fixture, released layout."""
-    config, base = checkpoint.load_openpi_params(_lora_fixture("params"), lora="ignore")
-    return config, base, checkpoint.load_openpi_lora(_lora_fixture("params"))
+    config, base = load_openpi_params(_lora_fixture("params"), lora="ignore")
+    return config, base, load_openpi_lora(_lora_fixture("params"))
 
 
 def test_merge_reproduces_openpi_merged_weights(fixture_lora):
@@ -243,20 +243,20 @@ def test_lora_checkpoint_restore_merges_ignores_or_separates(tmp_path, tiny_para
     for training_layout in (False, True):
         path = _write_lora_checkpoint(tmp_path / f"ck{training_layout}" / "params", base, adapters,
                                       training_layout=training_layout)
-        config, merged = checkpoint.load_openpi_params(path, lora_alpha={"vlm": 6.0})
+        config, merged = load_openpi_params(path, lora_alpha={"vlm": 6.0})
         assert config == base.config and _identical(merged, expected)
-        restored = checkpoint.load_openpi_lora(path, alpha={"vlm": 6.0})
+        restored = load_openpi_lora(path, alpha={"vlm": 6.0})
         assert restored.action_expert is None and (restored.vlm.attn_rank, restored.vlm.ffn_rank) == (3, 5)
         assert _identical(restored, adapters) and restored.vlm.scaling == 2.0
-    _, ignored = checkpoint.load_openpi_params(path, lora="ignore")
+    _, ignored = load_openpi_params(path, lora="ignore")
     assert _identical(ignored, base)
     # alpha defaults to rank (scaling 1), and is then a different model.
-    _, default = checkpoint.load_openpi_params(path)
+    _, default = load_openpi_params(path)
     assert not np.array_equal(default.vlm.layers.q, merged.vlm.layers.q)
     assert np.array_equal(default.vlm.layers.gating, merged.vlm.layers.gating)  # FFN: unscaled
     with pytest.raises(ValueError, match="load_openpi_lora"):
-        checkpoint.load_openpi_params(path, lora="separate")
-    assert checkpoint.load_openpi_lora(_write_lora_checkpoint(
+        load_openpi_params(path, lora="separate")
+    assert load_openpi_lora(_write_lora_checkpoint(
         tmp_path / "plain" / "params", base, lora.ModelLora(None, None), training_layout=False)) is None
 
 
@@ -265,13 +265,13 @@ _LAYOUTS = ["params", "train_checkpoint/1/params"]
 
 def test_lora_fixture_restores_identically_from_both_layouts(fixture_lora):
     config, base, adapters = fixture_lora
-    _, merged = checkpoint.load_openpi_params(_lora_fixture("params"))
+    _, merged = load_openpi_params(_lora_fixture("params"))
     for layout in _LAYOUTS[1:]:
         path = _lora_fixture(*layout.split("/"))
-        c2, m2 = checkpoint.load_openpi_params(path)
+        c2, m2 = load_openpi_params(path)
         assert c2 == config and _identical(m2, merged)  # frozen bf16 leaves upcast exactly
-        assert _identical(checkpoint.load_openpi_lora(path), adapters)
-        _, b16 = checkpoint.load_openpi_params(path, dtype="bfloat16")
+        assert _identical(load_openpi_lora(path), adapters)
+        _, b16 = load_openpi_params(path, dtype="bfloat16")
         assert {x.dtype for x in jax.tree.leaves(b16)} == {jnp.dtype(jnp.bfloat16)}
         assert _identical(b16, jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), merged))
     vlm_bank = lora.stack_adapters([adapters.vlm], config)  # the serving bank, built from a checkpoint

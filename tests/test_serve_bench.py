@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from eval import libero_client, serve_bench
-from oxygen_jax.serving.batcher import frame_noise
+from oxygen_jax.robots.libero import quat_to_axis_angle
+from oxygen_jax.serving.codec import frame_noise
 from oxygen_jax.serve import PolicyServer, ServeConfig, ServerThread
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from test_serve import ROBOT, ScriptedEngine
@@ -137,6 +138,6 @@ def test_libero_client_closes_the_loop_asks_for_language_and_writes_a_captioned_
 
 def test_axis_angle_matches_a_known_rotation():
     half = np.pi / 4  # 90 degrees about z
-    np.testing.assert_allclose(libero_client.quat_to_axis_angle(np.array([0, 0, np.sin(half), np.cos(half)])),
+    np.testing.assert_allclose(quat_to_axis_angle(np.array([0, 0, np.sin(half), np.cos(half)])),
                                [0, 0, np.pi / 2], atol=1e-12)
-    np.testing.assert_array_equal(libero_client.quat_to_axis_angle(np.array([0.0, 0, 0, 1])), np.zeros(3))
+    np.testing.assert_array_equal(quat_to_axis_angle(np.array([0.0, 0, 0, 1])), np.zeros(3))

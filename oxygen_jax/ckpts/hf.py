@@ -1,9 +1,9 @@
-"""Hugging Face Qwen3 / Qwen3-VL checkpoints: safetensors I/O, config.json -> spec, HF names <-> pytrees.
+"""Hugging Face Qwen3 / Qwen3-VL checkpoints: config.json -> spec, HF names <-> pytrees.
 
 Everything is derived from the checkpoint directory: `config.json` gives the `BackboneSpec`
-(`spec_from_config`), the safetensors give the weights. `_ENTRIES` is the one table of HF
-names: each row names an HF tensor (with `{i}` for a layer / ViT block and `{j}` for a DeepStack
-merger), the leaf of `backbone.Decoder` / `qwen3_vl.Vision` it fills, and the layout change
+(`spec_from_config`), the safetensors (`ckpts.safetensors`) give the weights. `_ENTRIES` is the
+one table of HF names: each row names an HF tensor (with `{i}` for a layer / ViT block and `{j}`
+for a DeepStack merger), the leaf of `backbone.Decoder` / `qwen3_vl.Vision` it fills, and the layout change
 between them (HF linears are torch `(out, in)`; ours are `[in, out]` with heads split). Loading,
 export (`to_hf`) and the expected names and shapes (`hf_shapes`) all come from it, and every
 converted array is checked against `backbone.abstract_decoder` / `qwen3_vl.abstract_vision`.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -26,77 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
 from oxygen_jax.models import backbone
 from oxygen_jax.models import qwen3_vl
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
-
-# --------------------------------------------------------------------------------------------------
-# safetensors (format: u64 LE header length, JSON header, raw little-endian buffers)
-
-_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(jnp.bfloat16),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
-}
-_CODES = {v: k for k, v in _DTYPES.items()}
-
-
-def _header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
-
-
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """{name: array} of one .safetensors file, memory-mapped (read-only, no copy until converted)."""
-    path = Path(path)
-    header, start = _header(path)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        lo, hi = info["data_offsets"]
-        out[name] = data[lo:hi].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
-
-
-def write_safetensors(path: str | Path, tensors: Mapping[str, Any], metadata: dict[str, str] | None = None) -> None:
-    """Writes {name: array} as one .safetensors file (names sorted, header padded to 8 bytes)."""
-    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in sorted(tensors.items())}
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, a in arrays.items():
-        if a.dtype not in _CODES:
-            raise ValueError(f"tensor {name}: dtype {a.dtype} cannot be written to safetensors")
-        header[name] = {"dtype": _CODES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for a in arrays.values():
-            f.write(a.tobytes())
-
-
-def read_checkpoint_tensors(directory: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of an HF checkpoint directory: `model.safetensors` or a sharded index."""
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
-    out: dict[str, np.ndarray] = {}
-    for f in files:
-        out.update(read_safetensors(directory / f))
-    return out
-
 
 # --------------------------------------------------------------------------------------------------
 # config.json -> spec
@@ -415,7 +347,7 @@ def check_names(spec: BackboneSpec, tensors: Mapping[str, Any]) -> None:
     if misshaped:
         parts.append(f"mis-shaped {len(misshaped)}: " + ", ".join(f"{k} {got[k]} (expected {expected[k]})" for k in misshaped))
     raise ValueError(f"checkpoint does not match the {spec.family} spec (width {spec.width}, depth {spec.depth}): "
-                     + "; ".join(parts) + " — load it with the spec of its own family (hf_checkpoint.load reads it from config.json)")
+                     + "; ".join(parts) + " — load it with the spec of its own family (hf.load reads it from config.json)")
 
 
 def from_hf(spec: BackboneSpec, tensors: Mapping[str, Any], dtype: str = "float32") -> tuple[Decoder, qwen3_vl.Vision | None]:

@@ -1,0 +1,209 @@
+"""One loader for every command: a model's parameters from a preset or any checkpoint directory.
+
+`load_model` is what `python -m oxygen_jax.run`, `python -m oxygen_jax.serve` and `python -m eval.bench`
+call to get a model; it returns the parameters laid out for the backend (`for_backend`) with what the
+caller needs beside them (`LoadedModel`). Sources:
+
+| source | how it is recognised | config | params |
+|---|---|---|---|
+| `preset="tiny"`, `"bench"`, `"pi05"` or a `ModelConfig` | (no directory) | `ModelConfig` | π0.5 `Params`, random |
+| `preset=` a `mot.ModelSpec` | (no directory) | `ModelSpec` | `mot.ModelParams`, random |
+| our checkpoint (`own.save_params`) | a `config/` item | `ModelConfig` (stored dims) | π0.5 `Params` |
+| Hugging Face Qwen3 / Qwen3-VL | `model.safetensors` (or its sharded index) | `ModelSpec` (language + `heads`) | `mot.ModelParams` |
+| openpi checkpoint (either layout) | an orbax item or `params/` | `ModelConfig` (inferred) | π0.5 `Params` (LoRA merged) |
+
+A directory that is none of these, or a model of another family than the caller drives (`family=`), is
+a one-line ValueError naming the directory and what was expected. The tokenizer is looked for beside
+the checkpoint (`find_tokenizer`), the one place that does it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from oxygen_jax.ckpts import hf
+from oxygen_jax.ckpts.openpi import load_openpi_norm_stats, load_openpi_params
+from oxygen_jax.ckpts.orbax_io import PathLike, is_pytree_item
+from oxygen_jax.ckpts.own import restore_params, stored_config
+from oxygen_jax.models import heads as hd
+from oxygen_jax.models import mot
+from oxygen_jax.models.heads import HeadSpec
+from oxygen_jax.models.mot import ModelParams, ModelSpec
+from oxygen_jax.models.pi05 import params as pi05_params
+from oxygen_jax.models.pi05.config import DType, ModelConfig, PromptAttention, model_config
+from oxygen_jax.robots.normalize import NormStats
+
+Family = Literal["pi05", "multihead"]
+Source = Literal["preset", "checkpoint", "openpi", "hf"]
+
+TOKENIZER_FILE = "tokenizer.model"  # SentencePiece model with the PaliGemma id layout (`robots.tokenizer`)
+_HF_FILES = ("model.safetensors", "model.safetensors.index.json")
+_FAMILY_OF = {"preset": None, "checkpoint": "pi05", "openpi": "pi05", "hf": "multihead"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for a command.
+
+    Attributes:
+      config: `ModelConfig` (π0.5) or `mot.ModelSpec` (a backbone with heads and a language decoder).
+      params: `Params` or `mot.ModelParams`, layer stacks laid out for the backend (`for_backend`).
+      family: "pi05" or "multihead" (which of the two the config and params are).
+      source: "preset", "checkpoint" (ours), "openpi" or "hf".
+      what: one line for messages, e.g. "random 'tiny' weights" or "openpi checkpoint /ckpts/pi05_libero".
+      norm_stats: {"state", "actions": NormStats} from the checkpoint's `assets/`, or None.
+      tokenizer: a `tokenizer.model` found with the checkpoint, or None (the caller picks its default).
+    """
+
+    config: ModelConfig | ModelSpec
+    params: Any
+    family: Family
+    source: Source
+    what: str
+    norm_stats: dict[str, NormStats] | None = None
+    tokenizer: Path | None = None
+
+
+def find_tokenizer(*checkpoints: PathLike | None) -> Path | None:
+    """The first `tokenizer.model` in or beside (in the parent of) each directory, in order; None if none.
+
+    Our training runs and the demo keep it beside the base checkpoint (`out/base`, `out/tokenizer.model`).
+    """
+    for c in checkpoints:
+        if c is None:
+            continue
+        d = Path(c).expanduser()
+        for candidate in (d / TOKENIZER_FILE, d.parent / TOKENIZER_FILE):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def source_kind(path: PathLike) -> Source:
+    """Which kind of checkpoint directory `path` is ("checkpoint", "hf" or "openpi"), from its files alone.
+
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      ValueError: not a directory, or it holds none of the three kinds.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint path does not exist: {p.resolve()}")
+    if not p.is_dir():
+        raise ValueError(f"checkpoint path is not a directory: {p.resolve()}")
+    if (p / "config").is_dir():
+        return "checkpoint"
+    if any((p / f).is_file() for f in _HF_FILES):
+        return "hf"
+    # An orbax item or a directory holding `params/` is read as openpi's: a damaged one (lost
+    # _METADATA, garbled files) is then named by the openpi reader's CheckpointError.
+    if (p / "params").exists() or is_pytree_item(p) or any(p.glob("ocdbt.process_*")) or (p / "manifest.ocdbt").exists():
+        return "openpi"
+    raise ValueError(
+        f"{p.resolve()} holds no model checkpoint: expected an oxygen_jax checkpoint (config/ and params/), an openpi "
+        f"checkpoint (params/ or an orbax item with _METADATA) or a Hugging Face Qwen3 / Qwen3-VL directory "
+        f"(config.json and model.safetensors)")
+
+
+def _random(preset: str | ModelConfig | ModelSpec, dtype: DType, prompt_attention: PromptAttention,
+            seed: int) -> tuple[ModelConfig | ModelSpec, Any, str]:
+    if isinstance(preset, ModelSpec):
+        return preset, mot.init_model(preset, seed, dtype), f"random {preset.backbone.family} weights"
+    if isinstance(preset, ModelConfig):
+        cfg, what = preset, "random weights"
+    else:
+        cfg, what = model_config(preset, dtype=dtype, prompt_attention=prompt_attention), f"random '{preset}' weights"
+    return cfg, pi05_params.init_params(cfg, seed), what
+
+
+def _hf(path: Path, dtype: DType, heads: Sequence[HeadSpec], seed: int) -> tuple[ModelSpec, ModelParams]:
+    ck = hf.load(path, dtype)
+    spec = ModelSpec(backbone=ck.spec, heads=tuple(heads), language=True, image_token_id=ck.config.get("image_token_id"))
+    heads_params = {h.name: hd.init_head(h, seed, dtype) for h in spec.heads}  # random: HF holds the backbone only
+    return spec, ModelParams(decoder=ck.decoder, vision=ck.vision, heads=heads_params)
+
+
+def _check_family(path: Path, source: Source, family: Family | None) -> None:
+    have = _FAMILY_OF[source]
+    if family is not None and have != family:
+        label = {"checkpoint": "an oxygen_jax checkpoint", "openpi": "an openpi checkpoint",
+                 "hf": "a Hugging Face checkpoint"}[source]
+        needs = {"pi05": "a π0.5 model (an oxygen_jax or openpi checkpoint, or a π0.5 preset)",
+                 "multihead": "a backbone with heads (a Hugging Face Qwen3 / Qwen3-VL directory or a ModelSpec)"}
+        raise ValueError(f"{path} is {label} of a {have} model, but this command needs {needs[family]}")
+
+
+def load_model(
+    ckpt: PathLike | None = None,
+    *,
+    preset: str | ModelConfig | ModelSpec | None = None,
+    family: Family | None = None,
+    dtype: DType = "float32",
+    prompt_attention: PromptAttention = "bidirectional",
+    seed: int = 0,
+    heads: Sequence[HeadSpec] = (),
+    backend: str | None = None,
+) -> LoadedModel:
+    """A model from a checkpoint directory or a preset (exactly one), restored once in `dtype`.
+
+    Args:
+      ckpt: a checkpoint directory of any kind in the module table (an openpi `params` item, a step
+        directory or a checkpoint root; one of ours; a Hugging Face Qwen3 / Qwen3-VL directory).
+      preset: random weights instead: a π0.5 preset name (`model_config`), a `ModelConfig`, or a
+        `mot.ModelSpec`; seeded by `seed`.
+      family: the family the caller can drive ("pi05" or "multihead"); a checkpoint of the other
+        family is refused before anything is read. None accepts either.
+      dtype: every leaf's dtype ("float32" or "bfloat16"); for ours and openpi's also the config's.
+      prompt_attention: π0.5 prompt attention of the result ("bidirectional" = openpi); ours keep
+        their dimensions and take this and `dtype`.
+      seed: random weights (presets, and the heads added on a Hugging Face backbone).
+      heads: action heads put on a Hugging Face backbone, with random weights (the checkpoint holds
+        the backbone only); the model always has a language decoder.
+      backend: the layout `for_backend` picks (default: JAX's default backend).
+
+    Returns:
+      A `LoadedModel`; its `params` are ready for the engine and the frame programs.
+
+    Raises:
+      FileNotFoundError: `ckpt` does not exist.
+      CheckpointError: a damaged checkpoint (one line naming the file or leaf).
+      ValueError: both or neither of `ckpt` / `preset`, a directory of no known kind, a model of
+        another `family`, or keys and shapes that do not fit (one line first, details after).
+    """
+    if (ckpt is None) == (preset is None):
+        raise ValueError("load_model needs a checkpoint directory or a preset (exactly one), got "
+                         + ("both" if ckpt is not None else "neither"))
+    norm_stats = tokenizer = None
+    if preset is not None:
+        if heads:
+            raise ValueError("heads= puts random heads on a Hugging Face backbone; a ModelSpec preset names its own")
+        have: Family = "multihead" if isinstance(preset, ModelSpec) else "pi05"
+        if family is not None and have != family:
+            raise ValueError(f"the preset is a {have} model, but this command needs a {family} model")
+        config, params, what = _random(preset, dtype, prompt_attention, seed)
+        source: Source = "preset"
+    else:
+        path = Path(ckpt).expanduser()
+        source = source_kind(path)
+        _check_family(path, source, family)
+        if heads and source != "hf":
+            raise ValueError(f"heads= puts random heads on a Hugging Face backbone; {path} is a π0.5 checkpoint")
+        have = _FAMILY_OF[source]
+        if source == "hf":
+            config, params = _hf(path, dtype, heads, seed)
+            what = f"Hugging Face {config.backbone.family} checkpoint {path}"
+        elif source == "checkpoint":
+            stored = stored_config(path)
+            config, params = restore_params(path, stored.replace(dtype=dtype, prompt_attention=prompt_attention))
+            what = f"checkpoint {path}"
+        else:
+            config, params = load_openpi_params(path, dtype=dtype, prompt_attention=prompt_attention)
+            what = f"openpi checkpoint {path}"
+        if source != "hf":
+            norm_stats = load_openpi_norm_stats(path)
+        tokenizer = find_tokenizer(path)
+    lay_out = mot.for_backend if have == "multihead" else pi05_params.for_backend
+    return LoadedModel(config=config, params=lay_out(params, backend), family=have, source=source, what=what,
+                       norm_stats=norm_stats, tokenizer=tokenizer)
