@@ -35,7 +35,8 @@ from oxygen_jax.serving.codec import Pi05Codec, frame_noise
 from oxygen_jax.runtime.vla import Pi05
 from oxygen_jax.models.pi05.config import model_config, robot_config
 from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
-from oxygen_jax.serve import PolicyServer, ServeConfig, ServerThread, main
+from oxygen_jax.serve import main
+from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")

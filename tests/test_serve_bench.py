@@ -12,7 +12,7 @@ from PIL import Image
 from eval import libero_client, serve_bench
 from oxygen_jax.robots.libero import quat_to_axis_angle
 from oxygen_jax.serving.codec import frame_noise
-from oxygen_jax.serve import PolicyServer, ServeConfig, ServerThread
+from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from test_serve import ROBOT, ScriptedEngine
 

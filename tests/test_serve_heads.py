@@ -12,19 +12,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from oxygen_jax.models import mot
+from oxygen_jax import serve
 from oxygen_jax.models.pi05.config import robot_config
 from oxygen_jax.robots import transforms
-from oxygen_jax.robots.tokenizer import train_demo_tokenizer
-from oxygen_jax.runtime.engine import Engine, EngineConfig
-from oxygen_jax.runtime.vla import MultiHead
-from oxygen_jax.serve import PolicyServer, ServeConfig, ServerThread
+from oxygen_jax.runtime.engine import Engine
+from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
 
 ROBOT = robot_config("libero")
 SEED, IMAGE, PROMPT = 3, 64, 24  # 64 px -> 4 image tokens per camera with the tiny ViT (16 px patches, merge 2)
-CFG = EngineConfig(num_slots=2, max_new_tokens=4, admissions_per_frame=2, tokens_per_frame=2)
 
 
 def _openpi():
@@ -37,14 +34,18 @@ def _openpi():
 
 @pytest.fixture(scope="module")
 def served():
-    spec = mot.preset("tiny")
-    vla = MultiHead(mot.for_backend(mot.init_model(spec, seed=0)), spec)
-    tok = train_demo_tokenizer()
-    server = PolicyServer(Engine(vla, CFG, tokenizer=tok), tok, ROBOT, ServeConfig(
-        host="127.0.0.1", port=0, buckets=(1,), seed=SEED, deadline_ms=1000), image_size=IMAGE, prompt_len=PROMPT)
+    """The server exactly as `python -m oxygen_jax.serve --heads tiny ...` builds it (in a thread)."""
+    args = serve._parser().parse_args([
+        "--heads", "tiny", "--image-size", str(IMAGE), "--prompt-len", str(PROMPT), "--robot", "libero",
+        "--batch-sizes", "1", "--slots", "2", "--max-new-tokens", "4", "--tokens-per-frame", "2", "--seed", str(SEED),
+        "--host", "127.0.0.1", "--port", "0", "--deadline-ms", "1000"])
+    engine, tok, robot, norm_stats, mesh, rows = serve.build(args)
+    assert rows == dict(image_size=IMAGE, prompt_len=PROMPT) and mesh is None and robot == ROBOT
+    server = PolicyServer(engine, tok, robot, ServeConfig(host="127.0.0.1", port=0, buckets=(1,), seed=SEED,
+                                                          deadline_ms=1000), norm_stats=norm_stats, **rows)
     handle = ServerThread(server).start()
     handle.wait_ready(timeout=600)
-    yield dict(handle=handle, vla=vla, tok=tok, server=server)
+    yield dict(handle=handle, vla=engine.vla, tok=tok, server=server, config=engine.config)
     handle.stop()
 
 
@@ -60,7 +61,7 @@ def test_an_unmodified_openpi_client_gets_every_heads_chunk_equal_to_an_engine_s
     assert meta["primary_head"] == vla.primary and list(meta["heads"]) == list(vla.heads)
     assert meta["action_horizon"] == vla.action_shape(vla.primary)[0]
 
-    reference = Engine(vla, CFG, tokenizer=served["tok"])
+    reference = Engine(vla, served["config"], tokenizer=served["tok"])
     for f in range(2):
         sample = _sample(f)
         reply = client.infer(sample)
@@ -94,3 +95,11 @@ def test_language_requests_finish_and_a_bad_frame_leaves_the_connection_serving(
         client.infer({k: v for k, v in _sample(5).items() if k != "observation/wrist_image"})
     assert client.infer(_sample(6))["actions"].shape == (served["vla"].action_shape(served["vla"].primary)[0], 7)
     client._ws.close()
+
+
+def test_the_command_line_refuses_heads_with_the_demo_or_a_preset_in_one_line():
+    for argv, message in ((["--heads", "tiny", "--demo"], "--heads cannot be combined with --demo"),
+                          (["--heads", "tiny", "--preset", "tiny"], "give --heads or --preset, not both"),
+                          (["--heads", "tiny", "--image-size", "48"], "image_size must be a multiple of 32")):
+        with pytest.raises(ValueError, match=message):
+            serve.build(serve._parser().parse_args(argv))
