@@ -42,10 +42,6 @@ class PromptRows:
     images: np.ndarray
     state: np.ndarray
 
-    @property
-    def batch_size(self) -> int:
-        return self.ids.shape[0]
-
 
 def image_tokens(spec: ModelSpec, image_size: int) -> int:
     """Image tokens per camera for square images of `image_size` px."""
@@ -115,7 +111,7 @@ def model_inputs(spec: ModelSpec, rows: PromptRows) -> tuple[PrefixInputs, dict[
     states = {}
     for h in spec.heads:
         if "state" in h.extra_tokens:
-            s = np.zeros((rows.batch_size, h.state_dim), np.float32)
+            s = np.zeros((rows.ids.shape[0], h.state_dim), np.float32)
             k = min(h.state_dim, rows.state.shape[1])
             s[:, :k] = rows.state[:, :k]
             states[h.name] = s
