@@ -16,8 +16,8 @@ single-head model (`ModelSpec.only`) keeps only that head's reads and gives the 
 
 Language: `language_model(spec, params)` is the backbone as a `backbone.LanguageModel`; the decode slot
 pool admits requests from the `PrefixOutputs` of a model with `language=True`. The whole fan-out frame
-(prefix pass, every head, admission and a k-token burst on the donated pool) is
-`schedule.mot_frame_step`; `schedule` also has the isolated / parallel / shared_kv settings.
+(prefix pass, every head, admission and a k-token burst on the donated pool) is `runtime.frame.frame_step`
+of a `runtime.vla.MultiHead(params, spec)`; `runtime.frame` also has the isolated / parallel / shared_kv settings.
 
 Axes (`oxygen_jax.axes`, plus those of `heads`): B batch, P prefix tokens, D VLM width, L layers,
 K KV heads, H head dim, Ha horizon, Ad action dim, Ds state dim; Np image patches, Pd flattened

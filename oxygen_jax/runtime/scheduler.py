@@ -1,13 +1,13 @@
 """Host-side scheduling of language requests over a decode pool: the one frame loop's bookkeeping.
 
 `Engine` (robot loops and the policy server) and the benchmark's continuous-batching runner both
-drive `schedule.frame_step` through this class, so queueing, admission order, cancellation and the
+drive `runtime.frame.frame_step` through this class, so queueing, admission order, cancellation and the
 reading of a frame's outputs exist once.
 
     sched = Scheduler(num_slots=8, admissions_per_frame=4, prompt_capacity=8)
     sched.enqueue(Ticket.make(rid, budget=20, ...))          # FIFO
     requests, evict = sched.offer(rows)                      # numpy inputs of this frame's program
-    pool, out = frame_step(params, pool, obs, noise, requests, evict, ...)
+    pool, out = frame_step(vla, pool, obs, noises, requests, evict, ...)
     events = sched.absorb(jax.device_get(out), frame)        # admitted, emitted tokens, finished
 
 Rows: a request names the *stream* (robot) whose observation it continues. `offer(rows)` takes the
