@@ -33,6 +33,7 @@ import numpy as np
 from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME
 from oxygen_jax.demo import normalize_answer
 from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.params import Params
 from training.memory.data import TextTask, fixed_batches
 from training.memory.evaluate import engine_answers
@@ -103,7 +104,7 @@ def evaluate_adapter(
     """
     batches = fixed_batches(source, task, params.config, batch_size, limit)
     n = sum(real for _, real in batches)
-    bank = lora.stack_adapters([adapter], params.config)
+    bank = pi05_lora.stack_adapters([adapter], params.config)
     kw = dict(num_steps=num_steps, noise_seed=noise_seed)
     on = engine_answers(params, task, batches, bank=bank, adapter=DEFAULT_ADAPTER_NAME, **kw)
     off = engine_answers(params, task, batches, bank=None, adapter="base", **kw)

@@ -16,14 +16,16 @@ from oxygen_jax.ckpts.orbax_io import CheckpointError
 from oxygen_jax.ckpts.own import restore_params, save_params
 
 # Backbones, action heads and several heads on one prefix (beyond π0.5)
-from oxygen_jax.models.backbone import BackboneSpec, pi05_spec
+from oxygen_jax.models.backbone import BackboneSpec
+from oxygen_jax.models.pi05.spec import pi05_spec
 from oxygen_jax.models.heads import HeadSpec
 from oxygen_jax.models.mot import (
     ModelParams, ModelSpec, init_model, language_model, make_inputs, prefix_pass, sample_all,
 )
 
 # Language adapters (LoRA): openpi's maths, merged or served per slot on the suffix path
-from oxygen_jax.models.lora import ExpertLora, LoraBank, ModelLora, RowAdapters, init_bank, merge, stack_adapters
+from oxygen_jax.models.lora import ExpertLora, LoraBank, RowAdapters
+from oxygen_jax.models.pi05.lora import ModelLora, init_bank, merge, stack_adapters
 
 # The model: prefill once, denoise from the cache
 from oxygen_jax.models.pi05.observation import Observation, trim_prompt_padding

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     from oxygen_jax.robots import transforms
     from oxygen_jax.models.pi05.config import EOS_ID, robot_config
     from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
-    from oxygen_jax.models.pi05.params import param_count
+    from oxygen_jax.nn.layers import param_count
     from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 
     cache = None if args.no_cache else compile_cache.enable(args.cache_dir)

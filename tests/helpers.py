@@ -91,6 +91,7 @@ def recompute_greedy(params, obs, num_tokens: int, row: int = 0, prompt=()):
 
     from oxygen_jax.models import backbone
     from oxygen_jax.models.pi05 import model
+    from oxygen_jax.models.pi05.spec import pi05_spec
     from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
 
     prefix, input_mask, ar = model.embed_prefix(params, obs)
@@ -103,7 +104,7 @@ def recompute_greedy(params, obs, num_tokens: int, row: int = 0, prompt=()):
         seq = jnp.concatenate([prefix, emb], 1)
         mask = jnp.concatenate([input_mask, (jnp.arange(cap) < n)[None]], 1)
         seq_ar = jnp.concatenate([ar, jnp.ones(cap, bool)])
-        spec = backbone.pi05_spec(params.config)
+        spec = pi05_spec(params.config)
         h, _ = backbone.forward_prefill(spec, params.vlm.layers, seq, positions_from_mask(mask),
                                         make_attn_mask(mask, seq_ar))
         last = last_valid_index(mask)[0]

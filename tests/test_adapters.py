@@ -12,6 +12,7 @@ import pytest
 from helpers import diverse_text_params, make_obs
 from oxygen_jax.runtime import decode
 from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.runtime import frame as schedule
 from oxygen_jax.runtime.vla import Pi05
@@ -39,7 +40,7 @@ def params(tiny_params):
 
 @pytest.fixture(scope="module")
 def banks(params):
-    zero = lora.init_bank(params.config, 2, rank=4, alpha=8.0, seed=1)  # alpha != rank
+    zero = pi05_lora.init_bank(params.config, 2, rank=4, alpha=8.0, seed=1)  # alpha != rank
     return {"none": None, "zero": zero, "random": _random_b(zero, 2)}
 
 

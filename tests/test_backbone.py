@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from oxygen_jax.models import backbone as bb
-from oxygen_jax.models.pi05 import gemma
+from oxygen_jax.models.lora import layer_dims
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models import qwen3_vl
-from oxygen_jax.models.pi05.config import PALIGEMMA_VOCAB_SIZE
+from oxygen_jax.models.pi05.spec import from_expert_layers, pi05_spec
 from oxygen_jax.nn.layers import Unstacked
 
 _prefill = jax.jit(bb.forward_prefill, static_argnames=("return_hidden",))
@@ -25,23 +25,25 @@ _write = jax.jit(bb.forward_write)
 # π0.5 as an instance of the spec
 
 
-def test_pi05_experts_are_instances_of_the_spec_and_gemma_adapter_reads_the_same_spec(tiny_params):
-    """π0.5 runs on backbone (model.py, decode.py: `pi05_spec`); the spec-free `gemma` adapter derives
-    the same spec from the weights, for stacked and unstacked layers. The numbers themselves are pinned
-    by the plain joint forward (test_model), cached decode == recompute (test_decode) and openpi parity."""
+def test_pi05_experts_are_instances_of_the_spec_and_the_weights_carry_its_dims(tiny_params):
+    """π0.5 runs on backbone (pi05/model.py, decode.py: `pi05.spec.pi05_spec`); the dims read off the
+    weights (`lora.layer_dims`, what LoRA banks are checked against) are the spec's, for stacked and
+    unstacked layers. The numbers themselves are pinned by the plain joint forward (test_model), cached
+    decode == recompute (test_decode) and openpi parity."""
     cfg, p = tiny_params.config, tiny_params
-    vlm = bb.pi05_spec(cfg)
+    vlm = pi05_spec(cfg)
     assert (vlm.mlp, vlm.norm_plus_one, vlm.qk_norm, vlm.embed_scale, vlm.tie_embeddings) == ("geglu_tanh", True, False, True, True)
-    assert vlm.vision == cfg.siglip and bb.pi05_spec(cfg, "action_expert").vision is None
-    assert bb.pi05_spec(cfg.replace(prompt_attention="causal")).prefix_attention == "causal"
+    assert vlm.vision == cfg.siglip and pi05_spec(cfg, "action_expert").vision is None
+    assert pi05_spec(cfg.replace(prompt_attention="causal")).prefix_attention == "causal"
     for name in ("vlm", "action_expert"):
         stacked = getattr(p, name).layers
         unstacked = Unstacked(layers=tuple(_numpy_layers(stacked, i) for i in range(cfg.vlm.depth)))
-        want = bb.pi05_spec(cfg, name).replace(vocab_size=PALIGEMMA_VOCAB_SIZE, vision=None)
-        assert gemma.expert_spec(stacked) == want and gemma.expert_spec(unstacked) == want
+        want = pi05_spec(cfg, name)
+        dims = (want.width, want.depth, want.mlp_dim, want.num_heads, want.num_kv_heads, want.head_dim)
+        assert layer_dims(stacked) == dims and layer_dims(unstacked) == dims
     with pytest.raises(ValueError, match="expert must be 'vlm' or 'action_expert'"):
-        bb.pi05_spec(cfg, "vision")
-    converted = bb.from_expert_layers(p.vlm.layers)
+        pi05_spec(cfg, "vision")
+    converted = from_expert_layers(p.vlm.layers)
     assert converted.q is p.vlm.layers.q and converted.q_norm is None
     decoder = model.vlm_decoder(p)
     assert decoder.embedding is p.embedding and decoder.layers is p.vlm.layers and decoder.lm_head is None

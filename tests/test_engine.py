@@ -135,7 +135,7 @@ def test_every_request_field_is_checked_at_submit(params, kwargs, field):
 
 
 def test_noise_is_checked_and_named_adapters_resolve(params, obs1):
-    from oxygen_jax.models.lora import init_bank
+    from oxygen_jax.models.pi05.lora import init_bank
 
     eng = Engine(params, CFG, bank=init_bank(params.config, 1, rank=2), adapter_names=("memory",))
     assert eng.adapter_id("memory") == 1 and eng.adapter_id("base") == 0

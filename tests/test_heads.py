@@ -1,4 +1,4 @@
-"""Action heads (heads.py): full-size sizes by eval_shape, what each kind reads, time and masks, a plain numpy
+"""Action heads (models/heads/): full-size sizes by eval_shape, what each kind reads, time and masks, a plain numpy
 reading of the published blocks, validation.
 
 The heads run here on a synthetic `PrefixOutputs` (random K/V and hidden states of the tiny Qwen3-VL
@@ -18,13 +18,16 @@ import pytest
 
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import heads as hd
+from oxygen_jax.models.heads import joint, parts
 from oxygen_jax.models import mot
+from oxygen_jax.models.prefix import PrefixOutputs
+from oxygen_jax.nn.layers import param_count
 
 QWEN3_VL_4B = 4_437_815_808  # tests/test_backbone.py: Qwen3-VL-4B by eval_shape (text + ViT)
 
 
 def _count(tree) -> int:
-    return hd.param_count(tree)
+    return param_count(tree)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,13 +91,13 @@ def test_bench_heads_are_scaled_down_to_the_bench_backbone():
 def test_time_inputs_follow_each_models_convention():
     step = jnp.arange(5)
     xr0, starvla = hd.preset("xr0"), hd.preset("starvla_qwenpi_v3")
-    t, t_in = jax.vmap(lambda s: hd._time(xr0, s))(step)  # continuous t * 1000, t: 0 -> 1
+    t, t_in = jax.vmap(lambda s: parts.time_input(xr0, s))(step)  # continuous t * 1000, t: 0 -> 1
     np.testing.assert_allclose(t_in, [0, 200, 400, 600, 800], rtol=1e-6)
-    _, buckets = jax.vmap(lambda s: hd._time(xr0.replace(time_input="bucket", num_steps=10), s))(jnp.arange(10))
+    _, buckets = jax.vmap(lambda s: parts.time_input(xr0.replace(time_input="bucket", num_steps=10), s))(jnp.arange(10))
     np.testing.assert_array_equal(buckets, np.arange(10) * 100)  # integer floor: 0.7 * 1000 is 700, not 699
-    _, b4 = jax.vmap(lambda s: hd._time(starvla, s))(jnp.arange(4))
+    _, b4 = jax.vmap(lambda s: parts.time_input(starvla, s))(jnp.arange(4))
     np.testing.assert_array_equal(b4, [0, 250, 500, 750])  # int(t * 1000) of QwenPI_v3, 4 steps
-    t_back, _ = jax.vmap(lambda s: hd._time(xr0.replace(t_direction="1_to_0"), s))(step)
+    t_back, _ = jax.vmap(lambda s: parts.time_input(xr0.replace(t_direction="1_to_0"), s))(step)
     np.testing.assert_allclose(t_back, [1.0, 0.8, 0.6, 0.4, 0.2], rtol=1e-6)
 
 
@@ -102,17 +105,17 @@ def test_sinusoid_conventions_worked_example():
     """dim 4 (two frequencies): freq_shift 0 -> [1, 1e-2] (XR0); freq_shift 1 -> [1, 1e-4] (diffusers'
     downscale_freq_shift=1); cos first (XR0 and diffusers' flip_sin_to_cos) or sin first (GR00T's action encoder)."""
     t = jnp.asarray([2.0])
-    np.testing.assert_allclose(hd.sinusoid(t, 4, cos_first=True), [[np.cos(2), np.cos(0.02), np.sin(2), np.sin(0.02)]], rtol=1e-6)
-    np.testing.assert_allclose(hd.sinusoid(t, 4, cos_first=True, freq_shift=1),
+    np.testing.assert_allclose(parts.sinusoid(t, 4, cos_first=True), [[np.cos(2), np.cos(0.02), np.sin(2), np.sin(0.02)]], rtol=1e-6)
+    np.testing.assert_allclose(parts.sinusoid(t, 4, cos_first=True, freq_shift=1),
                                [[np.cos(2), np.cos(2e-4), np.sin(2), np.sin(2e-4)]], rtol=1e-6)
-    np.testing.assert_allclose(hd.sinusoid(t, 4, cos_first=False), [[np.sin(2), np.sin(0.02), np.cos(2), np.cos(0.02)]], rtol=1e-6)
+    np.testing.assert_allclose(parts.sinusoid(t, 4, cos_first=False), [[np.sin(2), np.sin(0.02), np.cos(2), np.cos(0.02)]], rtol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------
 # Heads on a synthetic prefix
 
 
-def _synthetic_prefix(seed: int = 0, b: int = 2, p: int = 7) -> hd.PrefixOutputs:
+def _synthetic_prefix(seed: int = 0, b: int = 2, p: int = 7) -> PrefixOutputs:
     """Random K/V of all 3 layers and hidden states 0..3 of the tiny Qwen3-VL backbone; row 1 has 2 padded slots."""
     spec = bb.preset("qwen3vl_tiny")
     rng = np.random.default_rng(seed)
@@ -120,14 +123,14 @@ def _synthetic_prefix(seed: int = 0, b: int = 2, p: int = 7) -> hd.PrefixOutputs
     mask = np.ones((b, p), bool)
     mask[1, :2] = False
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    return hd.PrefixOutputs(
+    return PrefixOutputs(
         k=normal(ell, b, p, k, h), v=normal(ell, b, p, k, h), hidden=normal(ell + 1, b, p, d), mask=jnp.asarray(mask),
         next_position=jnp.asarray([p, p - 2], jnp.int32), last_hidden=None, kv_layers=tuple(range(ell)),
         hidden_layers=tuple(range(ell + 1)), rope=spec.rope,
     )
 
 
-def _replace_at(prefix: hd.PrefixOutputs, field: str, index, value: float) -> hd.PrefixOutputs:
+def _replace_at(prefix: PrefixOutputs, field: str, index, value: float) -> PrefixOutputs:
     return dataclasses.replace(prefix, **{field: getattr(prefix, field).at[index].set(value)})
 
 
@@ -174,7 +177,7 @@ def test_joint_head_is_causal_reads_only_its_tail_layers_and_never_sees_padded_p
 
 def test_joint_head_tokens_continue_the_prefix_positions_and_the_suffix_mask_is_causal():
     """1 sink + 1 state + Ha actions at positions next_position + [0, T); the worked example of the banded
-    mask from `heads._suffix_mask` (window 1) on 3 actions."""
+    mask from `heads.joint._suffix_mask` (window 1) on 3 actions."""
     spec = hd.preset("xr0_tiny")
     params = hd.init_head(spec, 3)
     prefix = _synthetic_prefix()
@@ -188,7 +191,7 @@ def test_joint_head_tokens_continue_the_prefix_positions_and_the_suffix_mask_is_
     np.testing.assert_allclose(st.sin[:, :, 0], np.sin(angles), atol=1e-6)
 
     banded = spec.replace(horizon=3, suffix_window=1)
-    np.testing.assert_array_equal(hd._suffix_mask(banded), np.asarray([
+    np.testing.assert_array_equal(joint._suffix_mask(banded), np.asarray([
         [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 1, 1]], bool))
 
 

@@ -15,9 +15,12 @@ import pytest
 from helpers import shared_dir
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.ckpts.openpi import load_openpi_lora, load_openpi_params
+from oxygen_jax.ckpts import openpi_lora
 from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import OPENPI_PATHS, to_openpi_dict, unstack_layers
+from oxygen_jax.models.pi05.spec import pi05_spec
 
 
 def _lora_fixture(*parts: str):
@@ -64,7 +67,7 @@ def test_merge_reproduces_openpi_merged_weights(fixture_lora):
     config, base, adapters = fixture_lora
     assert (adapters.vlm.attn_rank, adapters.vlm.ffn_rank, adapters.action_expert.attn_rank) == (4, 4, 8)
     assert adapters.vlm.scaling == adapters.action_expert.scaling == 1.0  # alpha defaults to rank
-    merged = to_openpi_dict(lora.merge(base, adapters))
+    merged = to_openpi_dict(pi05_lora.merge(base, adapters))
     ref = np.load(_lora_fixture("merged_params.npz"))
     assert len(ref.files) == 10
     for key in ref.files:  # openpi merged in float64: ours (float32) is within an ulp or two
@@ -82,10 +85,10 @@ def test_openpi_quirks_hold_on_the_fixture(fixture_lora):
     per_head = w + jnp.einsum("LNHr,LNrD->LNHD", out.a, out.b)
     assert np.max(np.abs(per_head - ref["PaliGemma/llm/layers/attn/attn_vec_einsum/w"])) > 0.1
     # alpha = 2 * rank doubles every attention update and leaves the feed-forward ones alone.
-    doubled = lora.ModelLora(vlm=adapters.vlm.replace(alpha=2.0 * adapters.vlm.attn_rank), action_expert=None)
-    once = lora.ModelLora(vlm=adapters.vlm, action_expert=None)
-    d1 = jax.tree.map(jnp.subtract, lora.merge(base, once).vlm.layers, base.vlm.layers)
-    d2 = jax.tree.map(jnp.subtract, lora.merge(base, doubled).vlm.layers, base.vlm.layers)
+    doubled = pi05_lora.ModelLora(vlm=adapters.vlm.replace(alpha=2.0 * adapters.vlm.attn_rank), action_expert=None)
+    once = pi05_lora.ModelLora(vlm=adapters.vlm, action_expert=None)
+    d1 = jax.tree.map(jnp.subtract, pi05_lora.merge(base, once).vlm.layers, base.vlm.layers)
+    d2 = jax.tree.map(jnp.subtract, pi05_lora.merge(base, doubled).vlm.layers, base.vlm.layers)
     for target in ("q", "kv", "out"):
         np.testing.assert_allclose(getattr(d2, target), 2 * getattr(d1, target), atol=2e-6, err_msg=target)
     for target in ("gating", "linear"):
@@ -109,7 +112,7 @@ def test_scaling_follows_alpha_over_rank_or_sqrt_rank():
 
 def test_init_bank_has_zero_b_random_a_and_the_documented_layout(tiny_params):
     cfg = tiny_params.config.vlm
-    bank = lora.init_bank(tiny_params.config, 3, rank=4, alpha=8.0, seed=0)
+    bank = pi05_lora.init_bank(tiny_params.config, 3, rank=4, alpha=8.0, seed=0)
     assert bank.num_adapters == 3 and bank.adapters.scaling == 2.0
     chex.assert_shape(bank.adapters.q.a, (cfg.depth, 3, cfg.num_heads, cfg.width, 4))
     chex.assert_shape(bank.adapters.out.b, (cfg.depth, 3, cfg.num_heads, 4, cfg.width))
@@ -119,21 +122,21 @@ def test_init_bank_has_zero_b_random_a_and_the_documented_layout(tiny_params):
     np.testing.assert_array_equal(bank.adapter(3).kv.a, bank.adapters.kv.a[:, 2])
     with pytest.raises(ValueError, match="not stored"):
         bank.adapter(0)
-    attn_only = lora.init_bank(tiny_params.config, 1, rank=2, targets=("q", "kv", "out"))
+    attn_only = pi05_lora.init_bank(tiny_params.config, 1, rank=2, targets=("q", "kv", "out"))
     assert attn_only.adapters.gating is None and attn_only.adapters.ffn_rank is None
 
 
 def test_stacking_an_adapter_of_another_rank_lists_every_mismatched_leaf(tiny_params):
-    r4 = lora.init_bank(tiny_params.config, 1, rank=4, alpha=4.0).adapter(1)
-    r2 = lora.init_bank(tiny_params.config, 1, rank=2, alpha=4.0).adapter(1)
+    r4 = pi05_lora.init_bank(tiny_params.config, 1, rank=4, alpha=4.0).adapter(1)
+    r2 = pi05_lora.init_bank(tiny_params.config, 1, rank=2, alpha=4.0).adapter(1)
     with pytest.raises(ValueError, match="adapter 1 \\(id 2\\)") as e:
-        lora.stack_adapters([r4, r2])
+        pi05_lora.stack_adapters([r4, r2])
     lines = [line for line in str(e.value).splitlines() if ": expected" in line]
     assert len(lines) == 10  # A and B of all five targets
     assert "q.a: expected (2, 4, 64, 4), got (2, 4, 64, 2)" in str(e.value)
-    other = lora.init_bank(tiny_params.config.action_expert, 1, rank=4).adapter(1)
+    other = pi05_lora.init_bank(tiny_params.config.action_expert, 1, rank=4).adapter(1)
     with pytest.raises(ValueError, match="does not fit the expert") as e:
-        lora.stack_adapters([other], tiny_params.config)
+        pi05_lora.stack_adapters([other], tiny_params.config)
     assert "linear.b: expected (2, 4, 64), got (2, 4, 32)" in str(e.value)
 
 
@@ -159,12 +162,12 @@ _jit_write = jax.jit(bb.forward_write)
 
 def _forward_write(layers, *args, lora=None):
     """π0.5's VLM expert stack (`pi05_spec`) writing its K/V; one compiled program per argument structure."""
-    return _jit_write(bb.pi05_spec(_CFG), layers, *args, lora=lora)
+    return _jit_write(pi05_spec(_CFG), layers, *args, lora=lora)
 
 
 @pytest.fixture(scope="module")
 def bank(tiny_params):
-    return _random_b(lora.init_bank(tiny_params.config, 2, rank=4, alpha=8.0, seed=1), seed=2)  # alpha != rank
+    return _random_b(pi05_lora.init_bank(tiny_params.config, 2, rank=4, alpha=8.0, seed=1), seed=2)  # alpha != rank
 
 
 @pytest.mark.parametrize("layout", ["stacked", "unstacked"])
@@ -186,13 +189,13 @@ def test_each_row_runs_its_own_adapter_and_id_0_rows_are_bit_identical(tiny_para
 
 
 def test_zero_initialised_adapter_is_bit_identical_to_no_lora(tiny_params):
-    zero = lora.init_bank(tiny_params.config, 2, rank=4, alpha=8.0, seed=3)  # the `bank` program: no new compile
+    zero = pi05_lora.init_bank(tiny_params.config, 2, rank=4, alpha=8.0, seed=3)  # the `bank` program: no new compile
     args = _write_inputs(tiny_params.config, seed=1)
     base, base_kv = _forward_write(tiny_params.vlm.layers, *args)
     rows = lora.RowAdapters(zero, jnp.asarray([1, 2, 1], jnp.int32))
     got, got_kv = _forward_write(tiny_params.vlm.layers, *args, lora=rows)
     assert _identical((got, got_kv), (base, base_kv))
-    merged = lora.merge(tiny_params, lora.ModelLora(vlm=zero.adapter(1), action_expert=None))
+    merged = pi05_lora.merge(tiny_params, pi05_lora.ModelLora(vlm=zero.adapter(1), action_expert=None))
     assert _identical(merged, tiny_params)
 
 
@@ -200,12 +203,12 @@ def test_only_forward_write_takes_adapters_and_a_misfit_bank_is_refused(tiny_par
     assert "lora" in inspect.signature(bb.forward_write).parameters
     for fn in (bb.forward_prefill, bb.forward_read, bb.prefill):  # the prefix cache and actions cannot see LoRA
         assert "lora" not in inspect.signature(fn).parameters
-    misfit = lora.init_bank(tiny_params.config.action_expert, 1, rank=2)
+    misfit = pi05_lora.init_bank(tiny_params.config.action_expert, 1, rank=2)
     args = _write_inputs(tiny_params.config)
-    spec = bb.pi05_spec(tiny_params.config)
+    spec = pi05_spec(tiny_params.config)
     with pytest.raises(ValueError, match="does not fit the expert's layers"):
         bb.forward_write(spec, tiny_params.vlm.layers, *args, lora=lora.RowAdapters(misfit, jnp.zeros((3,), jnp.int32)))
-    bank = lora.init_bank(tiny_params.config, 1, rank=2)
+    bank = pi05_lora.init_bank(tiny_params.config, 1, rank=2)
     with pytest.raises(ValueError, match=r"RowAdapters.ids must be \[B\]"):
         bb.forward_write(spec, tiny_params.vlm.layers, *args, lora=lora.RowAdapters(bank, jnp.zeros((2,), jnp.int32)))
 
@@ -217,11 +220,11 @@ def test_only_forward_write_takes_adapters_and_a_misfit_bank_is_refused(tiny_par
 
 def _write_lora_checkpoint(path, params, adapters, *, training_layout: bool):
     """openpi's stored tree; the training layout adds `value` and keeps frozen llm leaves bfloat16."""
-    flat = {**to_openpi_dict(params), **lora.to_openpi(adapters)}
+    flat = {**to_openpi_dict(params), **openpi_lora.to_openpi(adapters)}
     tree: dict = {}
     for key, leaf in flat.items():
         leaf = np.asarray(leaf)
-        if training_layout and key.startswith("PaliGemma/llm/") and not lora.is_lora_path(key):
+        if training_layout and key.startswith("PaliGemma/llm/") and not openpi_lora.is_lora_path(key):
             leaf = leaf.astype(jnp.bfloat16)
         node = tree
         parts = key.split("/") + (["value"] if training_layout else [])
@@ -235,11 +238,11 @@ def _write_lora_checkpoint(path, params, adapters, *, training_layout: bool):
 def test_lora_checkpoint_restore_merges_ignores_or_separates(tmp_path, tiny_params):
     """Ranks differ per expert and between attention and MLP, alpha != rank, one expert without LoRA."""
     base = _bf16_exact(tiny_params)
-    attn = _random_b(lora.init_bank(base.config, 1, rank=3, targets=("q", "kv", "out"), seed=4), 5)
-    ffn = _random_b(lora.init_bank(base.config, 1, rank=5, targets=("gating", "linear"), seed=6), 7)
+    attn = _random_b(pi05_lora.init_bank(base.config, 1, rank=3, targets=("q", "kv", "out"), seed=4), 5)
+    ffn = _random_b(pi05_lora.init_bank(base.config, 1, rank=5, targets=("gating", "linear"), seed=6), 7)
     vlm = attn.adapter(1).replace(gating=ffn.adapter(1).gating, linear=ffn.adapter(1).linear, alpha=6.0)
-    adapters = lora.ModelLora(vlm=vlm, action_expert=None)
-    expected = lora.merge(base, adapters)
+    adapters = pi05_lora.ModelLora(vlm=vlm, action_expert=None)
+    expected = pi05_lora.merge(base, adapters)
     for training_layout in (False, True):
         path = _write_lora_checkpoint(tmp_path / f"ck{training_layout}" / "params", base, adapters,
                                       training_layout=training_layout)
@@ -257,7 +260,7 @@ def test_lora_checkpoint_restore_merges_ignores_or_separates(tmp_path, tiny_para
     with pytest.raises(ValueError, match="load_openpi_lora"):
         load_openpi_params(path, lora="separate")
     assert load_openpi_lora(_write_lora_checkpoint(
-        tmp_path / "plain" / "params", base, lora.ModelLora(None, None), training_layout=False)) is None
+        tmp_path / "plain" / "params", base, pi05_lora.ModelLora(None, None), training_layout=False)) is None
 
 
 _LAYOUTS = ["params", "train_checkpoint/1/params"]
@@ -274,6 +277,6 @@ def test_lora_fixture_restores_identically_from_both_layouts(fixture_lora):
         _, b16 = load_openpi_params(path, dtype="bfloat16")
         assert {x.dtype for x in jax.tree.leaves(b16)} == {jnp.dtype(jnp.bfloat16)}
         assert _identical(b16, jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), merged))
-    vlm_bank = lora.stack_adapters([adapters.vlm], config)  # the serving bank, built from a checkpoint
+    vlm_bank = pi05_lora.stack_adapters([adapters.vlm], config)  # the serving bank, built from a checkpoint
     assert vlm_bank.num_adapters == 1 and vlm_bank.adapters.q.a.shape == (3, 1, 4, 64, 4)
     assert not _identical(merged, base)

@@ -13,7 +13,7 @@ import pytest
 from eval.memory_eval import OTHER, label_metrics, main, majority, to_markdown, zeroed_bank
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import save_adapter
-from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.params import for_backend
 from training.memory_data import MEMORY_PROMPT, write_memory_dataset
 from training.synthetic_memory import SyntheticMemoryConfig, all_labels, synthetic_splits
@@ -39,7 +39,7 @@ def test_majority_counts_normalised_labels_and_breaks_ties_by_first_seen():
 
 
 def test_zeroed_bank_keeps_a_and_zeroes_every_b(tiny_params):
-    bank = lora.init_bank(tiny_params.config, 1, rank=2)
+    bank = pi05_lora.init_bank(tiny_params.config, 1, rank=2)
     bank = jax.tree.map(lambda x: np.asarray(x) + 1.0, bank)
     zero = zeroed_bank(bank)
     for target, pair in zero.adapters.pairs().items():
@@ -55,7 +55,7 @@ def run_cli(tiny_params, tmp_path_factory):
     data = write_memory_dataset(root / "data", frames, image_size=56, name="synthetic_memory")
     params = for_backend(tiny_params)
     base = own.save_params(root / "base", params)
-    bank = lora.init_bank(params.config, 1, rank=4, seed=1)
+    bank = pi05_lora.init_bank(params.config, 1, rank=4, seed=1)
     rng = np.random.default_rng(0)
     bank = jax.tree_util.tree_map_with_path(
         lambda path, x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)

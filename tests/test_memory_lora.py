@@ -20,7 +20,7 @@ from helpers import REPO
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import load_adapter, load_bank, save_adapter
 from oxygen_jax.runtime import decode
-from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.config import robot_config
 from oxygen_jax.models.pi05.params import for_backend
@@ -73,7 +73,7 @@ def train_frames(dataset):
 
 
 def _trained_looking_bank(params, seed=3):
-    bank = lora.init_bank(params.config, 1, rank=4, seed=1)
+    bank = pi05_lora.init_bank(params.config, 1, rank=4, seed=1)
     rng = np.random.default_rng(seed)
     return jax.tree_util.tree_map_with_path(
         lambda path, x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)
@@ -105,7 +105,7 @@ def test_teacher_forced_logits_equal_the_slot_pools_prompt_pass_bit_for_bit(para
 def straight(params, task, train_frames):
     """ADAPTER trained without interruption on one device, evaluated on its own training frames."""
     before = jax.device_get(params)
-    start_bank = lora.init_bank(params.config, 1, ADAPTER.rank, seed=ADAPTER.seed)  # B = 0: the base model
+    start_bank = pi05_lora.init_bank(params.config, 1, ADAPTER.rank, seed=ADAPTER.seed)  # B = 0: the base model
     em_before = greedy_exact_match(params, task, train_frames, bank=start_bank, batch_size=BATCH)
     result = train(ADAPTER, params, task, train_frames, eval_source=train_frames, mesh=make_mesh(1), log_every=5)
     return dict(result=result, before=before, start_bank=start_bank, em_before=em_before)
@@ -173,7 +173,7 @@ def test_saved_adapters_that_do_not_fit_fail_naming_every_leaf(params, tmp_path)
         load_adapter(path, wide)
     assert "kv_einsum/lora_a" in str(err.value) and "gating_einsum_lora_a" in str(err.value)
 
-    other = save_adapter(tmp_path / "b", lora.init_bank(params.config, 1, rank=8).adapter(1), name="narrate",
+    other = save_adapter(tmp_path / "b", pi05_lora.init_bank(params.config, 1, rank=8).adapter(1), name="narrate",
                          prompt="Narrate: ")
     with pytest.raises(ValueError, match=r"(?s)adapter 1 \(id 2\) does not match.*q\.a: expected"):
         load_bank([path, other], params.config)

@@ -18,8 +18,9 @@ from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.prefix import PrefixCache
 from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
 from oxygen_jax.models.pi05.observation import Observation, validate_observation
-from oxygen_jax.nn.layers import RMSNorm, AdaRMSNorm, Dense
-from oxygen_jax.models.pi05.params import abstract_params, param_count
+from oxygen_jax.nn.layers import RMSNorm, AdaRMSNorm, Dense, apply_rope, attention, dense, param_count
+from oxygen_jax.models.pi05.params import abstract_params
+from oxygen_jax.models.pi05.spec import pi05_spec
 from reference_mot import attn_mask as naive_mask, joint_forward
 
 
@@ -53,13 +54,13 @@ def test_positions_skip_invalid_tokens_and_last_valid_index_handles_gaps():
 
 # --- RoPE, norms, attention (backbone's, with π0.5's spec) ------------------------------------
 
-_PI05 = bb.pi05_spec(model_config("tiny"))
+_PI05 = pi05_spec(model_config("tiny"))
 
 
 def _rope(x, positions):
     """π0.5's RoPE of x [B, T, N, H] at int positions [B, T]."""
     radians = bb.rope_angles(_PI05.rope, positions, x.shape[-1])[..., None, :]
-    return bb.apply_rope(x, jnp.sin(radians), jnp.cos(radians))
+    return apply_rope(x, jnp.sin(radians), jnp.cos(radians))
 
 
 def _rms_norm(x, norm, cond=None):
@@ -117,7 +118,7 @@ def test_grouped_query_attention_matches_per_head_reference(kv_heads):
     k, v = (rng.normal(size=(b, s, kv_heads, h)).astype(np.float32) for _ in range(2))
     mask = rng.uniform(size=(b, t, s)) > 0.3
     mask[..., 0] = True
-    got = np.asarray(bb.attention(*(jnp.asarray(a) for a in (q, k, v, mask))))
+    got = np.asarray(attention(*(jnp.asarray(a) for a in (q, k, v, mask))))
     for bi in range(b):
         for head in range(n):
             kvh = head // (n // kv_heads)
@@ -141,7 +142,7 @@ class PureFunctionsAgreeWithAndWithoutJit(chex.TestCase):
 
         def layer(q, k, v, mask, pos):
             qr = _rope(q, pos)
-            out = bb.attention(qr, k, v, mask)
+            out = attention(qr, k, v, mask)
             normed, _ = _rms_norm(out.reshape(2, 3, 32), RMSNorm(scale=jnp.full((32,), 0.1)))
             return out, normed
 
@@ -157,7 +158,7 @@ def test_attention_rejects_mask_of_wrong_shape():
     q = jnp.zeros((1, 2, 2, 4))
     k = jnp.zeros((1, 3, 1, 4))
     with pytest.raises(ValueError, match="mask must be"):
-        bb.attention(q, k, k, jnp.ones((1, 2, 2), bool))
+        attention(q, k, k, jnp.ones((1, 2, 2), bool))
 
 
 def test_siglip_patch_embedding_equals_strided_convolution(tiny_params):
@@ -182,7 +183,7 @@ def test_prefill_then_cached_velocity_equals_joint_forward(tiny_params, prompt_a
     fast = np.asarray(model.velocity(params, model.prefill(params, obs), x_t, t))
     tokens, input_mask, ar = model.embed_prefix(params, obs)
     cond = model.time_condition(params, t)
-    suffix = model._dense(params.action_in, x_t)
+    suffix = dense(params.action_in, x_t)
     for b in range(2):
         full_mask = np.concatenate([np.asarray(input_mask[b]), np.ones(4, bool)])
         full_ar = np.concatenate([np.asarray(ar), [True, False, False, False]])

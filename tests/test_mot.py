@@ -20,6 +20,7 @@ from oxygen_jax.models import backbone as bb
 from oxygen_jax.runtime import decode
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models import mot
+from oxygen_jax.nn.layers import param_count
 
 _ROWS, _MASK = mot_prompt_rows()  # same shapes in test_mot and test_fanout: compiled programs are shared
 
@@ -142,7 +143,7 @@ def test_full_size_fan_out_frame_shapes_via_eval_shape():
     traced, never allocated. The prefix keeps all 36 layers' K/V and hidden states 1..36 once for everyone."""
     spec = mot.preset("full")
     params = mot.abstract_model(spec, "bfloat16")
-    assert hd.param_count(params) == 4_437_815_808 + 278_458_368 + 630_087_687 + 161_472_775
+    assert param_count(params) == 4_437_815_808 + 278_458_368 + 630_087_687 + 161_472_775
     grid = ((1, 16, 16),)
     p = 96
     inputs = mot.PrefixInputs(

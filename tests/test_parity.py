@@ -90,7 +90,7 @@ def test_lora_fixture_matches_openpi_in_both_layouts_with_merged_and_base_refere
 def _unseen_lora_fixture(root, params, adapters, alpha_in_config, training_layout=True):
     """A LoRA fixture unlike the shared one: tiny dims (2 KV heads, 2 cameras, 56 px), ranks 3/5 (attn/ffn)
     and 2, alpha != rank; references from the merged model with the true alpha."""
-    from oxygen_jax.models import lora
+    from oxygen_jax.models.pi05 import lora as pi05_lora
     from oxygen_jax.models.pi05 import model
     from oxygen_jax.models.pi05.config import CAMERA_SLOTS
     from helpers import make_obs
@@ -101,7 +101,7 @@ def _unseen_lora_fixture(root, params, adapters, alpha_in_config, training_layou
         _write_lora_checkpoint(root / "train_checkpoint" / "1" / "params", params, adapters, training_layout=True)
     obs = make_obs(params.config, batch=2, cameras=2, lengths=[5, 9], image_masks=[[True, False], [True, True]])
     noise = jax.device_put(np.random.default_rng(0).standard_normal((2, 4, 32)).astype(np.float32))
-    merged = lora.merge(params, adapters)
+    merged = pi05_lora.merge(params, adapters)
     prefix = jax.jit(model.prefix_forward)(merged, obs)
     ref = {"tokenized_prompt": obs.tokens, "tokenized_prompt_mask": obs.token_mask, "noise": noise,
            "prefix/input_mask": prefix["input_mask"], "prefix/positions": prefix["positions"],
@@ -117,15 +117,15 @@ def _unseen_lora_fixture(root, params, adapters, alpha_in_config, training_layou
 
 
 def test_parity_runs_on_an_unseen_lora_fixture_reading_alpha_from_config_json(tmp_path, tiny_params):
-    from oxygen_jax.models import lora
+    from oxygen_jax.models.pi05 import lora as pi05_lora
     from test_lora import _bf16_exact, _random_b
 
     cfg = tiny_params.config
     base = _bf16_exact(tiny_params)  # frozen leaves of the training layout are bfloat16
-    attn = _random_b(lora.init_bank(cfg, 1, rank=3, targets=("q", "kv", "out"), seed=4), 5).adapter(1)
-    ffn = _random_b(lora.init_bank(cfg, 1, rank=5, targets=("gating", "linear"), seed=6), 7).adapter(1)
-    act = _random_b(lora.init_bank(cfg.action_expert, 1, rank=2, alpha=1.0, seed=8), 9).adapter(1)
-    adapters = lora.ModelLora(vlm=attn.replace(gating=ffn.gating, linear=ffn.linear, alpha=12.0), action_expert=act)
+    attn = _random_b(pi05_lora.init_bank(cfg, 1, rank=3, targets=("q", "kv", "out"), seed=4), 5).adapter(1)
+    ffn = _random_b(pi05_lora.init_bank(cfg, 1, rank=5, targets=("gating", "linear"), seed=6), 7).adapter(1)
+    act = _random_b(pi05_lora.init_bank(cfg.action_expert, 1, rank=2, alpha=1.0, seed=8), 9).adapter(1)
+    adapters = pi05_lora.ModelLora(vlm=attn.replace(gating=ffn.gating, linear=ffn.linear, alpha=12.0), action_expert=act)
     # (Both layouts of such checkpoints restore identically: test_lora covers it; one layout suffices here.)
     rows = openpi_parity.run_fixture(_unseen_lora_fixture(tmp_path / "right", base, adapters, alpha_in_config=12.0,
                                                    training_layout=False))

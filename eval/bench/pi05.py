@@ -54,9 +54,9 @@ def _adapter_bank(args: argparse.Namespace, model_cfg):
     """One random language adapter of --adapter-rank (B drawn like a trained adapter's), or None."""
     if not args.adapter_rank:
         return None
-    from oxygen_jax.models import lora
+    from oxygen_jax.models.pi05 import lora as pi05_lora
 
-    bank = lora.init_bank(model_cfg, 1, rank=args.adapter_rank, seed=args.seed)
+    bank = pi05_lora.init_bank(model_cfg, 1, rank=args.adapter_rank, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     # init_bank sets B = 0 (an exact identity); a served adapter has non-zero B, so draw it.
     return jax.tree_util.tree_map_with_path(

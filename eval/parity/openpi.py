@@ -40,10 +40,11 @@ from oxygen_jax.runtime import decode
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models import siglip
 from oxygen_jax.models.pi05.config import CAMERA_SLOTS
-from oxygen_jax.models.lora import EXPERTS
+from oxygen_jax.models.pi05.lora import EXPERTS
 from oxygen_jax.nn.masks import last_valid_index
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.models.pi05.params import from_openpi_dict, to_openpi_dict
+from oxygen_jax.nn.layers import dense
 
 # Default (atol, rtol) per family: the openpi_tiny_pi05 README's suggested float32 tolerances.
 _TOL = {
@@ -146,7 +147,7 @@ def _check_model(chk: Checker, params, ref, obs: Observation):
         chk.exact("step1/suffix_positions", suffix_positions, ref["step1/suffix_positions"])
         chk.close("step1/adarms_cond_t1", jax.jit(model.time_condition)(params, ones), ref["step1/adarms_cond_t1"], "actions")
         chk.close(
-            "step1/suffix_tokens_t1", model._dense(params.action_in, noise), ref["step1/suffix_tokens_t1"], "actions"
+            "step1/suffix_tokens_t1", dense(params.action_in, noise), ref["step1/suffix_tokens_t1"], "actions"
         )
     for key in sorted(k for k in ref if k.startswith("actions/num_steps_")):
         n = int(key.rsplit("_", 1)[1])

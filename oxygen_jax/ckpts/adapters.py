@@ -29,7 +29,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from oxygen_jax.ckpts import openpi_lora
 from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.config import ModelConfig
 
 ADAPTER_FORMAT = 1
@@ -79,7 +81,7 @@ def save_adapter(
         if not overwrite:
             raise FileExistsError(f"adapter directory already exists: {dest} (pass overwrite=True to replace it)")
         shutil.rmtree(dest)
-    flat = {k: np.asarray(v) for k, v in lora.to_openpi(lora.ModelLora(vlm=adapter, action_expert=None)).items()}
+    flat = {k: np.asarray(v) for k, v in openpi_lora.to_openpi(pi05_lora.ModelLora(vlm=adapter, action_expert=None)).items()}
     meta = {
         "format": ADAPTER_FORMAT, "name": name, "prompt": prompt, "expert": "vlm",
         "rank": adapter.attn_rank or adapter.ffn_rank, "alpha": adapter.alpha, "rslora": adapter.rslora,
@@ -132,11 +134,11 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, *, base: str | os
             raise ValueError(f"{src}: leaf {k!r} listed in adapter.json is missing from lora/")
         if _sha256(flat[k]) != entry["sha256"]:
             raise ValueError(f"{src}: leaf {k!r} does not match its SHA-256 in adapter.json; the adapter is damaged")
-    model_lora = lora.from_openpi(flat, config, alpha={"vlm": meta["alpha"]}, rslora=bool(meta.get("rslora", False)))
+    model_lora = openpi_lora.from_openpi(flat, config, alpha={"vlm": meta["alpha"]}, rslora=bool(meta.get("rslora", False)))
     if model_lora is None or model_lora.vlm is None:
         raise ValueError(f"{src}: no VLM-expert LoRA leaves found")
     adapter = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), model_lora.vlm)
-    lora.check_adapter(adapter, config)
+    pi05_lora.check_adapter(adapter, config)
     return adapter, meta
 
 
@@ -151,4 +153,4 @@ def load_bank(paths: Sequence[str | os.PathLike], config: ModelConfig, *, base: 
         adapter, meta = load_adapter(p, config, base=base)
         adapters.append(adapter)
         names.append(meta["name"])
-    return lora.stack_adapters(adapters, config), tuple(names)
+    return pi05_lora.stack_adapters(adapters, config), tuple(names)

@@ -29,6 +29,7 @@ from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
 from oxygen_jax.models import backbone
 from oxygen_jax.models import qwen3_vl
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
+from oxygen_jax.nn.layers import stack_layers
 
 # --------------------------------------------------------------------------------------------------
 # config.json -> spec
@@ -392,7 +393,7 @@ def to_hf(spec: BackboneSpec, decoder: Decoder, vision: qwen3_vl.Vision | None =
 
 
 def _stacked(tree):
-    return dataclasses.replace(tree, **{f: backbone.stack_layers(getattr(tree, f)) for f in ("layers", "blocks") if hasattr(tree, f)})
+    return dataclasses.replace(tree, **{f: stack_layers(getattr(tree, f)) for f in ("layers", "blocks") if hasattr(tree, f)})
 
 
 # --------------------------------------------------------------------------------------------------

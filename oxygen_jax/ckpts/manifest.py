@@ -14,7 +14,7 @@ from typing import Mapping
 
 from oxygen_jax.ckpts.openpi import infer_model_config
 from oxygen_jax.ckpts.orbax_io import PathLike
-from oxygen_jax.models import lora as lora_lib
+from oxygen_jax.ckpts import openpi_lora
 from oxygen_jax.models.pi05.config import ModelConfig, model_config
 from oxygen_jax.models.pi05.params import abstract_params, openpi_shapes, to_openpi_dict
 
@@ -95,7 +95,7 @@ def _compare(
             rows.append(ManifestRow(k, exp, None, False, "missing"))
         else:
             rows.append(ManifestRow(k, exp, g, g == exp, "" if g == exp else "mis-shaped"))
-    lora_expected = lora_lib.expected_openpi_shapes(got, config)  # ranks inferred from the manifest
+    lora_expected = openpi_lora.expected_openpi_shapes(got, config)  # ranks inferred from the manifest
     for k in sorted(set(got) - set(expected)):
         if k not in lora_expected:
             rows.append(ManifestRow(k, None, got[k], False, "unexpected"))

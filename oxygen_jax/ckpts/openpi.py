@@ -35,9 +35,12 @@ from flax.traverse_util import flatten_dict
 from oxygen_jax.ckpts.orbax_io import (
     PathLike, check_values, is_pytree_item, read_tree_metadata, resolve_params_item, restore_arrays,
 )
+from oxygen_jax.ckpts import openpi_lora
 from oxygen_jax.models import lora as lora_lib
-from oxygen_jax.models.pi05.config import DType, ExpertConfig, ModelConfig, PromptAttention, SiglipConfig
+from oxygen_jax.models.pi05 import lora as pi05_lora
+from oxygen_jax.models.pi05.config import DType, ExpertConfig, ModelConfig, PromptAttention
 from oxygen_jax.models.pi05.params import OPENPI_PATHS, Params, from_openpi_dict
+from oxygen_jax.models.siglip import SiglipConfig
 from oxygen_jax.robots.normalize import NormStats, load_norm_stats
 
 
@@ -230,11 +233,11 @@ def _open_openpi(path: PathLike, dtype: DType, prompt_attention: PromptAttention
         from_openpi_dict({k: jax.ShapeDtypeStruct(shapes[k], np_dtype) for k in OPENPI_PATHS if k in meta}, config)
     except ValueError as e:
         raise ValueError(f"openpi checkpoint {item}: {e}") from e
-    lora_problems = lora_lib.check_openpi_shapes(shapes, config)
+    lora_problems = openpi_lora.check_openpi_shapes(shapes, config)
     if lora_problems:
         lines = "\n".join(f"    {p}" for p in lora_problems)
         raise ValueError(f"openpi checkpoint {item}: LoRA leaves do not fit the model:\n{lines}")
-    lora_paths = tuple(sorted(k for k in meta if lora_lib.is_lora_path(k)))
+    lora_paths = tuple(sorted(k for k in meta if openpi_lora.is_lora_path(k)))
     return _OpenpiItem(item=item, meta=meta, has_value=has_value, config=config, lora_paths=lora_paths)
 
 
@@ -265,7 +268,7 @@ def load_openpi_params(
         inference restore does; it is also the returned config's dtype.
       prompt_attention: the returned config's prompt attention ("bidirectional" = openpi).
       lora: what to do with LoRA leaves, if the checkpoint has any. "merge" (default): fold them
-        into the base weights (`lora.merge`, computed in float32 before the cast to `dtype`), which
+        into the base weights (`pi05_lora.merge`, computed in float32 before the cast to `dtype`), which
         gives the model openpi runs; "ignore": return the base weights only. For the adapters as
         a pytree, call `load_openpi_lora` (e.g. with `lora="ignore"` here: base + separate).
       lora_alpha: the alpha the adapters were trained with (not stored in checkpoints): one number
@@ -293,12 +296,12 @@ def load_openpi_params(
     merging = lora == "merge" and bool(ck.lora_paths)
     dtypes = {k: np_dtype for k in OPENPI_PATHS}
     if merging:  # merge in float32; the merged weights are cast to `dtype` by from_openpi_dict
-        targets = {lora_lib.openpi_weight_path(t, sfx) for _, sfx in lora_lib.EXPERTS for t in lora_lib.TARGETS}
+        targets = {openpi_lora.openpi_weight_path(t, sfx) for _, sfx in pi05_lora.EXPERTS for t in lora_lib.TARGETS}
         dtypes.update({k: np.dtype(np.float32) for k in (*targets, *ck.lora_paths) if k in ck.meta})
     arrays = ck.restore(dtypes, max_abs)
     if merging:
-        adapters = lora_lib.from_openpi(arrays, config, alpha=lora_alpha, rslora=lora_rslora)
-        arrays = lora_lib.merge_openpi(arrays, adapters, dtype=np_dtype)
+        adapters = openpi_lora.from_openpi(arrays, config, alpha=lora_alpha, rslora=lora_rslora)
+        arrays = openpi_lora.merge_openpi(arrays, adapters, dtype=np_dtype)
     return config, from_openpi_dict({k: arrays[k] for k in OPENPI_PATHS}, config)
 
 
@@ -309,11 +312,11 @@ def load_openpi_lora(
     alpha: float | Mapping[str, float | None] | None = None,
     rslora: bool = False,
     max_abs: float | None = MAX_ABS_WEIGHT,
-) -> lora_lib.ModelLora | None:
+) -> pi05_lora.ModelLora | None:
     """The LoRA adapters of an openpi checkpoint as a pytree, without the base weights.
 
     `load_openpi_params(path, lora="ignore")` gives the matching base parameters. A VLM bank for
-    per-row serving: `lora.stack_adapters([adapters.vlm], config)`.
+    per-row serving: `pi05_lora.stack_adapters([adapters.vlm], config)`.
 
     Args:
       path: as for `load_openpi_params` (either layout).
@@ -322,14 +325,14 @@ def load_openpi_lora(
       max_abs: as for `load_openpi_params`.
 
     Returns:
-      `lora.ModelLora` (an expert without LoRA leaves is None; leaves are openpi's, [L, ...]), or
+      `pi05_lora.ModelLora` (an expert without LoRA leaves is None; leaves are openpi's, [L, ...]), or
       None when the checkpoint has no LoRA leaf.
     """
     ck = _open_openpi(path, dtype, "bidirectional")
     if not ck.lora_paths:
         return None
     arrays = ck.restore({k: np.dtype(ck.config.jnp_dtype) for k in ck.lora_paths}, max_abs)
-    return lora_lib.from_openpi(jax.device_put(arrays), ck.config, alpha=alpha, rslora=rslora)
+    return openpi_lora.from_openpi(jax.device_put(arrays), ck.config, alpha=alpha, rslora=rslora)
 
 
 def _assets_dir(checkpoint_dir: Path) -> Path | None:

@@ -23,8 +23,9 @@ import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from oxygen_jax.ckpts.orbax_io import CheckpointError, PathLike, read_json_item, read_tree_metadata, restore_arrays
-from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig, SiglipConfig
+from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig
 from oxygen_jax.models.pi05.params import OPENPI_PATHS, Params, from_openpi_dict, openpi_shapes, to_openpi_dict
+from oxygen_jax.models.siglip import SiglipConfig
 
 
 def _config_to_json(config: ModelConfig) -> dict:

@@ -16,10 +16,11 @@ What differs between the families is data in the spec, not code paths:
 | `tie_embeddings`  | tied                  | either                                     |
 | `prefix_attention`| bidirectional/causal  | causal                                     |
 
-This is the one transformer implementation: π0.5's experts run here with `pi05_spec(config, expert)`
-(`model.py`, `decode.py`), as do Qwen3 and Qwen3-VL. Because prefix tokens never attend to suffix
-tokens, π0.5's joint two-expert forward is "prefix through expert 0, keep its per-layer K/V" then
-"suffix through expert 1, attending to that K/V and to itself"; the three stack entry points are that
+This is the one transformer implementation: π0.5's experts run here with `pi05.spec.pi05_spec(config,
+expert)` (`pi05/model.py`, `runtime/decode.py`), as do Qwen3 and Qwen3-VL. Because prefix tokens
+never attend to suffix tokens, π0.5's joint two-expert forward is "prefix through expert 0, keep its
+per-layer K/V" then "suffix through expert 1, attending to that K/V and to itself"; the three stack
+entry points are that
 decomposition and differ only in what happens to keys and values (same K/V layout [L, B, T, K, H],
 K stored after q/k-norm and RoPE, 1/sqrt(H) folded into q):
 
@@ -31,9 +32,10 @@ K stored after q/k-norm and RoPE, 1/sqrt(H) folded into q):
 
 Positions are int [B, T] (1-D RoPE) or [Mr, B, T] (M-RoPE; [B, T] is accepted and means equal
 axes, which is what text tokens and decode steps use). Layers may be stacked (`lax.scan`) or
-`params.Unstacked` (an unrolled loop, the fast form on XLA's CPU backend; see `params.scan_layers`).
-`params.ExpertLayers` (π0.5's VLM and action experts) is accepted as is: it is `DecoderLayers`
-without q/k-norm, and its adaRMSNorm runs when a `cond` is given.
+`nn.layers.Unstacked` (an unrolled loop, the fast form on XLA's CPU backend; see `scan_layers`). A
+layer is read by field name, so any tree with `DecoderLayers`' fields runs: π0.5's `ExpertLayers`
+(`models/pi05/params.py`) is `DecoderLayers` without q/k-norm, and its adaRMSNorm runs when a `cond`
+is given.
 """
 
 from __future__ import annotations
@@ -48,13 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig, PromptAttention, SiglipConfig
 from oxygen_jax.models.lora import LayerRows, RowAdapters, check_bank_fits
+from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked, apply_rope, attention, scan_layers
 from oxygen_jax.nn.masks import make_attn_mask
-from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked, scan_layers
-from oxygen_jax.models.pi05.params import ExpertLayers
-
-_MASK_FILL = -2.3819763e38  # openpi's fill: finite, so a row with no valid key stays finite
 
 Family = Literal["gemma", "qwen3", "qwen3_vl"]
 
@@ -197,32 +196,6 @@ def _mrope_axis_map(section: tuple[int, ...], head_dim: int) -> np.ndarray:
     return axis
 
 
-def gemma_spec(expert: ExpertConfig, *, vocab_size: int, prefix_attention: PromptAttention = "bidirectional",
-               vision: SiglipConfig | None = None) -> BackboneSpec:
-    """π0.5's Gemma maths at `expert`'s dims.
-
-    geglu-tanh MLP, `(1 + w)` RMSNorms, 1-D RoPE (theta 1e4), sqrt(D)-scaled embeddings, tied head.
-    """
-    e = expert
-    return BackboneSpec(
-        family="gemma", width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
-        head_dim=e.head_dim, mlp_dim=e.mlp_dim, vocab_size=vocab_size, mlp="geglu_tanh",
-        norm_plus_one=True, qk_norm=False, rope=RopeSpec(theta=10_000.0), embed_scale=True, tie_embeddings=True,
-        prefix_attention=prefix_attention, vision=vision,
-    )
-
-
-def pi05_spec(config: ModelConfig, expert: Literal["vlm", "action_expert"] = "vlm") -> BackboneSpec:
-    """π0.5's VLM expert (with the embedder, SigLIP and the tied head) or its action expert as a spec.
-
-    The action expert has no embedder or head of its own; its spec only drives the stack (with
-    adaRMSNorm through `cond`). Run the stack on `params.vlm.layers` / `params.action_expert.layers`.
-    """
-    _require(expert in ("vlm", "action_expert"), f"pi05_spec: expert must be 'vlm' or 'action_expert', got {expert!r}")
-    return gemma_spec(getattr(config, expert), vocab_size=config.vocab_size, prefix_attention=config.prompt_attention,
-                      vision=config.siglip if expert == "vlm" else None)
-
-
 def _qwen3(width, depth, heads, kv_heads, head_dim, mlp_dim, vocab, theta, tie, section=(), vision=None) -> BackboneSpec:
     rope = RopeSpec(theta=theta, kind="mrope_interleaved", mrope_section=section) if section else RopeSpec(theta=theta)
     return BackboneSpec(
@@ -266,7 +239,7 @@ def _pytree(cls):
 
 @_pytree
 class DecoderLayers:
-    """Per-layer weights stacked on a leading L axis (the layout of `params.ExpertLayers` plus q/k-norm)."""
+    """Per-layer weights stacked on a leading L axis (the layout of π0.5's `ExpertLayers` plus q/k-norm)."""
 
     q: jax.Array  # [L, N, D, H]
     kv: jax.Array  # [L, 2, K, D, H]; index 0 = K, 1 = V
@@ -284,7 +257,7 @@ class Decoder:
     """A language model's weights: embedder, layer stack, final norm, optional untied head."""
 
     embedding: jax.Array  # [V, D]
-    layers: DecoderLayers | ExpertLayers | Unstacked
+    layers: DecoderLayers | Unstacked  # or any tree with DecoderLayers' fields (π0.5's ExpertLayers)
     final_norm: RMSNorm  # scale [D]
     lm_head: jax.Array | None = None  # [V, D]; None when the head is tied to `embedding`
 
@@ -301,29 +274,6 @@ class LanguageModel:
 
     decoder: Decoder
     spec: BackboneSpec = dataclasses.field(metadata=dict(static=True))
-
-
-def from_expert_layers(layers: ExpertLayers | Unstacked) -> DecoderLayers | Unstacked:
-    """π0.5's `ExpertLayers` as `DecoderLayers` (no q/k-norm); the same arrays, no copy."""
-    if isinstance(layers, Unstacked):
-        return Unstacked(layers=tuple(from_expert_layers(lp) for lp in layers.layers))
-    return DecoderLayers(q=layers.q, kv=layers.kv, out=layers.out, attn_norm=layers.attn_norm,
-                         ffw_norm=layers.ffw_norm, gating=layers.gating, linear=layers.linear)
-
-
-def unstack_layers(layers):
-    """Stacked layers -> `params.Unstacked` (separate per-layer buffers; the fast form on CPU)."""
-    if isinstance(layers, Unstacked):
-        return layers
-    depth = jax.tree.leaves(layers)[0].shape[0]
-    return Unstacked(layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(depth)))
-
-
-def stack_layers(layers):
-    """Inverse of `unstack_layers` (a no-op on stacked layers)."""
-    if not isinstance(layers, Unstacked):
-        return layers
-    return jax.tree.map(lambda *a: jnp.stack(a), *layers.layers)
 
 
 Draw = Callable[[tuple[int, ...], float, float], jax.Array]  # (shape, std, mean) -> leaf
@@ -430,34 +380,6 @@ def rope_angles(rope: RopeSpec, positions: jax.Array, head_dim: int) -> jax.Arra
     return jnp.moveaxis(per_freq, 0, -1).astype(jnp.float32) / timescale
 
 
-def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-    """Half-split rotation: x [B, T, N, H] with sin, cos [B, T, 1, H/2] (float32 maths)."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention with float32 logits and softmax.
-
-    Args:
-      q: [B, T, N, H], already scaled by 1/sqrt(H).
-      k, v: [B, S, K, H].
-      mask: bool [B, T, S]; masked logits get a large finite negative value.
-    Returns:
-      [B, T, N, H].
-    """
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    if mask.shape != (b, t, k.shape[1]):
-        raise ValueError(f"attention mask must be [B, T, S] = {(b, t, k.shape[1])}, got {mask.shape}")
-    qg = q.reshape(b, t, kh, n // kh, h)
-    logits = jnp.einsum("BTKRH,BSKH->BKRTS", qg, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask[:, None, None, :, :], logits, _MASK_FILL)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKRTS,BSKH->BTKRH", probs, v)
-    return out.reshape(b, t, n, h)
-
-
 def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array, lora: LayerRows | None = None):
     """Gated MLP `(act(x W0) * (x W1)) W2` with gating = [W0; W1] of shape [2, D, F].
 
@@ -555,43 +477,16 @@ def forward_prefill(spec: BackboneSpec, layers, x, positions, mask, *, cond=None
       (hidden [B, T, D] before the final norm, (k, v) each [L or len(keep_kv), B, T, K, H]) and, with
       `return_hidden` / `keep_hidden`, layer outputs [L or len(keep_hidden), B, T, D] as a third element.
     """
-    rope = _rope_tables(spec, positions)
-    if keep_kv is None and keep_hidden is None:
-        def body(x, lp, _, layer):
-            out = {}
-
-            def kv_fn(k, v):
-                out["kv"] = (k, v)
-                return k, v
-
-            x = _block(spec, lp, x, cond, rope, mask, kv_fn)
-            ys = out["kv"] + ((x,) if return_hidden else ())
-            return _add_deepstack(x, deepstack, layer), ys
-
-        x, ys = scan_layers(body, x, layers)
-        return (x, ys[:2], ys[2]) if return_hidden else (x, ys)
-    return _forward_prefill_kept(spec, layers, x, rope, mask, cond, deepstack,
-                                 tuple(range(spec.depth)) if keep_kv is None else tuple(keep_kv),
-                                 tuple(range(spec.depth)) if keep_hidden is None and return_hidden else keep_hidden)
-
-
-def _store(buf: jax.Array, value: jax.Array, keep: tuple[int, ...], layer) -> jax.Array:
-    """buf[keep.index(layer)] = value when `layer` (an int, or traced in a scan) is kept; else buf unchanged."""
-    if isinstance(layer, int):
-        return buf.at[keep.index(layer)].set(value.astype(buf.dtype)) if layer in keep else buf
-    depth = max(keep) + 1
-    slots = jnp.asarray([keep.index(l) if l in keep else len(keep) for l in range(depth)], jnp.int32)
-    slot = jnp.where(layer < depth, slots[jnp.minimum(layer, depth - 1)], len(keep))  # len(keep): dropped
-    return buf.at[slot].set(value.astype(buf.dtype), mode="drop")
-
-
-def _forward_prefill_kept(spec, layers, x, rope, mask, cond, deepstack, keep_kv, keep_hidden):
-    """`forward_prefill` storing only the K/V of `keep_kv` and the outputs of `keep_hidden` (carried buffers)."""
+    every = tuple(range(spec.depth))
+    keep_kv = every if keep_kv is None else tuple(keep_kv)
+    keep_hidden = every if keep_hidden is None and return_hidden else keep_hidden
     for name, keep in (("keep_kv", keep_kv), ("keep_hidden", keep_hidden or ())):
         _require(all(0 <= l < spec.depth for l in keep) and len(set(keep)) == len(keep),
                  f"forward_prefill: {name} must be distinct layers in [0, {spec.depth}), got {keep}")
+    rope = _rope_tables(spec, positions)
     b, t = x.shape[:2]
     kv_shape = (len(keep_kv), b, t, spec.num_kv_heads, spec.head_dim)
+    # Carried buffers, written per layer: a layer whose K/V or output nobody keeps is never stored.
     bufs = (jnp.zeros(kv_shape, x.dtype), jnp.zeros(kv_shape, x.dtype),
             None if keep_hidden is None else jnp.zeros((len(keep_hidden),) + x.shape, x.dtype))
 
@@ -612,6 +507,16 @@ def _forward_prefill_kept(spec, layers, x, rope, mask, cond, deepstack, keep_kv,
 
     (x, (kb, vb, hb)), _ = scan_layers(body, (x, bufs), layers)
     return (x, (kb, vb)) if keep_hidden is None else (x, (kb, vb), hb)
+
+
+def _store(buf: jax.Array, value: jax.Array, keep: tuple[int, ...], layer) -> jax.Array:
+    """buf[keep.index(layer)] = value when `layer` (an int, or traced in a scan) is kept; else buf unchanged."""
+    if isinstance(layer, int):
+        return buf.at[keep.index(layer)].set(value.astype(buf.dtype)) if layer in keep else buf
+    depth = max(keep) + 1
+    slots = jnp.asarray([keep.index(l) if l in keep else len(keep) for l in range(depth)], jnp.int32)
+    slot = jnp.where(layer < depth, slots[jnp.minimum(layer, depth - 1)], len(keep))  # len(keep): dropped
+    return buf.at[slot].set(value.astype(buf.dtype), mode="drop")
 
 
 def forward_read(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache_v, cond=None):

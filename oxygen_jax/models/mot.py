@@ -38,7 +38,9 @@ from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models import qwen3_vl
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
-from oxygen_jax.models.heads import HeadParams, HeadSpec, PrefixOutputs
+from oxygen_jax.models.heads import HeadParams, HeadSpec
+from oxygen_jax.models.prefix import PrefixOutputs
+from oxygen_jax.nn.layers import stack_layers, unstack_layers
 from oxygen_jax.nn.masks import last_valid_index
 
 QWEN3_VL_IMAGE_TOKEN_ID = 151_655  # Qwen3-VL-4B-Instruct config.json `image_token_id`
@@ -153,9 +155,9 @@ def abstract_model(spec: ModelSpec, dtype: str = "float32") -> ModelParams:
 
 
 def for_backend(params: ModelParams, backend: str | None = None) -> ModelParams:
-    """Layer stacks unstacked on the CPU backend (see `params.scan_layers`), stacked elsewhere."""
+    """Layer stacks unstacked on the CPU backend (see `nn.layers.scan_layers`), stacked elsewhere."""
     cpu = (backend or jax.default_backend()) == "cpu"
-    layers = bb.unstack_layers if cpu else bb.stack_layers
+    layers = unstack_layers if cpu else stack_layers
     vision = params.vision and dataclasses.replace(params.vision, blocks=layers(params.vision.blocks))
     head = hd.unstack_head if cpu else hd.stack_head
     return ModelParams(decoder=dataclasses.replace(params.decoder, layers=layers(params.decoder.layers)), vision=vision,
@@ -220,7 +222,7 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> P
     never stored by the layer loop (stacked or unrolled).
 
     Returns:
-      `heads.PrefixOutputs` with K/V [Lk, B, P, K, H], hidden [Lh, B, P, D], the prefix mask,
+      `prefix.PrefixOutputs` with K/V [Lk, B, P, K, H], hidden [Lh, B, P, D], the prefix mask,
       next positions and (with language) the last valid token's final-normed output [B, D].
     """
     bspec, decoder = spec.backbone, params.decoder

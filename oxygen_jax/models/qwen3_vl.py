@@ -35,7 +35,7 @@ import numpy as np
 
 from oxygen_jax.models import backbone
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec
-from oxygen_jax.nn.layers import Dense, LayerNorm, Unstacked, scan_layers
+from oxygen_jax.nn.layers import Dense, LayerNorm, Unstacked, apply_rope, attention, dense, layer_norm, scan_layers
 
 Grid = tuple[tuple[int, int, int], ...]  # per image (t, h, w) in patches, before merging
 
@@ -79,22 +79,22 @@ def vision_tree(vspec: Qwen3VisionSpec, draw: backbone.Draw) -> Vision:
     w, nv, hv, fv, d, mw, depth = vspec.width, vspec.num_heads, vspec.head_dim, vspec.mlp_dim, vspec.out_width, vspec.merge_width, vspec.depth
     e = len(vspec.deepstack_layers)
 
-    def dense(lead, fan_in, out_shape):
+    def dense_leaf(lead, fan_in, out_shape):
         return Dense(kernel=draw(lead + (fan_in,) + out_shape, 1.0 / math.sqrt(fan_in), 0.0), bias=draw(lead + out_shape, 0.1, 0.0))
 
     def ln(shape):
         return LayerNorm(scale=draw(shape, 0.1, 1.0), bias=draw(shape, 0.1, 0.0))
 
     def merger(lead, norm_width):
-        return Merger(norm=ln(lead + (norm_width,)), fc1=dense(lead, mw, (mw,)), fc2=dense(lead, mw, (d,)))
+        return Merger(norm=ln(lead + (norm_width,)), fc1=dense_leaf(lead, mw, (mw,)), fc2=dense_leaf(lead, mw, (d,)))
 
     blocks = VisionBlocks(
-        ln1=ln((depth, w)), qkv=dense((depth,), w, (3, nv, hv)),
+        ln1=ln((depth, w)), qkv=dense_leaf((depth,), w, (3, nv, hv)),
         out=Dense(kernel=draw((depth, nv, hv, w), 1.0 / math.sqrt(w), 0.0), bias=draw((depth, w), 0.1, 0.0)),
-        ln2=ln((depth, w)), fc1=dense((depth,), w, (fv,)), fc2=dense((depth,), fv, (w,)),
+        ln2=ln((depth, w)), fc1=dense_leaf((depth,), w, (fv,)), fc2=dense_leaf((depth,), fv, (w,)),
     )
     return Vision(
-        patch=dense((), vspec.patch_dim, (w,)), pos_embed=draw((vspec.num_position_embeddings, w), 0.02, 0.0),
+        patch=dense_leaf((), vspec.patch_dim, (w,)), pos_embed=draw((vspec.num_position_embeddings, w), 0.02, 0.0),
         blocks=blocks, merger=merger((), w), deepstack=merger((e,), mw) if e else None,
     )
 
@@ -192,37 +192,25 @@ def patchify(image: np.ndarray, vspec: Qwen3VisionSpec, mean=(0.5, 0.5, 0.5), st
 # The encoder
 
 
-def _layer_norm(x: jax.Array, ln: LayerNorm, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps) * ln.scale.astype(jnp.float32) + ln.bias.astype(jnp.float32)
-    return y.astype(x.dtype)
-
-
-def _dense(d: Dense, x: jax.Array) -> jax.Array:
-    return x @ d.kernel.astype(x.dtype) + d.bias.astype(x.dtype)
-
-
 def _block(vspec: Qwen3VisionSpec, lp: VisionBlocks, x, sin, cos, mask) -> jax.Array:
-    h = _layer_norm(x, lp.ln1, vspec.norm_eps)
+    h = layer_norm(x, lp.ln1, vspec.norm_eps)
     # Local einsum letters: n the Np patches, h the Nv heads, d the head dim Hv.
     q, k, v = jnp.einsum("nW,W3hd->3nhd", h, lp.qkv.kernel.astype(h.dtype)) + lp.qkv.bias.astype(h.dtype)[:, None]
-    q = backbone.apply_rope(q[None], sin, cos) * jnp.asarray(vspec.head_dim ** -0.5, q.dtype)
-    k = backbone.apply_rope(k[None], sin, cos)
-    a = backbone.attention(q, k, v[None], mask)[0]
+    q = apply_rope(q[None], sin, cos) * jnp.asarray(vspec.head_dim ** -0.5, q.dtype)
+    k = apply_rope(k[None], sin, cos)
+    a = attention(q, k, v[None], mask)[0]
     x = x + jnp.einsum("nhd,hdW->nW", a, lp.out.kernel.astype(a.dtype)) + lp.out.bias.astype(a.dtype)
-    h = _layer_norm(x, lp.ln2, vspec.norm_eps)
-    return x + _dense(lp.fc2, jax.nn.gelu(_dense(lp.fc1, h), approximate=True))
+    h = layer_norm(x, lp.ln2, vspec.norm_eps)
+    return x + dense(lp.fc2, jax.nn.gelu(dense(lp.fc1, h), approximate=True))
 
 
 def _merge(vspec: Qwen3VisionSpec, merger: Merger, x: jax.Array, norm_after_concat: bool) -> jax.Array:
     mw = vspec.merge_width
     if norm_after_concat:
-        x = _layer_norm(x.reshape(-1, mw), merger.norm, vspec.norm_eps)
+        x = layer_norm(x.reshape(-1, mw), merger.norm, vspec.norm_eps)
     else:
-        x = _layer_norm(x, merger.norm, vspec.norm_eps).reshape(-1, mw)
-    return _dense(merger.fc2, jax.nn.gelu(_dense(merger.fc1, x), approximate=False))
+        x = layer_norm(x, merger.norm, vspec.norm_eps).reshape(-1, mw)
+    return dense(merger.fc2, jax.nn.gelu(dense(merger.fc1, x), approximate=False))
 
 
 def encode(vspec: Qwen3VisionSpec, vision: Vision, pixel_values: jax.Array, grid_thw: Grid) -> dict[str, jax.Array]:
@@ -240,7 +228,7 @@ def encode(vspec: Qwen3VisionSpec, vision: Vision, pixel_values: jax.Array, grid
     n = sum(t * h * w for t, h, w in grid)
     if pixel_values.shape != (n, vspec.patch_dim):
         raise ValueError(f"pixel_values must be [Np, Pd] = {(n, vspec.patch_dim)} for grids {grid}, got {pixel_values.shape}")
-    x = _dense(vision.patch, pixel_values)
+    x = dense(vision.patch, pixel_values)
     idx, wts = _pos_interp(vspec, grid)
     corners = vision.pos_embed[jnp.asarray(idx)].astype(jnp.float32) * jnp.asarray(wts)[..., None]  # [4, Np, W]
     x = x + (corners[0] + corners[1] + corners[2] + corners[3]).astype(x.dtype)

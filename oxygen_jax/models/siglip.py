@@ -1,4 +1,5 @@
-"""SigLIP image encoder (ViT, no class token, no pooling) with a Dense head into the VLM width.
+"""SigLIP image encoder (ViT, no class token, no pooling) with a Dense head into the VLM width: its config,
+its parameter tree and the encoder.
 
 Axes (`oxygen_jax.axes`): B images, Px image side, p patch size, Np = (Px / p)^2 patches, W width,
 Nv heads, Hv head dim, Fv MLP hidden, D VLM width.
@@ -10,21 +11,68 @@ patches followed by one matmul, which is the same linear map.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.nn.layers import LayerNorm, scan_layers
-from oxygen_jax.models.pi05.params import Siglip
+from oxygen_jax.nn.layers import Dense, LayerNorm, _pytree, layer_norm, scan_layers
 
 _LN_EPS = 1e-6
 
 
-def _layer_norm(x: jax.Array, ln: LayerNorm) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + _LN_EPS)
-    return (y * ln.scale.astype(jnp.float32) + ln.bias.astype(jnp.float32)).astype(x.dtype)
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SiglipConfig:
+    """SigLIP vision encoder (no pooling, a Dense head into the VLM width)."""
+
+    width: int
+    depth: int
+    mlp_dim: int
+    num_heads: int
+    patch_size: int = 14
+    image_size: int = 224  # square input images, pixels per side
+
+    def __post_init__(self):
+        _require(self.width % self.num_heads == 0, "SiglipConfig.width must be divisible by num_heads")
+        _require(
+            self.image_size % self.patch_size == 0,
+            f"SiglipConfig.image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.num_heads
+
+    @property
+    def num_patches(self) -> int:
+        """Image tokens per camera (256 for 224 px and patch 14)."""
+        return (self.image_size // self.patch_size) ** 2
+
+
+@_pytree
+class SiglipLayers:
+    ln0: LayerNorm
+    query: Dense  # kernel [L, W, Nv, Hv], bias [L, Nv, Hv]
+    key: Dense
+    value: Dense
+    out: Dense  # kernel [L, Nv, Hv, W], bias [L, W]
+    ln1: LayerNorm
+    mlp_in: Dense  # [L, W, Fv]
+    mlp_out: Dense  # [L, Fv, W]
+
+
+@_pytree
+class Siglip:
+    patch: Dense  # kernel [p, p, 3, W] (HWIO), bias [W]
+    pos_embedding: jax.Array  # [1, Np, W]
+    layers: SiglipLayers
+    norm: LayerNorm  # [W]
+    head: Dense  # [W, D_vlm]
 
 
 def _patchify(images: jax.Array, p: int) -> jax.Array:
@@ -44,7 +92,7 @@ def stem(params: Siglip, images: jax.Array) -> jax.Array:
 
 def _encoder_block(x: jax.Array, lp) -> jax.Array:
     dt = x.dtype
-    h = _layer_norm(x, lp.ln0)
+    h = layer_norm(x, lp.ln0, _LN_EPS)
     q, k, v = (
         jnp.einsum("BTW,WNH->BTNH", h, d.kernel.astype(dt)) + d.bias.astype(dt) for d in (lp.query, lp.key, lp.value)
     )
@@ -53,7 +101,7 @@ def _encoder_block(x: jax.Array, lp) -> jax.Array:
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
     a = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
     x = x + jnp.einsum("BTNH,NHW->BTW", a, lp.out.kernel.astype(dt)) + lp.out.bias.astype(dt)
-    h = _layer_norm(x, lp.ln1)
+    h = layer_norm(x, lp.ln1, _LN_EPS)
     h = jax.nn.gelu(h @ lp.mlp_in.kernel.astype(dt) + lp.mlp_in.bias.astype(dt), approximate=True)
     return x + h @ lp.mlp_out.kernel.astype(dt) + lp.mlp_out.bias.astype(dt)
 
@@ -75,7 +123,7 @@ def encode_stages(params: Siglip, images: jax.Array, dtype) -> dict[str, jax.Arr
         )
     x = (s + params.pos_embedding.astype(jnp.float32)).astype(dtype)
     x, _ = scan_layers(lambda x, lp, _, __: (_encoder_block(x, lp), None), x, params.layers)
-    encoded = _layer_norm(x, params.norm)
+    encoded = layer_norm(x, params.norm, _LN_EPS)
     tokens = encoded @ params.head.kernel.astype(dtype) + params.head.bias.astype(dtype)
     return {"stem": s, "encoded": encoded, "tokens": tokens}
 

@@ -1,1 +1,2 @@
-"""Floor 0: model-free building blocks (masks, token sampling, parameter leaves, the layer loop). Imports no other floor."""
+"""Floor 0: model-free building blocks (masks, token sampling, parameter leaves, LayerNorm / RoPE / attention,
+the layer loop). Imports no other floor."""

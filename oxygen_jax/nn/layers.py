@@ -1,11 +1,14 @@
-"""Parameter leaves shared by every model (dense, norms) and the layer loop over stacked or unstacked layers.
+"""Parameter leaves shared by every model (dense, norms), the layer maths every model reuses (LayerNorm,
+RoPE, grouped-query attention), and the layer loop over stacked or unstacked layers.
 
-Axes (`oxygen_jax.axes`): L layers, D width, Dc adaptive-norm condition width, W LayerNorm width.
+Axes (`oxygen_jax.axes`): L layers, B batch, T query tokens, S key tokens, N query heads, K KV heads,
+R = N / K, H head dim, D width, Dc adaptive-norm condition width, W LayerNorm width.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,29 @@ class Unstacked:
     layers: tuple
 
 
+def param_count(tree) -> int:
+    """Number of scalars in a (possibly abstract) parameter tree."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def unstack_layers(layers):
+    """A stacked layer tree (leaves [L, ...]) as `Unstacked` per-layer buffers (a no-op on `Unstacked`).
+
+    The fast form on XLA's CPU backend (see `scan_layers`); `stack_layers` inverts it.
+    """
+    if isinstance(layers, Unstacked):
+        return layers
+    depth = jax.tree.leaves(layers)[0].shape[0]
+    return Unstacked(layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(depth)))
+
+
+def stack_layers(layers):
+    """Inverse of `unstack_layers` (a no-op on stacked layers)."""
+    if not isinstance(layers, Unstacked):
+        return layers
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers.layers)
+
+
 def scan_layers(body, carry, layers, extra=None):
     """Runs `body(carry, layer_params, extra_l, index) -> (carry, y)` over the layers.
 
@@ -66,3 +92,54 @@ def scan_layers(body, carry, layers, extra=None):
         return carry, stacked
     depth = jax.tree.leaves(layers)[0].shape[0]
     return jax.lax.scan(lambda c, xs: body(c, xs[0], xs[1], xs[2]), carry, (layers, extra, jnp.arange(depth)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Layer maths
+
+
+MASK_FILL = -2.3819763e38  # openpi's fill: finite, so a row with no valid key stays finite
+
+
+def dense(d: Dense, x: jax.Array) -> jax.Array:
+    """x @ kernel + bias, both cast to x's dtype: [..., in] -> [..., out]."""
+    return x @ d.kernel.astype(x.dtype) + d.bias.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, ln: LayerNorm | None, eps: float) -> jax.Array:
+    """LayerNorm over the last axis in float32, cast back to x's dtype; `ln` None: no affine weights."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    if ln is not None:
+        y = y * ln.scale.astype(jnp.float32) + ln.bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Half-split rotation: x [B, T, N, H] with sin, cos [B, T, 1, H/2] (float32 maths)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention with float32 logits and softmax.
+
+    Args:
+      q: [B, T, N, H], already scaled by 1/sqrt(H).
+      k, v: [B, S, K, H].
+      mask: bool [B, T, S]; masked logits get a large finite negative value (`MASK_FILL`).
+    Returns:
+      [B, T, N, H].
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    if mask.shape != (b, t, k.shape[1]):
+        raise ValueError(f"attention mask must be [B, T, S] = {(b, t, k.shape[1])}, got {mask.shape}")
+    qg = q.reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("BTKRH,BSKH->BKRTS", qg, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask[:, None, None, :, :], logits, MASK_FILL)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKRTS,BSKH->BTKRH", probs, v)
+    return out.reshape(b, t, n, h)

@@ -28,7 +28,7 @@ share. Occupancy, arrivals and finishing therefore never change a compiled shape
 Any backbone: every function takes the language model as its first argument, either π0.5 `Params`
 (the VLM expert with its embedder and tied head; unchanged programs) or a `LanguageModel`, a
 `backbone.Decoder` with its static `BackboneSpec` (Qwen3 / Qwen3-VL, e.g. `mot.language_model`). The
-prefix is a `kv_cache.PrefixCache` (π0.5's `model.prefill`) or a `heads.PrefixOutputs` that kept every
+prefix is a `prefix.PrefixCache` (π0.5's `model.prefill`) or a `prefix.PrefixOutputs` that kept every
 layer's K/V and the last hidden state (`mot.prefix_pass` of a model with `language=True`). Positions
 are 1-D; for an M-RoPE backbone a [B, T] position means all three axes equal, which is what text after
 the prefix uses (HF Qwen3-VL's decode positions: the row's next_position + j on every axis).
@@ -45,13 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models import backbone
-from oxygen_jax.models.backbone import BackboneSpec, Decoder, LanguageModel, pi05_spec
+from oxygen_jax.models.backbone import BackboneSpec, Decoder, LanguageModel
 from oxygen_jax.models.pi05.config import EOS_ID
-from oxygen_jax.models.heads import PrefixOutputs
-from oxygen_jax.models.prefix import PrefixCache
+from oxygen_jax.models.prefix import PrefixCache, PrefixOutputs
 from oxygen_jax.models.lora import LoraBank, RowAdapters
 from oxygen_jax.models.pi05.model import vlm_decoder
 from oxygen_jax.models.pi05.params import Params
+from oxygen_jax.models.pi05.spec import pi05_spec
 from oxygen_jax.nn.sampling import sample_tokens
 
 _STATIC = dict(static=True)

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 
 from oxygen_jax.models.pi05.config import EOS_ID
 from oxygen_jax.runtime import compile_cache

@@ -20,7 +20,7 @@ token j + 1), logits through the same final norm and tied head as admission (`mo
 
 Two modes:
 
-* `adapter`: a LoRA bank (`lora.init_bank`, B = 0, so step 0 is exactly the base model) is the only thing
+* `adapter`: a LoRA bank (`pi05.lora.init_bank`, B = 0, so step 0 is exactly the base model) is the only thing
   differentiated and updated. The prefix cache is computed before `jax.grad` (and stop-gradient'ed) and the
   base parameters are a plain, non-differentiated argument of the step: they cannot change.
 * `base`: full fine-tune of the VLM expert, SigLIP and the token embedding on a text task through the same

@@ -13,7 +13,8 @@ from typing import Literal
 import optax
 
 from oxygen_jax.models import lora
-from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig, SiglipConfig, model_config
+from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig, model_config
+from oxygen_jax.models.siglip import SiglipConfig
 from training.memory_data import MEMORY_PROMPT
 from training.train_step import OptimizerConfig, make_optimizer
 

@@ -23,8 +23,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oxygen_jax.models import lora
-from oxygen_jax.models.pi05 import gemma, model
-from oxygen_jax.models.pi05.params import Expert, Params, Siglip
+from oxygen_jax.models.pi05 import lora as pi05_lora
+from oxygen_jax.models.pi05 import model
+from oxygen_jax.models.pi05.params import Expert, Params
+from oxygen_jax.models.siglip import Siglip
 from oxygen_jax.runtime import decode
 from training.memory.config import Mode, TrainConfig
 from training.memory_data import MemoryBatch
@@ -67,7 +69,7 @@ class TrainState:
 def init_state(config: TrainConfig, params: Params, optimizer: optax.GradientTransformation) -> TrainState:
     """Step 0: a fresh float32 bank (B = 0, adapter id 1) or the base's own trainable leaves."""
     if config.mode == "adapter":
-        trainable = lora.init_bank(params.config, 1, config.rank, config.alpha, config.seed, targets=config.targets,
+        trainable = pi05_lora.init_bank(params.config, 1, config.rank, config.alpha, config.seed, targets=config.targets,
                                    dtype=jnp.float32)
     else:
         trainable = jax.tree.map(jnp.array, base_trainable(params))  # own buffers: the state is donated
@@ -98,7 +100,7 @@ def suffix_logits(params: Params, prefix, tokens: jax.Array, bank: lora.LoraBank
     _, _, h = decode.suffix_forward(params, prefix, rows, tokens, bank, adapter)
 
     def position(h_j):  # [B, D] -> [V, B], as admission computes its seed logits
-        normed, _ = gemma.rms_norm(h_j[:, None, :], params.vlm.final_norm)
+        normed = model.final_norm(params, h_j[:, None, :])
         return model.lm_logits_vocab_major(params, normed[:, 0])
 
     return jax.lax.map(position, jnp.swapaxes(h, 0, 1)).transpose(2, 0, 1)  # [T, V, B] -> [B, T, V]

@@ -19,6 +19,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from oxygen_jax.models.siglip import SiglipConfig
+
 CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 """The three image slots of openpi's π0.5, in prefix order."""
 
@@ -53,34 +55,6 @@ class ExpertConfig:
             f"ExpertConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
         )
         _require(self.head_dim % 2 == 0, f"ExpertConfig.head_dim must be even for RoPE, got {self.head_dim}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SiglipConfig:
-    """SigLIP vision encoder (no pooling, a Dense head into the VLM width)."""
-
-    width: int
-    depth: int
-    mlp_dim: int
-    num_heads: int
-    patch_size: int = 14
-    image_size: int = 224  # square input images, pixels per side
-
-    def __post_init__(self):
-        _require(self.width % self.num_heads == 0, "SiglipConfig.width must be divisible by num_heads")
-        _require(
-            self.image_size % self.patch_size == 0,
-            f"SiglipConfig.image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})",
-        )
-
-    @property
-    def head_dim(self) -> int:
-        return self.width // self.num_heads
-
-    @property
-    def num_patches(self) -> int:
-        """Image tokens per camera (256 for 224 px and patch 14)."""
-        return (self.image_size // self.patch_size) ** 2
 
 
 @jax.tree_util.register_static

@@ -12,12 +12,12 @@ Sequence layout and attention (openpi π0.5, with padding cameras dropped rather
                                                       the whole suffix; prefix never sees suffix
     positions: prefix cumsum(mask) - 1; suffix next_position (= num_valid) + [0, Ha)
 
-Both experts run on the one transformer implementation, `backbone`, as instances of its spec:
-`pi05_spec(config, "vlm")` (with the embedder and tied head, `vlm_decoder`) and
+Both experts run on the one transformer implementation, `backbone`, as instances of its spec
+(`spec.py`): `pi05_spec(config, "vlm")` (with the embedder and tied head, `vlm_decoder`) and
 `pi05_spec(config, "action_expert")` (a bare stack with adaRMSNorm).
 
 Flow matching: t = 1 is noise, t = 0 is data; `denoise` runs `num_steps` Euler steps with
-dt = -1/num_steps on a read-only prefix cache.
+dt = -1/num_steps on a read-only prefix cache (`flow.integrate`, time accumulated in float32).
 """
 
 from __future__ import annotations
@@ -27,18 +27,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.models import backbone
-from oxygen_jax.models import siglip
-from oxygen_jax.models.backbone import Decoder, pi05_spec
-from oxygen_jax.models.prefix import PrefixCache
-from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
+from oxygen_jax.models import backbone, flow, siglip
+from oxygen_jax.models.backbone import Decoder
 from oxygen_jax.models.pi05.observation import Observation, validate_observation
-from oxygen_jax.nn.layers import Dense
 from oxygen_jax.models.pi05.params import Params
-
-
-def _dense(d: Dense, x: jax.Array) -> jax.Array:
-    return x @ d.kernel.astype(x.dtype) + d.bias.astype(x.dtype)
+from oxygen_jax.models.pi05.spec import pi05_spec
+from oxygen_jax.models.prefix import PrefixCache
+from oxygen_jax.nn.layers import dense
+from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
 
 
 def vlm_decoder(params: Params) -> Decoder:
@@ -148,7 +144,7 @@ def time_condition(params: Params, t: jax.Array) -> jax.Array:
     """adaRMS condition [B, Da] = swish(time_mlp_out(swish(time_mlp_in(sincos(t)))))."""
     dt = params.config.jnp_dtype
     emb = posemb_sincos(t, params.time_mlp_in.kernel.shape[0]).astype(dt)
-    return jax.nn.swish(_dense(params.time_mlp_out, jax.nn.swish(_dense(params.time_mlp_in, emb))))
+    return jax.nn.swish(dense(params.time_mlp_out, jax.nn.swish(dense(params.time_mlp_in, emb))))
 
 
 def velocity(params: Params, cache: PrefixCache, x_t: jax.Array, t: jax.Array) -> jax.Array:
@@ -162,7 +158,7 @@ def velocity(params: Params, cache: PrefixCache, x_t: jax.Array, t: jax.Array) -
     dt = params.config.jnp_dtype
     b, ha = x_t.shape[:2]
     cond = time_condition(params, t)
-    x = _dense(params.action_in, x_t.astype(dt))
+    x = dense(params.action_in, x_t.astype(dt))
     positions = cache.next_position[:, None] + jnp.arange(ha, dtype=jnp.int32)[None]
     suffix_ar = jnp.arange(ha) == 0  # one block: bidirectional inside the chunk
     suffix_mask = make_attn_mask(jnp.ones((b, ha), bool), suffix_ar)
@@ -170,7 +166,7 @@ def velocity(params: Params, cache: PrefixCache, x_t: jax.Array, t: jax.Array) -
     spec = pi05_spec(params.config, "action_expert")
     h = backbone.forward_read(spec, params.action_expert.layers, x, positions, mask, cache.k, cache.v, cond)
     h, _ = backbone.rms_norm(spec, h, params.action_expert.final_norm, cond)
-    return _dense(params.action_out, h).astype(jnp.float32)
+    return dense(params.action_out, h).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
@@ -185,18 +181,9 @@ def denoise(params: Params, cache: PrefixCache, noise: jax.Array, num_steps: int
     Returns:
       normalised, padded actions float32 [B, Ha, Ad].
     """
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    dt = -1.0 / num_steps
     b = noise.shape[0]
-
-    def step(_, carry):
-        x, t = carry
-        v = velocity(params, cache, x, jnp.broadcast_to(t, (b,)))
-        return x + dt * v, t + dt
-
-    x, _ = jax.lax.fori_loop(0, num_steps, step, (noise.astype(jnp.float32), jnp.float32(1.0)))
-    return x
+    v = lambda x, t: velocity(params, cache, x, jnp.broadcast_to(t, (b,)))  # noqa: E731
+    return flow.integrate(v, noise, num_steps, -1.0, t0=1.0)
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models.pi05.config import ModelConfig
-from oxygen_jax.nn.layers import AdaRMSNorm, Dense, LayerNorm, RMSNorm, Unstacked, _pytree
+from oxygen_jax.models.siglip import Siglip, SiglipLayers
+from oxygen_jax.nn import layers as nn_layers
+from oxygen_jax.nn.layers import AdaRMSNorm, Dense, LayerNorm, RMSNorm, _pytree
 
 
 @_pytree
@@ -42,27 +44,6 @@ class ExpertLayers:
 class Expert:
     layers: ExpertLayers
     final_norm: RMSNorm | AdaRMSNorm
-
-
-@_pytree
-class SiglipLayers:
-    ln0: LayerNorm
-    query: Dense  # kernel [L, W, Nv, Hv], bias [L, Nv, Hv]
-    key: Dense
-    value: Dense
-    out: Dense  # kernel [L, Nv, Hv, W], bias [L, W]
-    ln1: LayerNorm
-    mlp_in: Dense  # [L, W, Fv]
-    mlp_out: Dense  # [L, Fv, W]
-
-
-@_pytree
-class Siglip:
-    patch: Dense  # kernel [p, p, 3, W] (HWIO), bias [W]
-    pos_embedding: jax.Array  # [1, Np, W]
-    layers: SiglipLayers
-    norm: LayerNorm  # [W]
-    head: Dense  # [W, D_vlm]
 
 
 @_pytree
@@ -284,27 +265,14 @@ def _map_layer_stacks(params: Params, fn) -> Params:
 def unstack_layers(params: Params) -> Params:
     """The same parameters with every layer stack split into separate per-layer buffers.
 
-    Use on CPUs (see `scan_layers`); `stack_layers` inverts it. Outputs are unchanged.
+    Use on CPUs (see `nn.layers.scan_layers`); `stack_layers` inverts it. Outputs are unchanged.
     """
-
-    def split(layers):
-        if isinstance(layers, Unstacked):
-            return layers
-        depth = jax.tree.leaves(layers)[0].shape[0]
-        return Unstacked(layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(depth)))
-
-    return _map_layer_stacks(params, split)
+    return _map_layer_stacks(params, nn_layers.unstack_layers)
 
 
 def stack_layers(params: Params) -> Params:
     """Inverse of `unstack_layers` (a no-op on stacked parameters)."""
-
-    def join(layers):
-        if not isinstance(layers, Unstacked):
-            return layers
-        return jax.tree.map(lambda *a: jnp.stack(a), *layers.layers)
-
-    return _map_layer_stacks(params, join)
+    return _map_layer_stacks(params, nn_layers.stack_layers)
 
 
 def for_backend(params: Params, backend: str | None = None) -> Params:
@@ -349,7 +317,3 @@ def _as_dtype(x, dtype):
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, dtype)
     return jnp.asarray(x, dtype)
-
-
-def param_count(params) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))

@@ -1,0 +1,142 @@
+"""Flow-matching action heads that read one shared VLM prefix: three kinds, their parameters and presets.
+
+A head is a small transformer (a DiT) that turns noise into an action chunk in `num_steps` Euler
+steps, conditioned on what one backbone prefix pass left behind (`PrefixOutputs`). The three
+kinds differ only in what they read and how:
+
+| kind           | reads from the prefix                         | per-frame precompute (`prepare`)     | model       |
+|----------------|-----------------------------------------------|--------------------------------------|-------------|
+| `joint_kv`     | post-RoPE K/V of some backbone layers (XR0:   | slice those layers, RoPE tables of   | XR0         |
+|                | last 16 of 36), prefix mask, next position    | the head tokens, masks               |             |
+| `cross_hidden` | one hidden state per cross block (HF          | LayerNorm + Linear per layer         | StarVLA     |
+|                | `hidden_states` indices)                      | (optional), every cross block's K/V  | QwenPI_v3   |
+| `cross_last`   | the final-normed hidden state only            | every cross block's K/V              | QwenGR00T   |
+
+Per frame: `state = prepare(head_params, spec, prefix)` once, then
+`actions = denoise(head_params, spec, state, noise)`, `flow.integrate` over a static step count that
+reads `state` and never recomputes it: the cross-attention K/V of a cross head are computed once
+per frame, never per denoise step.
+
+This face picks the kind's module once per call: `spec.py` (`HeadSpec`), `parts.py` (pieces both
+kinds use), `joint.py` (joint_kv), `cross.py` (cross_hidden, cross_last), `presets.py`. The blocks
+of each kind are described in its module.
+
+Axes (`oxygen_jax.axes`): B batch, P prefix tokens, T head tokens (extra tokens + Ha actions), S
+keys (P + T for joint attention), L layers (Lk prefix layers whose K/V are kept, Lh hidden states
+kept, Lc cross blocks), Da head width, D VLM width, F head MLP, N heads, K KV heads, H head dim,
+Ha horizon, Ad action dim, Ds state dim. New here:
+    Dx   width of the context a cross block reads (D, or the per-layer projection width)
+    Dt   width of the sinusoidal time features (256)
+    Do   width of a DiT's output projection before the action decoder (GR00T; none in QwenPI_v3)
+    Fo   hidden width of the state encoder / action decoder MLPs of cross heads
+    Ne   extra tokens before the actions (sink, state, future tokens)
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+
+from oxygen_jax.models import backbone as bb
+from oxygen_jax.models import flow
+from oxygen_jax.models.heads import cross, joint
+from oxygen_jax.models.heads.cross import BlockPair, CrossHead
+from oxygen_jax.models.heads.joint import JointHead
+from oxygen_jax.models.heads.parts import HeadState
+from oxygen_jax.models.heads.presets import gr00t, preset, starvla_qwenpi_v3, xr0
+from oxygen_jax.models.heads.spec import HeadSpec, Kind
+from oxygen_jax.models.prefix import PrefixOutputs
+from oxygen_jax.nn.layers import param_count
+
+HeadParams = JointHead | CrossHead
+
+__all__ = [
+    "HeadSpec", "Kind", "HeadParams", "JointHead", "CrossHead", "BlockPair", "HeadState",
+    "head_tree", "init_head", "abstract_head", "param_count", "unstack_head", "stack_head",
+    "prepare", "velocity", "denoise", "sample", "preset", "xr0", "starvla_qwenpi_v3", "gr00t",
+]
+
+_KINDS = {"joint_kv": (joint, JointHead), "cross_hidden": (cross, CrossHead), "cross_last": (cross, CrossHead)}
+
+
+def _kind(spec: HeadSpec, params: HeadParams | None = None):
+    """The module of `spec.kind`, after checking that `params` (if given) are that kind's weights."""
+    module, want = _KINDS[spec.kind]
+    if params is not None and not isinstance(params, want):
+        raise ValueError(f"head {spec.name!r} is {spec.kind} and needs {want.__name__} weights, got {type(params).__name__}")
+    return module
+
+
+def head_tree(spec: HeadSpec, draw: bb.Draw) -> HeadParams:
+    """The parameters of `spec` with every leaf from `draw` (see `backbone.decoder_tree`): the one
+    description of their shapes. Random values are fan-in scaled; norm scales sit around 1."""
+    return _kind(spec).head_tree(spec, draw)
+
+
+def init_head(spec: HeadSpec, seed: int = 0, dtype: str = "float32") -> HeadParams:
+    """Random weights (tests and benchmarks). Seeded by (seed, name): a head's weights do not
+    depend on which other heads share its model."""
+    return head_tree(spec, bb.numpy_draws((int(seed) << 32) | zlib.crc32(spec.name.encode()), dtype))
+
+
+def abstract_head(spec: HeadSpec, dtype: str = "float32") -> HeadParams:
+    """`jax.ShapeDtypeStruct` leaves via `jax.eval_shape`: nothing is allocated."""
+    return jax.eval_shape(lambda: head_tree(spec, bb.zeros_draws(dtype)))
+
+
+def unstack_head(params: HeadParams) -> HeadParams:
+    """The per-step layer stack as `nn.layers.Unstacked` (the fast form on XLA's CPU backend)."""
+    return (joint if isinstance(params, JointHead) else cross).unstack(params)
+
+
+def stack_head(params: HeadParams) -> HeadParams:
+    """Inverse of `unstack_head`."""
+    return (joint if isinstance(params, JointHead) else cross).stack(params)
+
+
+def prepare(params: HeadParams, spec: HeadSpec, prefix: PrefixOutputs, state: jax.Array | None = None) -> HeadState:
+    """Once per frame: everything the head's denoise steps read from the prefix.
+
+    Args:
+      prefix: the shared prefix pass; must hold this head's reads.
+      state: [B, Ds] robot state for heads with a state token (else None).
+    Returns:
+      `HeadState`. For cross heads this is where the per-block cross-attention K/V are computed
+      (with QwenPI_v3's per-layer LayerNorm + Linear first), once, for all `num_steps` steps.
+    """
+    return _kind(spec, params).prepare(params, spec, prefix, state)
+
+
+def velocity(params: HeadParams, spec: HeadSpec, st: HeadState, x_t: jax.Array, step: jax.Array) -> jax.Array:
+    """The head's output v(x_t, t) float32 [B, Ha, Ad] at Euler step `step` (int32)."""
+    return _kind(spec).velocity(params, spec, st, x_t, step)
+
+
+def _check_noise(spec: HeadSpec, noise: jax.Array, b: int) -> None:
+    want = (b, spec.horizon, spec.action_dim)
+    if noise.shape != want:
+        raise ValueError(f"head {spec.name!r} needs noise [B, Ha, Ad] = {want}, got {noise.shape}")
+
+
+def denoise(params: HeadParams, spec: HeadSpec, st: HeadState, noise: jax.Array) -> jax.Array:
+    """`spec.num_steps` Euler steps of the head's flow from `noise`, reading `st` only.
+
+    The time comes from the step index (`flow.integrate` without `t0`): t = k / S exactly.
+
+    Args:
+      noise: [B, Ha, Ad] x at the noise end (t = 0 for 0_to_1 heads, t = 1 for 1_to_0).
+    Returns:
+      actions float32 [B, Ha, Ad] (normalised, in the head's action space).
+    """
+    module = _kind(spec, params)
+    _check_noise(spec, noise, st.mask.shape[0])
+    direction = 1.0 if spec.t_direction == "0_to_1" else -1.0
+    return flow.integrate(lambda x, k: module.velocity(params, spec, st, x, k), noise, spec.num_steps, direction)
+
+
+def sample(params: HeadParams, spec: HeadSpec, prefix: PrefixOutputs, noise: jax.Array,
+           state: jax.Array | None = None) -> jax.Array:
+    """`denoise(prepare(prefix))`: one action chunk [B, Ha, Ad] from a shared prefix."""
+    _check_noise(spec, noise, prefix.mask.shape[0])
+    return denoise(params, spec, prepare(params, spec, prefix, state), noise)

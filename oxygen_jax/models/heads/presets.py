@@ -1,0 +1,133 @@
+"""Named heads: the published XR0, StarVLA QwenPI_v3 and QwenGR00T heads on Qwen3-VL-4B, with the public
+code each was read from and what stayed ambiguous, plus their `_bench` and `_tiny` scales.
+
+Axes: none (specs only; the dims are `HeadSpec`'s fields).
+"""
+
+from __future__ import annotations
+
+from oxygen_jax.models.heads.spec import HeadSpec
+
+
+def _xr0(name, *, width, depth, heads, kv_heads, head_dim, mlp, kv_layers, horizon=30, action_dim=32, state_dim=32, steps=5):
+    return HeadSpec(
+        name=name, kind="joint_kv", width=width, depth=depth, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        mlp_dim=mlp, action_dim=action_dim, horizon=horizon, num_steps=steps, t_direction="0_to_1",
+        time_cond="adaln_table", time_input="continuous", kv_layers=tuple(kv_layers), block_pattern="joint",
+        extra_tokens=("sink", "state"), state_dim=state_dim, positions="continue_rope", suffix_mask="causal",
+    )
+
+
+def _starvla(name, *, width, depth, heads, head_dim, vlm_width, proj, vlm_depth, future=32, horizon=16, action_dim=7,
+             steps=4, io_hidden=1024, max_positions=1024):
+    return HeadSpec(
+        name=name, kind="cross_hidden", width=width, depth=depth, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+        mlp_dim=4 * width, action_dim=action_dim, horizon=horizon, num_steps=steps, t_direction="0_to_1",
+        time_cond="adaln_scale_shift", time_input="bucket", hidden_layers=tuple(range(vlm_depth - depth + 1, vlm_depth + 1)),
+        vlm_width=vlm_width, hidden_proj=proj, block_pattern="all_cross", extra_tokens=("future",), num_future_tokens=future,
+        positions="learned", max_positions=max_positions, io_hidden=io_hidden,
+    )
+
+
+def _gr00t(name, *, width, depth, heads, head_dim, vlm_width, vlm_depth, out_dim, future=32, horizon=8, action_dim=7,
+           state_dim=7, steps=4, io_hidden=1024, max_positions=1024):
+    return HeadSpec(
+        name=name, kind="cross_last", width=width, depth=depth, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+        mlp_dim=4 * width, action_dim=action_dim, horizon=horizon, num_steps=steps, t_direction="0_to_1",
+        time_cond="adaln_scale_shift", time_input="bucket", hidden_layers=(vlm_depth,) * (depth // 2), vlm_width=vlm_width,
+        block_pattern="cross_self", extra_tokens=("state", "future"), state_dim=state_dim, num_future_tokens=future,
+        positions="learned", max_positions=max_positions, dit_output_dim=out_dim, io_hidden=io_hidden,
+    )
+
+
+def xr0() -> HeadSpec:
+    """Xiaomi-Robotics-0's action DiT on Qwen3-VL-4B (36 x 2560, 8 KV heads x 128).
+
+    Read from public code: the `XR0` / `DiT` / `DecoderLayer` / `DiTAttention` classes of a fork of
+    the XR0 training code (rosmontis2005/Xiaomi-Robotics-0-orchardbech @ 0a9eb3b,
+    `xr0/mibot/models/VLA/XR0.py`) and notes on its physicalai and LeRobot ports (kept outside this
+    repository). 16 layers x 1024, head_dim 128, 8 heads, 8 KV heads (`kv_heads=8`), fused qkv
+    with bias, o_proj without, q/k RMSNorm, SwiGLU 4096 without biases, four RMSNorms per layer,
+    `adaln_table [6, D]` per layer + one shared `t_projector` Linear(D, 6D); time = sinusoid(t x
+    1000) (cos first, 256) -> Linear/SiLU/Linear without biases; tokens [sink, state MLP, action
+    MLP] (MLPProjector: Linear(in, out), GELU-tanh, Linear(out, out), no biases); layer i reads
+    the K/V of VLM layer 36 - 16 + i; M-RoPE continuing at max prefix position + 1; 30 x 32
+    actions, 5 Euler steps with t: 0 -> 1.
+
+    Ambiguous in public code (the defaults follow the inference path):
+    * the training code adds +10 to the action tokens' positions and bands action-action attention
+      to 4 previous actions; a port of the published inference code (`modeling_mibot.py`) applies
+      neither. Here `action_position_offset=0`, `suffix_window=None`; both are spec fields.
+    * XR0 takes the per-axis max of the prefix M-RoPE positions; here all axes continue at
+      `next_position` (max over axes + 1). They agree when the prefix ends in text, as XR0's does
+      (its prompt closes with the assistant turn).
+    * the DiT's own K/V use N heads in the public code, K heads here; equal for XR0 (N = K = 8).
+    * action_mask (zeroing padded action dims of the input) is all ones at inference; not modelled.
+    Size: 278,458,368 head parameters; with the 4,437,815,808 of Qwen3-VL-4B, 4,716,274,176
+    (published: 4.7B).
+    """
+    return _xr0("xr0", width=1024, depth=16, heads=8, kv_heads=8, head_dim=128, mlp=4096, kv_layers=range(20, 36))
+
+
+def starvla_qwenpi_v3() -> HeadSpec:
+    """StarVLA QwenPI_v3 (Qwen3VL-PI_v3) on Qwen3-VL-4B: layer-wise cross-attention to projected hidden states.
+
+    Read from starVLA/starVLA @ 0ed0aad: `QwenPI_v3.py` (`project_layers`: LayerNorm(2560) +
+    Linear(2560, 1024) per layer; `hidden_states[-36:]`, so block i reads HF index i + 1 and block
+    35 the final-normed output), `LayerwiseFM_ActionHeader.py` (ActionEncoder with the bucketed
+    time mixed into every action token, learned position table of 1024 rows, 32 future tokens,
+    action decoder MLP(1024 -> 1024 -> 7) on the blocks' output (`return_pre_output=True`), cross
+    mask = backbone attention mask, t: 0 -> 1 in 4 steps, time bucket int(t * 1000)) and
+    `cross_attention_dit.py` (36 BasicTransformerBlocks, 16 heads x 64 with biases, AdaLayerNorm,
+    GELU-tanh FF 4096, legacy all-cross since commit 7276c5e).
+
+    Size: project_layers 94,593,024 and 535,494,663 head parameters here, against the docstring's
+    action_model 538,678,305 (TOTAL 5,071,087,137). The 3,183,642 difference are checkpoint
+    weights QwenPI_v3's inference never runs: the DiT's output block (`proj_out_1` 2,099,200,
+    `proj_out_2` to GR00T's default output_dim 26, 26,650; skipped by `return_pre_output`) and the
+    state encoder (1,057,792; QwenPI_v3 writes the state into the prompt and passes state=None).
+    Not verified: whether the released checkpoint was trained with the interleaved self-attention
+    forward (the repository warns that old checkpoints need their own code snapshot); the horizon
+    16 and action dim 7 are framework defaults a checkpoint config may override.
+    """
+    return _starvla("starvla_qwenpi_v3", width=1024, depth=36, heads=16, head_dim=64, vlm_width=2560, proj=1024, vlm_depth=36)
+
+
+def gr00t() -> HeadSpec:
+    """StarVLA QwenGR00T (DiT-B) on Qwen3-VL-4B: cross-attention to the last hidden state only.
+
+    Read from starVLA/starVLA @ 0ed0aad: `QwenGR00T.py` (`hidden_states[-1]`, the final-normed
+    output, with the backbone attention mask; DiT-B: 16 blocks x 768, 12 heads x 64; cross dim =
+    VLM width 2560; interleaved: even blocks cross-attend, odd blocks self-attend; output_dim 1024;
+    horizon 8 x 7; state_dim 7; 4 steps) and `GR00T_ActionHeader.py` (state MLP token, 32 future
+    tokens, learned positions, DiT output block (LayerNorm modulated by proj_out_1, then proj_out_2
+    to 1024) and action decoder MLP(1024 -> 1024 -> 7)). No published parameter count.
+    """
+    return _gr00t("gr00t", width=768, depth=16, heads=12, head_dim=64, vlm_width=2560, vlm_depth=36, out_dim=1024)
+
+
+_PRESETS = {
+    "xr0": xr0,
+    "starvla_qwenpi_v3": starvla_qwenpi_v3,
+    "gr00t": gr00t,
+    # Benchmark scale, for `mot.preset("bench")`'s backbone (1024 x 8, 4 KV heads x 128).
+    "xr0_bench": lambda: _xr0("xr0", width=512, depth=4, heads=4, kv_heads=4, head_dim=128, mlp=2048, kv_layers=range(4, 8)),
+    "starvla_bench": lambda: _starvla("starvla_qwenpi_v3", width=512, depth=8, heads=8, head_dim=64, vlm_width=1024,
+                                      proj=512, vlm_depth=8),
+    "gr00t_bench": lambda: _gr00t("gr00t", width=384, depth=4, heads=6, head_dim=64, vlm_width=1024, vlm_depth=8, out_dim=512),
+    # Test scale, for `backbone.preset("qwen3vl_tiny")` (64 x 3, 2 KV heads x 16).
+    "xr0_tiny": lambda: _xr0("xr0", width=32, depth=2, heads=2, kv_heads=2, head_dim=16, mlp=64, kv_layers=(1, 2),
+                             horizon=6, action_dim=8, state_dim=5, steps=3),
+    "starvla_tiny": lambda: _starvla("starvla_qwenpi_v3", width=32, depth=3, heads=2, head_dim=16, vlm_width=64, proj=32,
+                                     vlm_depth=3, future=4, horizon=5, steps=2, io_hidden=24, max_positions=8),
+    "gr00t_tiny": lambda: _gr00t("gr00t", width=32, depth=2, heads=2, head_dim=16, vlm_width=64, vlm_depth=3, out_dim=16,
+                                 future=3, horizon=4, state_dim=6, steps=2, io_hidden=24, max_positions=8),
+}
+
+
+def preset(name: str) -> HeadSpec:
+    """A named head: 'xr0', 'starvla_qwenpi_v3', 'gr00t' (full size, on Qwen3-VL-4B), their '_bench'
+    and '_tiny' variants (same names inside, for the bench and tiny backbones of `mot.preset`)."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown head preset {name!r}; choose one of {sorted(_PRESETS)}")
+    return _PRESETS[name]()
