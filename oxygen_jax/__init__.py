@@ -29,7 +29,7 @@ from oxygen_jax.models.pi05.lora import ModelLora, init_bank, merge, stack_adapt
 
 # The model: prefill once, denoise from the cache
 from oxygen_jax.models.pi05.observation import Observation, trim_prompt_padding
-from oxygen_jax.models.prefix import PrefixCache
+from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.models.pi05.model import compute_loss, denoise, prefill, sample_actions
 
 # Language decoding and the unified-KV runtime
@@ -50,7 +50,7 @@ __all__ = [
     "BackboneSpec", "pi05_spec", "HeadSpec", "ModelSpec", "ModelParams", "init_model", "make_inputs", "prefix_pass",
     "sample_all", "language_model", "LanguageModel", "Vla", "Pi05", "MultiHead",
     "ExpertLora", "ModelLora", "LoraBank", "RowAdapters", "init_bank", "merge", "stack_adapters",
-    "Observation", "trim_prompt_padding", "PrefixCache", "prefill", "denoise", "sample_actions", "compute_loss",
+    "Observation", "trim_prompt_padding", "Prefix", "prefill", "denoise", "sample_actions", "compute_loss",
     "DecodePool", "Requests", "init_pool", "make_requests", "admit", "decode_burst", "release_finished",
     "frame_step", "rollout", "Scheduler", "Ticket", "Engine", "EngineConfig", "RequestError",
 ]

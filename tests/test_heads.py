@@ -1,7 +1,7 @@
 """Action heads (models/heads/): full-size sizes by eval_shape, what each kind reads, time and masks, a plain numpy
 reading of the published blocks, validation.
 
-The heads run here on a synthetic `PrefixOutputs` (random K/V and hidden states of the tiny Qwen3-VL
+The heads run here on a synthetic `Prefix` (random K/V and hidden states of the tiny Qwen3-VL
 backbone's shapes, one row with two padded positions); tests/test_mot.py runs them on a real prefix pass.
 """
 
@@ -20,7 +20,7 @@ from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models.heads import joint, parts
 from oxygen_jax.models import mot
-from oxygen_jax.models.prefix import PrefixOutputs
+from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import param_count
 
 QWEN3_VL_4B = 4_437_815_808  # tests/test_backbone.py: Qwen3-VL-4B by eval_shape (text + ViT)
@@ -115,7 +115,7 @@ def test_sinusoid_conventions_worked_example():
 # Heads on a synthetic prefix
 
 
-def _synthetic_prefix(seed: int = 0, b: int = 2, p: int = 7) -> PrefixOutputs:
+def _synthetic_prefix(seed: int = 0, b: int = 2, p: int = 7) -> Prefix:
     """Random K/V of all 3 layers and hidden states 0..3 of the tiny Qwen3-VL backbone; row 1 has 2 padded slots."""
     spec = bb.preset("qwen3vl_tiny")
     rng = np.random.default_rng(seed)
@@ -123,14 +123,15 @@ def _synthetic_prefix(seed: int = 0, b: int = 2, p: int = 7) -> PrefixOutputs:
     mask = np.ones((b, p), bool)
     mask[1, :2] = False
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    return PrefixOutputs(
+    return Prefix(
         k=normal(ell, b, p, k, h), v=normal(ell, b, p, k, h), hidden=normal(ell + 1, b, p, d), mask=jnp.asarray(mask),
+        positions=jnp.asarray(np.where(mask, np.cumsum(mask, -1) - 1, 0), jnp.int32),
         next_position=jnp.asarray([p, p - 2], jnp.int32), last_hidden=None, kv_layers=tuple(range(ell)),
         hidden_layers=tuple(range(ell + 1)), rope=spec.rope,
     )
 
 
-def _replace_at(prefix: PrefixOutputs, field: str, index, value: float) -> PrefixOutputs:
+def _replace_at(prefix: Prefix, field: str, index, value: float) -> Prefix:
     return dataclasses.replace(prefix, **{field: getattr(prefix, field).at[index].set(value)})
 
 

@@ -15,7 +15,7 @@ from oxygen_jax.models import backbone as bb
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models import siglip
 from oxygen_jax.models.pi05.config import model_config
-from oxygen_jax.models.prefix import PrefixCache
+from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
 from oxygen_jax.models.pi05.observation import Observation, validate_observation
 from oxygen_jax.nn.layers import RMSNorm, AdaRMSNorm, Dense, apply_rope, attention, dense, param_count
@@ -197,7 +197,7 @@ def test_next_position_is_the_largest_valid_position_plus_one_on_any_rope_axis()
     M-RoPE prefix, whose image tokens share positions, continues after its largest valid position."""
     mask = jnp.asarray([[1, 1, 0, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], bool)
     kv, hidden = jnp.zeros((1, 3, 6, 1, 2)), jnp.zeros((3, 4))
-    text = PrefixCache(k=kv, v=kv, mask=mask, positions=positions_from_mask(mask), last_hidden=hidden)
+    text = Prefix.every_layer(kv, kv, mask, positions_from_mask(mask), hidden)
     np.testing.assert_array_equal(text.next_position, text.num_valid)
     np.testing.assert_array_equal(text.next_position, [3, 4, 0])
     # Row 0: text 0, a 2x2 image at t = 1 (h, w in 1..2), text 3. Row 1: its first five tokens,
@@ -205,8 +205,8 @@ def test_next_position_is_the_largest_valid_position_plus_one_on_any_rope_axis()
     t, h, w = [0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]
     pad = lambda a: [99] + a[:-1]  # noqa: E731
     positions = jnp.asarray([[t, pad(t)], [h, pad(h)], [w, pad(w)]], jnp.int32)  # [R, B, P]
-    mrope = PrefixCache(k=kv[:, :2], v=kv[:, :2], mask=jnp.asarray([[True] * 6, [False] + [True] * 5]),
-                        positions=positions, last_hidden=hidden[:2])
+    mrope = Prefix.every_layer(kv[:, :2], kv[:, :2], jnp.asarray([[True] * 6, [False] + [True] * 5]), positions,
+                               hidden[:2])
     np.testing.assert_array_equal(mrope.next_position, [4, 3])  # < num_valid = [6, 5]
     chex.assert_shape(mrope.row(1).positions, (3, 1, 6))
     np.testing.assert_array_equal(mrope.row(1).next_position, [3])

@@ -6,7 +6,7 @@ backbone (Qwen3-VL vision, DeepStack, M-RoPE) once and keeps exactly the union o
 `run_heads` then prepares every head once and denoises each from that one prefix. `sample_all`
 is both in one jittable program:
 
-    inputs ──► prefix_pass (ViT + backbone, once) ──► PrefixOutputs ─┬─► XR0 head: tail-layer K/V ──► actions
+    inputs ──► prefix_pass (ViT + backbone, once) ──► Prefix ─┬─► XR0 head: tail-layer K/V ──► actions
                                                      (union of reads) ├─► QwenPI_v3 head: projected hidden ─► actions
                                                                       ├─► GR00T head: last hidden ──► actions
                                                                       └─► language decoder: all K/V + last hidden
@@ -15,7 +15,7 @@ A head's actions do not depend on which other heads share the program (tested bi
 single-head model (`ModelSpec.only`) keeps only that head's reads and gives the same actions.
 
 Language: `language_model(spec, params)` is the backbone as a `backbone.LanguageModel`; the decode slot
-pool admits requests from the `PrefixOutputs` of a model with `language=True`. The whole fan-out frame
+pool admits requests from the `Prefix` of a model with `language=True`. The whole fan-out frame
 (prefix pass, every head, admission and a k-token burst on the donated pool) is `runtime.frame.frame_step`
 of a `runtime.vla.MultiHead(params, spec)`; `runtime.frame` also has the isolated / parallel / shared_kv settings.
 
@@ -39,7 +39,7 @@ from oxygen_jax.models import heads as hd
 from oxygen_jax.models import qwen3_vl
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.models.heads import HeadParams, HeadSpec
-from oxygen_jax.models.prefix import PrefixOutputs
+from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import stack_layers, unstack_layers
 from oxygen_jax.nn.masks import last_valid_index
 
@@ -214,7 +214,7 @@ def make_inputs(spec: ModelSpec, input_ids, input_mask, images=()) -> PrefixInpu
                         next_position=jnp.asarray(nxt), pixel_values=None if pixels is None else jnp.asarray(pixels), grid=grid)
 
 
-def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> PrefixOutputs:
+def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> Prefix:
     """Runs vision and the backbone once and keeps the union of every reader's needs (`spec.reads()`).
 
     Reuses `backbone.prefill` (HF-convention hidden states: pre-DeepStack layer outputs, the
@@ -222,7 +222,7 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> P
     never stored by the layer loop (stacked or unrolled).
 
     Returns:
-      `prefix.PrefixOutputs` with K/V [Lk, B, P, K, H], hidden [Lh, B, P, D], the prefix mask,
+      `prefix.Prefix` with K/V [Lk, B, P, K, H], hidden [Lh, B, P, D], the prefix mask,
       next positions and (with language) the last valid token's final-normed output [B, D].
     """
     bspec, decoder = spec.backbone, params.decoder
@@ -248,20 +248,21 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> P
     if reads.last_hidden:
         idx = last_valid_index(inputs.input_mask)
         last = jnp.take_along_axis(out["normed"], idx[:, None, None], axis=1)[:, 0]
-    return PrefixOutputs(k=k, v=v, hidden=hidden, mask=inputs.input_mask, next_position=inputs.next_position.astype(jnp.int32),
-                         last_hidden=last, kv_layers=reads.kv_layers, hidden_layers=reads.hidden_layers, rope=bspec.rope)
+    return Prefix(k=k, v=v, hidden=hidden, mask=inputs.input_mask, positions=inputs.positions,
+                  next_position=inputs.next_position.astype(jnp.int32), last_hidden=last, kv_layers=reads.kv_layers,
+                  hidden_layers=reads.hidden_layers, rope=bspec.rope)
 
 
 def language_model(spec: ModelSpec, params: ModelParams) -> bb.LanguageModel:
     """The model's language decoder (its backbone: embedder, layers, final norm, head) for the decode pool.
 
     `decode.init_pool` / `admit` / `decode_burst` take it in place of π0.5's `Params`; they admit from
-    the `PrefixOutputs` of a `prefix_pass` with `spec.language` (every layer's K/V and the last hidden).
+    the `Prefix` of a `prefix_pass` with `spec.language` (every layer's K/V and the last hidden).
     """
     return bb.LanguageModel(decoder=params.decoder, spec=spec.backbone)
 
 
-def run_heads(spec: ModelSpec, params: ModelParams, prefix: PrefixOutputs, noises: dict[str, jax.Array],
+def run_heads(spec: ModelSpec, params: ModelParams, prefix: Prefix, noises: dict[str, jax.Array],
               states: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
     """Every head of `spec` on one prefix: prepare once (per-frame precompute), then denoise.
 

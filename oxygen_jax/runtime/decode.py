@@ -28,8 +28,8 @@ share. Occupancy, arrivals and finishing therefore never change a compiled shape
 Any backbone: every function takes the language model as its first argument, either π0.5 `Params`
 (the VLM expert with its embedder and tied head; unchanged programs) or a `LanguageModel`, a
 `backbone.Decoder` with its static `BackboneSpec` (Qwen3 / Qwen3-VL, e.g. `mot.language_model`). The
-prefix is a `prefix.PrefixCache` (π0.5's `model.prefill`) or a `prefix.PrefixOutputs` that kept every
-layer's K/V and the last hidden state (`mot.prefix_pass` of a model with `language=True`). Positions
+prefix is a `prefix.Prefix` that kept every layer's K/V and the last hidden state (π0.5's `model.prefill`,
+or `mot.prefix_pass` of a model with `language=True`). Positions
 are 1-D; for an M-RoPE backbone a [B, T] position means all three axes equal, which is what text after
 the prefix uses (HF Qwen3-VL's decode positions: the row's next_position + j on every axis).
 """
@@ -47,7 +47,7 @@ import numpy as np
 from oxygen_jax.models import backbone
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, LanguageModel
 from oxygen_jax.models.pi05.config import EOS_ID
-from oxygen_jax.models.prefix import PrefixCache, PrefixOutputs
+from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.models.lora import LoraBank, RowAdapters
 from oxygen_jax.models.pi05.model import vlm_decoder
 from oxygen_jax.models.pi05.params import Params
@@ -62,7 +62,6 @@ _STATIC = dict(static=True)
 
 
 LM = Params | LanguageModel
-Prefix = PrefixCache | PrefixOutputs
 
 
 class _Text(NamedTuple):
@@ -90,16 +89,15 @@ class _PrefixView(NamedTuple):
 
 
 def _prefix(prefix: Prefix, depth: int) -> _PrefixView:
-    """The fields admission reads, from a `PrefixCache` or a `PrefixOutputs` holding every layer's K/V."""
-    if isinstance(prefix, PrefixOutputs):
-        if prefix.kv_layers != tuple(range(depth)) or prefix.last_hidden is None:
-            raise ValueError(f"language decoding needs the K/V of all {depth} layers and the last hidden state, but the "
-                             f"prefix kept K/V of layers {prefix.kv_layers}: build it with a ModelSpec that has language=True")
+    """The fields admission reads, from a `Prefix` holding every layer's K/V and the last hidden state."""
+    if prefix.kv_layers != tuple(range(depth)) or prefix.last_hidden is None:
+        raise ValueError(f"language decoding needs the K/V of all {depth} layers and the last hidden state, but the "
+                         f"prefix kept K/V of layers {prefix.kv_layers}: build it with a ModelSpec that has language=True")
     return _PrefixView(prefix.k, prefix.v, prefix.mask, prefix.next_position, prefix.last_hidden)
 
 
 def prefix_length(prefix: Prefix) -> int:
-    """P of a prefix (`PrefixCache` or `PrefixOutputs`): what `init_pool` takes as `prefix_len`."""
+    """P of a `Prefix`: what `init_pool` takes as `prefix_len`."""
     return prefix.mask.shape[-1]
 
 
@@ -275,7 +273,7 @@ def make_requests(
 def init_pool(params: LM, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> DecodePool:
     """An empty pool of `num_slots` slots for prefixes of `prefix_len` tokens.
 
-    Take `prefix_len` from the prefix the pool will serve (`PrefixCache.length`, `prefix_length`, or
+    Take `prefix_len` from the prefix the pool will serve (`Prefix.length`, `prefix_length`, or
     `model.prefix_length(params, observation)` before any prefill).
     """
     text = _text(params)
@@ -313,7 +311,7 @@ def suffix_forward(params: LM, prefix: Prefix, rows: jax.Array, tokens: jax.Arra
 
     Args:
       params: π0.5 `Params` (the VLM expert) or a `LanguageModel`.
-      prefix: `PrefixCache`, or `PrefixOutputs` with every layer's K/V.
+      prefix: a `Prefix` with every layer's K/V.
       rows: int32 [J] prefix row each sequence continues.
       tokens: int32 [J, Q] suffix tokens (entries beyond a sequence's length are padding: they are
         computed but nothing before them attends to them).

@@ -93,7 +93,7 @@ def suffix_logits(params: Params, prefix, tokens: jax.Array, bank: lora.LoraBank
     sums differently and changes last bits.
 
     Args:
-      prefix: `PrefixCache` with B rows (row b continues sequence b).
+      prefix: `Prefix` with B rows (row b continues sequence b).
       tokens: int32 [B, T]; bank, adapter: optional LoRA bank and int32 [B] adapter ids.
     """
     rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)

@@ -1,7 +1,7 @@
 """Flow-matching action heads that read one shared VLM prefix: three kinds, their parameters and presets.
 
 A head is a small transformer (a DiT) that turns noise into an action chunk in `num_steps` Euler
-steps, conditioned on what one backbone prefix pass left behind (`PrefixOutputs`). The three
+steps, conditioned on what one backbone prefix pass left behind (`Prefix`). The three
 kinds differ only in what they read and how:
 
 | kind           | reads from the prefix                         | per-frame precompute (`prepare`)     | model       |
@@ -46,7 +46,7 @@ from oxygen_jax.models.heads.joint import JointHead
 from oxygen_jax.models.heads.parts import HeadState
 from oxygen_jax.models.heads.presets import gr00t, preset, starvla_qwenpi_v3, xr0
 from oxygen_jax.models.heads.spec import HeadSpec, Kind
-from oxygen_jax.models.prefix import PrefixOutputs
+from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import param_count
 
 HeadParams = JointHead | CrossHead
@@ -95,7 +95,7 @@ def stack_head(params: HeadParams) -> HeadParams:
     return (joint if isinstance(params, JointHead) else cross).stack(params)
 
 
-def prepare(params: HeadParams, spec: HeadSpec, prefix: PrefixOutputs, state: jax.Array | None = None) -> HeadState:
+def prepare(params: HeadParams, spec: HeadSpec, prefix: Prefix, state: jax.Array | None = None) -> HeadState:
     """Once per frame: everything the head's denoise steps read from the prefix.
 
     Args:
@@ -135,7 +135,7 @@ def denoise(params: HeadParams, spec: HeadSpec, st: HeadState, noise: jax.Array)
     return flow.integrate(lambda x, k: module.velocity(params, spec, st, x, k), noise, spec.num_steps, direction)
 
 
-def sample(params: HeadParams, spec: HeadSpec, prefix: PrefixOutputs, noise: jax.Array,
+def sample(params: HeadParams, spec: HeadSpec, prefix: Prefix, noise: jax.Array,
            state: jax.Array | None = None) -> jax.Array:
     """`denoise(prepare(prefix))`: one action chunk [B, Ha, Ad] from a shared prefix."""
     _check_noise(spec, noise, prefix.mask.shape[0])

@@ -25,7 +25,7 @@ from oxygen_jax.models.heads.parts import (
     HeadState, Linear, Mlp, compute_dtype, extra_tokens, gelu, lin, linear_tree, mlp, mlp_tree, sinusoid, time_input,
 )
 from oxygen_jax.models.heads.spec import HeadSpec
-from oxygen_jax.models.prefix import PrefixOutputs
+from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import LayerNorm, Unstacked, _pytree, attention, layer_norm, scan_layers, stack_layers, unstack_layers
 
 
@@ -117,7 +117,7 @@ def stack(params: CrossHead) -> CrossHead:
     return dataclasses.replace(params, blocks=stack_layers(params.blocks))
 
 
-def prepare(params: CrossHead, spec: HeadSpec, prefix: PrefixOutputs, state: jax.Array | None) -> HeadState:
+def prepare(params: CrossHead, spec: HeadSpec, prefix: Prefix, state: jax.Array | None) -> HeadState:
     """The extra tokens and every cross block's K/V of its context (with QwenPI_v3's per-layer
     LayerNorm + Linear first), computed once for all `num_steps` steps."""
     dtype = compute_dtype(params)

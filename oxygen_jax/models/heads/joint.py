@@ -24,7 +24,7 @@ from oxygen_jax.models.heads.parts import (
     HeadState, Linear, Mlp, compute_dtype, extra_tokens, gelu, lin, linear_tree, mlp, mlp_tree, sinusoid, time_input,
 )
 from oxygen_jax.models.heads.spec import HeadSpec
-from oxygen_jax.models.prefix import PrefixOutputs
+from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import Unstacked, _pytree, apply_rope, attention, scan_layers, stack_layers, unstack_layers
 
 
@@ -108,7 +108,7 @@ def _suffix_mask(spec: HeadSpec) -> jax.Array:
     return mask
 
 
-def prepare(params: JointHead, spec: HeadSpec, prefix: PrefixOutputs, state: jax.Array | None) -> HeadState:
+def prepare(params: JointHead, spec: HeadSpec, prefix: Prefix, state: jax.Array | None) -> HeadState:
     """The mapped layers' K/V, the extra tokens, RoPE tables of the head tokens and the [B, T, P + T] mask."""
     dtype = compute_dtype(params)
     b, p = prefix.mask.shape

@@ -32,7 +32,7 @@ from oxygen_jax.models.backbone import Decoder
 from oxygen_jax.models.pi05.observation import Observation, validate_observation
 from oxygen_jax.models.pi05.params import Params
 from oxygen_jax.models.pi05.spec import pi05_spec
-from oxygen_jax.models.prefix import PrefixCache
+from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import dense
 from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
 
@@ -105,22 +105,21 @@ def prefix_forward(params: Params, obs: Observation) -> dict[str, jax.Array]:
 
 
 @jax.jit
-def prefill(params: Params, observation: Observation) -> PrefixCache:
+def prefill(params: Params, observation: Observation) -> Prefix:
     """Runs SigLIP and the VLM expert over the prefix once.
 
     Args:
       params: model parameters (their static `config` selects dtype and prompt attention).
       observation: images [B, Nc, Px, Px, 3], masks, prompt tokens [B, Tp].
     Returns:
-      The prefix cache, P = Nc * Np + Tp positions.
+      The prefix (every layer's K/V, no hidden states kept), P = Nc * Np + Tp positions.
     """
     out = prefix_forward(params, observation)
     last = last_valid_index(out["input_mask"])
     h_last = jnp.take_along_axis(out["hidden"], last[:, None, None], axis=1)
     h_last = final_norm(params, h_last)
-    return PrefixCache(
-        k=out["k"], v=out["v"], mask=out["input_mask"], positions=out["positions"], last_hidden=h_last[:, 0]
-    )
+    return Prefix.every_layer(out["k"], out["v"], out["input_mask"], out["positions"], h_last[:, 0],
+                              pi05_spec(params.config).rope)
 
 
 def prefix_length(params: Params, observation: Observation) -> int:
@@ -147,7 +146,7 @@ def time_condition(params: Params, t: jax.Array) -> jax.Array:
     return jax.nn.swish(dense(params.time_mlp_out, jax.nn.swish(dense(params.time_mlp_in, emb))))
 
 
-def velocity(params: Params, cache: PrefixCache, x_t: jax.Array, t: jax.Array) -> jax.Array:
+def velocity(params: Params, cache: Prefix, x_t: jax.Array, t: jax.Array) -> jax.Array:
     """Flow-matching velocity v(x_t, t) [B, Ha, Ad] from the action expert reading the prefix cache.
 
     Args:
@@ -170,7 +169,7 @@ def velocity(params: Params, cache: PrefixCache, x_t: jax.Array, t: jax.Array) -
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
-def denoise(params: Params, cache: PrefixCache, noise: jax.Array, num_steps: int = 10) -> jax.Array:
+def denoise(params: Params, cache: Prefix, noise: jax.Array, num_steps: int = 10) -> jax.Array:
     """Euler integration of the flow from t = 1 (noise) to t = 0 (actions).
 
     The cache is read, never written, and not donated: text decoding can share it.
