@@ -1,0 +1,288 @@
+#!/usr/bin/env bash
+# The GPU check: the one script a machine with an NVIDIA GPU runs first (docs/development.md).
+#
+#   bash eval/device_check.sh [--out DIR] [--budget SECONDS] [--tar FILE]    # on a GPU machine
+#   bash eval/device_check.sh --smoke [--out DIR]                           # anywhere: CPU, tiny preset
+#
+# GPU mode: installs the GPU extra (requirements-gpu.txt) into .venv (made from requirements.txt first
+# if absent), then, within --budget seconds (default 480: 8 minutes), measures π0.5 at full size in
+# bfloat16 with random weights, one step after the other, each under its own `timeout`:
+#
+#   weights   the `pi05` preset's random weights (seed 0) drawn once and saved (our checkpoint format)
+#             to a temporary folder; every later step restores them with --ckpt
+#   settings  python -m eval.bench: isolated / shared_kv / continuous, LIBERO, S = 10, N = 30, k = 5,
+#             20 measured frames, compile time reported apart; its component times (measured first,
+#             each alone) include the decode step t(B) at B = 1, 2, 4, 6, 8, 16, 32, 64 ("decode")
+#   serve     python -m eval.serve_bench: 1 / 4 / 8 robots, batched against one robot at a time
+#   adapter   python -m eval.bench --adapter-rank 16: decode steps and a continuous frame with a
+#             language adapter against the base weights
+#
+# Everything goes to one folder (default eval/results/gpu_<UTC date>): one sub-folder per step, its log,
+# steps.tsv (step, exit code, seconds, command) and summary.md, one page with the key ratios of each
+# step's JSON (`python -m eval.report DIR/settings` makes tables and plots later, on any machine). The
+# steps share one fresh persistent compilation cache, so a later step loads the programs an earlier one
+# compiled (its compile_s is then a cache load). Exit code 0 when every step exited 0, else 1;
+# summary.md is written either way.
+#
+# Without a GPU (nvidia-smi lists none) the script says so in one line and exits 0, unless --smoke.
+# --smoke runs every step on the CPU with the tiny preset and tiny sizes (its numbers measure nothing)
+# into --out DIR (default: a new temporary folder); tests/test_device_check.py runs it.
+#
+# PYTHON=/path/to/python skips the setup and uses that interpreter.
+set -u -o pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 1
+
+SMOKE=0 OUT_DIR="" BUDGET=480 TAR=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) SMOKE=1 ;;
+    --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
+    --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
+    --tar) TAR=${2:?--tar needs a file name}; shift ;;
+    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "device_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [ "$SMOKE" = 0 ] && ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  echo "device_check: no GPU on this machine (nvidia-smi lists none): nothing measured; --smoke runs the CPU smoke test."
+  exit 0
+fi
+
+START=$(date +%s)
+if [ -z "$OUT_DIR" ]; then
+  if [ "$SMOKE" = 1 ]; then
+    OUT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/device_check.XXXXXX")
+  else
+    OUT_DIR="eval/results/gpu_$(date -u +%Y%m%d)"
+    [ -e "$OUT_DIR" ] && OUT_DIR="${OUT_DIR}_$(date -u +%H%M%S)"
+  fi
+fi
+mkdir -p "$OUT_DIR" || exit 1
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+STEPS="$OUT_DIR/steps.tsv"
+: > "$STEPS"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/device_check_work.XXXXXX")  # the saved weights (6.7 GB at full size); removed at the end
+WEIGHTS="$WORK/weights"
+export PYTHONUNBUFFERED=1
+
+# step NAME CAP_SECONDS CMD...: runs CMD under `timeout`, logs to NAME.log, appends to steps.tsv.
+# In GPU mode the timeout is min(CAP, what is left of --budget); with under 20 s left the step is skipped.
+step() {
+  local name=$1 cap=$2; shift 2
+  local limit=$cap
+  if [ "$SMOKE" = 0 ]; then
+    local left=$(( DEADLINE - $(date +%s) ))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 20 ]; then
+      printf '%s\tskipped\t0\t%s\n' "$name" "$*" >> "$STEPS"
+      echo "device_check: $name skipped (the ${BUDGET} s budget is spent)"
+      return
+    fi
+  fi
+  echo "device_check: $name (at most ${limit} s): $*"
+  local t0 rc
+  t0=$(date +%s)
+  timeout --kill-after=15 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$*" >> "$STEPS"
+  echo "device_check: $name exited $rc after $(( $(date +%s) - t0 )) s (log: $OUT_DIR/$name.log)"
+}
+
+# --- the interpreter ---------------------------------------------------------------------------------
+has_gpu_jax() { "$1" -c 'import jax, sys; sys.exit(0 if jax.default_backend() == "gpu" else 1)' >/dev/null 2>&1; }
+
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+  SETUP_NOTE="PYTHON=$PYTHON given: no setup"
+elif [ "$SMOKE" = 1 ]; then
+  PY=.venv/bin/python
+  [ -x "$PY" ] || PY=python3
+  SETUP_NOTE="smoke: no setup"
+else
+  {
+    if [ ! -x .venv/bin/python ]; then
+      python3 -m venv .venv && timeout 600 .venv/bin/pip install -q --retries 0 --timeout 10 -r requirements.txt
+      venv_rc=$?
+      if [ "$venv_rc" != 0 ]; then echo "making .venv failed ($venv_rc): removing it"; rm -rf .venv; fi
+    fi
+    if [ -x .venv/bin/python ]; then
+      timeout 600 .venv/bin/pip install -q --retries 0 --timeout 10 -r requirements-gpu.txt
+      echo "pip install -r requirements-gpu.txt exited $?"
+    fi
+  } > "$OUT_DIR/setup.log" 2>&1
+  if [ -x .venv/bin/python ] && has_gpu_jax .venv/bin/python; then
+    PY=.venv/bin/python
+    SETUP_NOTE="requirements-gpu.txt installed into .venv"
+  elif has_gpu_jax python3; then
+    # No package index reachable (an isolated machine): the machine's own JAX, if it sees the GPU.
+    PY=$(command -v python3)
+    SETUP_NOTE="pip could not install requirements-gpu.txt (setup.log); using $PY, whose JAX sees the GPU"
+  else
+    PY=""
+    SETUP_NOTE="no interpreter with a GPU-enabled JAX (setup.log)"
+  fi
+  # Wheels a machine without a package index lacks (e.g. websockets for the server) can be carried in .whl/.
+  if [ -n "$PY" ] && compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --target "$WORK/site" .whl/*.whl >> "$OUT_DIR/setup.log" 2>&1 \
+      && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" && SETUP_NOTE="$SETUP_NOTE; wheels from .whl/"
+  fi
+  printf 'setup\t%s\t%s\t%s\n' "$([ -n "$PY" ] && echo 0 || echo 1)" "$(( $(date +%s) - START ))" \
+    "pip install -r requirements-gpu.txt ($SETUP_NOTE)" >> "$STEPS"
+fi
+echo "device_check: python $PY ($SETUP_NOTE); results in $OUT_DIR"
+
+# --- the steps ---------------------------------------------------------------------------------------
+if [ "$SMOKE" = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  # The project's compile cache (the one run and serve use), so a rerun of the smoke test loads its programs.
+  CACHE=${OXYGEN_JAX_CACHE_DIR:-$HOME/.cache/oxygen_jax/xla}
+  PRESET=tiny DTYPE=float32
+  BENCH=(--S 1 --N 2 --frames 1 --warmup 0 --component-repeats 1)
+  SETTINGS=(--k 1 --component-batches 1,2)
+  ADAPTER=(--k 1 --adapter-rank 2 --component-batches 1)
+  SERVE=(--robots 1 2 --frames 2 --warmup-frames 1 --repeats 1 --steps 1 --max-tokens 2 --tokens-per-frame 1 --slots 2)
+  CAP_WEIGHTS=120 CAP_SETTINGS=120 CAP_SERVE=120 CAP_ADAPTER=120
+else
+  CACHE="$WORK/xla"  # fresh: the first compile of each program is a real one
+  PRESET=pi05 DTYPE=bfloat16
+  BENCH=(--S 10 --N 30)
+  SETTINGS=(--k 5 --frames 20 --component-batches 1,2,4,6,8,16,32,64)  # 6: the batch continuous runs at N/k
+  ADAPTER=(--k 5 --frames 10 --adapter-rank 16 --component-batches 1,6,64)
+  SERVE=(--robots 1 4 8 --frames 10 --warmup-frames 2 --repeats 1)
+  CAP_WEIGHTS=100 CAP_SETTINGS=190 CAP_SERVE=130 CAP_ADAPTER=60
+fi
+DEADLINE=$(( $(date +%s) + BUDGET ))
+export JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+
+if [ -n "$PY" ]; then
+  step weights "$CAP_WEIGHTS" "$PY" -c "import sys; from oxygen_jax import init_params, model_config, save_params; \
+save_params(sys.argv[1], init_params(model_config(sys.argv[2], dtype=sys.argv[3]), 0))" "$WEIGHTS" "$PRESET" "$DTYPE"
+  MODEL=(--ckpt "$WEIGHTS")
+  [ -d "$WEIGHTS" ] || MODEL=(--preset "$PRESET")  # no saved weights: every step draws the same ones itself
+  BENCH=(-m eval.bench "${MODEL[@]}" --dtype "$DTYPE" --workloads libero --no-progress "${BENCH[@]}")
+  SERVE=(-m eval.serve_bench "${MODEL[@]}" --dtype "$DTYPE" "${SERVE[@]}")
+  serve_step() {
+    # Two servers (batched, serial) share the GPU: neither may preallocate most of its memory.
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 step serve "$CAP_SERVE" "$PY" "${SERVE[@]}" \
+      --compile-cache "$CACHE" --startup-timeout "$CAP_SERVE" --out "$OUT_DIR/serve"
+  }
+  if [ "$SMOKE" = 1 ]; then serve_step & SERVE_PID=$!; fi  # smoke: the server runs beside the bench steps
+  step settings "$CAP_SETTINGS" "$PY" "${BENCH[@]}" "${SETTINGS[@]}" --settings isolated shared_kv continuous \
+    --out "$OUT_DIR/settings"
+  if [ "$SMOKE" = 1 ]; then wait "$SERVE_PID"; else serve_step; fi
+  step adapter "$CAP_ADAPTER" "$PY" "${BENCH[@]}" "${ADAPTER[@]}" --settings continuous --out "$OUT_DIR/adapter"
+fi
+
+# --- the one-page summary ----------------------------------------------------------------------------
+GPU_LINE=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
+"${PY:-python3}" - "$OUT_DIR" "$SMOKE" "$(( $(date +%s) - START ))" "$BUDGET" "${GPU_LINE:-none}" "$PY" "$PRESET" \
+  "$DTYPE" <<'EOF'
+import datetime, json, sys
+from pathlib import Path
+
+out, smoke, total_s, budget, gpu, py, preset, dtype = Path(sys.argv[1]), sys.argv[2] == "1", *sys.argv[3:9]
+ORDER = ["setup", "weights", "settings", "decode", "serve", "adapter"]
+WHAT = {
+    "setup": "GPU extra installed, interpreter chosen",
+    "weights": "random weights (seed 0) drawn once and saved",
+    "settings": "isolated / shared_kv / continuous side by side",
+    "decode": "one decode step t(B) against batch B (in the settings run)",
+    "serve": "R robots on one server, batched vs one at a time",
+    "adapter": "language adapter against the base weights",
+}
+steps = {}
+for line in (out / "steps.tsv").read_text().splitlines():
+    name, rc, secs, cmd = line.split("\t", 3)
+    steps[name] = (rc, secs, cmd)
+if "settings" in steps:  # the decode step times are the settings run's components, measured before its frames
+    have = (out / "settings" / "components.json").is_file()
+    steps["decode"] = ("0" if have else steps["settings"][0], "–", "(the settings run's components.json)")
+
+
+def load(path):
+    try:
+        return json.loads((out / path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def f(x, spec=".1f"):
+    return "–" if x is None else format(x, spec)
+
+
+env = load("settings/environment.json") or load("adapter/environment.json") or {}
+now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+lines = ["# Device check" + (" (smoke: CPU, tiny preset; the numbers measure nothing)" if smoke else ""), ""]
+lines += [f"- when: {env.get('timestamp', now)} (UTC); commit `{env.get('commit', '–')}`",
+          f"- GPU (nvidia-smi): {gpu}; JAX {env.get('jax', '–')} on {env.get('backend', '–')} "
+          f"({env.get('device_kind', '–')}); python `{py or '–'}`",
+          f"- model: the `{preset}` preset in {dtype}, random weights (seed 0) saved once and restored by every step; "
+          f"total {total_s} s" + ("" if smoke else f", measurement budget {budget} s"), ""]
+lines += ["| step | what | exit code | seconds |", "|---|---|---|---|"]
+for name in ORDER:
+    if name in steps:
+        lines.append(f"| {name} | {WHAT[name]} | {steps[name][0]} | {steps[name][1]} |")
+lines.append("")
+
+s = load("settings/summary.json")
+if s:
+    by = {r["setting"]: r for r in s}
+    r0 = s[0]
+    lines += [f"## settings (LIBERO, S = {r0['S']}, N = {r0['N']}, k = {by.get('continuous', {}).get('k')}, "
+              f"{r0.get('frames_measured')} measured frames)", "",
+              "| setting | frame p50 ms | action Hz | tokens/s | speedup vs isolated | ideal speedup | compile s |",
+              "|---|---|---|---|---|---|---|"]
+    for r in s:
+        lines.append(f"| {r['setting']} | {f(r['frame_ms_median'])} | {f(r['action_hz'])} | {f(r['tokens_per_s'])} "
+                     f"| {f(r['speedup_vs_isolated'], '.2f')} | {f(r['ideal_speedup'], '.2f')} | {f(r['compile_s'])} |")
+    lines += ["", f"Recompiles after warm-up: {max(r.get('recompiles_after_warmup', 0) for r in s)}.", ""]
+
+d = load("settings/components.json")
+if d:
+    t = {int(b): v for b, v in next(iter(d.values()))["decode_step_ms"].items()}
+    bs = sorted(t)
+    lines += ["## decode step", "", "| B | " + " | ".join(map(str, bs)) + " |", "|---" * (len(bs) + 1) + "|",
+              "| t(B) ms | " + " | ".join(f(t[b], ".2f") for b in bs) + " |",
+              "| t(B) / t(1) | " + " | ".join(f(t[b] / t[bs[0]], ".2f") for b in bs) + " |",
+              "| tokens/s, B / t(B) | " + " | ".join(f(1e3 * b / t[b], ".0f") for b in bs) + " |", ""]
+
+v = load("serve/summary.json")
+if v:
+    lines += ["## serving", "", "| mode | robots | actions/s, all robots | batched / one at a time | of ideal "
+              "| RTT p50 ms | step p50 ms |", "|---|---|---|---|---|---|---|"]
+    for r in v["records"]:
+        frac = r.get("fraction_of_ideal")
+        lines.append(f"| {r['mode']} | {r['robots']} | {f(r['action_rate_total'])} | "
+                     f"{f(r.get('speedup_vs_serial'), '.2f') if r['mode'] == 'batched' else ''} | "
+                     f"{f(None if frac is None else 100 * frac, '.0f')} % | {f(r['rtt_p50_ms'])} | {f(r['step_p50_ms'])} |")
+    lines += ["", f"Server start-up to healthy, s: {v['environment'].get('startup_s')}.", ""]
+
+a, ac = load("adapter/summary.json"), load("adapter/components.json")
+if ac:
+    c = next(iter(ac.values()))
+    base = {int(b): x for b, x in c["decode_step_ms"].items()}
+    bs = sorted(base)
+    row = lambda key: " | ".join(f(c[key][str(b)] / base[b], ".2f") if c.get(key) else "–" for b in bs)  # noqa: E731
+    lines += ["## adapter overhead", "", "| decode batch B | " + " | ".join(map(str, bs)) + " |",
+              "|---" * (len(bs) + 1) + "|", "| base step ms | " + " | ".join(f(base[b], ".2f") for b in bs) + " |",
+              f"| every row on the adapter / base | {row('adapter_step_ms')} |",
+              f"| half the rows on the adapter / base | {row('mixed_step_ms')} |", ""]
+    if a:
+        frames = {r["adapter_share"]: r["frame_ms_median"] for r in a}
+        if 0.0 in frames and len(frames) > 1:
+            share = max(frames)
+            lines += [f"Continuous frame with {share:.0%} of the requests on the adapter / without a bank: "
+                      f"{f(frames[share], '.1f')} / {f(frames[0.0], '.1f')} ms = {frames[share] / frames[0.0]:.3f}.", ""]
+
+lines += ["## commands", ""] + [f"- {n}: `{steps[n][2]}`" for n in ORDER if n in steps and n != "decode"]
+(out / "summary.md").write_text("\n".join(lines) + "\n")
+EOF
+echo "device_check: summary in $OUT_DIR/summary.md"
+
+if [ -n "$TAR" ]; then tar -czf "$TAR" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"; fi
+rm -rf "$WORK"
+awk -F'\t' '$2 != "0" { bad = 1 } END { exit bad }' "$STEPS"
