@@ -192,7 +192,7 @@ class Scheduler:
         )
 
     def absorb(self, out, frame: int) -> FrameEvents:
-        """Reads a frame's host-side `schedule.FrameOutput` (after the `offer` that fed it)."""
+        """Reads a frame's host-side `runtime.frame.FrameOutput` (after the `offer` that fed it)."""
         self._evict.clear()
         admitted = []
         for t, ok in zip(self._offered, np.asarray(out.admitted)[: len(self._offered)]):

@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a suffix-only language LoRA (default: the 'Memory: ' adapter) on a base π0.5, or "
                     "pre-train the base (VLM expert + SigLIP + embedding) on a text task with --mode base. "
                     "Data: a memory dataset folder (training.memory_data / training.synthetic_memory / "
-                    "training.libero_memory --export-tfds). Resumes from OUT/checkpoints when it exists.",
+                    "training.libero --export-tfds). Resumes from OUT/checkpoints when it exists.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Outputs in OUT: adapter/ (adapter mode: load with oxygen_jax.ckpts.adapters.load_bank) or base/ (base "
                "mode: oxygen_jax.ckpts.own.restore_params), tokenizer.model, checkpoints/ (orbax, for resuming), "
