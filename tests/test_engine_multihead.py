@@ -105,3 +105,10 @@ def test_a_model_without_language_is_refused_by_the_engine_with_the_fix(model):
     alone = model.only(model.primary)
     with pytest.raises(ValueError, match="language=True"):
         Engine(alone, CFG)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_where_the_rows_are_built(model):
+    rows = _ROWS.copy()
+    rows[0, 0] = model.vocab_size
+    with pytest.raises(ValueError, match=rf"input_ids must lie in \[0, {model.vocab_size}\)"):
+        mot.make_inputs(model.spec, rows, _MASK, _images(0))

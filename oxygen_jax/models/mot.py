@@ -197,6 +197,9 @@ def make_inputs(spec: ModelSpec, input_ids, input_mask, images=()) -> PrefixInpu
     """
     ids, mask = np.asarray(input_ids, np.int32), np.asarray(input_mask, bool)
     _require(ids.ndim == 2 and mask.shape == ids.shape, f"input_ids and input_mask must both be [B, P], got {ids.shape} and {mask.shape}")
+    if ids.size:  # JAX would clamp an out-of-range embedding gather silently
+        vocab = spec.backbone.vocab_size
+        _require(ids.min() >= 0 and ids.max() < vocab, f"input_ids must lie in [0, {vocab}), got [{ids.min()}, {ids.max()}]")
     vspec = _vision_spec(spec)
     pixels, grid = None, ()
     if len(images):

@@ -25,7 +25,7 @@ from oxygen_jax.models import mot, qwen3_vl
 from oxygen_jax.models.mot import ModelSpec, PrefixInputs
 from oxygen_jax.models.pi05.config import RobotConfig
 from oxygen_jax.robots import transforms
-from oxygen_jax.robots.normalize import NormStats, quantile_normalize
+from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.robots.tokenizer import Tokenizer
 
 
@@ -73,11 +73,9 @@ def make_rows(robot: RobotConfig, spec: ModelSpec, tokenizer: Tokenizer, samples
     for i, sample in enumerate(samples):
         try:
             inp = transforms.robot_inputs(robot, sample, default_prompt=default_prompt)
+            state = transforms.normalize_state(inp["state"], norm_stats)
         except ValueError as e:
             raise ValueError(f"sample {i}: {e}") from e
-        state = inp["state"]
-        if norm_stats is not None and "state" in norm_stats:
-            state = quantile_normalize(state, norm_stats["state"])
         states[i, : state.shape[0]] = state
         for c, slot in enumerate(robot.cameras):
             if inp["image_masks"][slot]:

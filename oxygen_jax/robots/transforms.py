@@ -338,6 +338,15 @@ def client_state(robot: RobotConfig, sample: Mapping) -> np.ndarray:
     return _parse_vector(sample, "state", robot.state_dim, "the ALOHA joint state")
 
 
+def normalize_state(state: np.ndarray, norm_stats: Mapping[str, NormStats] | None, *, quantile: bool = True) -> np.ndarray:
+    """The robot state as the model sees it: quantile (π0.5) or z-score normalised with norm_stats["state"];
+    unchanged without norm stats. Raises ValueError when the stats have no "state" entry."""
+    if norm_stats is None:
+        return state
+    stats = _normalizer(norm_stats, "state")
+    return quantile_normalize(state, stats) if quantile else zscore_normalize(state, stats)
+
+
 def make_observation(
     robot: RobotConfig,
     model_config: ModelConfig,
@@ -370,10 +379,7 @@ def make_observation(
     for b, sample in enumerate(samples):
         try:
             inp = robot_inputs(robot, sample, default_prompt=default_prompt)
-            state = inp["state"]
-            if norm_stats is not None:
-                stats = _normalizer(norm_stats, "state")
-                state = quantile_normalize(state, stats) if quantile else zscore_normalize(state, stats)
+            state = normalize_state(inp["state"], norm_stats, quantile=quantile)
         except ValueError as e:
             raise ValueError(f"sample {b}: {e}") from e
         for c, slot in enumerate(robot.cameras):
