@@ -423,7 +423,7 @@ def test_heads_are_checked_against_the_backbone_they_read():
         (hd.preset("xr0_tiny").replace(num_heads=4, num_kv_heads=4), "num_kv_heads 4 must equal the backbone's 2"),
         (hd.preset("xr0_tiny").replace(kv_layers=(2, 3)), r"kv_layers \(2, 3\) must be backbone layers in \[0, 3\)"),
         (hd.preset("starvla_tiny").replace(hidden_layers=(2, 3, 4)), r"must be HF hidden_states indices in \[0, 3\]"),
-        (hd.preset("gr00t_tiny").replace(hidden_layers=(2,)), r"reads hidden_states\[3\] \(the final-normed output\)"),
+        (hd.preset("gr00t_tiny").replace(hidden_layers=(2,)), r"reads hidden_states\[3\] \(the last entry\)"),
         (hd.preset("starvla_bench"), "vlm_width 1024 must equal the backbone width 64"),
     ]
     for head, message in cases:

@@ -2,9 +2,8 @@
 
 Each head declares what it reads (`HeadSpec.kv_layers` / `hidden_layers`); the language decoder
 reads every layer's K/V and the last valid token's final-normed output. `prefix_pass` runs the
-backbone (Qwen3-VL vision, DeepStack, M-RoPE) once and keeps exactly the union of those reads;
-`run_heads` then prepares every head once and denoises each from that one prefix. `sample_all`
-is both in one jittable program:
+backbone once and keeps exactly the union of those reads; `run_heads` then prepares every head once
+and denoises each from that one prefix. `sample_all` is both in one jittable program:
 
     inputs ──► prefix_pass (ViT + backbone, once) ──► Prefix ─┬─► XR0 head: tail-layer K/V ──► actions
                                                      (union of reads) ├─► QwenPI_v3 head: projected hidden ─► actions
@@ -13,6 +12,16 @@ is both in one jittable program:
 
 A head's actions do not depend on which other heads share the program (tested bit for bit): a
 single-head model (`ModelSpec.only`) keeps only that head's reads and gives the same actions.
+
+Two input kinds, chosen by the backbone's vision encoder (`ModelSpec.input_kind`):
+
+| backbone                                  | inputs                                 | prefix pass                       |
+|-------------------------------------------|----------------------------------------|-----------------------------------|
+| Qwen3 / Qwen3-VL (`Qwen3VisionSpec`, none) | `PrefixInputs` (`make_inputs`)         | ViT + DeepStack + M-RoPE, here    |
+| any with a `SiglipConfig` (π0.5's Gemma)  | `models.observation.Observation`       | `models.siglip_prefix.prefix_pass` |
+
+π0.5 is one instance: `models.pi05.model.as_model(params)` = its Gemma + SigLIP backbone and one
+`adarms_joint` head "actions" (the action expert), the same arrays as its `Params`.
 
 Language: `language_model(spec, params)` is the backbone as a `backbone.LanguageModel`; the decode slot
 pool admits requests from the `Prefix` of a model with `language=True`. The whole fan-out frame
@@ -36,10 +45,12 @@ import numpy as np
 
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models import qwen3_vl, siglip_prefix
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.models.heads import HeadParams, HeadSpec
+from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.prefix import Prefix
+from oxygen_jax.models.siglip import Siglip, SiglipConfig
 from oxygen_jax.nn.layers import stack_layers, unstack_layers
 from oxygen_jax.nn.masks import last_valid_index
 
@@ -70,8 +81,7 @@ class ModelSpec:
     image_token_id: int | None = None  # placeholder id of image tokens (Qwen3-VL backbones)
 
     def __post_init__(self):
-        _require(self.backbone.family in ("qwen3", "qwen3_vl"),
-                 f"ModelSpec.backbone must be a Qwen3 or Qwen3-VL spec (π0.5 lives in oxygen_jax.models.pi05.model), got {self.backbone.family!r}")
+        _require(isinstance(self.backbone, BackboneSpec), f"ModelSpec.backbone must be a BackboneSpec, got {type(self.backbone).__name__}")
         _require(bool(self.heads) or self.language, "ModelSpec needs at least one head or language=True")
         names = [h.name for h in self.heads]
         _require(len(set(names)) == len(names), f"ModelSpec.heads must have distinct names, got {names}")
@@ -85,6 +95,11 @@ class ModelSpec:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(h.name for h in self.heads)
+
+    @property
+    def input_kind(self) -> str:
+        """'observation' (a SigLIP backbone: `Observation` inputs) or 'tokens' (`PrefixInputs`)."""
+        return "observation" if isinstance(self.backbone.vision, SiglipConfig) else "tokens"
 
     def head(self, name: str) -> HeadSpec:
         for h in self.heads:
@@ -118,7 +133,7 @@ class ModelSpec:
 @dataclasses.dataclass(frozen=True)
 class ModelParams:
     decoder: Decoder
-    vision: qwen3_vl.Vision | None
+    vision: qwen3_vl.Vision | Siglip | None  # by the backbone's vision spec (Qwen3-VL ViT or SigLIP)
     heads: dict[str, HeadParams]
 
     def only(self, *names: str) -> ModelParams:
@@ -136,20 +151,23 @@ def init_model(spec: ModelSpec, seed: int = 0, dtype: str = "float32") -> ModelP
     Host-side numpy draws (no per-shape compiles); a head's weights depend on (seed, its name)
     only, so a single-head model built with `ModelParams.only` has the same weights.
     """
-    vspec = _vision_spec(spec)
     return ModelParams(
-        decoder=bb.init_decoder(spec.backbone, seed, dtype),
-        vision=qwen3_vl.init_vision(vspec, seed + 1, dtype) if vspec else None,
+        decoder=bb.init_decoder(spec.backbone, seed, dtype), vision=_vision_tree(spec, bb.numpy_draws(seed + 1, dtype)),
         heads={h.name: hd.init_head(h, seed, dtype) for h in spec.heads},
     )
 
 
+def _vision_tree(spec: ModelSpec, draw: bb.Draw):
+    vision = spec.backbone.vision
+    if isinstance(vision, SiglipConfig):
+        return siglip_prefix.siglip_tree(vision, spec.backbone.width, draw)
+    return qwen3_vl.vision_tree(vision, draw) if isinstance(vision, Qwen3VisionSpec) else None
+
+
 def abstract_model(spec: ModelSpec, dtype: str = "float32") -> ModelParams:
     """`jax.ShapeDtypeStruct` leaves of the whole model via `jax.eval_shape`: nothing is allocated."""
-    vspec = _vision_spec(spec)
     return ModelParams(
-        decoder=bb.abstract_decoder(spec.backbone, dtype),
-        vision=qwen3_vl.abstract_vision(vspec, dtype) if vspec else None,
+        decoder=bb.abstract_decoder(spec.backbone, dtype), vision=jax.eval_shape(lambda: _vision_tree(spec, bb.zeros_draws(dtype))),
         heads={h.name: hd.abstract_head(h, dtype) for h in spec.heads},
     )
 
@@ -158,7 +176,10 @@ def for_backend(params: ModelParams, backend: str | None = None) -> ModelParams:
     """Layer stacks unstacked on the CPU backend (see `nn.layers.scan_layers`), stacked elsewhere."""
     cpu = (backend or jax.default_backend()) == "cpu"
     layers = unstack_layers if cpu else stack_layers
-    vision = params.vision and dataclasses.replace(params.vision, blocks=layers(params.vision.blocks))
+    if isinstance(params.vision, Siglip):
+        vision = dataclasses.replace(params.vision, layers=layers(params.vision.layers))
+    else:
+        vision = params.vision and dataclasses.replace(params.vision, blocks=layers(params.vision.blocks))
     head = hd.unstack_head if cpu else hd.stack_head
     return ModelParams(decoder=dataclasses.replace(params.decoder, layers=layers(params.decoder.layers)), vision=vision,
                        heads={n: head(p) for n, p in params.heads.items()})
@@ -195,6 +216,8 @@ def make_inputs(spec: ModelSpec, input_ids, input_mask, images=()) -> PrefixInpu
 
     Each image needs t * h * w / m² consecutive `image_token_id` tokens in its row (`qwen3_vl`).
     """
+    _require(spec.input_kind == "tokens", "this backbone has a SigLIP encoder: its inputs are models.observation.Observation "
+             "(robots.transforms.make_observation), not mot.make_inputs")
     ids, mask = np.asarray(input_ids, np.int32), np.asarray(input_mask, bool)
     _require(ids.ndim == 2 and mask.shape == ids.shape, f"input_ids and input_mask must both be [B, P], got {ids.shape} and {mask.shape}")
     if ids.size:  # JAX would clamp an out-of-range embedding gather silently
@@ -217,11 +240,14 @@ def make_inputs(spec: ModelSpec, input_ids, input_mask, images=()) -> PrefixInpu
                         next_position=jnp.asarray(nxt), pixel_values=None if pixels is None else jnp.asarray(pixels), grid=grid)
 
 
-def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> Prefix:
+def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs | Observation) -> Prefix:
     """Runs vision and the backbone once and keeps the union of every reader's needs (`spec.reads()`).
 
-    Reuses `backbone.prefill` (HF-convention hidden states: pre-DeepStack layer outputs, the
-    final-normed output last) with `keep_kv` / `keep_hidden`: K/V and hidden states nobody reads are
+    A SigLIP backbone (`spec.input_kind == "observation"`) takes an `Observation` and runs
+    `siglip_prefix.prefix_pass` (π0.5's prefill); the rest of this docstring is the `PrefixInputs` path.
+
+    Reuses `backbone.prefill` (HF-convention hidden states in the backbone's `hidden_states`
+    convention, `models.hidden_states`) with `keep_kv` / `keep_hidden`: K/V and hidden states nobody reads are
     never stored by the layer loop (stacked or unrolled).
 
     Returns:
@@ -230,6 +256,10 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> P
     """
     bspec, decoder = spec.backbone, params.decoder
     reads = spec.reads()
+    check_inputs(spec, inputs)
+    if spec.input_kind == "observation":
+        return siglip_prefix.prefix_pass(bspec, decoder, params.vision, inputs, kv_layers=reads.kv_layers,
+                                         hidden_layers=reads.hidden_layers, last_hidden=reads.last_hidden)
     deepstack = None
     if inputs.pixel_values is not None:
         vspec = _vision_spec(spec)
@@ -254,6 +284,24 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs) -> P
     return Prefix(k=k, v=v, hidden=hidden, mask=inputs.input_mask, positions=inputs.positions,
                   next_position=inputs.next_position.astype(jnp.int32), last_hidden=last, kv_layers=reads.kv_layers,
                   hidden_layers=reads.hidden_layers, rope=bspec.rope)
+
+
+def check_inputs(spec: ModelSpec, inputs) -> None:
+    """Raises ValueError when `inputs` are not the backbone's input kind (`ModelSpec.input_kind`) or mis-shaped.
+
+    Observations get every check of `observation.validate` (value checks only on concrete arrays);
+    `PrefixInputs` ids are range-checked where they are built (`make_inputs`, on the host).
+    """
+    if spec.input_kind == "observation":
+        if not isinstance(inputs, Observation):
+            raise ValueError(f"this model's backbone has a SigLIP encoder and takes an Observation "
+                             f"(robots.transforms.make_observation), got {type(inputs).__name__}")
+        siglip_prefix.check_observation(spec.backbone, inputs)
+        return
+    if not isinstance(inputs, PrefixInputs):
+        raise ValueError(f"this model takes mot.PrefixInputs (mot.make_inputs), got {type(inputs).__name__}")
+    ids, mask = inputs.input_ids, inputs.input_mask
+    _require(ids.ndim == 2 and mask.shape == ids.shape, f"input_ids and input_mask must both be [B, P], got {ids.shape} and {mask.shape}")
 
 
 def language_model(spec: ModelSpec, params: ModelParams) -> bb.LanguageModel:
@@ -319,7 +367,9 @@ def preset(name: str) -> ModelSpec:
     * 'full': Qwen3-VL-4B + XR0, QwenPI_v3 and GR00T heads + language (`eval_shape` only).
     * 'xr0', 'starvla_qwenpi_v3', 'gr00t': the published single-head models on Qwen3-VL-4B.
     """
-    full = functools.partial(ModelSpec, backbone=bb.preset("qwen3_vl_4b"), image_token_id=QWEN3_VL_IMAGE_TOKEN_ID)
+    # StarVLA's heads were trained on transformers 4.57's hidden states (`models.hidden_states`); XR0 reads K/V only.
+    full = functools.partial(ModelSpec, backbone=bb.preset("qwen3_vl_4b").replace(hidden_states="transformers_4_57"),
+                             image_token_id=QWEN3_VL_IMAGE_TOKEN_ID)
     if name == "tiny":
         return ModelSpec(backbone=bb.preset("qwen3vl_tiny"), heads=tuple(hd.preset(f"{h}_tiny") for h in _HEADS), image_token_id=500)
     if name == "bench":

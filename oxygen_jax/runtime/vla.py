@@ -7,13 +7,15 @@ so any model family runs through one frame program, one engine and one server:
     inputs ──prefix(inputs)──► prefix ─┬─► actions(prefix, noises, states): head name -> [B, Ha, Ad]
                                        └─► language(): the decoder the slot pool admits from the prefix
 
-Two kinds:
+One model type, `MultiHead(params, spec)`: a `models.mot.ModelSpec` (a backbone, its heads, optionally a
+language decoder) with its weights. Its inputs follow the backbone (`ModelSpec.input_kind`): an
+`Observation` for a SigLIP backbone (π0.5), `mot.PrefixInputs` for Qwen3 / Qwen3-VL.
 
-* `Pi05(params, num_steps)`: π0.5 (SigLIP + Gemma VLM expert prefill; one head, "actions", the flow-matching
-  action expert reading every layer's K/V; the VLM expert is the language decoder). Inputs: `Observation`.
-* `MultiHead(spec, params)`: a backbone with several heads and optionally a language decoder
-  (`models.mot.ModelSpec`: Qwen3 / Qwen3-VL with XR0-, StarVLA- and GR00T-style heads). Inputs:
-  `mot.PrefixInputs`.
+`Pi05(params, num_steps)` is π0.5 as that model: `MultiHead` of `models.pi05.model.as_model(params,
+num_steps)` (Gemma + SigLIP prefix pass; one `adarms_joint` head, "actions", reading every layer's
+K/V; the VLM expert as the language decoder). It keeps π0.5's `Params` (the server reads their config)
+and builds the `MultiHead` view of the same arrays on every call (no copies); every method is the
+`MultiHead` one. π0.5's horizon is the caller's (`action_shape(name, horizon)`).
 
 Both are registered pytrees: the weights are leaves, the spec and step count static, so a `Vla` is passed
 to jitted programs like any params tree and compiles once per (spec, shapes).
@@ -29,72 +31,11 @@ import jax
 
 from oxygen_jax.models import mot
 from oxygen_jax.models.mot import ModelParams, ModelSpec, PrefixInputs
+from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.pi05 import model as pi05_model
-from oxygen_jax.models.pi05.observation import Observation, validate_observation
 from oxygen_jax.models.pi05.params import Params
 
 _STATIC = dict(static=True)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Pi05:
-    """π0.5 as the runtime sees it: one head named "actions" and the VLM expert as the language decoder."""
-
-    params: Params
-    num_steps: int = dataclasses.field(default=10, metadata=_STATIC)
-
-    HEAD = "actions"
-
-    @property
-    def heads(self) -> tuple[str, ...]:
-        return (self.HEAD,)
-
-    @property
-    def primary(self) -> str:
-        return self.HEAD
-
-    @property
-    def vocab_size(self) -> int:
-        return self.params.config.vocab_size
-
-    @property
-    def has_language(self) -> bool:
-        return True
-
-    def action_shape(self, name: str, horizon: int) -> tuple[int, int]:
-        """(Ha, Ad) of a head's chunk; π0.5's horizon is the caller's choice (the expert is position-free)."""
-        return (horizon, self.params.config.action_dim)
-
-    def state_dims(self) -> dict[str, int]:
-        """Heads that read a robot state vector -> Ds (π0.5 reads its state as prompt tokens: none)."""
-        return {}
-
-    def check_inputs(self, inputs) -> None:
-        validate_observation(inputs, self.params.config)
-
-    def batch_size(self, inputs: Observation) -> int:
-        return inputs.batch_size
-
-    def shape_key(self, inputs: Observation) -> tuple:
-        """What fixes the prefix length: the camera count and the prompt length (bucket)."""
-        return (inputs.num_cameras, inputs.tokens.shape[1])
-
-    def prefix(self, inputs: Observation):
-        return pi05_model.prefill(self.params, inputs)
-
-    def actions(self, prefix, noises: dict[str, jax.Array], states: dict[str, jax.Array] | None = None):
-        return {self.HEAD: pi05_model.denoise(self.params, prefix, noises[self.HEAD], self.num_steps)}
-
-    def language(self) -> Params:
-        return self.params
-
-    def only(self, *names: str, language: bool = False) -> Pi05:
-        """π0.5's prefix serves its head and its language alike: every subset runs the same prefill."""
-        return self
-
-    def without_heads(self) -> Pi05:
-        return self
 
 
 @jax.tree_util.register_dataclass
@@ -125,28 +66,33 @@ class MultiHead:
         return self.spec.language
 
     def action_shape(self, name: str, horizon: int | None = None) -> tuple[int, int]:
-        """(Ha, Ad) of a head's chunk: fixed by the head (`horizon` is ignored)."""
+        """(Ha, Ad) of a head's chunk: fixed by the head, or `horizon` for a head without one
+        (`HeadSpec.horizon == 0`: π0.5's expert is position-free in the horizon)."""
         h = self.spec.head(name)
-        return (h.horizon, h.action_dim)
+        if h.horizon:
+            return (h.horizon, h.action_dim)
+        if horizon is None or horizon < 1:
+            raise ValueError(f"head {name!r} takes its chunk length from the caller: pass horizon >= 1, got {horizon}")
+        return (horizon, h.action_dim)
 
     def state_dims(self) -> dict[str, int]:
+        """Heads that read a robot state vector -> Ds."""
         return {h.name: h.state_dim for h in self.spec.heads if "state" in h.extra_tokens}
 
     def check_inputs(self, inputs) -> None:
-        if not isinstance(inputs, PrefixInputs):
-            raise ValueError(f"a {type(self).__name__} model takes mot.PrefixInputs (mot.make_inputs), got {type(inputs).__name__}")
-        # Token ids are range-checked where they are built (`mot.make_inputs`, on the host): no sync per frame here.
-        ids, mask = inputs.input_ids, inputs.input_mask
-        if ids.ndim != 2 or mask.shape != ids.shape:
-            raise ValueError(f"input_ids and input_mask must both be [B, P], got {ids.shape} and {mask.shape}")
+        """Raises ValueError naming what is wrong with `inputs` for this backbone (`mot.check_inputs`)."""
+        mot.check_inputs(self.spec, inputs)
 
-    def batch_size(self, inputs: PrefixInputs) -> int:
-        return inputs.input_ids.shape[0]
+    def batch_size(self, inputs: PrefixInputs | Observation) -> int:
+        return inputs.batch_size if self.spec.input_kind == "observation" else inputs.input_ids.shape[0]
 
-    def shape_key(self, inputs: PrefixInputs) -> tuple:
+    def shape_key(self, inputs: PrefixInputs | Observation) -> tuple:
+        """What fixes the prefix length: cameras and prompt length (observations), or P and the image grids."""
+        if self.spec.input_kind == "observation":
+            return (inputs.num_cameras, inputs.tokens.shape[1])
         return (inputs.input_ids.shape[1], inputs.grid)
 
-    def prefix(self, inputs: PrefixInputs):
+    def prefix(self, inputs: PrefixInputs | Observation):
         return mot.prefix_pass(self.spec, self.params, inputs)
 
     def actions(self, prefix, noises: dict[str, jax.Array], states: dict[str, jax.Array] | None = None):
@@ -164,6 +110,81 @@ class MultiHead:
     def without_heads(self) -> MultiHead:
         """The language decoder alone: a prefix pass keeping K/V and the last hidden state only."""
         return self.only(language=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pi05:
+    """π0.5 as the runtime sees it: `MultiHead` of `pi05.model.as_model(params, num_steps)`, one head
+    "actions" and the VLM expert as the language decoder."""
+
+    params: Params
+    num_steps: int = dataclasses.field(default=10, metadata=_STATIC)
+
+    HEAD = pi05_model.HEAD
+
+    @property
+    def model(self) -> MultiHead:
+        """The general model over the same arrays (built per call, no copies)."""
+        spec, params = pi05_model.as_model(self.params, self.num_steps)
+        return MultiHead(params, spec)
+
+    # What the config alone fixes is answered from it (hosts that hold only a config, e.g. the server's
+    # scripted test engines, ask these without weights).
+    @property
+    def heads(self) -> tuple[str, ...]:
+        return (self.HEAD,)
+
+    @property
+    def primary(self) -> str:
+        return self.HEAD
+
+    @property
+    def vocab_size(self) -> int:
+        return self.params.config.vocab_size
+
+    @property
+    def has_language(self) -> bool:
+        return True
+
+    def action_shape(self, name: str, horizon: int | None = None) -> tuple[int, int]:
+        """(Ha, Ad) of a head's chunk; π0.5's horizon is the caller's choice (the expert is position-free)."""
+        if name != self.HEAD:
+            raise ValueError(f"unknown head {name!r}; π0.5 has one head, {self.HEAD!r}")
+        if horizon is None or horizon < 1:
+            raise ValueError(f"head {name!r} takes its chunk length from the caller: pass horizon >= 1, got {horizon}")
+        return (horizon, self.params.config.action_dim)
+
+    def state_dims(self) -> dict[str, int]:
+        """Heads that read a robot state vector -> Ds (π0.5 reads its state as prompt tokens: none)."""
+        return {}
+
+    def check_inputs(self, inputs) -> None:
+        self.model.check_inputs(inputs)
+
+    def batch_size(self, inputs: Observation) -> int:
+        return inputs.batch_size
+
+    def shape_key(self, inputs: Observation) -> tuple:
+        """What fixes the prefix length: the camera count and the prompt length (bucket)."""
+        return (inputs.num_cameras, inputs.tokens.shape[1])
+
+    def prefix(self, inputs: Observation):
+        return self.model.prefix(inputs)
+
+    def actions(self, prefix, noises: dict[str, jax.Array], states: dict[str, jax.Array] | None = None):
+        return self.model.actions(prefix, noises, states)
+
+    def language(self):
+        return self.model.language()
+
+    def only(self, *names: str, language: bool = False) -> Pi05:
+        """π0.5's prefix serves its head and its language alike (every layer's K/V): every subset runs
+        the same prefix pass, so the isolated programs are those of the whole model."""
+        return self
+
+    def without_heads(self) -> Pi05:
+        return self
 
 
 Vla = Pi05 | MultiHead

@@ -1,7 +1,7 @@
-"""Flow-matching action heads that read one shared VLM prefix: three kinds, their parameters and presets.
+"""Flow-matching action heads that read one shared VLM prefix: four kinds, their parameters and presets.
 
-A head is a small transformer (a DiT) that turns noise into an action chunk in `num_steps` Euler
-steps, conditioned on what one backbone prefix pass left behind (`Prefix`). The three
+A head is a small transformer (a DiT, or π0.5's action expert) that turns noise into an action chunk in
+`num_steps` Euler steps, conditioned on what one backbone prefix pass left behind (`Prefix`). The four
 kinds differ only in what they read and how:
 
 | kind           | reads from the prefix                         | per-frame precompute (`prepare`)     | model       |
@@ -11,15 +11,19 @@ kinds differ only in what they read and how:
 | `cross_hidden` | one hidden state per cross block (HF          | LayerNorm + Linear per layer         | StarVLA     |
 |                | `hidden_states` indices)                      | (optional), every cross block's K/V  | QwenPI_v3   |
 | `cross_last`   | the final-normed hidden state only            | every cross block's K/V              | QwenGR00T   |
+| `adarms_joint` | post-RoPE K/V of every backbone layer (layer  | none (the layers' K/V, mask and next | π0.5        |
+|                | l reads layer l), prefix mask, next position  | position as they are)                |             |
 
 Per frame: `state = prepare(head_params, spec, prefix)` once, then
 `actions = denoise(head_params, spec, state, noise)`, `flow.integrate` over a static step count that
 reads `state` and never recomputes it: the cross-attention K/V of a cross head are computed once
-per frame, never per denoise step.
+per frame, never per denoise step. Clocks (`flow.integrate`): joint_kv and cross heads derive their
+time from the step index; adarms_joint keeps openpi's accumulated float32 clock from t0 = 1.
 
-This face picks the kind's module once per call: `spec.py` (`HeadSpec`), `parts.py` (pieces both
-kinds use), `joint.py` (joint_kv), `cross.py` (cross_hidden, cross_last), `presets.py`. The blocks
-of each kind are described in its module.
+This face picks the kind's module once per call: `spec.py` (`HeadSpec`), `parts.py` (pieces the DiT
+kinds use), `joint.py` (joint_kv), `cross.py` (cross_hidden, cross_last), `adarms.py` (adarms_joint:
+π0.5's action expert; its horizon may be 0, the caller's chunk length), `presets.py`. The blocks of
+each kind are described in its module.
 
 Axes (`oxygen_jax.axes`): B batch, P prefix tokens, T head tokens (extra tokens + Ha actions), S
 keys (P + T for joint attention), L layers (Lk prefix layers whose K/V are kept, Lh hidden states
@@ -40,7 +44,8 @@ import jax
 
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import flow
-from oxygen_jax.models.heads import cross, joint
+from oxygen_jax.models.heads import adarms, cross, joint
+from oxygen_jax.models.heads.adarms import AdaRmsHead, AdaRmsState
 from oxygen_jax.models.heads.cross import BlockPair, CrossHead
 from oxygen_jax.models.heads.joint import JointHead
 from oxygen_jax.models.heads.parts import HeadState
@@ -49,15 +54,23 @@ from oxygen_jax.models.heads.spec import HeadSpec, Kind
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import param_count
 
-HeadParams = JointHead | CrossHead
+HeadParams = JointHead | CrossHead | AdaRmsHead
 
 __all__ = [
-    "HeadSpec", "Kind", "HeadParams", "JointHead", "CrossHead", "BlockPair", "HeadState",
+    "HeadSpec", "Kind", "HeadParams", "JointHead", "CrossHead", "AdaRmsHead", "BlockPair", "HeadState", "AdaRmsState",
     "head_tree", "init_head", "abstract_head", "param_count", "unstack_head", "stack_head",
     "prepare", "velocity", "denoise", "sample", "preset", "xr0", "starvla_qwenpi_v3", "gr00t",
 ]
 
-_KINDS = {"joint_kv": (joint, JointHead), "cross_hidden": (cross, CrossHead), "cross_last": (cross, CrossHead)}
+_KINDS = {"joint_kv": (joint, JointHead), "cross_hidden": (cross, CrossHead), "cross_last": (cross, CrossHead),
+          "adarms_joint": (adarms, AdaRmsHead)}
+_BY_TYPE = {JointHead: joint, CrossHead: cross, AdaRmsHead: adarms}
+
+
+def _module_of(params: HeadParams):
+    if type(params) not in _BY_TYPE:
+        raise ValueError(f"expected head weights ({', '.join(t.__name__ for t in _BY_TYPE)}), got {type(params).__name__}")
+    return _BY_TYPE[type(params)]
 
 
 def _kind(spec: HeadSpec, params: HeadParams | None = None):
@@ -87,42 +100,48 @@ def abstract_head(spec: HeadSpec, dtype: str = "float32") -> HeadParams:
 
 def unstack_head(params: HeadParams) -> HeadParams:
     """The per-step layer stack as `nn.layers.Unstacked` (the fast form on XLA's CPU backend)."""
-    return (joint if isinstance(params, JointHead) else cross).unstack(params)
+    return _module_of(params).unstack(params)
 
 
 def stack_head(params: HeadParams) -> HeadParams:
     """Inverse of `unstack_head`."""
-    return (joint if isinstance(params, JointHead) else cross).stack(params)
+    return _module_of(params).stack(params)
 
 
-def prepare(params: HeadParams, spec: HeadSpec, prefix: Prefix, state: jax.Array | None = None) -> HeadState:
+def prepare(params: HeadParams, spec: HeadSpec, prefix: Prefix, state: jax.Array | None = None) -> HeadState | AdaRmsState:
     """Once per frame: everything the head's denoise steps read from the prefix.
 
     Args:
       prefix: the shared prefix pass; must hold this head's reads.
       state: [B, Ds] robot state for heads with a state token (else None).
     Returns:
-      `HeadState`. For cross heads this is where the per-block cross-attention K/V are computed
+      `HeadState` (`AdaRmsState` for adarms_joint). For cross heads this is where the per-block cross-attention K/V are computed
       (with QwenPI_v3's per-layer LayerNorm + Linear first), once, for all `num_steps` steps.
     """
     return _kind(spec, params).prepare(params, spec, prefix, state)
 
 
-def velocity(params: HeadParams, spec: HeadSpec, st: HeadState, x_t: jax.Array, step: jax.Array) -> jax.Array:
-    """The head's output v(x_t, t) float32 [B, Ha, Ad] at Euler step `step` (int32)."""
+def velocity(params: HeadParams, spec: HeadSpec, st: HeadState | AdaRmsState, x_t: jax.Array, step: jax.Array) -> jax.Array:
+    """The head's output v(x_t, t) float32 [B, Ha, Ad] at Euler step `step` (int32; adarms_joint: the
+    float32 time t [B] itself, its clock being accumulated)."""
     return _kind(spec).velocity(params, spec, st, x_t, step)
 
 
 def _check_noise(spec: HeadSpec, noise: jax.Array, b: int) -> None:
+    if spec.horizon == 0:  # adarms_joint without a fixed horizon: the noise's Ha is the chunk length
+        if noise.ndim != 3 or noise.shape[0] != b or noise.shape[2] != spec.action_dim or noise.shape[1] < 1:
+            raise ValueError(f"head {spec.name!r} needs noise [B, Ha, Ad] = ({b}, Ha >= 1, {spec.action_dim}), got {noise.shape}")
+        return
     want = (b, spec.horizon, spec.action_dim)
     if noise.shape != want:
         raise ValueError(f"head {spec.name!r} needs noise [B, Ha, Ad] = {want}, got {noise.shape}")
 
 
-def denoise(params: HeadParams, spec: HeadSpec, st: HeadState, noise: jax.Array) -> jax.Array:
+def denoise(params: HeadParams, spec: HeadSpec, st: HeadState | AdaRmsState, noise: jax.Array) -> jax.Array:
     """`spec.num_steps` Euler steps of the head's flow from `noise`, reading `st` only.
 
-    The time comes from the step index (`flow.integrate` without `t0`): t = k / S exactly.
+    The time comes from the step index (`flow.integrate` without `t0`): t = k / S exactly; an
+    adarms_joint head keeps openpi's accumulated float32 clock from t = 1 (`adarms.denoise`).
 
     Args:
       noise: [B, Ha, Ad] x at the noise end (t = 0 for 0_to_1 heads, t = 1 for 1_to_0).
@@ -131,6 +150,8 @@ def denoise(params: HeadParams, spec: HeadSpec, st: HeadState, noise: jax.Array)
     """
     module = _kind(spec, params)
     _check_noise(spec, noise, st.mask.shape[0])
+    if spec.kind == "adarms_joint":
+        return adarms.denoise(params, spec, st, noise)
     direction = 1.0 if spec.t_direction == "0_to_1" else -1.0
     return flow.integrate(lambda x, k: module.velocity(params, spec, st, x, k), noise, spec.num_steps, direction)
 

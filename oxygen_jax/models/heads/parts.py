@@ -102,14 +102,18 @@ def sinusoid(t: jax.Array, dim: int, *, cos_first: bool, freq_shift: int = 0) ->
 def time_input(spec: HeadSpec, step: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(t float32 [], the network's time input float32 []) at Euler step `step` (int32, traced).
 
-    0_to_1: t = step / S; 1_to_0: t = 1 - step / S. A bucketed input is floor(t * scale) computed
-    in integers, so S = 5 gives exactly 0, 200, 400, 600, 800.
+    0_to_1: t = step / S; 1_to_0: t = 1 - step / S. A bucketed input is StarVLA's
+    `int(t_cont * num_timestep_buckets)` with `t_cont = k / S` in Python (double) floats
+    (`LayerwiseFM_ActionHeader.predict_action`, `GR00T_ActionHeader.predict_action` @ 0ed0aad), read
+    from a static table: S = 4 gives 0, 250, 500, 750, S = 5 gives 0, 200, 400, 600, 800 (never
+    699 for 0.7 * 1000, as float32 would round).
     """
     s = spec.num_steps
     num = step if spec.t_direction == "0_to_1" else s - step
     t = num.astype(jnp.float32) / s
     if spec.time_input == "bucket":
-        return t, ((num * spec.time_scale) // s).astype(jnp.float32)
+        table = [int(((k if spec.t_direction == "0_to_1" else s - k) / s) * spec.time_scale) for k in range(s)]
+        return t, jnp.asarray(table, jnp.float32)[step]
     return t, t * spec.time_scale
 
 

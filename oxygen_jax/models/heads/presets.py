@@ -19,24 +19,25 @@ def _xr0(name, *, width, depth, heads, kv_heads, head_dim, mlp, kv_layers, horiz
 
 
 def _starvla(name, *, width, depth, heads, head_dim, vlm_width, proj, vlm_depth, future=32, horizon=16, action_dim=7,
-             steps=4, io_hidden=1024, max_positions=1024):
+             steps=4, io_hidden=1024, max_positions=1024, hidden_states=None):
     return HeadSpec(
         name=name, kind="cross_hidden", width=width, depth=depth, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
         mlp_dim=4 * width, action_dim=action_dim, horizon=horizon, num_steps=steps, t_direction="0_to_1",
         time_cond="adaln_scale_shift", time_input="bucket", hidden_layers=tuple(range(vlm_depth - depth + 1, vlm_depth + 1)),
         vlm_width=vlm_width, hidden_proj=proj, block_pattern="all_cross", extra_tokens=("future",), num_future_tokens=future,
-        positions="learned", max_positions=max_positions, io_hidden=io_hidden,
+        positions="learned", max_positions=max_positions, io_hidden=io_hidden, hidden_states=hidden_states,
     )
 
 
 def _gr00t(name, *, width, depth, heads, head_dim, vlm_width, vlm_depth, out_dim, future=32, horizon=8, action_dim=7,
-           state_dim=7, steps=4, io_hidden=1024, max_positions=1024):
+           state_dim=7, steps=4, io_hidden=1024, max_positions=1024, hidden_states=None):
     return HeadSpec(
         name=name, kind="cross_last", width=width, depth=depth, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
         mlp_dim=4 * width, action_dim=action_dim, horizon=horizon, num_steps=steps, t_direction="0_to_1",
         time_cond="adaln_scale_shift", time_input="bucket", hidden_layers=(vlm_depth,) * (depth // 2), vlm_width=vlm_width,
         block_pattern="cross_self", extra_tokens=("state", "future"), state_dim=state_dim, num_future_tokens=future,
         positions="learned", max_positions=max_positions, dit_output_dim=out_dim, io_hidden=io_hidden,
+        hidden_states=hidden_states,
     )
 
 
@@ -73,13 +74,20 @@ def starvla_qwenpi_v3() -> HeadSpec:
     """StarVLA QwenPI_v3 (Qwen3VL-PI_v3) on Qwen3-VL-4B: layer-wise cross-attention to projected hidden states.
 
     Read from starVLA/starVLA @ 0ed0aad: `QwenPI_v3.py` (`project_layers`: LayerNorm(2560) +
-    Linear(2560, 1024) per layer; `hidden_states[-36:]`, so block i reads HF index i + 1 and block
-    35 the final-normed output), `LayerwiseFM_ActionHeader.py` (ActionEncoder with the bucketed
+    Linear(2560, 1024) per layer; `hidden_states[-36:]`, so block i reads HF index i + 1),
+    `LayerwiseFM_ActionHeader.py` (ActionEncoder with the bucketed
     time mixed into every action token, learned position table of 1024 rows, 32 future tokens,
     action decoder MLP(1024 -> 1024 -> 7) on the blocks' output (`return_pre_output=True`), cross
     mask = backbone attention mask, t: 0 -> 1 in 4 steps, time bucket int(t * 1000)) and
     `cross_attention_dit.py` (36 BasicTransformerBlocks, 16 heads x 64 with biases, AdaLayerNorm,
     GELU-tanh FF 4096, legacy all-cross since commit 7276c5e).
+
+    Hidden states: StarVLA pins transformers 4.57.0, whose `hidden_states` entries after DeepStack
+    layers are post-DeepStack and whose last entry is the last layer's output before the final norm
+    (`hidden_states="transformers_4_57"`, `models.hidden_states`; measured in
+    ../shared/fixtures/starvla_qwenpi_v3_tiny, which this head matches to 1e-4). So blocks 0..2 read
+    post-DeepStack residuals and block 35 the un-normed last layer. The per-step times are k / S
+    (buckets int(k / S * 1000) = 0, 250, 500, 750); the head is never evaluated at t = 1.
 
     Size: project_layers 94,593,024 and 535,494,663 head parameters here, against the docstring's
     action_model 538,678,305 (TOTAL 5,071,087,137). The 3,183,642 difference are checkpoint
@@ -90,20 +98,26 @@ def starvla_qwenpi_v3() -> HeadSpec:
     forward (the repository warns that old checkpoints need their own code snapshot); the horizon
     16 and action dim 7 are framework defaults a checkpoint config may override.
     """
-    return _starvla("starvla_qwenpi_v3", width=1024, depth=36, heads=16, head_dim=64, vlm_width=2560, proj=1024, vlm_depth=36)
+    return _starvla("starvla_qwenpi_v3", width=1024, depth=36, heads=16, head_dim=64, vlm_width=2560, proj=1024, vlm_depth=36,
+                    hidden_states="transformers_4_57")
 
 
 def gr00t() -> HeadSpec:
     """StarVLA QwenGR00T (DiT-B) on Qwen3-VL-4B: cross-attention to the last hidden state only.
 
-    Read from starVLA/starVLA @ 0ed0aad: `QwenGR00T.py` (`hidden_states[-1]`, the final-normed
-    output, with the backbone attention mask; DiT-B: 16 blocks x 768, 12 heads x 64; cross dim =
+    Read from starVLA/starVLA @ 0ed0aad: `QwenGR00T.py` (`hidden_states[-1]`: under transformers
+    4.57.0, StarVLA's pin, the last layer's output BEFORE the final norm (`hidden_states=
+    "transformers_4_57"`, `models.hidden_states`; measured in ../shared/fixtures/starvla_gr00t_tiny,
+    which this head matches to 1e-4), with the backbone attention mask; DiT-B: 16 blocks x 768, 12 heads x 64; cross dim =
     VLM width 2560; interleaved: even blocks cross-attend, odd blocks self-attend; output_dim 1024;
     horizon 8 x 7; state_dim 7; 4 steps) and `GR00T_ActionHeader.py` (state MLP token, 32 future
     tokens, learned positions, DiT output block (LayerNorm modulated by proj_out_1, then proj_out_2
-    to 1024) and action decoder MLP(1024 -> 1024 -> 7)). No published parameter count.
+    to 1024; `shift, scale = proj_out_1(silu(temb)).chunk(2)`, the reverse of the blocks' AdaLayerNorm
+    (scale, shift)) and action decoder MLP(1024 -> 1024 -> 7)). The state token exists only with a
+    state and comes first; times k / S, never t = 1. No published parameter count.
     """
-    return _gr00t("gr00t", width=768, depth=16, heads=12, head_dim=64, vlm_width=2560, vlm_depth=36, out_dim=1024)
+    return _gr00t("gr00t", width=768, depth=16, heads=12, head_dim=64, vlm_width=2560, vlm_depth=36, out_dim=1024,
+                  hidden_states="transformers_4_57")
 
 
 _PRESETS = {

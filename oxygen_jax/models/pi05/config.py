@@ -69,6 +69,9 @@ class ModelConfig:
     action_dim: int = 32  # A: padded action dimension seen by the model
     dtype: DType = "float32"  # parameters and activations; norms/softmax/RoPE stay float32
     prompt_attention: PromptAttention = "bidirectional"  # openpi π0.5; "causal" = OxyGen variant
+    # dtype sqrt(D_vlm) is rounded to before it scales token embeddings; None = `dtype`. openpi rounds it to the
+    # embedding's stored dtype, so a training-layout checkpoint (bfloat16 table) restored in float32 sets "bfloat16".
+    embed_scale_dtype: DType | None = None
 
     def __post_init__(self):
         v, a = self.vlm, self.action_expert
@@ -79,6 +82,8 @@ class ModelConfig:
                 f"action_expert.{f}={getattr(a, f)}",
             )
         _require(self.dtype in ("float32", "bfloat16"), f"ModelConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        _require(self.embed_scale_dtype in (None, "float32", "bfloat16"),
+                 f"ModelConfig.embed_scale_dtype must be None, 'float32' or 'bfloat16', got {self.embed_scale_dtype!r}")
         _require(
             self.prompt_attention in ("bidirectional", "causal"),
             f"ModelConfig.prompt_attention must be 'bidirectional' or 'causal', got {self.prompt_attention!r}",

@@ -1,8 +1,16 @@
-"""π0.5 as pure functions: prefill an observation once, then denoise actions from its cache.
+"""π0.5 as pure functions, and as one instance of the general model (`mot.ModelSpec`).
 
 Axes (`oxygen_jax.axes`): B batch, Nc cameras, Np patches per camera, Tp prompt tokens,
 P = Nc*Np + Tp prefix tokens, Ha action horizon, Ad model action dim (32), D VLM width, Da action-expert
 width.
+
+π0.5 = a Gemma backbone with SigLIP (`pi05_spec(config)`, the VLM expert with the embedder and the
+tied head) + one head of kind `adarms_joint` named "actions" (the action expert, `head_spec`):
+
+    as_model(params) -> (ModelSpec, ModelParams)     the same arrays, no copy
+    prefill   = mot.prefix_pass  (models/siglip_prefix.py: SigLIP per camera, prompt, every layer's K/V)
+    velocity  = heads.adarms.velocity                (joint K/V read, adaRMS time conditioning)
+    denoise   = heads.denoise                        (`flow.integrate`, accumulated float32 clock from t = 1)
 
 Sequence layout and attention (openpi π0.5, with padding cameras dropped rather than masked):
 
@@ -12,12 +20,9 @@ Sequence layout and attention (openpi π0.5, with padding cameras dropped rather
                                                       the whole suffix; prefix never sees suffix
     positions: prefix cumsum(mask) - 1; suffix next_position (= num_valid) + [0, Ha)
 
-Both experts run on the one transformer implementation, `backbone`, as instances of its spec
-(`spec.py`): `pi05_spec(config, "vlm")` (with the embedder and tied head, `vlm_decoder`) and
-`pi05_spec(config, "action_expert")` (a bare stack with adaRMSNorm).
-
 Flow matching: t = 1 is noise, t = 0 is data; `denoise` runs `num_steps` Euler steps with
-dt = -1/num_steps on a read-only prefix cache (`flow.integrate`, time accumulated in float32).
+dt = -1/num_steps on a read-only prefix cache. The functions below are the general path's, called
+with π0.5's parameters: every output is bit-identical to π0.5 computed on its own (tested).
 """
 
 from __future__ import annotations
@@ -27,23 +32,63 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.models import backbone, flow, siglip
+from oxygen_jax.models import backbone, mot, siglip_prefix
+from oxygen_jax.models import heads as hd
 from oxygen_jax.models.backbone import Decoder
-from oxygen_jax.models.pi05.observation import Observation, validate_observation
+from oxygen_jax.models.heads import AdaRmsHead, HeadSpec, adarms
+from oxygen_jax.models.mot import ModelParams, ModelSpec
+from oxygen_jax.models.pi05.config import ModelConfig
+from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.models.pi05.params import Params
 from oxygen_jax.models.pi05.spec import pi05_spec
 from oxygen_jax.models.prefix import Prefix
-from oxygen_jax.nn.layers import dense
-from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
+
+HEAD = "actions"
+"""The name of π0.5's one head (in `as_model`, the runtime and the server)."""
 
 
 def vlm_decoder(params: Params) -> Decoder:
     """The VLM expert with the embedder and the tied head as a `backbone.Decoder` (the same arrays, no copy).
 
-    Run it with `pi05_spec(params.config)`; the action expert is a bare stack
-    (`params.action_expert.layers` with `pi05_spec(params.config, "action_expert")`).
+    Run it with `pi05_spec(params.config)`; the action expert is the head `head_params(params)`.
     """
     return Decoder(embedding=params.embedding, layers=params.vlm.layers, final_norm=params.vlm.final_norm)
+
+
+def head_spec(config: ModelConfig, num_steps: int = 10, horizon: int = 0) -> HeadSpec:
+    """The action expert as an `adarms_joint` head "actions": layer l reads the VLM expert's layer l.
+
+    `horizon` 0 (default): the chunk length is the caller's (the noise's Ha); π0.5's expert is
+    position-free in the horizon (its RoPE continues the prefix).
+    """
+    e = config.action_expert
+    return adarms.head_spec(HEAD, width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
+                            head_dim=e.head_dim, mlp_dim=e.mlp_dim, action_dim=config.action_dim, num_steps=num_steps,
+                            horizon=horizon)
+
+
+def head_params(params: Params) -> AdaRmsHead:
+    """The action expert's weights as the head's parameters (the same arrays, no copy)."""
+    ae = params.action_expert
+    return AdaRmsHead(action_in=params.action_in, time_mlp_in=params.time_mlp_in, time_mlp_out=params.time_mlp_out,
+                      action_out=params.action_out, layers=ae.layers, final_norm=ae.final_norm)
+
+
+def model_spec(config: ModelConfig, num_steps: int = 10, *, language: bool = True, horizon: int = 0) -> ModelSpec:
+    """π0.5 as a `ModelSpec`: `pi05_spec(config)` (Gemma + SigLIP) + the head "actions" (+ the VLM expert
+    as the language decoder)."""
+    return ModelSpec(backbone=pi05_spec(config), heads=(head_spec(config, num_steps, horizon),), language=language)
+
+
+def as_model(params: Params, num_steps: int = 10, *, language: bool = True) -> tuple[ModelSpec, ModelParams]:
+    """π0.5 as the general model: (spec, weights) with the arrays of `params` (no copies).
+
+    `mot.sample_all(*reversed(as_model(params)), ...)` and `runtime.vla.MultiHead` run it like any
+    other model; inputs are `Observation`s. Layer layout (stacked / unstacked) is that of `params`.
+    """
+    heads = {HEAD: head_params(params)}
+    return (model_spec(params.config, num_steps, language=language),
+            ModelParams(decoder=vlm_decoder(params), vision=params.siglip, heads=heads))
 
 
 def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
@@ -71,24 +116,12 @@ def final_norm(params: Params, hidden: jax.Array) -> jax.Array:
 
 
 def embed_prefix(params: Params, obs: Observation) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Image tokens of every present camera, then prompt embeddings.
+    """Image tokens of every present camera, then prompt embeddings (`siglip_prefix.embed_prefix`).
 
     Returns:
       (tokens [B, P, D], input_mask bool [B, P], ar bool [P]).
     """
-    cfg = params.config
-    validate_observation(obs, cfg)
-    b, c = obs.images.shape[:2]
-    images = obs.images.reshape((b * c,) + obs.images.shape[2:])
-    img = siglip.encode(params.siglip, images, cfg.jnp_dtype)
-    np_ = img.shape[1]
-    img = img.reshape(b, c * np_, img.shape[-1])
-    txt = embed_tokens(params, obs.tokens).astype(cfg.jnp_dtype)
-    tokens = jnp.concatenate([img, txt], axis=1)
-    input_mask = jnp.concatenate([jnp.repeat(obs.image_masks, np_, axis=1), obs.token_mask], axis=1)
-    prompt_ar = cfg.prompt_attention == "causal"
-    ar = jnp.concatenate([jnp.zeros(c * np_, bool), jnp.full(obs.tokens.shape[1], prompt_ar)])
-    return tokens, input_mask, ar
+    return siglip_prefix.embed_prefix(pi05_spec(params.config), vlm_decoder(params), params.siglip, obs)
 
 
 def prefix_forward(params: Params, obs: Observation) -> dict[str, jax.Array]:
@@ -97,29 +130,22 @@ def prefix_forward(params: Params, obs: Observation) -> dict[str, jax.Array]:
     Returns a dict with `tokens`, `input_mask`, `ar`, `positions`, `hidden` (pre final norm,
     [B, P, D]), `k`, `v` ([L, B, P, K, H]).
     """
-    tokens, input_mask, ar = embed_prefix(params, obs)
-    positions = positions_from_mask(input_mask)
-    mask = make_attn_mask(input_mask, ar)
-    hidden, (k, v) = backbone.forward_prefill(pi05_spec(params.config), params.vlm.layers, tokens, positions, mask)
-    return dict(tokens=tokens, input_mask=input_mask, ar=ar, positions=positions, hidden=hidden, k=k, v=v)
+    return siglip_prefix.prefix_forward(pi05_spec(params.config), vlm_decoder(params), params.siglip, obs)
 
 
 @jax.jit
 def prefill(params: Params, observation: Observation) -> Prefix:
-    """Runs SigLIP and the VLM expert over the prefix once.
+    """Runs SigLIP and the VLM expert over the prefix once: `mot.prefix_pass` of `as_model(params)`.
 
     Args:
       params: model parameters (their static `config` selects dtype and prompt attention).
       observation: images [B, Nc, Px, Px, 3], masks, prompt tokens [B, Tp].
     Returns:
-      The prefix (every layer's K/V, no hidden states kept), P = Nc * Np + Tp positions.
+      The prefix (every layer's K/V and the last valid token's final-normed output, no hidden
+      states kept), P = Nc * Np + Tp positions.
     """
-    out = prefix_forward(params, observation)
-    last = last_valid_index(out["input_mask"])
-    h_last = jnp.take_along_axis(out["hidden"], last[:, None, None], axis=1)
-    h_last = final_norm(params, h_last)
-    return Prefix.every_layer(out["k"], out["v"], out["input_mask"], out["positions"], h_last[:, 0],
-                              pi05_spec(params.config).rope)
+    spec, model = as_model(params)
+    return mot.prefix_pass(spec, model, observation)
 
 
 def prefix_length(params: Params, observation: Observation) -> int:
@@ -131,19 +157,12 @@ def prefix_length(params: Params, observation: Observation) -> int:
     return jax.eval_shape(prefill, params, observation).length
 
 
-def posemb_sincos(t: jax.Array, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> jax.Array:
-    """Sine-cosine embedding of scalar times t [B] -> float32 [B, dim], sine half first."""
-    fraction = jnp.linspace(0.0, 1.0, dim // 2)
-    period = min_period * (max_period / min_period) ** fraction
-    arg = jnp.einsum("i,j->ij", t.astype(jnp.float32), 1.0 / period * 2 * jnp.pi, precision=jax.lax.Precision.HIGHEST)
-    return jnp.concatenate([jnp.sin(arg), jnp.cos(arg)], axis=-1)
+posemb_sincos = adarms.posemb_sincos
 
 
 def time_condition(params: Params, t: jax.Array) -> jax.Array:
-    """adaRMS condition [B, Da] = swish(time_mlp_out(swish(time_mlp_in(sincos(t)))))."""
-    dt = params.config.jnp_dtype
-    emb = posemb_sincos(t, params.time_mlp_in.kernel.shape[0]).astype(dt)
-    return jax.nn.swish(dense(params.time_mlp_out, jax.nn.swish(dense(params.time_mlp_in, emb))))
+    """adaRMS condition [B, Da] = swish(time_mlp_out(swish(time_mlp_in(sincos(t))))) (`adarms.time_condition`)."""
+    return adarms.time_condition(head_params(params), t)
 
 
 def velocity(params: Params, cache: Prefix, x_t: jax.Array, t: jax.Array) -> jax.Array:
@@ -152,25 +171,15 @@ def velocity(params: Params, cache: Prefix, x_t: jax.Array, t: jax.Array) -> jax
     Args:
       cache: read-only prefix cache.
       x_t: noisy actions [B, Ha, Ad].
-      t: times [B].
+      t: times [B], or one per action token [B, Ha] (per-token adaRMS conditioning, training-time RTC).
     """
-    dt = params.config.jnp_dtype
-    b, ha = x_t.shape[:2]
-    cond = time_condition(params, t)
-    x = dense(params.action_in, x_t.astype(dt))
-    positions = cache.next_position[:, None] + jnp.arange(ha, dtype=jnp.int32)[None]
-    suffix_ar = jnp.arange(ha) == 0  # one block: bidirectional inside the chunk
-    suffix_mask = make_attn_mask(jnp.ones((b, ha), bool), suffix_ar)
-    mask = jnp.concatenate([jnp.broadcast_to(cache.mask[:, None, :], (b, ha, cache.length)), suffix_mask], axis=-1)
-    spec = pi05_spec(params.config, "action_expert")
-    h = backbone.forward_read(spec, params.action_expert.layers, x, positions, mask, cache.k, cache.v, cond)
-    h, _ = backbone.rms_norm(spec, h, params.action_expert.final_norm, cond)
-    return dense(params.action_out, h).astype(jnp.float32)
+    head, spec = head_params(params), head_spec(params.config)
+    return adarms.velocity(head, spec, adarms.prepare(head, spec, cache), x_t, t)
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
 def denoise(params: Params, cache: Prefix, noise: jax.Array, num_steps: int = 10) -> jax.Array:
-    """Euler integration of the flow from t = 1 (noise) to t = 0 (actions).
+    """Euler integration of the flow from t = 1 (noise) to t = 0 (actions): `heads.denoise` of the head "actions".
 
     The cache is read, never written, and not donated: text decoding can share it.
 
@@ -180,9 +189,8 @@ def denoise(params: Params, cache: Prefix, noise: jax.Array, num_steps: int = 10
     Returns:
       normalised, padded actions float32 [B, Ha, Ad].
     """
-    b = noise.shape[0]
-    v = lambda x, t: velocity(params, cache, x, jnp.broadcast_to(t, (b,)))  # noqa: E731
-    return flow.integrate(v, noise, num_steps, -1.0, t0=1.0)
+    head, spec = head_params(params), head_spec(params.config, num_steps)
+    return hd.denoise(head, spec, hd.prepare(head, spec, cache), noise)
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))

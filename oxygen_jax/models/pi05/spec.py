@@ -18,7 +18,7 @@ from oxygen_jax.nn.layers import Unstacked
 
 
 def gemma_spec(expert: ExpertConfig, *, vocab_size: int, prefix_attention: PromptAttention = "bidirectional",
-               vision: SiglipConfig | None = None) -> BackboneSpec:
+               vision: SiglipConfig | None = None, embed_scale_dtype: str | None = None) -> BackboneSpec:
     """π0.5's Gemma maths at `expert`'s dims.
 
     geglu-tanh MLP, `(1 + w)` RMSNorms, 1-D RoPE (theta 1e4), sqrt(D)-scaled embeddings, tied head.
@@ -28,7 +28,7 @@ def gemma_spec(expert: ExpertConfig, *, vocab_size: int, prefix_attention: Promp
         family="gemma", width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
         head_dim=e.head_dim, mlp_dim=e.mlp_dim, vocab_size=vocab_size, mlp="geglu_tanh",
         norm_plus_one=True, qk_norm=False, rope=RopeSpec(theta=10_000.0), embed_scale=True, tie_embeddings=True,
-        prefix_attention=prefix_attention, vision=vision,
+        prefix_attention=prefix_attention, vision=vision, embed_scale_dtype=embed_scale_dtype,
     )
 
 
@@ -41,7 +41,8 @@ def pi05_spec(config: ModelConfig, expert: Literal["vlm", "action_expert"] = "vl
     if expert not in ("vlm", "action_expert"):
         raise ValueError(f"pi05_spec: expert must be 'vlm' or 'action_expert', got {expert!r}")
     return gemma_spec(getattr(config, expert), vocab_size=config.vocab_size, prefix_attention=config.prompt_attention,
-                      vision=config.siglip if expert == "vlm" else None)
+                      vision=config.siglip if expert == "vlm" else None,
+                      embed_scale_dtype=config.embed_scale_dtype if expert == "vlm" else None)
 
 
 def from_expert_layers(layers: ExpertLayers | Unstacked) -> DecoderLayers | Unstacked:
