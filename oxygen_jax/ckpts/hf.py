@@ -42,9 +42,13 @@ _ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3Model": "qwen3", "Qwen3VLFo
 def detect_family(config: Mapping | None, names=()) -> HFFamily:
     """The checkpoint family from config.json (`model_type`, else `architectures`) and the tensor names.
 
-    Vision tensors (`model.visual.*`) mean Qwen3-VL. The two sources must agree when both speak.
+    Vision tensors (`model.visual.*`) mean Qwen3-VL. The two sources must agree when both speak. A Qwen3.5
+    checkpoint (`is_qwen35`; it has `model.visual.*` too) is refused, naming its own loader.
     """
     names = list(names)
+    if is_qwen35(config, names):
+        raise ValueError("a Qwen3.5 checkpoint (model_type 'qwen3_5' / linear_attention layers), not Qwen3 / Qwen3-VL: "
+                         "load it with oxygen_jax.ckpts.qwen35.load")
     from_names = None
     if names:
         from_names = "qwen3_vl" if any(n.startswith("model.visual.") for n in names) else (
@@ -64,6 +68,14 @@ def detect_family(config: Mapping | None, names=()) -> HFFamily:
         raise ValueError("not a Qwen3 / Qwen3-VL checkpoint: config.json model_type is "
                          f"{(config or {}).get('model_type')!r} and no model.layers.* or model.visual.* tensors")
     return family
+
+
+def is_qwen35(config: Mapping | None, names=()) -> bool:
+    """True for a Qwen3.5 checkpoint: `model_type` 'qwen3_5' / 'qwen3_5_text', a 'linear_attention' entry in
+    `layer_types`, or Gated DeltaNet tensors (`.linear_attn.`) among the names."""
+    text = (config or {}).get("text_config") or config or {}
+    return ((config or {}).get("model_type") in ("qwen3_5", "qwen3_5_text") or "linear_attention" in (text.get("layer_types") or ())
+            or any(".linear_attn." in n for n in names))
 
 
 def _rope_params(text: Mapping) -> dict:
@@ -324,6 +336,24 @@ def _collapse(names) -> list[str]:
         columns = [sorted(set(c)) for c in zip(*rows)]
         out.append(pieces[0] + "".join(_span(c) + p for c, p in zip(columns, pieces[1:])))
     return out
+
+
+def name_mismatches(expected: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The missing, unexpected and mis-shaped names of `got` against `expected` ({name: shape}), as
+    message parts with layer indices collapsed (`layers.{0..N}`); empty when they agree. Other
+    checkpoint layouts built on these names (`ckpts.xr0`) report with it."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    misshaped = sorted(k for k in set(expected) & set(got) if tuple(expected[k]) != tuple(got[k]))
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)}: " + ", ".join(_collapse(missing)))
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)}: " + ", ".join(_collapse(unexpected)))
+    if misshaped:
+        parts.append(f"mis-shaped {len(misshaped)}: " + ", ".join(f"{k} {tuple(got[k])} (expected {tuple(expected[k])})"
+                                                              for k in misshaped))
+    return parts
 
 
 def check_names(spec: BackboneSpec, tensors: Mapping[str, Any]) -> None:

@@ -10,6 +10,8 @@ caller needs beside them (`LoadedModel`). Sources:
 | `preset=` a `mot.ModelSpec` | (no directory) | `ModelSpec` | `mot.ModelParams`, random |
 | our checkpoint (`own.save_params`) | a `config/` item | `ModelConfig` (stored dims) | π0.5 `Params` |
 | Hugging Face Qwen3 / Qwen3-VL | `model.safetensors` (or its sharded index) | `ModelSpec` (language + `heads`) | `mot.ModelParams` |
+| Xiaomi-Robotics-0 (released layout, `ckpts.xr0`) | config.json `model_type` 'mibot' | `ModelSpec` (its XR0 head + language) | `mot.ModelParams` |
+| StarVLA QwenPI_v3 / QwenGR00T (`ckpts.starvla`) | config.yaml `framework.name` + `qwen_vl_interface.model.*` weights | `ModelSpec` (its head + language) | `mot.ModelParams` |
 | openpi checkpoint (either layout) | an orbax item or `params/` | `ModelConfig` (inferred) | π0.5 `Params` (LoRA merged) |
 
 A directory that is none of these, or a model of another family than the caller drives (`family=`), is
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from oxygen_jax.ckpts import hf
+from oxygen_jax.ckpts import starvla, xr0
 from oxygen_jax.ckpts.openpi import load_openpi_norm_stats, load_openpi_params
 from oxygen_jax.ckpts.orbax_io import PathLike, is_pytree_item
 from oxygen_jax.ckpts.own import restore_params, stored_config
@@ -36,11 +39,12 @@ from oxygen_jax.models.pi05.config import DType, ModelConfig, PromptAttention, m
 from oxygen_jax.robots.normalize import NormStats
 
 Family = Literal["pi05", "multihead"]
-Source = Literal["preset", "checkpoint", "openpi", "hf"]
+Source = Literal["preset", "checkpoint", "openpi", "hf", "xr0", "starvla"]
 
 TOKENIZER_FILE = "tokenizer.model"  # SentencePiece model with the PaliGemma id layout (`robots.tokenizer`)
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json")
-_FAMILY_OF = {"preset": None, "checkpoint": "pi05", "openpi": "pi05", "hf": "multihead"}
+_FAMILY_OF = {"preset": None, "checkpoint": "pi05", "openpi": "pi05", "hf": "multihead", "xr0": "multihead",
+              "starvla": "multihead"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +55,7 @@ class LoadedModel:
       config: `ModelConfig` (π0.5) or `mot.ModelSpec` (a backbone with heads and a language decoder).
       params: `Params` or `mot.ModelParams`, layer stacks laid out for the backend (`for_backend`).
       family: "pi05" or "multihead" (which of the two the config and params are).
-      source: "preset", "checkpoint" (ours), "openpi" or "hf".
+      source: "preset", "checkpoint" (ours), "openpi", "hf" or "xr0".
       what: one line for messages, e.g. "random 'tiny' weights" or "openpi checkpoint /ckpts/pi05_libero".
       norm_stats: {"state", "actions": NormStats} from the checkpoint's `assets/`, or None.
       tokenizer: a `tokenizer.model` found with the checkpoint, or None (the caller picks its default).
@@ -95,6 +99,10 @@ def source_kind(path: PathLike) -> Source:
         raise ValueError(f"checkpoint path is not a directory: {p.resolve()}")
     if (p / "config").is_dir():
         return "checkpoint"
+    if xr0.is_xr0_dir(p):
+        return "xr0"
+    if starvla.is_starvla(p):  # before hf: a flat StarVLA directory holds model.safetensors too
+        return "starvla"
     if any((p / f).is_file() for f in _HF_FILES):
         return "hf"
     # An orbax item or a directory holding `params/` is read as openpi's: a damaged one (lost
@@ -129,7 +137,8 @@ def _check_family(path: Path, source: Source, family: Family | None) -> None:
     have = _FAMILY_OF[source]
     if family is not None and have != family:
         label = {"checkpoint": "an oxygen_jax checkpoint", "openpi": "an openpi checkpoint",
-                 "hf": "a Hugging Face checkpoint"}[source]
+                 "hf": "a Hugging Face checkpoint", "xr0": "a Xiaomi-Robotics-0 checkpoint",
+                 "starvla": "a StarVLA checkpoint"}[source]
         needs = {"pi05": "a π0.5 model (an oxygen_jax or openpi checkpoint, or a π0.5 preset)",
                  "multihead": "a backbone with heads (a Hugging Face Qwen3 / Qwen3-VL directory or a ModelSpec)"}
         raise ValueError(f"{path} is {label} of a {have} model, but this command needs {needs[family]}")
@@ -150,7 +159,8 @@ def load_model(
 
     Args:
       ckpt: a checkpoint directory of any kind in the module table (an openpi `params` item, a step
-        directory or a checkpoint root; one of ours; a Hugging Face Qwen3 / Qwen3-VL directory).
+        directory or a checkpoint root; one of ours; a Hugging Face Qwen3 / Qwen3-VL directory; a released
+        Xiaomi-Robotics-0 directory, restored with its head and a language decoder).
       preset: random weights instead: a π0.5 preset name (`model_config`), a `ModelConfig`, or a
         `mot.ModelSpec`; seeded by `seed`.
       family: the family the caller can drive ("pi05" or "multihead"); a checkpoint of the other
@@ -188,12 +198,23 @@ def load_model(
         path = Path(ckpt).expanduser()
         source = source_kind(path)
         _check_family(path, source, family)
+        if heads and source in ("xr0", "starvla"):
+            raise ValueError(f"heads= puts random heads on a Hugging Face backbone; {path} is "
+                             f"{'an XR0' if source == 'xr0' else 'a StarVLA'} checkpoint with its own head: drop heads=")
         if heads and source != "hf":
             raise ValueError(f"heads= puts random heads on a Hugging Face backbone; {path} is a π0.5 checkpoint")
         have = _FAMILY_OF[source]
         if source == "hf":
             config, params = _hf(path, dtype, heads, seed)
             what = f"Hugging Face {config.backbone.family} checkpoint {path}"
+        elif source == "starvla":
+            ck = starvla.load(path, dtype, language=True)
+            config, params = ck.spec, ck.params
+            what = f"StarVLA {ck.framework} checkpoint {path}"
+        elif source == "xr0":
+            ck = xr0.load(path, dtype, language=True)
+            config, params = ck.spec, ck.params
+            what = f"Xiaomi-Robotics-0 checkpoint {path}"
         elif source == "checkpoint":
             stored = stored_config(path)
             config, params = restore_params(path, stored.replace(dtype=dtype, prompt_attention=prompt_attention))
@@ -201,7 +222,7 @@ def load_model(
         else:
             config, params = load_openpi_params(path, dtype=dtype, prompt_attention=prompt_attention)
             what = f"openpi checkpoint {path}"
-        if source != "hf":
+        if source not in ("hf", "xr0", "starvla"):  # StarVLA's q01/q99 stats: ckpts.starvla.action_stats
             norm_stats = load_openpi_norm_stats(path)
         tokenizer = find_tokenizer(path)
     lay_out = mot.for_backend if have == "multihead" else pi05_params.for_backend
