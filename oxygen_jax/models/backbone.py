@@ -50,12 +50,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oxygen_jax.models import hidden_states as hs
 from oxygen_jax.models.lora import LayerRows, RowAdapters, check_bank_fits
 from oxygen_jax.models.siglip import SiglipConfig
 from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked, apply_rope, attention, scan_layers
 from oxygen_jax.nn.masks import make_attn_mask
 
-Family = Literal["gemma", "qwen3", "qwen3_vl"]
+Family = Literal["gemma", "qwen3", "qwen3_vl", "qwen3_5"]  # qwen3_5: the full-attention layers of models/qwen35.py
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -159,10 +160,19 @@ class BackboneSpec:
     prefix_attention: Literal["bidirectional", "causal"] = "causal"
     norm_eps: float = 1e-6
     vision: SiglipConfig | Qwen3VisionSpec | None = None
+    rotary_dim: int = 0  # leading dims of H that rotate (Qwen3.5: H / 4; the rest pass through); 0 = all H
+    # Which transformers version's `output_hidden_states` convention `prefill` reports (`models.hidden_states`).
+    hidden_states: Literal["transformers_5", "transformers_4_57"] = "transformers_5"
+    # The dtype sqrt(D) is rounded to before it scales the embeddings (None: the table's). openpi rounds it to the
+    # dtype the table is stored in: bfloat16 in a training-layout checkpoint, also when that is restored in float32.
+    embed_scale_dtype: Literal["float32", "bfloat16"] | None = None
 
     def __post_init__(self):
-        _require(self.family in ("gemma", "qwen3", "qwen3_vl"),
-                 f"BackboneSpec.family must be 'gemma', 'qwen3' or 'qwen3_vl', got {self.family!r}")
+        hs.check_semantics(self.hidden_states)
+        _require(self.family in ("gemma", "qwen3", "qwen3_vl", "qwen3_5"),
+                 f"BackboneSpec.family must be 'gemma', 'qwen3', 'qwen3_vl' or 'qwen3_5', got {self.family!r}")
+        _require(self.rotary_dim % 2 == 0 and 0 <= self.rotary_dim <= self.head_dim,
+                 f"BackboneSpec.rotary_dim must be even and in [0, head_dim={self.head_dim}] (0 = all), got {self.rotary_dim}")
         for f in ("width", "depth", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size"):
             _require(getattr(self, f) > 0, f"BackboneSpec.{f} must be positive, got {getattr(self, f)}")
         _require(self.num_heads % self.num_kv_heads == 0,
@@ -172,7 +182,7 @@ class BackboneSpec:
         _require(self.prefix_attention in ("bidirectional", "causal"),
                  f"BackboneSpec.prefix_attention must be 'bidirectional' or 'causal', got {self.prefix_attention!r}")
         if self.rope.kind == "mrope_interleaved":
-            _mrope_axis_map(self.rope.mrope_section, self.head_dim)  # raises if the sections do not fit H
+            _mrope_axis_map(self.rope.mrope_section, self.rotary_dim or self.head_dim)  # raises if the sections do not fit
         if isinstance(self.vision, Qwen3VisionSpec):
             _require(self.vision.out_width == self.width,
                      f"vision.out_width ({self.vision.out_width}) must equal the LLM width ({self.width})")
@@ -340,7 +350,8 @@ def rms_norm(spec: BackboneSpec, x: jax.Array, norm: RMSNorm | AdaRMSNorm, cond:
     """RMSNorm over the last axis, `(1 + w)` or `w` by `spec.norm_plus_one`, or π0.5's adaRMSNorm.
 
     Args:
-      x: [..., D]; norm: `RMSNorm` (scale [D]) or `AdaRMSNorm` (needs `cond` [B, Dc], x [B, T, D]).
+      x: [..., D]; norm: `RMSNorm` (scale [D]) or `AdaRMSNorm` (needs `cond` [B, Dc] or
+        per token [B, T, Dc], x [B, T, D]).
     Returns:
       (normed x in x.dtype, gate [B, 1, D] or None). The adaptive norm's gate multiplies the
       residual branch (no sigmoid).
@@ -356,7 +367,8 @@ def rms_norm(spec: BackboneSpec, x: jax.Array, norm: RMSNorm | AdaRMSNorm, cond:
     if cond is None:
         raise ValueError("adaRMSNorm needs a condition (the time embedding)")
     mod = cond.astype(x.dtype) @ norm.modulation.kernel.astype(x.dtype) + norm.modulation.bias.astype(x.dtype)
-    scale, shift, gate = jnp.split(mod[:, None, :], 3, axis=-1)
+    # cond [B, Dc]: one condition per row; [B, T, Dc]: per token (training-time RTC's per-token flow time).
+    scale, shift, gate = jnp.split(mod[:, None, :] if mod.ndim == 2 else mod, 3, axis=-1)
     out = normed * (1 + scale.astype(jnp.float32)) + shift.astype(jnp.float32)
     return out.astype(x.dtype), gate
 
@@ -428,10 +440,12 @@ def _block(spec: BackboneSpec, lp, x, cond, rope, mask, kv_fn: KVFn, lora: Layer
             raise ValueError(f"spec {spec.family!r} has q/k-norm but the layer weights have none")
         q, _ = rms_norm(spec, q, q_norm)
         k, _ = rms_norm(spec, k, k_norm)
-    q = apply_rope(q, sin, cos) * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
-    k = apply_rope(k, sin, cos)
+    q = _rope_lead(q, sin, cos) * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    k = _rope_lead(k, sin, cos)
     keys, values = kv_fn(k, v)
     a = attention(q, keys, values, mask)
+    if getattr(lp, "q_gate", None) is not None:  # Qwen3.5's output gate: a * sigmoid(x W_gate), per head
+        a = a * jax.nn.sigmoid(jnp.einsum("BTD,NDH->BTNH", h, lp.q_gate.astype(h.dtype)))
     o = jnp.einsum("BTNH,NHD->BTD", a, lp.out.astype(a.dtype))
     if lora is not None:
         o = lora.add("out", o, a)
@@ -440,8 +454,14 @@ def _block(spec: BackboneSpec, lp, x, cond, rope, mask, kv_fn: KVFn, lora: Layer
     return _residual(x, _mlp(spec, h, lp.gating, lp.linear, lora), gate)
 
 
+def _rope_lead(x, sin, cos):
+    """RoPE on the leading 2 * sin.shape[-1] dims of H (all of them unless `rotary_dim` is set)."""
+    r = 2 * sin.shape[-1]
+    return apply_rope(x, sin, cos) if r == x.shape[-1] else jnp.concatenate([apply_rope(x[..., :r], sin, cos), x[..., r:]], -1)
+
+
 def _rope_tables(spec: BackboneSpec, positions: jax.Array):
-    radians = rope_angles(spec.rope, positions, spec.head_dim)[..., None, :]  # [B, T, 1, H/2]
+    radians = rope_angles(spec.rope, positions, spec.rotary_dim or spec.head_dim)[..., None, :]  # [B, T, 1, R/2]
     return jnp.sin(radians), jnp.cos(radians)
 
 
@@ -453,6 +473,10 @@ def _add_deepstack(x: jax.Array, deepstack: jax.Array | None, layer) -> jax.Arra
     if isinstance(layer, int):
         return x + deepstack[layer].astype(x.dtype) if layer < e else x
     return jnp.where(layer < e, x + deepstack[jnp.minimum(layer, e - 1)].astype(x.dtype), x)
+
+
+# Reused by stacks with other layer kinds (models/qwen35.py): one decoder layer, its RoPE tables, the MLP.
+decoder_block, rope_tables, gated_mlp = _block, _rope_tables, _mlp
 
 
 # --------------------------------------------------------------------------------------------------
@@ -588,10 +612,14 @@ def forward_write(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache
 
 
 def embed_tokens(spec: BackboneSpec, decoder: Decoder, tokens: jax.Array) -> jax.Array:
-    """Token embeddings [..., D], scaled by sqrt(D) (rounded to the table dtype first) for Gemma."""
+    """Token embeddings [..., D], scaled by sqrt(D) (rounded to `spec.embed_scale_dtype` or the table dtype) for Gemma.
+
+    E.g. D = 2048: 45.2548 in float32, 45.25 in bfloat16 (openpi's factor for a bfloat16-stored table).
+    """
     table = decoder.embedding
     x = table[tokens]
-    return x * jnp.asarray(math.sqrt(table.shape[-1]), table.dtype) if spec.embed_scale else x
+    factor = jnp.asarray(math.sqrt(table.shape[-1]), spec.embed_scale_dtype or table.dtype).astype(table.dtype)
+    return x * factor if spec.embed_scale else x
 
 
 def _head(spec: BackboneSpec, decoder: Decoder) -> jax.Array:
@@ -636,9 +664,10 @@ def prefill(spec: BackboneSpec, decoder: Decoder, x, positions, input_mask, *, m
         layer loop stores only these (memory only: the values are those `return_hidden` gives).
     Returns:
       dict with `hidden` (pre final norm) and `normed` [B, T, D], `k`, `v` [L or len(keep_kv), B, T, K, H];
-      with `return_hidden`, `hidden_states` [L + 1, B, T, D] as HF reports them: the input embeddings,
-      each layer's output before any DeepStack addition, and the final-normed output in place of the
-      last layer's; with `keep_hidden`, `hidden_states` [len(keep_hidden), B, T, D], those indices in order.
+      with `return_hidden`, `hidden_states` [L + 1, B, T, D] as HF reports them under `spec.hidden_states`
+      (transformers 5, the default: the input embeddings, each layer's output before any DeepStack addition,
+      the final-normed output last; transformers 4.57: after DeepStack, the un-normed last layer last; see
+      `models.hidden_states`); with `keep_hidden`, `hidden_states` [len(keep_hidden), B, T, D], those indices.
     """
     mask = prefix_mask(spec, input_mask) if mask is None else mask
     depth = spec.depth
@@ -654,10 +683,9 @@ def prefill(spec: BackboneSpec, decoder: Decoder, x, positions, input_mask, *, m
     hidden, (k, v) = out[:2]
     normed = final_norm(spec, decoder, hidden)
     result = dict(hidden=hidden, normed=normed, k=k, v=v)
-    if keep_hidden is not None:
-        pick = {0: x, depth: normed} | {l + 1: out[2][i] for i, l in enumerate(inner)}
-        result["hidden_states"] = (jnp.stack([pick[l] for l in keep_hidden]) if keep_hidden
-                                   else jnp.zeros((0,) + x.shape, x.dtype))
-    elif return_hidden:
-        result["hidden_states"] = jnp.concatenate([x[None], out[2][:-1], normed[None]], axis=0)
+    if keep_hidden is not None or return_hidden:  # in the convention of `spec.hidden_states` (`models.hidden_states`)
+        inner, wanted = (inner, keep_hidden) if keep_hidden is not None else (tuple(range(depth)), tuple(range(depth + 1)))
+        result["hidden_states"] = hs.stack(hs.entries(
+            spec.hidden_states, wanted, depth, embeddings=x, layer_outputs={l: out[2][i] for i, l in enumerate(inner)},
+            last=hidden, normed=normed, deepstack=deepstack), x)
     return result

@@ -1,11 +1,18 @@
 """The cross-attention head kinds: StarVLA QwenPI_v3 (`cross_hidden`, one hidden state per cross block)
-and QwenGR00T (`cross_last`, the final-normed hidden state only).
+and QwenGR00T (`cross_last`, the last `hidden_states` entry only: under transformers 4.57, StarVLA's pin,
+the last layer's output before the final norm; `models.hidden_states`).
+
+Checked against StarVLA's own `Qwen_PI_v3` / `Qwen_GR00T` (starVLA/starVLA @ 0ed0aad) to 1e-4 on every
+array of ../shared/fixtures/starvla_qwenpi_v3_tiny and starvla_gr00t_tiny (`eval/parity/starvla.py`).
 
 Blocks are diffusers' `BasicTransformerBlock` as GR00T and StarVLA use it:
 `x = x + Attn(LN(x) * (1 + scale) + shift)` (K/V from the context, or from the same tokens in a
 self block), `x = x + FF(LN(x))`, GELU-tanh FF with biases, LayerNorms without affine weights,
 (scale, shift) from `Linear(silu(temb))` per block; no RoPE, a learned position embedding on the
-action tokens instead. Tokens: [state MLP, future tokens, action encoder].
+action tokens instead. Tokens: [state MLP (GR00T, with a state), future tokens, action encoder +
+positions[0:Ha]]. QwenPI_v3 decodes the last block's output (`return_pre_output=True`); GR00T first runs
+the DiT output block `proj_out_2(LN(x) * (1 + scale) + shift)` with `shift, scale =
+proj_out_1(silu(temb))`: (shift, scale), the reverse of the blocks' (scale, shift).
 
 Axes (`oxygen_jax.axes`, plus the heads' own of `models.heads`): B batch, P prefix tokens, T head
 tokens, Lc cross blocks, D VLM width, Dx context width, Da head width, N heads, H head dim, F MLP,
@@ -129,15 +136,29 @@ def prepare(params: CrossHead, spec: HeadSpec, prefix: Prefix, state: jax.Array 
     per_block = (hidden if spec.kind == "cross_hidden" else None, params.hidden_proj)
 
     def body(_, blk, extra_l, __):
-        ctx = hidden[0] if extra_l[0] is None else extra_l[0]
-        if extra_l[1] is not None:  # QwenPI_v3: LayerNorm + Linear(D -> Dx) of this block's layer
-            ctx = lin("BPD,DX->BPX", layer_norm(ctx, extra_l[1].norm, 1e-5), extra_l[1].proj)
+        ctx = _project(hidden[0] if extra_l[0] is None else extra_l[0], extra_l[1])
         cross = blk.cross if isinstance(blk, BlockPair) else blk
         return None, lin("BPX,2XNH->BP2NH", ctx, cross.kv)
 
     _, kv = scan_layers(body, None, params.blocks, per_block)  # [Lc, B, P, 2, N, H]
     mask = jnp.broadcast_to(prefix.mask[:, None, :], (b, t, p))
     return HeadState(k=kv[:, :, :, 0], v=kv[:, :, :, 1], mask=mask, extra=extra)
+
+
+def _project(ctx: jax.Array, hp: HiddenProj | None) -> jax.Array:
+    """QwenPI_v3's `project_layers[i]`: LayerNorm (eps 1e-5, affine) + Linear(D -> Dx); identity without."""
+    return ctx if hp is None else lin("BPD,DX->BPX", layer_norm(ctx, hp.norm, 1e-5), hp.proj)
+
+
+def projected_context(params: CrossHead, spec: HeadSpec, prefix: Prefix) -> jax.Array:
+    """[Lc, B, P, Dx]: what each cross block's K/V projection reads (QwenPI_v3: `project_layers[i]`
+    of its hidden state; GR00T: the last hidden state). For checks; `prepare` computes it per block."""
+    reads = spec.hidden_layers if spec.kind == "cross_hidden" else spec.hidden_layers[:1]
+    hidden = prefix.hidden_states(reads).astype(compute_dtype(params))
+    if params.hidden_proj is None:
+        return jnp.broadcast_to(hidden[:1], (spec.num_cross_blocks,) + hidden.shape[1:])
+    _, ctx = scan_layers(lambda _, hp, h, __: (None, _project(h, hp)), None, params.hidden_proj, hidden)
+    return ctx
 
 
 def _block(spec: HeadSpec, blk: CrossBlocks, x, temb_act, k, v, mask) -> jax.Array:
@@ -155,16 +176,35 @@ def _block(spec: HeadSpec, blk: CrossBlocks, x, temb_act, k, v, mask) -> jax.Arr
 
 
 def velocity(params: CrossHead, spec: HeadSpec, st: HeadState, x_t: jax.Array, step: jax.Array) -> jax.Array:
-    """v(x_t, t) float32 [B, Ha, Ad] at Euler step `step` (int32)."""
+    """v(x_t, t) float32 [B, Ha, Ad] at Euler step `step` (int32): t = k / S, bucket int(k / S * 1000)."""
+    return velocity_at(params, spec, st, x_t, time_input(spec, step)[1])
+
+
+def velocity_at(params: CrossHead, spec: HeadSpec, st: HeadState, x_t: jax.Array, t_in: jax.Array) -> jax.Array:
+    """v(x_t) float32 [B, Ha, Ad] at the network's time input `t_in` (float32 [] or [B]: the integer
+    bucket of StarVLA's heads, e.g. training's `(t * 1000).long()` per row)."""
+    return velocity_parts(params, spec, st, x_t, t_in)["velocity"]
+
+
+def velocity_parts(params: CrossHead, spec: HeadSpec, st: HeadState, x_t: jax.Array, t_in: jax.Array, *,
+                   all_tokens: bool = False) -> dict[str, jax.Array]:
+    """`velocity_at` with its stages: `temb` [B, Da], `tokens` [B, T, Da] (the DiT input), `dit_output`
+    ([B, T, Da] or, GR00T, [B, T, Do]; only the last Ha rows unless `all_tokens`) and `velocity` [B, Ha, Ad].
+
+    The same bucket enters twice, as in `LayerwiseFM_ActionHeader` / `GR00T_ActionHeader`: the DiT's
+    `TimestepEncoder` (diffusers `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=1)`: cos
+    first, frequencies 10000^(-i/127), then Linear-SiLU-Linear) feeds every block's AdaLayerNorm, and
+    the `ActionEncoder` mixes [sin, cos] features (frequencies 10000^(-i/(Da/2))) into every action token.
+    """
     dtype = compute_dtype(params)
     ha = spec.horizon
-    _, t_in = time_input(spec, step)
     b = x_t.shape[0]
+    t_b = jnp.broadcast_to(jnp.asarray(t_in, jnp.float32), (b,))
     x_t = x_t.astype(dtype)
-    feats = sinusoid(jnp.broadcast_to(t_in, (b,)), spec.time_embed_dim, cos_first=True, freq_shift=1).astype(dtype)
+    feats = sinusoid(t_b, spec.time_embed_dim, cos_first=True, freq_shift=1).astype(dtype)
     temb = mlp(params.time_mlp, feats, jax.nn.silu)  # [B, Da]
     enc = params.action_in
-    tau = sinusoid(jnp.broadcast_to(t_in, (b, ha)), spec.width, cos_first=False).astype(dtype)
+    tau = sinusoid(jnp.broadcast_to(t_b[:, None], (b, ha)), spec.width, cos_first=False).astype(dtype)
     a = jnp.concatenate([lin("BTA,AD->BTD", x_t, enc.w1), tau], axis=-1)
     a = lin("BTD,DE->BTE", jax.nn.silu(lin("BTC,CD->BTD", a, enc.w2)), enc.w3)
     x = jnp.concatenate([st.extra, a + params.positions[:ha].astype(dtype)[None]], axis=1)
@@ -176,9 +216,11 @@ def velocity(params: CrossHead, spec: HeadSpec, st: HeadState, x_t: jax.Array, s
             return _block(spec, blk.self_, x, temb_act, None, None, None), None
         return _block(spec, blk, x, temb_act, kv[0], kv[1], st.mask), None
 
+    tokens = x
     x, _ = scan_layers(body, x, params.blocks, (st.k, st.v))
-    x = x[:, -ha:]
+    x = x if all_tokens else x[:, -ha:]  # every stage after the blocks is per token
     if params.out_proj is not None:  # GR00T's DiT output block; QwenPI_v3 decodes the blocks' output directly
-        shift, scale = jnp.split(lin("BD,D2E->B2E", temb_act, params.out_mod), 2, axis=1)
+        shift, scale = jnp.split(lin("BD,D2E->B2E", temb_act, params.out_mod), 2, axis=1)  # (shift, scale) order
         x = lin("BTD,DO->BTO", layer_norm(x, None, 1e-6) * (1 + scale) + shift, params.out_proj)
-    return mlp(params.action_out, x, jax.nn.relu).astype(jnp.float32)
+    v = mlp(params.action_out, x[:, -ha:], jax.nn.relu).astype(jnp.float32)
+    return dict(temb=temb, tokens=tokens, dit_output=x, velocity=v)
