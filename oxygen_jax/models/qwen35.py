@@ -1,0 +1,407 @@
+"""Qwen3.5: a hybrid stack of Gated DeltaNet (linear attention) layers and gated full-attention layers.
+
+Axes: B batch, T tokens, S key tokens, D width, F MLP, N query heads, K KV heads, H head dim, L layers,
+V vocabulary, Mr M-RoPE axes (`oxygen_jax.axes`); Hk, Hv, Dk, Dv, Cc, Kc as in `models/gated_deltanet.py`;
+of this module: G layer groups, Pl / Pf linear / full layers per group, Lg = G Pl linear layers, Lf = G Pf
+full layers.
+
+`layer_types` repeats one group (the released checkpoints: 3 linear + 1 full), so the weights are stacked
+[G, Pl, ...] and [G, Pf, ...] and the stack is one `lax.scan` over groups: a full-size model compiles one
+group, not L layers. The full-attention layers are the one transformer layer (`backbone.decoder_block`)
+with Qwen3.5's spec fields: (1 + w) norms, q/k-norm, partial rotary (`rotary_dim` = H / 4), interleaved
+M-RoPE, and the output gate (`FullLayers.q_gate`); the linear layers share the norms and the MLP and
+replace attention by `gated_deltanet.mixer`.
+
+What a prefix pass leaves (`prefill`), per row, as of its last valid token:
+
+    k, v      [Lf, B, T, K, H]     full layers only; K after k-norm and partial RoPE
+    window    [Lg, B, Cc, Kc]      linear layers: the last Kc conv inputs (activation dtype)
+    state     [Lg, B, Hv, Dk, Dv]  linear layers: the delta-rule state, float32
+
+Padding: a recurrent state cannot mask a token after the fact, so the valid tokens of a row must be
+contiguous. Left padding (what StarVLA batches) and right padding are both exact here: pads are identity
+steps, and the window ends at the last valid token (HF's own right-padded state is pad-contaminated).
+Prefixes with invalid tokens between valid ones (π0.5-style masked cameras, kept in place and masked)
+must be compacted first: `compact_left` moves every row's valid tokens to its right end in order, with
+their positions; the result is what the same tokens without the masked camera would give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxygen_jax.models import backbone
+from oxygen_jax.models import gated_deltanet as gdn
+from oxygen_jax.models.backbone import BackboneSpec, Decoder, Draw, Qwen3VisionSpec, RopeSpec
+from oxygen_jax.models.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec
+from oxygen_jax.nn.layers import RMSNorm
+from oxygen_jax.nn.masks import make_attn_mask
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Spec and presets
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen35Spec:
+    """A Qwen3.5 language model (and vision tower). Hashable and static.
+
+    Attributes:
+      backbone: family 'qwen3_5': every dim the two layer kinds share and the full-attention maths
+        (depth = all L layers; `vision` is the Qwen3-VL ViT without DeepStack, or None).
+      gdn: the Gated DeltaNet dims.
+      layer_types: per layer, 'linear_attention' or 'full_attention'; one group repeated G times.
+    """
+
+    backbone: BackboneSpec
+    gdn: GatedDeltaNetSpec
+    layer_types: tuple[str, ...]
+
+    def __post_init__(self):
+        b = self.backbone
+        _require(b.family == "qwen3_5", f"Qwen35Spec.backbone.family must be 'qwen3_5', got {b.family!r}")
+        _require(b.norm_plus_one and b.qk_norm and b.mlp == "swiglu" and not b.embed_scale,
+                 "Qwen35Spec.backbone needs norm_plus_one=True, qk_norm=True, mlp='swiglu', embed_scale=False (HF Qwen3.5)")
+        _require(len(self.layer_types) == b.depth,
+                 f"Qwen35Spec.layer_types has {len(self.layer_types)} entries but backbone.depth is {b.depth}")
+        _require(set(self.layer_types) <= {LINEAR, FULL},
+                 f"Qwen35Spec.layer_types entries must be {LINEAR!r} or {FULL!r}, got {sorted(set(self.layer_types))}")
+        _require(self.group.count(LINEAR) > 0 and self.group.count(FULL) > 0,
+                 f"Qwen35Spec.layer_types must repeat one group holding both kinds, got {self.layer_types}")
+        if isinstance(b.vision, Qwen3VisionSpec):
+            _require(not b.vision.deepstack_layers, "Qwen3.5's vision tower has no DeepStack: set deepstack_layers=()")
+
+    @property
+    def group(self) -> tuple[str, ...]:
+        """The shortest prefix of `layer_types` that repeats to all of it (3 linear + 1 full when released)."""
+        types, n = self.layer_types, len(self.layer_types)
+        return next(types[:p] for p in range(1, n + 1) if n % p == 0 and types[:p] * (n // p) == types)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.layer_types) // len(self.group)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Decoder-layer index of each entry on the Lg axis (HF's `linear_layer_indices`)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Decoder-layer index of each entry on the Lf axis."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    def state_bytes(self, kv_itemsize: int = 2, conv_itemsize: int = 2) -> dict[str, int]:
+        """One sequence's cache: the fixed GDN state and window (all linear layers) and the full layers' K/V
+        per token (`kv_itemsize`, `conv_itemsize`: bytes of the activation dtype, 2 for bfloat16)."""
+        g, b = self.gdn, self.backbone
+        lg = len(self.linear_layers)
+        return dict(state=lg * 4 * g.num_value_heads * g.key_dim * g.value_dim,
+                    window=lg * conv_itemsize * g.conv_channels * g.conv_kernel,
+                    kv_per_token=len(self.full_layers) * 2 * b.num_kv_heads * b.head_dim * kv_itemsize)
+
+
+def _qwen35(width, depth, heads, kv_heads, mlp_dim, vocab, tie, gdn_heads, *, head_dim=256, gdn_dim=128, rotary_dim=64,
+            section=(11, 11, 10), theta=1e7, interval=4, vision=None) -> Qwen35Spec:
+    hv, hk = gdn_heads
+    types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(depth))
+    return Qwen35Spec(
+        backbone=BackboneSpec(
+            family="qwen3_5", width=width, depth=depth, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            mlp_dim=mlp_dim, vocab_size=vocab, mlp="swiglu", norm_plus_one=True, qk_norm=True,
+            rope=RopeSpec(theta=theta, kind="mrope_interleaved", mrope_section=section), embed_scale=False,
+            tie_embeddings=tie, rotary_dim=rotary_dim, vision=vision),
+        gdn=GatedDeltaNetSpec(num_key_heads=hk, num_value_heads=hv, key_dim=gdn_dim, value_dim=gdn_dim),
+        layer_types=types)
+
+
+def _vit(depth, width, heads, mlp, out) -> Qwen3VisionSpec:
+    return Qwen3VisionSpec(depth=depth, width=width, num_heads=heads, mlp_dim=mlp, out_width=out, num_position_embeddings=2304)
+
+
+_V = 248_320
+_PRESETS: dict[str, Callable[[], Qwen35Spec]] = {
+    # ../shared/fixtures/qwen35_tiny's dims (its config.json): GDN Hk 2 / Hv 4, Dk 16 != Dv 8.
+    "qwen35_tiny": lambda: dataclasses.replace(
+        _qwen35(64, 8, 4, 2, 128, 512, True, (4, 2), head_dim=32, gdn_dim=16, rotary_dim=8, section=(2, 1, 1),
+                vision=Qwen3VisionSpec(depth=2, width=32, num_heads=2, mlp_dim=64, out_width=64, num_position_embeddings=64)),
+        gdn=GatedDeltaNetSpec(num_key_heads=2, num_value_heads=4, key_dim=16, value_dim=8)),
+    # Released sizes: the table of ../shared/docs/qwen35.md §4 (model cards and config copies it cites).
+    "qwen3_5_0.8b": lambda: _qwen35(1024, 24, 8, 2, 3584, _V, True, (16, 16), vision=_vit(12, 768, 12, 3072, 1024)),
+    "qwen3_5_2b": lambda: _qwen35(2048, 24, 8, 2, 6144, _V, True, (16, 16), vision=_vit(24, 1024, 16, 4096, 2048)),
+    "qwen3_5_4b": lambda: _qwen35(2560, 32, 16, 4, 9216, _V, True, (32, 16), vision=_vit(24, 1024, 16, 4096, 2560)),
+    "qwen3_5_9b": lambda: _qwen35(4096, 32, 16, 4, 12288, _V, False, (32, 16), vision=_vit(27, 1152, 16, 4304, 4096)),
+}
+
+
+def preset(name: str) -> Qwen35Spec:
+    """A named spec: 'qwen35_tiny' (the test fixture's dims) or a released size 'qwen3_5_{0.8b,2b,4b,9b}'."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown Qwen3.5 preset {name!r}; choose one of {sorted(_PRESETS)}")
+    return _PRESETS[name]()
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _pytree(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_pytree
+class FullLayers:
+    """Gated full-attention layers: `backbone.DecoderLayers`' fields (read by name by `decoder_block`) plus
+    the output gate. Leading stacking axes `...` first."""
+
+    q: jax.Array  # [..., N, D, H] (HF q_proj rows 0..H-1 of each head)
+    kv: jax.Array  # [..., 2, K, D, H]
+    out: jax.Array  # [..., N, H, D]
+    attn_norm: RMSNorm  # [..., D]
+    ffw_norm: RMSNorm  # [..., D]
+    gating: jax.Array  # [..., 2, D, F]
+    linear: jax.Array  # [..., F, D]
+    q_norm: RMSNorm  # [..., H]
+    k_norm: RMSNorm  # [..., H]
+    q_gate: jax.Array  # [..., N, D, H] (HF q_proj rows H..2H-1 of each head): a * sigmoid(x W)
+
+
+@_pytree
+class HybridLayers:
+    """The layer stack: linear layers [G, Pl, ...] and full layers [G, Pf, ...], in group order."""
+
+    linear: GatedDeltaNetLayers
+    full: FullLayers
+
+
+def decoder_tree(spec: Qwen35Spec, draw: Draw) -> Decoder:
+    """The `backbone.Decoder` (layers = `HybridLayers`) of `spec` with every leaf from `draw`: fan-in scaled
+    normals, (1 + w) norm scales around 0 and the gated norm around 1; A_log, dt_bias as HF's init ranges
+    roughly (log 1..16, 1). The one description of its shapes."""
+    b, g = spec.backbone, spec.gdn
+    d, n, k, h, f, v = b.width, b.num_heads, b.num_kv_heads, b.head_dim, b.mlp_dim, b.vocab_size
+    hv, dk, dv, cc = g.num_value_heads, g.key_dim, g.value_dim, g.conv_channels
+    grp, pl, pf = spec.num_groups, spec.group.count(LINEAR), spec.group.count(FULL)
+
+    def normal(shape, fan_in):
+        return draw(shape, 1.0 / math.sqrt(fan_in), 0.0)
+
+    def norm(shape, mean=0.0):
+        return RMSNorm(scale=draw(shape, 0.1, mean))
+
+    lin = (grp, pl)
+    linear = GatedDeltaNetLayers(
+        qkv=normal(lin + (d, cc), d), z=normal(lin + (d, hv, dv), d), b=normal(lin + (d, hv), d), a=normal(lin + (d, hv), d),
+        conv=normal(lin + (cc, g.conv_kernel), g.conv_kernel), dt_bias=draw(lin + (hv,), 0.5, 1.0),
+        a_log=draw(lin + (hv,), 0.5, 0.0), norm=draw(lin + (dv,), 0.1, 1.0), out=normal(lin + (hv, dv, d), hv * dv),
+        attn_norm=norm(lin + (d,)), ffw_norm=norm(lin + (d,)), gating=normal(lin + (2, d, f), d), linear=normal(lin + (f, d), f))
+    fl = (grp, pf)
+    full = FullLayers(
+        q=normal(fl + (n, d, h), d), kv=normal(fl + (2, k, d, h), d), out=normal(fl + (n, h, d), n * h),
+        attn_norm=norm(fl + (d,)), ffw_norm=norm(fl + (d,)), gating=normal(fl + (2, d, f), d), linear=normal(fl + (f, d), f),
+        q_norm=norm(fl + (h,)), k_norm=norm(fl + (h,)), q_gate=normal(fl + (n, d, h), d))
+    return Decoder(embedding=normal((v, d), d), layers=HybridLayers(linear=linear, full=full), final_norm=norm((d,)),
+                   lm_head=None if b.tie_embeddings else normal((v, d), d))
+
+
+def init_decoder(spec: Qwen35Spec, seed: int = 0, dtype: str = "float32") -> Decoder:
+    """Random weights for `spec` (tests and benchmarks; not a training initialisation)."""
+    return decoder_tree(spec, backbone.numpy_draws(seed, dtype))
+
+
+def abstract_decoder(spec: Qwen35Spec, dtype: str = "float32") -> Decoder:
+    """`jax.ShapeDtypeStruct` leaves via `jax.eval_shape`: nothing is allocated."""
+    return jax.eval_shape(lambda: decoder_tree(spec, backbone.zeros_draws(dtype)))
+
+
+# --------------------------------------------------------------------------------------------------
+# The stack
+
+
+def _flat(x):
+    """[G, P, ...] -> [G P, ...] (layer order: the groups are consecutive)."""
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def _grouped(x, spec: Qwen35Spec, kind: str):
+    """[Lg or Lf, ...] -> [G, Pl or Pf, ...]."""
+    return x.reshape((spec.num_groups, spec.group.count(kind)) + x.shape[1:])
+
+
+def _linear_layer(spec: Qwen35Spec, lp: GatedDeltaNetLayers, x, window, state, valid, form, taps=None):
+    """One Gated DeltaNet decoder layer: (1 + w) norm, mixer, residual, norm, SwiGLU, residual."""
+    bspec = spec.backbone
+    h, _ = backbone.rms_norm(bspec, x, lp.attn_norm)
+    o, window, state = gdn.mixer(spec.gdn, lp, h, window, state, valid, form, taps)
+    x = x + o
+    h, _ = backbone.rms_norm(bspec, x, lp.ffw_norm)
+    return x + backbone.gated_mlp(bspec, h, lp.gating, lp.linear), window, state
+
+
+def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, form, cache, window, state, kv_fn_for,
+                collect_hidden=False, collect_taps=False):
+    """The scan over groups shared by `forward_prefill` and `forward_step`.
+
+    `window`, `state`: [Lg, B, ...] states the linear layers continue; `cache`: a carried pytree the full
+    layers' `kv_fn_for(cache, layer) -> (kv_fn, get_cache)` reads and updates (layer = full-layer index).
+    Returns (x, cache, window [Lg, ...], state [Lg, ...], per-group outputs dict of [L or Lg, ...]).
+    """
+    pl, pf = spec.group.count(LINEAR), spec.group.count(FULL)
+
+    def body(carry, xs):
+        x, cache = carry
+        lin, full, win, st, g = xs
+        wins, sts, hids, taps = [], [], [], []
+        il = jf = 0
+        for kind in spec.group:
+            if kind == LINEAR:
+                lp = jax.tree.map(lambda a, i=il: a[i], lin)
+                tap = {} if collect_taps else None
+                x, w_i, s_i = _linear_layer(spec, lp, x, win[il], st[il], valid, form, tap)
+                wins.append(w_i), sts.append(s_i), taps.append(tap)
+                il += 1
+            else:
+                fp = jax.tree.map(lambda a, j=jf: a[j], full)
+                kv_fn, get_cache = kv_fn_for(cache, g * pf + jf)
+                x = backbone.decoder_block(spec.backbone, fp, x, None, rope, mask, kv_fn)
+                cache = get_cache()
+                jf += 1
+            hids.append(x if collect_hidden else None)
+        ys = dict(window=jnp.stack(wins), state=jnp.stack(sts))
+        if collect_hidden:
+            ys["hidden"] = jnp.stack(hids)
+        if collect_taps:
+            ys["taps"] = jax.tree.map(lambda *a: jnp.stack(a), *taps)
+        return (x, cache), ys
+
+    xs = (layers.linear, layers.full, _grouped(window, spec, LINEAR), _grouped(state, spec, LINEAR), jnp.arange(spec.num_groups))
+    (x, cache), ys = jax.lax.scan(body, (x, cache), xs)
+    ys = jax.tree.map(_flat, ys)
+    return x, cache, ys.pop("window"), ys.pop("state"), ys
+
+
+def empty_state(spec: Qwen35Spec, batch: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """(window [Lg, B, Cc, Kc] in `dtype`, state float32 [Lg, B, Hv, Dk, Dv]), all zeros: a fresh sequence."""
+    g, lg = spec.gdn, len(spec.linear_layers)
+    return (jnp.zeros((lg, batch, g.conv_channels, g.conv_kernel), dtype),
+            jnp.zeros((lg, batch, g.num_value_heads, g.key_dim, g.value_dim), jnp.float32))
+
+
+def forward_prefill(spec: Qwen35Spec, layers: HybridLayers, x, positions, input_mask, mask=None, *, return_hidden=False,
+                    return_taps=False):
+    """All layers over `x` from an empty cache (linear layers in the chunked form).
+
+    Args:
+      x: [B, T, D]; positions: int [B, T] or [Mr, B, T]; input_mask: bool [B, T] (valid tokens contiguous
+        per row, see the module docstring); mask: bool [B, T, T], default causal over valid tokens.
+      return_hidden: also each layer's output [L, B, T, D]; return_taps: the mixers' intermediates.
+    Returns:
+      dict: hidden [B, T, D] before the final norm, k, v [Lf, B, T, K, H], window [Lg, B, Cc, Kc],
+      state [Lg, B, Hv, Dk, Dv] (+ layer_outputs, taps).
+    """
+    mask = make_attn_mask(input_mask, jnp.ones(input_mask.shape[-1:], bool)) if mask is None else mask
+    rope = backbone.rope_tables(spec.backbone, positions)
+    b, t = x.shape[:2]
+    bs = spec.backbone
+    kv0 = jnp.zeros((len(spec.full_layers), b, t, bs.num_kv_heads, bs.head_dim), x.dtype)
+
+    def kv_fn_for(cache, layer):
+        out = {}
+
+        def kv_fn(k, v):
+            out["cache"] = (cache[0].at[layer].set(k), cache[1].at[layer].set(v))
+            return k, v
+        return kv_fn, lambda: out["cache"]
+
+    window, state = empty_state(spec, b, x.dtype)
+    x, (k, v), window, state, ys = _run_groups(spec, layers, x, rope, mask, input_mask, "chunked", (kv0, kv0), window, state,
+                                               kv_fn_for, return_hidden, return_taps)
+    out = dict(hidden=x, k=k, v=v, window=window, state=state)
+    if return_hidden:
+        out["layer_outputs"] = ys["hidden"]
+    if return_taps:
+        out["taps"] = ys["taps"]
+    return out
+
+
+def prefill(spec: Qwen35Spec, decoder: Decoder, x, positions, input_mask, *, return_hidden=False, return_taps=False):
+    """The prefix pass: `forward_prefill`, the final norm, and HF-convention hidden states.
+
+    Returns:
+      `forward_prefill`'s dict plus `normed` [B, T, D]; with `return_hidden`, `hidden_states` [L + 1, B, T, D]
+      as HF reports them (input embeddings, outputs of layers 0..L-2, final-normed output).
+    """
+    out = forward_prefill(spec, decoder.layers, x, positions, input_mask, return_hidden=return_hidden, return_taps=return_taps)
+    out["normed"] = backbone.final_norm(spec.backbone, decoder, out["hidden"])
+    if return_hidden:
+        out["hidden_states"] = jnp.concatenate([x[None], out.pop("layer_outputs")[:-1], out["normed"][None]], axis=0)
+    return out
+
+
+def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, mask, cache_k, cache_v, write_index,
+                 window, state, form: str = "recurrent"):
+    """Continues cached sequences by T tokens: full layers write their K/V into the cache and attend to it;
+    linear layers advance (window, state) (decode steps, request prompts).
+
+    Args:
+      x: [B, T, D]; positions: int [B, T] or [Mr, B, T]; valid: bool [B, T] tokens that advance the state
+        (right padding and inactive rows: False, identity steps); mask: bool [B, T, S] over cache slots.
+      cache_k, cache_v: [Lf, B, S, K, H]; write_index: int [B, T] (>= S drops the write).
+      window: [Lg, B, Cc, Kc]; state: float32 [Lg, B, Hv, Dk, Dv].
+    Returns:
+      (hidden [B, T, D] before the final norm, (cache_k, cache_v), (window, state)).
+    """
+    rope = backbone.rope_tables(spec.backbone, positions)
+    rows = jnp.arange(x.shape[0])[:, None]
+
+    def kv_fn_for(cache, layer):
+        out = {}
+
+        def kv_fn(k, v):
+            ck = cache[0].at[layer, rows, write_index].set(k.astype(cache[0].dtype), mode="drop")
+            cv = cache[1].at[layer, rows, write_index].set(v.astype(cache[1].dtype), mode="drop")
+            out["cache"] = (ck, cv)
+            return ck[layer], cv[layer]
+        return kv_fn, lambda: out["cache"]
+
+    x, (cache_k, cache_v), window, state, _ = _run_groups(spec, layers, x, rope, mask, valid, form, (cache_k, cache_v),
+                                                          window, state, kv_fn_for)
+    return x, (cache_k, cache_v), (window, state)
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding
+
+
+def compact_left(input_mask: np.ndarray, positions: np.ndarray | None = None):
+    """Gather indices that move each row's valid tokens, in order, to its right end (left padding).
+
+    Host numpy (prefix layouts are known on the host). Example, mask [1 1 0 0 1 1]: order [2 3 0 1 4 5],
+    new mask [0 0 1 1 1 1]; `x[b, order[b]]` is the compacted row, and positions move with their tokens
+    (cumsum(mask) - 1 over valid tokens is unchanged by the move).
+
+    Returns:
+      (order int32 [B, T], new mask bool [B, T], positions gathered the same way ([B, T] or [Mr, B, T]), or None).
+    """
+    m = np.asarray(input_mask).astype(bool)
+    order = np.argsort(m, axis=-1, kind="stable").astype(np.int32)  # invalid (False) first, each group in order
+    new_mask = np.take_along_axis(m, order, axis=-1)
+    if positions is None:
+        return order, new_mask, None
+    p = np.asarray(positions)
+    gathered = np.take_along_axis(p, np.broadcast_to(order, p.shape), axis=-1)
+    return order, new_mask, np.where(new_mask, gathered, 0).astype(np.int32)
