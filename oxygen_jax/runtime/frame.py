@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models.lora import LoraBank
-from oxygen_jax.runtime import compile_cache, decode
+from oxygen_jax.runtime import compile_cache, decode, rtc as rtc_mod
 from oxygen_jax.runtime.decode import DecodePool, Requests
 from oxygen_jax.runtime.vla import Vla
 
@@ -82,12 +82,15 @@ def _language(lm, pool, prefix, requests, tokens_per_frame, bank=None):
                       finished=released.done, num_generated=released.num_generated, batch=batch)
 
 
-def _frame(vla: Vla, pool, inputs, noises, states, requests, tokens_per_frame, evict=None, bank=None):
+def _frame(vla: Vla, pool, inputs, noises, states, requests, tokens_per_frame, evict=None, bank=None, rtc=None):
     if evict is not None:
         pool = decode.evict(pool, evict)
     # The prefix and the heads never see the bank: actions and the prefix cannot depend on adapters.
     prefix = vla.prefix(inputs)
-    actions = vla.actions(prefix, noises, states)
+    if rtc is None:
+        actions = vla.actions(prefix, noises, states)
+    else:  # real-time chunking on the named heads; language reads the same prefix, untouched
+        actions = rtc_mod.vla_actions(vla, prefix, noises, states, rtc)
     pool, text = _language(vla.language(), pool, prefix, requests, tokens_per_frame, bank)
     return pool, FrameOutput(actions=actions, **text)
 
@@ -95,8 +98,8 @@ def _frame(vla: Vla, pool, inputs, noises, states, requests, tokens_per_frame, e
 @functools.partial(jax.jit, static_argnames=("tokens_per_frame",), donate_argnames=("pool",))
 def frame_step(
     vla: Vla, pool: DecodePool, inputs, noises: dict[str, jax.Array], requests: Requests,
-    evict: jax.Array | None = None, bank: LoraBank | None = None, states: dict[str, jax.Array] | None = None, *,
-    tokens_per_frame: int,
+    evict: jax.Array | None = None, bank: LoraBank | None = None, states: dict[str, jax.Array] | None = None,
+    rtc: dict | None = None, *, tokens_per_frame: int,
 ) -> tuple[DecodePool, FrameOutput]:
     """One control frame of continuous batching: one prefix pass, every head, admissions, a k-token burst.
 
@@ -110,10 +113,12 @@ def frame_step(
       bank: optional language adapters (`lora.LoraBank` of the language decoder) for the requests' and
         slots' adapter ids; only admission and decoding read it.
       states: head name -> robot state [B, Ds] for heads with a state token (None: no such head).
+      rtc: optional head name -> `runtime.rtc.RtcInputs` (per-row real-time chunking: previous chunk, d, s,
+        schedule, β, mode; all arrays, so changing them never recompiles). None: plain denoise.
     Donates `pool`. Occupancy, arrivals, cancellations and finishing are array values: this compiles
     once per (model spec, shapes, tokens_per_frame).
     """
-    return _frame(vla, pool, inputs, noises, states, requests, tokens_per_frame, evict, bank)
+    return _frame(vla, pool, inputs, noises, states, requests, tokens_per_frame, evict, bank, rtc)
 
 
 @jax.tree_util.register_dataclass
@@ -172,14 +177,16 @@ class RolloutOutput:
 @functools.partial(jax.jit, static_argnames=("tokens_per_frame", "admissions_per_frame"), donate_argnames=("pool",))
 def rollout(
     vla: Vla, pool: DecodePool, inputs, noises: dict[str, jax.Array], table: RequestTable,
-    bank: LoraBank | None = None, states: dict[str, jax.Array] | None = None, *, tokens_per_frame: int,
-    admissions_per_frame: int,
+    bank: LoraBank | None = None, states: dict[str, jax.Array] | None = None, rtc: dict | None = None, *,
+    tokens_per_frame: int, admissions_per_frame: int,
 ) -> tuple[DecodePool, RolloutOutput]:
     """`frame_step` scanned over Fr frames: one compile for the whole rollout.
 
     Args:
       inputs: the frames' observations with a leading frame axis [Fr, B, ...].
       noises: head name -> [Fr, B, Ha, Ad]; states: head name -> [Fr, B, Ds] (or None).
+      rtc: optional head name -> `runtime.rtc.RtcInputs` with a leading frame axis (prev_chunk [Fr, B, Ha, Ad],
+        the rest [Fr, B]), one set per frame (as `frame_step`).
       table: requests sorted by arrival; waiting requests queue (FIFO) until a slot is free and are
         then admitted with the observation of the frame that admits them.
     Returns:
@@ -188,14 +195,14 @@ def rollout(
 
     def body(carry, xs):
         pool, next_req = carry
-        f, obs, nz, st = xs
+        f, obs, nz, st, rt = xs
         offered = _window(table, next_req, admissions_per_frame, f)
-        pool, out = _frame(vla, pool, obs, nz, st, offered, tokens_per_frame, bank=bank)
+        pool, out = _frame(vla, pool, obs, nz, st, offered, tokens_per_frame, bank=bank, rtc=rt)
         return (pool, next_req + jnp.sum(out.admitted, dtype=jnp.int32)), (out, next_req)
 
     frames = jax.tree.leaves(noises)[0].shape[0]
     (pool, _), (outs, starts) = jax.lax.scan(
-        body, (pool, jnp.int32(0)), (jnp.arange(frames, dtype=jnp.int32), inputs, noises, states)
+        body, (pool, jnp.int32(0)), (jnp.arange(frames, dtype=jnp.int32), inputs, noises, states, rtc)
     )
     return pool, RolloutOutput(frames=outs, admitted_from=starts)
 
