@@ -6,6 +6,11 @@
     python -m oxygen_jax.serve --heads tiny --image-size 64 --port 8000   # Qwen3-VL + XR0 / StarVLA / GR00T heads
 
 The protocol (openpi's, with language extensions) is described in `oxygen_jax.serving.server`.
+
+The server listens on 127.0.0.1 unless told otherwise: `--host 0.0.0.0` accepts robots from other
+machines (add `--api-key` there). The port is bound before the model loads, so a port in use or a bad
+--host is a one-line error in a second; SIGTERM is answered within one batch size's compile during
+warm-up, and at once while the model loads.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -68,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--adapter", action="append", default=[], metavar="DIR",
                     help="a trained language adapter (training.memory output) served by its name; repeatable")
     ap.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="client observation format")
-    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on; 127.0.0.1 is this machine only, 0.0.0.0 every interface "
+                         "(robots on other machines; consider --api-key)")
     ap.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"])
@@ -84,8 +92,24 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens-per-frame", type=_positive_int, default=4, help="k: language tokens per request per step")
     ap.add_argument("--batch-sizes", type=_buckets, default=BUCKETS, help="robots per step, compiled at start-up")
     ap.add_argument("--deadline-ms", type=_positive_float, default=100.0, help="default robot round-trip budget")
+    ap.add_argument("--max-deadline-ms", type=_positive_float, default=1000.0,
+                    help="cap on the deadline_ms a robot declares (how long other robots may wait for it; "
+                         "at least --deadline-ms)")
     ap.add_argument("--max-pending", type=_positive_int, default=16, help="queued frames before 'busy'")
-    ap.add_argument("--max-robots", type=_positive_int, default=64, help="connections before HTTP 503")
+    ap.add_argument("--max-robots", type=_positive_int, default=64,
+                    help="streaming robots (connections that have sent a frame); more get 'busy'")
+    ap.add_argument("--max-connections", type=_positive_int, default=256,
+                    help="open connections of any kind; more get HTTP 503")
+    ap.add_argument("--max-connections-per-peer", type=_positive_int, default=32,
+                    help="open connections from one client address; more get HTTP 503")
+    ap.add_argument("--first-frame-timeout", type=_positive_float, default=30.0,
+                    help="close a connection that sends no first frame within this many seconds")
+    ap.add_argument("--idle-timeout", type=_positive_float, default=600.0,
+                    help="close a robot that sends no frame for this many seconds")
+    ap.add_argument("--send-timeout", type=_positive_float, default=10.0,
+                    help="drop a connection whose reply cannot be written in this many seconds")
+    ap.add_argument("--max-prompt-chars", type=_positive_int, default=1024,
+                    help="longest observation or language-request prompt (characters), refused before tokenizing")
     ap.add_argument("--max-requests-per-robot", type=_positive_int, default=8, help="live language requests per robot")
     ap.add_argument("--max-message-mb", type=_positive_float, default=4.0, help="larger frames close with 1009")
     ap.add_argument("--ping-interval", type=_positive_float, default=20.0, help="keepalive ping period (s)")
@@ -182,13 +206,43 @@ def build(args: argparse.Namespace):
     return engine, tok, robot, norm_stats, mesh, rows
 
 
-async def _serve_until_signal(server: PolicyServer) -> int:
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port), bound before anything slow runs.
+
+    Raises:
+      ValueError: one line naming the flag and the fix (an unknown host, a port in use, no permission).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"argument --host: cannot resolve {host!r} ({e}); use an address of this machine, "
+                         "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        if e.errno in (98, 48, 10048):  # EADDRINUSE (Linux, macOS, Windows)
+            raise ValueError(f"argument --port: port {port} is already in use on {host}; stop the other server or "
+                             "pick another port (--port 0 picks a free one)") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; check --host and --port") from None
+    sock.setblocking(False)
+    return sock
+
+
+async def _serve_until_signal(server: PolicyServer, sock: socket.socket | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
+    await server.start(sock)
     c = server.config
+    log.info("listening on ws://%s:%d (robot %s)%s", c.host, server.port, server.robot.name,
+             "; other machines cannot connect: pass --host 0.0.0.0 to listen on every interface"
+             if c.host in ("127.0.0.1", "localhost", "::1") else "")
     print(f"listening on ws://{c.host}:{server.port} (robot {server.robot.name}); compiling batch sizes "
           f"{list(c.buckets)} ... (/healthz answers 503 until done)", flush=True)
     warm = asyncio.ensure_future(server.wait_ready())
@@ -211,27 +265,70 @@ def main(argv=None) -> int:
         return _fail(f"argument --seed: expected an integer >= 0, got {args.seed}", 2)
     if args.tokenizer and not Path(args.tokenizer).is_file():
         return _fail(f"argument --tokenizer: no such file {args.tokenizer!r}", 2)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("websockets").setLevel(logging.WARNING)
+    configure_logging(args.log_level)
     try:
         config = ServeConfig(
             host=args.host, port=args.port, buckets=args.batch_sizes, deadline_ms=args.deadline_ms,
-            max_pending=args.max_pending, max_robots=args.max_robots,
+            max_deadline_ms=max(args.max_deadline_ms, args.deadline_ms), max_pending=args.max_pending,
+            max_robots=args.max_robots, max_connections=args.max_connections,
+            max_connections_per_peer=args.max_connections_per_peer, first_frame_timeout_s=args.first_frame_timeout,
+            idle_timeout_s=args.idle_timeout, send_timeout_s=args.send_timeout, max_prompt_chars=args.max_prompt_chars,
             max_requests_per_robot=args.max_requests_per_robot, max_message_bytes=int(args.max_message_mb * (1 << 20)),
             ping_interval=args.ping_interval, ping_timeout=args.ping_timeout, seed=args.seed,
             default_prompt=args.default_prompt, api_key=args.api_key)
+    except ValueError as e:
+        return _fail(str(e), 2)
+    try:
+        sock = bind(args.host, args.port)  # before the model: a port in use fails now, not after loading
+    except ValueError as e:
+        return _fail(str(e), 2)
+    log.info("bound %s:%d; loading the model", args.host, sock.getsockname()[1])
+    previous = signal.signal(signal.SIGTERM, _exit_while_loading)
+    try:
         if args.compile_cache.lower() != "none" and compile_cache.enable(args.compile_cache) is None:
             # The cache only saves start-up time: its absence must not stop the server.
-            log.warning("cannot create the compilation cache directory %s: serving without a persistent cache",
+            log.warning("cannot use the compilation cache directory %s: serving without a persistent cache",
                         args.compile_cache)
         engine, tok, robot, norm_stats, mesh, rows = build(args)
+    except _Terminated:
+        sock.close()
+        print("SIGTERM while loading the model: exiting", flush=True)
+        return 0
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint or bad value is one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         demo = f"cannot load the demo {args.demo or 'checkpoints/demo'}: " if args.demo is not None else ""
         what = f"cannot load checkpoint {args.ckpt}: " if args.ckpt else demo
+        sock.close()
         return _fail(f"{what}{type(e).__name__}: {first}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     server = PolicyServer(engine, tok, robot, config, norm_stats=norm_stats, mesh=mesh, **rows)
-    return asyncio.run(_serve_until_signal(server))
+    return asyncio.run(_serve_until_signal(server, sock))
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while the model was loading (nothing to drain: exit at once)."""
+
+
+def _exit_while_loading(signum, frame):
+    raise _Terminated()
+
+
+def configure_logging(level: str) -> None:
+    """Timestamped log lines at `level` on stderr, replacing whatever handlers an import installed.
+
+    `force=True`: absl (imported by orbax) configures the root logger first, which would make a plain
+    `basicConfig` a no-op (no INFO lines, no timestamps).
+    """
+    root = logging.getLogger()
+    # Handlers of another kind (a test's log capture, a file handler set up by an embedding program) stay.
+    keep = [h for h in root.handlers if type(h) is not logging.StreamHandler and "absl" not in type(h).__module__]
+    for h in keep:
+        root.removeHandler(h)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for h in keep:
+        root.addHandler(h)
+    logging.getLogger("websockets").setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":

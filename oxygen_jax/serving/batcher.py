@@ -15,7 +15,10 @@ Da the robot's action dim.
 * Batch sizes come from a fixed bucket set, each compiled before the server reports healthy
   (`EngineWorker.warmup`); padding rows repeat row 0 and belong to no stream (row id -1).
 * When to fire (`fire_delay`): at once when no other robot is expected soon, or when every expected
-  robot is in; otherwise wait until the tightest pending deadline minus the predicted step time.
+  robot is in; otherwise wait until the tightest pending deadline minus the predicted step time. A
+  robot is expected for its observed period (`Stream.expect_s`: twice its usual time between a reply
+  and its next frame), never longer than its deadline (itself capped by the server), so a robot that
+  declares a long deadline and goes quiet stops being waited for.
 * Noise is deterministic: row noise of frame f of stream s is `codec.frame_noise(seed, s, f)` (one per
   head), so a client (or a test) can reproduce a served action chunk with `Engine.step(observation, noise)`.
 * Model specifics (rows, stacking, noise shapes, the output transform) are the `codec`'s: any model family
@@ -42,6 +45,8 @@ from oxygen_jax.runtime import compile_cache
 from oxygen_jax.runtime.engine import FailedRequest, FinishedRequest, RequestError
 
 log = logging.getLogger("oxygen_jax.serve")
+
+_MAX_REASON = 300  # characters of an engine refusal quoted back to the client
 
 BUCKETS = (1, 2, 4, 8)
 """Default batch sizes (robots per step), each compiled at start-up."""
@@ -70,6 +75,8 @@ class Stream:
       frames: frames of this stream handed to the engine so far (the next frame's index).
       busy: a frame of this stream is queued or in a step.
       last_reply: perf_counter time of the last reply sent (robots that just got one are expected back).
+      think_s: the robot's observed time from a reply to its next frame (moving average; None before
+        its second frame).
       closed: the connection is gone; results for it are dropped.
       tags: live language request id -> the client's tag for it.
       finished, failed: language results waiting for this robot's next response (delivered once).
@@ -80,10 +87,24 @@ class Stream:
     frames: int = 0
     busy: bool = False
     last_reply: float = -math.inf
+    think_s: float | None = None
     closed: bool = False
     tags: dict[int, Any] = dataclasses.field(default_factory=dict)
     finished: list[dict] = dataclasses.field(default_factory=list)
     failed: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def expect_s(self) -> float:
+        """How long after a reply this robot is expected back: 2 x its observed period + 5 ms, at most its deadline."""
+        if self.think_s is None:
+            return self.deadline_s
+        return min(self.deadline_s, 2.0 * self.think_s + 0.005)
+
+    def observe_arrival(self, now: float) -> None:
+        """Updates `think_s` with the gap between the last reply and a frame arriving at `now`."""
+        if math.isfinite(self.last_reply):
+            gap = max(now - self.last_reply, 0.0)
+            self.think_s = gap if self.think_s is None else 0.7 * self.think_s + 0.3 * gap
 
     def take_language(self) -> tuple[list[dict], list[dict]]:
         """Finished and failed results not yet delivered; each is returned exactly once."""
@@ -104,6 +125,7 @@ class LanguageRequest:
     adapter: str | int = "base"
     stop_at_eos: bool = True
     tag: str | int | None = None  # the client's id for it, echoed back
+    tokens: tuple[int, ...] | None = None  # the prompt's ids, tokenized on a prep thread (None: the engine does)
 
 
 @dataclasses.dataclass(eq=False)
@@ -224,8 +246,12 @@ class EngineWorker:
         spec = PartitionSpec("robots") if rows % self.mesh.size == 0 else PartitionSpec()
         return jax.device_put(tree, NamedSharding(self.mesh, spec))
 
-    def warmup(self, example, buckets: Sequence[int]) -> dict[int, float]:
+    def warmup(self, example, buckets: Sequence[int], cancel: threading.Event | None = None) -> dict[int, float]:
         """Compiles every bucket; returns the steady step time (ms) of each, measured after compiling.
+
+        `cancel` is checked between batch sizes: once it is set, warm-up stops after the compile in
+        progress and returns the times measured so far (a SIGTERM during warm-up is answered in the
+        time of one compile, not of all of them).
 
         One device: `Engine.warmup` per bucket (a scratch pool, no request touched), run twice. Several
         devices: real steps whose rows are all padding (no request is admitted): every bucket, then the
@@ -233,10 +259,15 @@ class EngineWorker:
         to the mesh by the step before, a different program), then every bucket timed.
         """
         times = {}
+        stop = cancel.is_set if cancel is not None else (lambda: False)
         if self.mesh is None:
             for b in buckets:
+                if stop():
+                    return times
                 inputs, states = self.codec.batch([example] * b, b)
                 self.engine.warmup(inputs, states)
+                if stop():
+                    return times
                 times[b] = self.engine.warmup(inputs, states) * 1e3
             return times
 
@@ -248,21 +279,29 @@ class EngineWorker:
             return (time.perf_counter() - start) * 1e3
 
         for b in [*buckets, buckets[0]]:
+            if stop():
+                return times
             padding_step(b)
-        return {b: padding_step(b) for b in buckets}
+        for b in buckets:
+            if stop():
+                return times
+            times[b] = padding_step(b)
+        return times
 
     def _submit(self, frame: Frame) -> list[int]:
         ids = []
         try:
             for req in frame.language:
+                text = {"prompt": req.prompt} if req.tokens is None else {"prompt_tokens": list(req.tokens)}
                 ids.append(self.engine.submit(
-                    prompt=req.prompt, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    **text, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                     seed=req.seed, adapter=req.adapter, stop_token=EOS_ID if req.stop_at_eos else None,
                     row=frame.stream.id, owner=frame.stream))
         except RequestError as e:
             for rid in ids:
                 self.engine.cancel(rid)
-            raise RequestError(f"language_requests[{len(ids)}]: {e}") from None
+            reason = str(e) if len(str(e)) <= _MAX_REASON else f"{str(e)[:_MAX_REASON]}…"  # never echo a large value
+            raise RequestError(f"language_requests[{len(ids)}]: {reason}") from None
         return ids
 
     def step(self, frames: Sequence[Frame], bucket: int) -> StepOutput:
@@ -317,8 +356,12 @@ class EngineWorker:
 
 
 def expected_streams(streams: Sequence[Stream], now: float) -> list[Stream]:
-    """Robots likely to send a frame soon: idle, and answered less than one of their deadlines ago."""
-    return [s for s in streams if not s.busy and not s.closed and now - s.last_reply < s.deadline_s]
+    """Robots likely to send a frame soon: idle, and answered less than `Stream.expect_s` ago.
+
+    Example: a robot that declared a 1-hour deadline (capped by the server at, say, 1 s) and sent
+    frames 10 ms after each reply is expected for 25 ms after its last reply, not for an hour.
+    """
+    return [s for s in streams if not s.busy and not s.closed and now - s.last_reply < s.expect_s]
 
 
 def fire_delay(pending: Sequence[Frame], expected: Sequence[Stream], now: float, predicted_s: float,
@@ -375,6 +418,7 @@ class Batcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
+        self._cancel_warmup = threading.Event()
         self.ready = False
         self.warmup_ms: dict[int, float] = {}
         self.steps = 0
@@ -400,13 +444,19 @@ class Batcher:
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         t0 = time.perf_counter()
-        self.warmup_ms = await self.worker.run(loop, self.worker.warmup, example, self.buckets)
+        self.warmup_ms = await self.worker.run(loop, self.worker.warmup, example, self.buckets, self._cancel_warmup)
+        if self._cancel_warmup.is_set():
+            raise asyncio.CancelledError("warm-up cancelled: the server is shutting down")
         self._predicted_s = {b: ms / 1e3 for b, ms in self.warmup_ms.items()}
         log.info("warm-up compiled batch sizes %s in %.1f s; steady step ms %s", list(self.buckets),
                  time.perf_counter() - t0, {b: round(ms, 1) for b, ms in self.warmup_ms.items()})
         self.ready = True
         self._task = asyncio.create_task(self._run(), name="oxygen-batcher")
         self._wake.set()
+
+    def cancel_warmup(self) -> None:
+        """Stops warm-up after the compile in progress (thread-safe; shutdown calls it)."""
+        self._cancel_warmup.set()
 
     async def drain(self) -> None:
         """Steps every frame already queued (without waiting for other robots), then stops the loop.

@@ -81,6 +81,10 @@ class _Codec:
             out[name] = x
         return out
 
+    def prompt_full(self, row) -> bool:
+        """Whether a row's prompt fills every prompt token (families that refuse over-long prompts: False)."""
+        return False
+
     def _robot_chunk(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
         return transforms.robot_outputs(self.robot, chunk, state, self.norm_stats)
 
@@ -104,6 +108,10 @@ class Pi05Codec(_Codec):
 
     def batch(self, rows: Sequence[Observation], bucket: int):
         return _stack_observations(rows, bucket), None
+
+    def prompt_full(self, row: Observation) -> bool:
+        """The row's prompt fills every prompt token (a longer one was cut to fit)."""
+        return bool(np.asarray(row.token_mask)[0, -1])
 
     def outputs(self, head_actions: Mapping[str, np.ndarray], i: int, state: np.ndarray) -> tuple[np.ndarray, dict]:
         return self._robot_chunk(head_actions[self.primary][i], state), {}

@@ -11,23 +11,34 @@ Protocol (openpi's `WebsocketPolicyServer`, so an unmodified `openpi_client.Webs
    answered by exactly one binary frame {"actions": float32 [Ha, Da], "server_timing": {...},
    "policy_timing": {...}, ...}. Arrays use openpi's msgpack-numpy form (`oxygen_jax.serving.wire`).
 3. A malformed frame (bad msgpack, a text frame, missing/mis-shaped/non-finite fields, non-uint8 images,
-   a bad language request) is answered with a text frame "BadRequest: ..." and the connection stays
-   usable (openpi's client raises RuntimeError with that text). A full queue answers "busy: ...". An
-   internal error sends the traceback as text and closes with 1011, as openpi does. A frame larger
-   than --max-message-mb closes the connection with 1009.
-4. `GET /healthz`: 200 "OK" once every batch size is compiled, 503 while warming up or shutting down.
-   `GET /metrics`: Prometheus text format.
+   a bad language request, a string over its cap, nesting too deep) is answered with a text frame
+   "BadRequest: ..." (at most `MAX_REPLY_CHARS` characters, whatever the frame carried) and the
+   connection stays usable (openpi's client raises RuntimeError with that text). A full queue answers
+   "busy: ...". An internal error is logged with its traceback under an error id; the client gets
+   "Internal server error (id ...)" as text, then a 1011 close (openpi sends the traceback itself: we
+   do not send source paths to a client). A frame larger than --max-message-mb closes with 1009.
+4. `GET /healthz`: 200 "OK" once every batch size is compiled and a robot can connect; 503 "warming
+   up", "draining", or "full" (every robot slot or connection taken). `GET /metrics`: Prometheus.
+
+Connections (`ServeConfig`): a connection takes a robot slot (`max_robots`) with its first frame, so
+open handshakes lock nobody out; a connection that sends no frame for `first_frame_timeout_s` (before
+its first) or `idle_timeout_s` (after) is closed with 1008; at most `max_connections` connections in
+all and `max_connections_per_peer` per client address (HTTP 503 beyond); frames are read one at a
+time (websockets `max_queue=1`: a client that sends without reading is back-pressured by TCP, not
+buffered), and a reply that cannot be written within `send_timeout_s` drops the connection.
 
 Extensions, ignored by clients that do not use them (openpi's client passes extra keys through):
 
 * Observation fields: "language_requests": [{"prompt": str, "max_tokens": int, "temperature": float,
   "top_p": float, "seed": int, "adapter": str, "stop_at_eos": bool, "id": <client tag>}, ...] (only
-  "prompt" is required) and "deadline_ms": the robot's round-trip budget, kept for the connection.
+  "prompt" is required) and "deadline_ms": the robot's round-trip budget, kept for the connection
+  (capped at `ServeConfig.max_deadline_ms`; the effective value is `server_timing.deadline_ms`).
 * Response fields: "stream", "frame" (see the noise rule), and "language": {"accepted": [{"id", "tag"}],
   "finished": [{"id", "tag", "text", "tokens", "latency_frames", "latency_ms"}], "failed": [{"id", "tag",
   "error"}]} — lists and strings only, because openpi's ActionChunkBroker slices every ndarray of a
   response per step. A finished request is delivered once, in the owning robot's next response; a
-  robot's live requests are cancelled when its connection closes.
+  robot's live requests are cancelled when its connection closes. openpi's ActionChunkBroker copies
+  these non-array values into every step of its chunk: `serving.dedup` keeps each result once.
 * Metadata: {"server": "oxygen_jax", "stream", "robot", "action_horizon", "action_dim", "batch_sizes",
   "devices", "step_ms" (steady step time per batch size, measured at warm-up), "deadline_ms",
   "max_message_bytes", "language": {...limits}, "noise": {"seed", "rule"}}, plus "reset_pose" for
@@ -42,47 +53,53 @@ answered, then every connection closes with 1001 and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
-import numbers
 import threading
 import time
-import traceback
+import uuid
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
 
 from oxygen_jax.models.pi05.config import RobotConfig
-from oxygen_jax.serving import wire
-from oxygen_jax.serving.batcher import (
-    BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, LanguageRequest, StepOutput, Stream,
-)
+from oxygen_jax.serving import requests, wire
+from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, StepOutput, Stream
 from oxygen_jax.serving.codec import make_codec
+from oxygen_jax.serving.requests import BadRequest, parse_language_requests  # noqa: F401 - part of this API
 
 log = logging.getLogger("oxygen_jax.serve")
 
 _ALOHA_RESET_POSE = [0, -1.5, 1.5, 0, 0, 0]  # openpi's ALOHA policy metadata
-_LANGUAGE_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "seed", "adapter", "stop_at_eos", "id")
-_INTERNAL_ERROR = "Internal server error. Traceback included in previous frame."
-
-
-class BadRequest(ValueError):
-    """A frame the server refuses; the text is sent back and the connection stays open."""
+_INTERNAL_ERROR = "Internal server error; the server log has the details under the id in the previous frame."
+MAX_REPLY_CHARS = 1000  # a text reply (BadRequest, busy, ...) is cut to this length
+_TRUNCATION_WARNING_S = 60.0  # at most one "prompt fills every token" warning per this many seconds
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """Everything about serving that is not the model."""
 
-    host: str = "0.0.0.0"  # openpi's default: robots usually connect from another machine
+    host: str = "127.0.0.1"  # this machine only; "0.0.0.0" accepts robots from other machines
     port: int = 8000  # 0 picks a free port (see PolicyServer.port)
     buckets: tuple[int, ...] = BUCKETS  # robots per step, each compiled at start-up
     deadline_ms: float = 100.0  # default round-trip budget of a robot that declares none
+    max_deadline_ms: float = 1000.0  # cap on a declared deadline_ms (how long others may wait for a robot)
     max_pending: int = 16  # frames queued before "busy"
-    max_robots: int = 64  # connections; more get HTTP 503
+    max_robots: int = 64  # streaming robots (connections that have sent a frame); more get "busy"
+    max_connections: int = 256  # open connections of any kind (handshakes included); more get HTTP 503
+    max_connections_per_peer: int = 32  # open connections from one client address; more get HTTP 503
+    first_frame_timeout_s: float | None = 30.0  # close a connection that sends no first frame in this time
+    idle_timeout_s: float | None = 600.0  # close a robot that sends no frame for this long
+    send_timeout_s: float = 10.0  # drop a connection whose reply cannot be written in this time
+    max_queue: int = 1  # frames websockets buffers per connection (the protocol is lock-step)
+    write_limit: int = 64 << 10  # bytes websockets buffers for writing before send() waits
     max_requests_per_robot: int = 8  # live language requests per connection
     max_message_bytes: int = 4 << 20
+    max_prompt_chars: int = 1024  # the observation "prompt" and each language request's prompt
     ping_interval: float | None = 20.0  # websockets keepalive (openpi's defaults)
     ping_timeout: float | None = 20.0
     seed: int = 0  # noise seed (see batcher.frame_noise)
@@ -92,95 +109,19 @@ class ServeConfig:
     def __post_init__(self):
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
             raise ValueError(f"ServeConfig.buckets must be increasing positive sizes, got {list(self.buckets)}")
-        for f in ("max_pending", "max_robots", "max_requests_per_robot", "max_message_bytes"):
+        for f in ("max_pending", "max_robots", "max_connections", "max_connections_per_peer", "max_queue",
+                  "write_limit", "max_requests_per_robot", "max_message_bytes", "max_prompt_chars"):
             if getattr(self, f) < 1:
                 raise ValueError(f"ServeConfig.{f} must be >= 1, got {getattr(self, f)}")
-        if not 0 < self.deadline_ms <= 3.6e6:
-            raise ValueError(f"ServeConfig.deadline_ms must be in (0, 3.6e6], got {self.deadline_ms}")
-
-
-# -------------------------------------------------------------------------------------------------
-# Request parsing (runs on a prep thread, never on the event loop)
-# -------------------------------------------------------------------------------------------------
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
-
-
-def parse_language_requests(value, *, max_requests: int, default_max_tokens: int) -> list[LanguageRequest]:
-    """Reads the optional "language_requests" field: a list of maps (or one map) of request fields.
-
-    Types are checked here; value ranges (token budget, prompt length, sampling, adapter) by `Engine.submit`.
-    Raises:
-      BadRequest naming the request index and field.
-    """
-    if value is None:
-        return []
-    if isinstance(value, Mapping):
-        value = [value]
-    if not isinstance(value, list):
-        raise BadRequest(f"language_requests must be a list of maps, got {type(value).__name__}")
-    if len(value) > max_requests:
-        raise BadRequest(f"language_requests has {len(value)} entries; at most {max_requests} per frame")
-    out = []
-    for i, req in enumerate(value):
-        where = f"language_requests[{i}]"
-        if not isinstance(req, Mapping):
-            raise BadRequest(f"{where} must be a map with a 'prompt', got {type(req).__name__}")
-        unknown = sorted(str(k) for k in req if k not in _LANGUAGE_FIELDS)
-        if unknown:
-            raise BadRequest(f"{where}: unknown fields {unknown}; known: {list(_LANGUAGE_FIELDS)}")
-        prompt = req.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadRequest(f"{where}.prompt must be a string (e.g. 'Subtask: '), got {type(prompt).__name__}")
-        max_tokens = req.get("max_tokens", default_max_tokens)
-        if not _is_int(max_tokens):
-            raise BadRequest(f"{where}.max_tokens must be an integer, got {max_tokens!r}")
-        for name, default in (("temperature", 0.0), ("top_p", 1.0)):
-            if not _is_real(req.get(name, default)):
-                raise BadRequest(f"{where}.{name} must be a number, got {req.get(name)!r}")
-        seed = req.get("seed")
-        if seed is not None and not _is_int(seed):
-            raise BadRequest(f"{where}.seed must be an integer, got {seed!r}")
-        adapter = req.get("adapter", "base")
-        if not isinstance(adapter, str) and not _is_int(adapter):
-            raise BadRequest(f"{where}.adapter must be an adapter name, got {adapter!r}")
-        stop = req.get("stop_at_eos", True)
-        if not isinstance(stop, (bool, np.bool_)):
-            raise BadRequest(f"{where}.stop_at_eos must be true or false, got {stop!r}")
-        tag = req.get("id")
-        if tag is not None and not isinstance(tag, str) and not _is_int(tag):
-            raise BadRequest(f"{where}.id must be a string or an integer, got {type(tag).__name__}")
-        out.append(LanguageRequest(
-            prompt=prompt, max_tokens=int(max_tokens), temperature=float(req.get("temperature", 0.0)),
-            top_p=float(req.get("top_p", 1.0)), seed=None if seed is None else int(seed),
-            adapter=adapter if isinstance(adapter, str) else int(adapter), stop_at_eos=bool(stop),
-            tag=tag if tag is None or isinstance(tag, str) else int(tag)))
-    return out
-
-
-def _check_images_uint8(sample: Mapping, where: str = "") -> None:
-    """Images travel as uint8 pixels (openpi-client converts before sending); anything else is refused."""
-    for key, value in sample.items():
-        if isinstance(value, Mapping):
-            _check_images_uint8(value, f"{where}{key}/")
-        elif isinstance(value, np.ndarray) and value.ndim == 3 and value.dtype != np.uint8:
-            raise BadRequest(f"{where}{key}: images must be uint8 pixels, got dtype {value.dtype}; "
-                             "convert with openpi_client.image_tools.convert_to_uint8")
-
-
-def _deadline(sample: Mapping) -> float | None:
-    value = sample.get("deadline_ms")
-    if value is None:
-        return None
-    if not _is_real(value) or not 0 < float(value) <= 3.6e6:
-        raise BadRequest(f"deadline_ms must be a number of milliseconds in (0, 3600000], got {value!r}")
-    return float(value) / 1e3
+        if not 0 < self.max_deadline_ms <= 3.6e6:
+            raise ValueError(f"ServeConfig.max_deadline_ms must be in (0, 3.6e6], got {self.max_deadline_ms}")
+        if not 0 < self.deadline_ms <= self.max_deadline_ms:
+            raise ValueError(f"ServeConfig.deadline_ms must be in (0, max_deadline_ms={self.max_deadline_ms}], "
+                             f"got {self.deadline_ms}")
+        for f in ("first_frame_timeout_s", "idle_timeout_s", "send_timeout_s"):
+            value = getattr(self, f)
+            if value is not None and not value > 0:
+                raise ValueError(f"ServeConfig.{f} must be > 0 seconds (or None for no limit), got {value}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -207,8 +148,12 @@ class Metrics:
         self.total_s = Histogram("oxygen_frame_seconds", "Frame received to reply sent", buckets=ms, registry=r)
         self.language = Counter("oxygen_language_requests", "Language requests by event", ["event"], registry=r)
         self.tokens = Counter("oxygen_language_tokens", "Tokens of finished language requests", registry=r)
-        Gauge("oxygen_connections", "Open robot connections", registry=r).set_function(
+        Gauge("oxygen_connections", "Open websocket connections (handshakes included)", registry=r).set_function(
             lambda: len(server._streams))
+        Gauge("oxygen_robots", "Streaming robots (connections that have sent a frame)", registry=r).set_function(
+            lambda: len(server._robots))
+        self.refused = Counter("oxygen_connections_refused", "Connections refused or dropped, by reason", ["reason"],
+                               registry=r)
         Gauge("oxygen_queue_depth", "Frames waiting for a step", registry=r).set_function(
             lambda: server.batcher.queue_depth)
         Gauge("oxygen_ready", "1 when warm and not draining", registry=r).set_function(lambda: float(server.healthy))
@@ -263,14 +208,20 @@ class PolicyServer:
         self.norm_stats = norm_stats
         self.codec = make_codec(engine, robot, tokenizer, norm_stats, config.default_prompt,
                                 image_size=image_size, prompt_len=prompt_len)
-        self.limits = wire.Limits(max_message_bytes=config.max_message_bytes, max_array_bytes=config.max_message_bytes)
+        self.limits = wire.Limits(max_message_bytes=config.max_message_bytes, max_array_bytes=config.max_message_bytes,
+                                  max_str_bytes=min(64 << 10, 4 * config.max_prompt_chars))
         self.worker = EngineWorker(engine, self.codec, seed=config.seed, mesh=mesh)
         self.metrics = Metrics(self)
         self.batcher = Batcher(self.worker, buckets=config.buckets, max_pending=config.max_pending,
                                on_step=self.metrics.on_step)
         self._prep = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="oxygen-prep")
-        self._streams: dict[int, Stream] = {}
+        self._streams: dict[int, Stream] = {}  # every open connection
+        self._robots: set[int] = set()  # streams holding a robot slot (they have sent a frame)
+        self._peers: collections.Counter = collections.Counter()  # client address -> open connections
         self._next_stream = 0
+        self._truncation_warned = -float("inf")  # perf_counter time of the last "prompt fills every token" warning
+        self._truncation_quiet = 0  # such prompts since that warning
+        _quiet_tokenizer_truncation_warning()
         self._preparing = 0  # frames received and being decoded (not yet queued)
         self._replying = 0  # frames whose reply is being sent
         self._draining = False
@@ -282,7 +233,13 @@ class PolicyServer:
 
     @property
     def healthy(self) -> bool:
+        """Warm, not draining (a full server is healthy but takes no new robot: see `full`)."""
         return self.batcher.ready and not self._draining
+
+    @property
+    def full(self) -> bool:
+        """No new robot can connect: every robot slot or every connection is taken."""
+        return len(self._robots) >= self.config.max_robots or len(self._streams) >= self.config.max_connections
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -315,14 +272,20 @@ class PolicyServer:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Binds the port (healthz answers 503 at once), then compiles every batch size in the background."""
+    async def start(self, sock=None) -> None:
+        """Binds the port (healthz answers 503 at once), then compiles every batch size in the background.
+
+        `sock`: an already bound and listening socket to serve on instead of `config.host`/`config.port`
+        (the CLI binds before loading the model, so a port in use fails in a second).
+        """
         from websockets.asyncio.server import serve
 
         c = self.config
+        where = dict(sock=sock) if sock is not None else dict(host=c.host, port=c.port)
         self._ws = await serve(
-            self._handle, c.host, c.port, process_request=self._http, max_size=c.max_message_bytes,
-            compression=None, ping_interval=c.ping_interval, ping_timeout=c.ping_timeout)
+            self._handle, **where, process_request=self._http, max_size=c.max_message_bytes,
+            max_queue=c.max_queue, write_limit=c.write_limit, compression=None, ping_interval=c.ping_interval,
+            ping_timeout=c.ping_timeout)
         self._warm_task = asyncio.create_task(self._warm(), name="oxygen-warmup")
 
     async def _warm(self) -> None:
@@ -343,6 +306,7 @@ class PolicyServer:
             return
         self._draining = True
         log.info("shutting down: answering %d queued frames", self.batcher.outstanding)
+        self.batcher.cancel_warmup()  # the engine thread stops after the compile in progress
         if self._warm_task is not None and not self._warm_task.done():
             self._warm_task.cancel()
         while self._preparing:  # frames received before the signal reach the queue first (prep is bounded)
@@ -366,8 +330,12 @@ class PolicyServer:
     def _http(self, connection, request):
         path = request.path.split("?", 1)[0]
         if path == "/healthz":
-            if self.healthy:
+            if self.healthy and not self.full:
                 return connection.respond(200, "OK\n")
+            if self.healthy:
+                return connection.respond(503, f"full: {len(self._robots)} of {self.config.max_robots} robots "
+                                               f"streaming, {len(self._streams)} of {self.config.max_connections} "
+                                               "connections open\n")
             return connection.respond(503, "draining\n" if self._draining else "warming up\n")
         if path == "/metrics":
             text, content_type = self.metrics.render()
@@ -380,11 +348,46 @@ class PolicyServer:
         key = self.config.api_key
         if key is not None and request.headers.get("Authorization") != f"Api-Key {key}":
             return connection.respond(401, "missing or wrong Authorization: Api-Key header\n")
-        if len(self._streams) >= self.config.max_robots:
-            return connection.respond(503, f"too many robots connected (limit {self.config.max_robots})\n")
+        c = self.config
+        if len(self._streams) >= c.max_connections:
+            self.metrics.refused.labels("connections").inc()
+            return connection.respond(503, f"too many connections open (limit {c.max_connections})\n")
+        if self._peers[_peer(connection)] >= c.max_connections_per_peer:
+            self.metrics.refused.labels("per_peer").inc()
+            return connection.respond(503, f"too many connections from {_peer(connection)} (limit "
+                                           f"{c.max_connections_per_peer} per address)\n")
+        if len(self._robots) >= c.max_robots:
+            self.metrics.refused.labels("robots").inc()
+            return connection.respond(503, f"too many robots streaming (limit {c.max_robots})\n")
         return None
 
     # -- websocket ------------------------------------------------------------------------------
+
+    async def _send(self, ws, stream: Stream, reply) -> bool:
+        """Sends one reply within `send_timeout_s`; a peer that does not read is dropped (returns False)."""
+        try:
+            await asyncio.wait_for(ws.send(reply), self.config.send_timeout_s)
+            return True
+        except TimeoutError:
+            log.warning("stream %d (%s): reply not written within %.0f s (the client is not reading); dropping "
+                        "the connection", stream.id, _peer(ws), self.config.send_timeout_s)
+            self.metrics.refused.labels("send_timeout").inc()
+            ws.transport.abort()
+            return False
+
+    async def _receive(self, ws, stream: Stream):
+        """The next frame, or None when the connection has been silent too long (it is then closed, 1008)."""
+        c = self.config
+        first = stream.id not in self._robots
+        timeout = c.first_frame_timeout_s if first else c.idle_timeout_s
+        try:
+            return await asyncio.wait_for(ws.recv(), timeout)
+        except TimeoutError:
+            what = "no first frame" if first else "no frame"
+            self.metrics.refused.labels("idle").inc()
+            log.info("stream %d (%s): %s for %.0f s; closing", stream.id, _peer(ws), what, timeout)
+            await ws.close(1008, f"{what} for {timeout:.0f} s; reconnect when the robot is ready")
+            return None
 
     async def _handle(self, ws) -> None:
         from websockets.exceptions import ConnectionClosed
@@ -392,32 +395,43 @@ class PolicyServer:
         stream = Stream(id=self._next_stream, deadline_s=self.config.deadline_ms / 1e3)
         self._next_stream += 1
         self._streams[stream.id] = stream
+        peer = _peer(ws)
+        self._peers[peer] += 1
         self.batcher.add_stream(stream)
         try:
-            await ws.send(wire.pack(self.metadata(stream)))
-            async for message in ws:
+            if not await self._send(ws, stream, wire.pack(self.metadata(stream))):
+                return
+            while (message := await self._receive(ws, stream)) is not None:
                 received = time.perf_counter()
+                stream.observe_arrival(received)
                 reply = await self._answer(stream, message)
                 self._replying += 1
                 try:
-                    await ws.send(reply)
+                    sent = await self._send(ws, stream, reply)
                 finally:
                     self._replying -= 1
-                if isinstance(reply, bytes):  # a robot that got actions is expected back within its deadline
+                if not sent:
+                    return
+                if isinstance(reply, bytes):  # a robot that got actions is expected back within its period
                     stream.last_reply = time.perf_counter()
                     self.metrics.total_s.observe(stream.last_reply - received)
         except ConnectionClosed:
             pass
-        except Exception:  # noqa: BLE001 - openpi's convention: traceback as text, then 1011
-            log.exception("internal error on stream %d", stream.id)
+        except Exception:  # noqa: BLE001 - logged with an id; the client gets the id, not the traceback
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("internal error %s on stream %d (%s)", error_id, stream.id, peer)
             self.metrics.frames.labels("error").inc()
             try:
-                await ws.send(traceback.format_exc())
+                await self._send(ws, stream, f"Internal server error (id {error_id}); the server log has the details")
                 await ws.close(1011, _INTERNAL_ERROR)
             except ConnectionClosed:
                 pass
         finally:
             self._streams.pop(stream.id, None)
+            self._robots.discard(stream.id)
+            self._peers[peer] -= 1
+            if self._peers[peer] <= 0:
+                del self._peers[peer]
             cancelled = self.batcher.remove_stream(stream)
             cancelled.add_done_callback(self._count_cancelled)
 
@@ -426,13 +440,32 @@ class PolicyServer:
             self.metrics.language.labels("cancelled").inc(fut.result())
 
     async def _answer(self, stream: Stream, message) -> bytes | str:
-        """One reply: the response bytes, or a text frame for a refused frame. Internal errors raise."""
+        """One reply: the response bytes, or a text frame (at most MAX_REPLY_CHARS). Internal errors raise."""
+        reply = await self._reply(stream, message)
+        if isinstance(reply, str) and len(reply) > MAX_REPLY_CHARS:
+            reply = reply[:MAX_REPLY_CHARS - 1] + "…"
+        return reply
+
+    def _take_robot_slot(self, stream: Stream) -> str | None:
+        """A stream becomes a robot with its first frame; None, or the "busy" text when every slot is taken."""
+        if stream.id in self._robots:
+            return None
+        if len(self._robots) >= self.config.max_robots:
+            self.metrics.frames.labels("busy").inc()
+            return (f"busy: {len(self._robots)} robots are streaming (limit {self.config.max_robots}); retry "
+                    "on this connection later")
+        self._robots.add(stream.id)
+        return None
+
+    async def _reply(self, stream: Stream, message) -> bytes | str:
         if self._draining:
             self.metrics.frames.labels("unavailable").inc()
             return "unavailable: the server is shutting down; reconnect to another server"
         if isinstance(message, str):
             self.metrics.frames.labels("bad_request").inc()
             return "BadRequest: text frames are not observations; send the observation as a binary msgpack frame"
+        if (full := self._take_robot_slot(stream)) is not None:
+            return full
         loop = asyncio.get_running_loop()
         self._preparing += 1
         try:
@@ -466,26 +499,47 @@ class PolicyServer:
         return wire.pack(self._response(stream, result))
 
     def _prepare(self, message: bytes):
-        """Decodes and validates one observation frame (prep thread). Raises BadRequest."""
+        """Decodes and validates one observation frame (prep thread). Raises BadRequest.
+
+        Order: caps and cheap checks first (wire limits, string lengths, request fields), then the
+        language prompts' tokens against the engine's capacity, then the model row (images, state,
+        prompt tokens): nothing costly runs for a frame that a cheap check refuses.
+        """
         from oxygen_jax.robots import transforms
 
+        c, e = self.config, self.engine.config
         try:
             sample = wire.unpack(message, self.limits)
-        except wire.WireError as e:
-            raise BadRequest(str(e)) from None
+        except wire.WireError as err:
+            raise BadRequest(str(err)) from None
         if not isinstance(sample, Mapping):
             raise BadRequest(f"an observation must be a msgpack map of named fields, got {type(sample).__name__}")
-        _check_images_uint8(sample)
-        deadline = _deadline(sample)
-        language = parse_language_requests(
-            sample.get("language_requests"), max_requests=self.config.max_requests_per_robot,
-            default_max_tokens=self.engine.config.max_new_tokens)
+        sample = requests.prompt_of(sample, max_chars=c.max_prompt_chars)
+        requests.check_images_uint8(sample)
+        deadline = requests.deadline_s(sample, max_ms=c.max_deadline_ms)
+        language = requests.parse_language_requests(
+            sample.get("language_requests"), max_requests=c.max_requests_per_robot,
+            default_max_tokens=e.max_new_tokens, max_new_tokens=e.max_new_tokens, max_prompt_chars=c.max_prompt_chars)
+        language = requests.tokenize_requests(language, getattr(self.engine, "tokenizer", None),
+                                              prompt_capacity=e.prompt_capacity)
         try:
             observation = self.codec.prepare(sample)
             state = transforms.client_state(self.robot, sample)
-        except (ValueError, TypeError) as e:
-            raise BadRequest(str(e).removeprefix("sample 0: ")) from None
+        except (ValueError, TypeError) as err:
+            raise BadRequest(str(err).removeprefix("sample 0: ")) from None
+        if self.codec.prompt_full(observation):
+            self._note_full_prompt()
         return observation, state, language, deadline
+
+    def _note_full_prompt(self) -> None:
+        """One warning per `_TRUNCATION_WARNING_S` for prompts that fill every prompt token (longer ones are cut)."""
+        now = time.perf_counter()
+        self._truncation_quiet += 1
+        if now - self._truncation_warned >= _TRUNCATION_WARNING_S:
+            log.warning("%d observation prompt(s) filled all %d prompt tokens (longer prompts are cut; the next "
+                        "such warning in %.0f s at the earliest); raise --prompt-len if robots need longer prompts",
+                        self._truncation_quiet, self.robot.max_token_len, _TRUNCATION_WARNING_S)
+            self._truncation_warned, self._truncation_quiet = now, 0
 
     def _response(self, stream: Stream, result: FrameResult) -> dict:
         finished, failed = stream.take_language()
@@ -495,11 +549,23 @@ class PolicyServer:
             "stream": stream.id,
             "frame": result.index,
             "server_timing": {"infer_ms": result.step_ms, "queue_ms": max(result.queue_ms, 0.0),
-                              "batch": result.rows, "bucket": result.bucket},
+                              "batch": result.rows, "bucket": result.bucket,
+                              "deadline_ms": round(stream.deadline_s * 1e3, 3)},
             "policy_timing": {"infer_ms": result.step_ms},
             "language": {"accepted": result.accepted,
                          "finished": finished, "failed": failed},
         }
+
+
+def _peer(connection) -> str:
+    """The client's address (host only: one machine's connections share a cap whatever their ports)."""
+    address = getattr(connection, "remote_address", None)
+    return str(address[0]) if address else "unknown"
+
+
+def _quiet_tokenizer_truncation_warning() -> None:
+    """The tokenizer warns (two lines) for every distinct over-long prompt length; the server rate-limits its own."""
+    warnings.filterwarnings("ignore", message=r"prompt has \d+ tokens, more than max_len", category=UserWarning)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -12,7 +12,11 @@ whatever the peer wrote: an object dtype ("|O") reads raw bytes as pointers and 
 and a shape larger than the buffer raises deep inside numpy. `unpack` accepts only bool, integer and
 float dtypes (`|b1 |u1 <i4 <f4 …`, itemsize <= 8), requires prod(shape) * itemsize == len(data),
 and caps ndim, array bytes, message bytes and msgpack container sizes before any array is built.
-Every rejection is a `WireError` (a ValueError) with a one-line reason.
+Decoding stops as soon as a message holds more than `Limits.max_containers` maps and lists (a frame
+of a million tiny lists would otherwise cost a second of decoding), and a value nested deeper than
+`Limits.max_depth` is refused before any recursive code sees it. Every rejection is a `WireError` (a
+ValueError) with a one-line reason; values quoted in it are cut to `short(value)` (a few dozen
+characters), so a refusal never echoes a large client value back.
 
     data = pack({"actions": np.zeros((10, 7), np.float32)})
     unpack(data)["actions"].shape   # (10, 7); a read-only view of the message buffer
@@ -48,6 +52,8 @@ class Limits:
     max_ndim: int = 8  # dimensions of one array
     max_str_bytes: int = 64 << 10  # one msgpack str (prompts are short)
     max_container_len: int = 4096  # entries of one msgpack array or map
+    max_containers: int = 1024  # maps and lists in one message (an observation holds a few dozen)
+    max_depth: int = 16  # nesting of maps and lists (an observation is 3 deep: ALOHA's images map)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -57,13 +63,32 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
+_SHORT = 60
+
+
+def short(value: Any, limit: int = _SHORT) -> str:
+    """`repr(value)` cut to about `limit` characters, for error messages that quote a client's value.
+
+    Large bytes and str values are sliced before `repr` runs, so quoting a 3 MiB field costs nothing.
+
+        short(b"x" * 3_000_000)   # "b'xxxx…' (3000000 bytes)"
+    """
+    if isinstance(value, (bytes, bytearray, memoryview)) and len(value) > limit:
+        return f"{bytes(value[:limit])!r}… ({len(value)} bytes)"
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}… ({len(value)} characters)"
+    if isinstance(value, (list, tuple, dict)) and len(value) > 8:
+        return f"<{type(value).__name__} of {len(value)} entries>"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
 
 def _check_dtype(dtype: Any) -> np.dtype:
     if isinstance(dtype, bytes):
         dtype = dtype.decode("ascii", "replace")
     if not isinstance(dtype, str) or not _DTYPE_RE.match(dtype):
         raise WireError(
-            f"array dtype {dtype!r} is not accepted; send bool, integer or float arrays (e.g. '|u1', '<f4')")
+            f"array dtype {short(dtype)} is not accepted; send bool, integer or float arrays (e.g. '|u1', '<f4')")
     return np.dtype(dtype)
 
 
@@ -73,7 +98,7 @@ def _check_shape(shape: Any, limits: Limits) -> tuple[int, ...]:
     if len(shape) > limits.max_ndim:
         raise WireError(f"array has {len(shape)} dimensions; at most {limits.max_ndim} are accepted")
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise WireError(f"array shape must hold non-negative integers, got {list(shape)!r}"[:200])
+        raise WireError(f"array shape must hold non-negative integers, got {short(list(shape))}")
     return tuple(shape)
 
 
@@ -110,18 +135,48 @@ def _decode_scalar(header: dict) -> np.generic:
     try:
         return dtype.type(value)
     except (OverflowError, ValueError, TypeError):
-        raise WireError(f"value {value!r} does not fit dtype {dtype.str}") from None
+        raise WireError(f"value {short(value)} does not fit dtype {dtype.str}") from None
 
 
-def _object_hook(limits: Limits):
-    def hook(obj: dict):
+class _Hooks:
+    """msgpack hooks of one decode: build checked arrays, and stop after `max_containers` maps and lists."""
+
+    def __init__(self, limits: Limits):
+        self.limits, self.containers = limits, 0
+
+    def _count(self) -> None:
+        self.containers += 1
+        if self.containers > self.limits.max_containers:
+            raise WireError(f"message holds more than {self.limits.max_containers} maps and lists; "
+                            "an observation needs a few dozen")
+
+    def map(self, obj: dict):
+        self._count()
         if b"__ndarray__" in obj:
-            return decode_array(obj, limits)
+            return decode_array(obj, self.limits)
         if b"__npgeneric__" in obj:
             return _decode_scalar(obj)
         return obj
 
-    return hook
+    def list(self, obj: list):
+        self._count()
+        return obj
+
+
+def _check_depth(value: Any, max_depth: int) -> None:
+    """Refuses maps and lists nested deeper than `max_depth`, level by level (no recursion)."""
+    level, depth = [value] if isinstance(value, (dict, list)) else [], 0
+    while level:
+        depth += 1
+        if depth > max_depth:
+            raise WireError(f"message nests maps and lists more than {max_depth} deep; an observation is 3 deep")
+        below = []
+        for obj in level:
+            values = obj.values() if isinstance(obj, dict) else obj
+            kinds = set(map(type, values))  # C speed for the common case: a container of scalars
+            if dict in kinds or list in kinds:
+                below.extend(v for v in values if isinstance(v, (dict, list)))
+        level = below
 
 
 def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
@@ -134,17 +189,23 @@ def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
         raise WireError(f"expected a binary msgpack message, got {type(data).__name__}")
     if len(data) > limits.max_message_bytes:
         raise WireError(f"message of {len(data)} bytes exceeds the limit of {limits.max_message_bytes}")
+    hooks = _Hooks(limits)
     try:
-        return msgpack.unpackb(
-            data, object_hook=_object_hook(limits), raw=False, strict_map_key=True, use_list=True,
+        value = msgpack.unpackb(
+            data, object_hook=hooks.map, list_hook=hooks.list, raw=False, strict_map_key=True, use_list=True,
             max_bin_len=limits.max_message_bytes, max_str_len=limits.max_str_bytes,
             max_array_len=limits.max_container_len, max_map_len=limits.max_container_len, max_ext_len=0,
         )
     except WireError:
         raise
+    except msgpack.StackError:
+        raise WireError(f"not a valid msgpack message (nested deeper than the decoder's stack; at most "
+                        f"{limits.max_depth} levels are accepted)") from None
     except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types for bad input
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = str(e).splitlines()[0][:_SHORT] if str(e) else type(e).__name__
         raise WireError(f"not a valid msgpack message ({reason})") from None
+    _check_depth(value, limits.max_depth)
+    return value
 
 
 def _encode(obj: Any):

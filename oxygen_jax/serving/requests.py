@@ -1,0 +1,185 @@
+"""What one client frame may cost: the fields of an observation checked and bounded before any work.
+
+Every check here runs on a prep thread (never the event loop, never the engine thread) and is cheap
+whatever the client sends: lengths are compared before anything is decoded or tokenized, a language
+prompt is tokenized here (bounded by `max_prompt_chars`) and compared with the engine's
+`prompt_capacity` before the engine sees it, and every value a refusal quotes goes through `wire.short`,
+so no reply is larger than a few hundred characters whatever the frame carried.
+
+    sample = wire.unpack(frame)                       # depth, container and size caps (serving.wire)
+    prompt_of(sample, max_chars=1024)                 # "prompt" (str or msgpack bin) capped before decoding
+    parse_language_requests(sample.get("language_requests"), max_requests=8, max_new_tokens=32, ...)
+    tokenize_requests(requests, tokenizer, prompt_capacity=16)   # token count checked before the engine
+
+Refusals raise `BadRequest` (a ValueError); the server sends its text as "BadRequest: ..." and keeps the
+connection.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from oxygen_jax.serving.batcher import LanguageRequest
+from oxygen_jax.serving.wire import short
+
+LANGUAGE_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "seed", "adapter", "stop_at_eos", "id")
+MAX_NAME_CHARS = 128  # a language request's "id" tag and "adapter" name
+
+
+class BadRequest(ValueError):
+    """A frame the server refuses; the text is sent back and the connection stays open."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def prompt_of(sample: Mapping, *, max_chars: int) -> Mapping:
+    """The sample with its "prompt" checked: a str, or UTF-8 msgpack bin, of at most `max_chars` characters.
+
+    The length is compared before bytes are decoded or anything is tokenized (a 3.6 MB bin prompt costs
+    a length comparison). Returns `sample` itself, or a shallow copy with the bin prompt decoded.
+
+    Raises:
+      BadRequest naming the length and the limit.
+    """
+    prompt = sample.get("prompt")
+    if prompt is None:
+        return sample
+    if isinstance(prompt, (bytes, bytearray)):
+        if len(prompt) > 4 * max_chars:  # no UTF-8 character takes more than 4 bytes
+            raise BadRequest(f"prompt has {len(prompt)} bytes; at most {max_chars} characters are accepted")
+        try:
+            prompt = bytes(prompt).decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest("prompt bytes are not UTF-8 text; send the prompt as a msgpack str") from None
+        sample = {**sample, "prompt": prompt}
+    if isinstance(prompt, str) and len(prompt) > max_chars:
+        raise BadRequest(f"prompt has {len(prompt)} characters; at most {max_chars} are accepted")
+    return sample
+
+
+def check_images_uint8(sample: Mapping, where: str = "") -> None:
+    """Images travel as uint8 pixels (openpi-client converts before sending); anything else is refused.
+
+    Recursion is bounded: `wire.unpack` refuses messages nested deeper than `Limits.max_depth`.
+    """
+    for key, value in sample.items():
+        if isinstance(value, Mapping):
+            check_images_uint8(value, f"{where}{key}/")
+        elif isinstance(value, np.ndarray) and value.ndim == 3 and value.dtype != np.uint8:
+            raise BadRequest(f"{where}{short(key)}: images must be uint8 pixels, got dtype {value.dtype}; "
+                             "convert with openpi_client.image_tools.convert_to_uint8")
+
+
+def deadline_s(sample: Mapping, *, max_ms: float) -> float | None:
+    """The "deadline_ms" a robot declares, in seconds, capped at the server's `max_ms` (None: not sent).
+
+    The cap keeps one robot's budget from setting how long the batcher waits for it: a robot that
+    declares an hour is treated as declaring `max_ms`.
+    """
+    value = sample.get("deadline_ms")
+    if value is None:
+        return None
+    if not _is_real(value) or not 0 < float(value) <= 3.6e6:
+        raise BadRequest(f"deadline_ms must be a number of milliseconds in (0, 3600000], got {short(value)}")
+    return min(float(value), max_ms) / 1e3
+
+
+def _name(value, where: str, what: str):
+    if isinstance(value, str):
+        if len(value) > MAX_NAME_CHARS:
+            raise BadRequest(f"{where} has {len(value)} characters; at most {MAX_NAME_CHARS}")
+        return value
+    if _is_int(value):
+        return int(value)
+    raise BadRequest(f"{where} must be {what}, got {short(value)}")
+
+
+def parse_language_requests(value, *, max_requests: int, default_max_tokens: int, max_new_tokens: int | None = None,
+                            max_prompt_chars: int = 1024) -> list[LanguageRequest]:
+    """Reads the optional "language_requests" field: a list of maps (or one map) of request fields.
+
+    Types, string lengths, `max_tokens` (in [1, max_new_tokens] when given) and finiteness of the
+    sampling values are checked here; the engine checks the rest (adapter names, sampling ranges).
+
+    Raises:
+      BadRequest naming the request index and field.
+    """
+    if value is None:
+        return []
+    if isinstance(value, Mapping):
+        value = [value]
+    if not isinstance(value, list):
+        raise BadRequest(f"language_requests must be a list of maps, got {type(value).__name__}")
+    if len(value) > max_requests:
+        raise BadRequest(f"language_requests has {len(value)} entries; at most {max_requests} per frame")
+    out = []
+    for i, req in enumerate(value):
+        where = f"language_requests[{i}]"
+        if not isinstance(req, Mapping):
+            raise BadRequest(f"{where} must be a map with a 'prompt', got {type(req).__name__}")
+        unknown = sorted(short(k, 40) for k in list(req)[:16] if k not in LANGUAGE_FIELDS)
+        if unknown:
+            raise BadRequest(f"{where}: unknown fields {unknown}; known: {list(LANGUAGE_FIELDS)}")
+        prompt = req.get("prompt")
+        if not isinstance(prompt, str):
+            raise BadRequest(f"{where}.prompt must be a string (e.g. 'Subtask: '), got {type(prompt).__name__}")
+        if len(prompt) > max_prompt_chars:
+            raise BadRequest(f"{where}.prompt has {len(prompt)} characters; at most {max_prompt_chars} are accepted")
+        max_tokens = req.get("max_tokens", default_max_tokens)
+        if not _is_int(max_tokens):
+            raise BadRequest(f"{where}.max_tokens must be an integer, got {short(max_tokens)}")
+        if max_new_tokens is not None and not 1 <= max_tokens <= max_new_tokens:
+            raise BadRequest(f"{where}.max_tokens must be in [1, {max_new_tokens}], got {short(max_tokens)}")
+        for name, default in (("temperature", 0.0), ("top_p", 1.0)):
+            x = req.get(name, default)
+            if not _is_real(x) or not math.isfinite(float(x)):
+                raise BadRequest(f"{where}.{name} must be a finite number, got {short(x)}")
+        seed = req.get("seed")
+        if seed is not None and not _is_int(seed):
+            raise BadRequest(f"{where}.seed must be an integer, got {short(seed)}")
+        adapter = _name(req.get("adapter", "base"), f"{where}.adapter", "an adapter name")
+        stop = req.get("stop_at_eos", True)
+        if not isinstance(stop, (bool, np.bool_)):
+            raise BadRequest(f"{where}.stop_at_eos must be true or false, got {short(stop)}")
+        tag = req.get("id")
+        if tag is not None:
+            tag = _name(tag, f"{where}.id", "a string or an integer")
+        out.append(LanguageRequest(
+            prompt=prompt, max_tokens=int(max_tokens), temperature=float(req.get("temperature", 0.0)),
+            top_p=float(req.get("top_p", 1.0)), seed=None if seed is None else int(seed), adapter=adapter,
+            stop_at_eos=bool(stop), tag=tag))
+    return out
+
+
+def tokenize_requests(requests: Sequence[LanguageRequest], tokenizer, *, prompt_capacity: int) -> list[LanguageRequest]:
+    """Checks each request's token count (`tokenizer.encode`, as `Engine.submit` does) against `prompt_capacity`.
+
+    Runs on a prep thread, so a prompt that cannot fit is refused before the engine thread sees it.
+    `tokenizer=None` (an engine without one) checks nothing.
+
+    Raises:
+      BadRequest when a prompt has more tokens than `prompt_capacity`.
+    """
+    if tokenizer is None:
+        return list(requests)
+    out = []
+    for i, req in enumerate(requests):
+        ids = [int(t) for t in tokenizer.encode(req.prompt)] if req.prompt else []
+        if len(ids) > prompt_capacity:
+            raise BadRequest(f"language_requests[{i}].prompt has {len(ids)} tokens; the engine's prompt_capacity "
+                             f"is {prompt_capacity}")
+        # The ids are not handed to the engine (yet): submitting prompt_tokens instead of the text made the
+        # engine compile 2 programs after warm-up in tests/test_serve.py (cause not found); the engine
+        # re-tokenizes the text, now at most `max_prompt_chars` long and known to fit.
+        out.append(req)
+    return out
