@@ -517,7 +517,7 @@ def test_a_full_queue_answers_busy_and_the_robot_can_retry():
         handle.stop()
 
 
-def test_an_engine_failure_sends_the_traceback_and_closes_1011_and_the_server_carries_on():
+def test_an_engine_failure_logs_the_traceback_sends_its_id_and_closes_1011_and_the_server_carries_on(caplog):
     engine = ScriptedEngine()
     handle = _scripted_server(engine)
     try:
@@ -525,7 +525,11 @@ def test_an_engine_failure_sends_the_traceback_and_closes_1011_and_the_server_ca
         engine.fail_next = True
         ws.send(wire.pack(_sample(0)))
         text = ws.recv(timeout=10)
-        assert isinstance(text, str) and "Traceback" in text and "scripted engine failure" in text
+        assert isinstance(text, str) and text.startswith("Internal server error (id ")
+        assert "Traceback" not in text and "scripted engine failure" not in text  # no source paths to clients
+        error_id = text.split("(id ", 1)[1].split(")", 1)[0]
+        logged = [r for r in caplog.records if error_id in r.getMessage()]
+        assert logged and "scripted engine failure" in str(logged[0].exc_info[1])
         with pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=10)
         assert closed.value.rcvd.code == 1011

@@ -6,7 +6,13 @@
 The fixture's kind picks the comparison: a Hugging Face Qwen3 / Qwen3-VL checkpoint directory
 (config.json + safetensors, `eval.parity.hf.is_hf_fixture`) runs `eval.parity.hf`; an openpi π0.5
 fixture (`params/` or `train_checkpoint/<step>/params/`) runs `eval.parity.openpi`, in both checkpoint
-layouts. Exit status 1 on any FAIL.
+layouts; the real-time chunking reference (`rtc_reference`: meta.json + reference.npz,
+`eval.parity.rtc.is_rtc_fixture`) runs `eval.parity.rtc`.
+A released-layout Xiaomi-Robotics-0 directory (config.json model_type 'mibot' + reference.npz,
+`eval.parity.xr0.is_xr0_fixture`) runs `eval.parity.xr0`. A Qwen3.5 directory (config.json model_type
+'qwen3_5', `eval.parity.qwen35.is_qwen35_fixture`) runs `eval.parity.qwen35`.
+A StarVLA QwenPI_v3 / QwenGR00T checkpoint (config.yaml + StarVLA's state_dict names + reference.npz,
+`eval.parity.starvla.is_starvla_fixture`) runs `eval.parity.starvla`. Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from eval.parity import hf, openpi
+from eval.parity import hf, openpi, qwen35, rtc
+from eval.parity import xr0 as xr0_parity
+from eval.parity import starvla as starvla_parity
 from eval.parity.checks import format_table, summary
 from oxygen_jax.ckpts.manifest import check_manifest
 
@@ -44,8 +52,16 @@ def main(argv=None) -> int:
         return 0 if _manifest(args.manifest) else 1
     if not args.fixture.is_dir():
         ap.error(f"fixture directory not found: {args.fixture}")
+    if rtc.is_rtc_fixture(args.fixture):
+        return rtc.main([str(args.fixture)])
+    if xr0_parity.is_xr0_fixture(args.fixture):
+        return xr0_parity.main([str(args.fixture)])
+    if qwen35.is_qwen35_fixture(args.fixture):  # before hf: a Qwen3.5 checkpoint has model.visual.* too
+        return qwen35.main([str(args.fixture)])
     if hf.is_hf_fixture(args.fixture):
         return hf.main([str(args.fixture)])
+    if starvla_parity.is_starvla_fixture(args.fixture):  # StarVLA QwenPI_v3 / QwenGR00T: config.yaml + its state_dict
+        return starvla_parity.main([str(args.fixture)])
     if not openpi.is_openpi_fixture(args.fixture):
         ap.error(f"{args.fixture}: neither an openpi fixture (params/ or train_checkpoint/<step>/params/ with "
                  "reference.npz) nor an HF Qwen3 / Qwen3-VL checkpoint (config.json with model_type 'qwen3' or "

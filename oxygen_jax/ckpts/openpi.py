@@ -10,6 +10,14 @@ An openpi checkpoint (`load_openpi_params`, `load_openpi_lora`) is an orbax PyTr
   fine-tune stores its frozen `PaliGemma/llm` leaves as bfloat16 there; every leaf is cast to
   the requested dtype on restore.
 
+openpi's arithmetic on such bfloat16 leaves, reproduced for any width: its embedder multiplies the
+table by sqrt(D) cast to the table's dtype (bfloat16: 45.25 for D = 2048, 6.9375 for D = 48; exact
+only when sqrt(D) is a bfloat16 number, e.g. D = 64), so a float32 restore of a bfloat16-stored table
+keeps that factor (`ModelConfig.embed_scale_dtype`; `embed_scale="restored"` switches it off). Its
+RMSNorm's `1 + scale` with a bfloat16 scale is, under `jit`, computed in float32 (XLA elides the
+bfloat16 round trip; only op-by-op execution rounds it), which is what our norm computes from the
+upcast scale (tests/test_openpi_arithmetic.py checks both against openpi's formulas under jit).
+
 The model dimensions are not stored anywhere: `infer_model_config` reads them off the shapes.
 LoRA leaves (`lora_a` / `lora_b`, 20 for π0.5 with LoRA on both experts) are merged into the
 base weights by default, or returned separately by `load_openpi_lora`; ranks are read off their
@@ -214,14 +222,28 @@ class _OpenpiItem:
         return arrays
 
 
-def _open_openpi(path: PathLike, dtype: DType, prompt_attention: PromptAttention) -> _OpenpiItem:
+EmbedScale = Literal["stored", "restored"]
+
+
+def _stored_dtype(meta: Mapping[str, Any], key: str) -> str | None:
+    dt = getattr(meta.get(key), "dtype", None)
+    return None if dt is None else np.dtype(dt).name
+
+
+def _open_openpi(path: PathLike, dtype: DType, prompt_attention: PromptAttention,
+                 embed_scale: EmbedScale = "stored") -> _OpenpiItem:
     """Reads the metadata, infers the config and checks every key and shape (LoRA included)."""
+    if embed_scale not in ("stored", "restored"):
+        raise ValueError(f"embed_scale must be 'stored' or 'restored', got {embed_scale!r}")
     item = resolve_params_item(path)
     meta, has_value = _read_openpi_metadata(item)
     missing = [k for k in OPENPI_PATHS if k not in meta]
     shapes = {k: tuple(m.shape) for k, m in meta.items()}
     try:
         config = infer_model_config(shapes, dtype=dtype, prompt_attention=prompt_attention)
+        stored = _stored_dtype(meta, f"{_LLM}/embedder/input_embedding")
+        if embed_scale == "stored" and stored == "bfloat16" and dtype != "bfloat16":
+            config = config.replace(embed_scale_dtype="bfloat16")  # openpi's sqrt(D) factor (module docstring)
     except ValueError as e:
         if missing:  # report every missing key, not only the first one inference tripped on
             report = _missing_report(missing)
@@ -253,6 +275,7 @@ def load_openpi_params(
     lora_alpha: float | Mapping[str, float | None] | None = None,
     lora_rslora: bool = False,
     max_abs: float | None = MAX_ABS_WEIGHT,
+    embed_scale: EmbedScale = "stored",
 ) -> tuple[ModelConfig, Params]:
     """Restores an openpi π0.5 checkpoint, every leaf cast to `dtype`.
 
@@ -276,6 +299,9 @@ def load_openpi_params(
         openpi's LoRA variants). Only the attention LoRA depends on it.
       lora_rslora: the adapters were trained with rank-stabilised scaling (alpha / sqrt(rank)).
       max_abs: refuse leaves with |x| above this (`MAX_ABS_WEIGHT`); None checks finiteness only.
+      embed_scale: "stored" (default): token embeddings are scaled by sqrt(D) rounded to the embedding's stored
+        dtype, as openpi computes them (a training-layout table is bfloat16: 45.25 for D = 2048, not 45.2548);
+        "restored": rounded to `dtype` instead. Only a bfloat16-stored table restored in float32 tells them apart.
 
     Returns:
       (config inferred from the stored shapes, `Params` built by `from_openpi_dict`, whose leaves
@@ -290,7 +316,7 @@ def load_openpi_params(
     """
     if lora not in ("merge", "ignore"):
         raise ValueError(f"lora must be 'merge' or 'ignore', got {lora!r} (adapters as a pytree: load_openpi_lora)")
-    ck = _open_openpi(path, dtype, prompt_attention)
+    ck = _open_openpi(path, dtype, prompt_attention, embed_scale)
     config = ck.config
     np_dtype = np.dtype(config.jnp_dtype)
     merging = lora == "merge" and bool(ck.lora_paths)

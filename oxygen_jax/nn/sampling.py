@@ -6,14 +6,64 @@ whatever else shares its batch. Temperature 0 means greedy (argmax, first index 
 Logits may be batch-major [B, V] or vocabulary-major [V, B] (`vocab_axis=0`). The decoder uses the
 vocabulary-major layout: XLA's CPU backend computes `table @ h.T` ([V, D] x [D, B]) at batch 6 to 16
 in about half the time of `h @ table.T`, and reduces over the leading axis faster too.
+
+The values are used in float32 on the device, so the host checks them after that cast
+(`check_temperature`, `check_top_p`): a temperature that overflows float32 (1e300 -> inf) divides every
+logit to 0 (uniform sampling over the whole vocabulary, ids a tokenizer may not decode), one that
+underflows turns greedy silently, and a top-p that underflows to 0 keeps no token (only id 0 is drawn).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+TEMPERATURE_RANGE = (1e-3, 100.0)
+"""Accepted sampling temperatures besides 0 (greedy). Below 1e-3, logits / t stretch logit gaps over 1000-fold
+(a gap of 0.02 already gives odds of e^-20: greedy in all but name, use 0) on the way to float32 overflow; above
+100, logits spanning O(10) become probabilities within about 10 % of uniform. Values outside are mistakes and
+are refused rather than run."""
+
+TOP_P_MIN = 1e-6
+"""Smallest accepted top-p: any top-p in (0, 1e-6] keeps only the most likely token, and float32 flushes
+values near 1e-38 (and below) to 0, which would keep none."""
+
+
+def _show(value, limit: int = 40) -> str:
+    """A value for an error message, at most `limit` characters (a client's 3 MiB value is not echoed)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value) if isinstance(value, (numbers.Number, str, bytes, type(None))) else type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _as_float32(x) -> float:
+    """A real number as float32 (NaN for non-numbers, booleans, non-finite values and values beyond float32)."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool) or not abs(x) < 3e38:  # NaN fails the comparison
+        return math.nan
+    return float(np.float32(x))
+
+
+def check_temperature(temperature) -> float:
+    """`temperature` as the float32 value the device uses; ValueError unless it is 0 or in TEMPERATURE_RANGE."""
+    lo, hi = (float(np.float32(x)) for x in TEMPERATURE_RANGE)
+    t32 = _as_float32(temperature)
+    if not ((t32 == 0.0 and temperature == 0) or lo <= t32 <= hi):  # 0 itself, not a value that underflows to it
+        raise ValueError(f"temperature must be 0 (greedy) or a number in [{lo:g}, {hi:g}], got {_show(temperature)}")
+    return t32
+
+
+def check_top_p(top_p) -> float:
+    """`top_p` as the float32 value the device uses; ValueError unless it lies in [TOP_P_MIN, 1]."""
+    p32 = _as_float32(top_p)
+    if not float(np.float32(TOP_P_MIN)) <= p32 <= 1.0:
+        raise ValueError(f"top_p must be a number in [{TOP_P_MIN:g}, 1], got {_show(top_p)}")
+    return p32
 
 
 def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -129,6 +129,9 @@ def _to_model_pixels(img: np.ndarray) -> np.ndarray:
 # -------------------------------------------------------------------------------------------------
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _parse_vector(sample: Mapping, key: str, dim: int, what: str) -> np.ndarray:
     if key not in sample:
         raise ValueError(f"missing {key!r} ({what}, {dim} numbers)")
@@ -142,6 +145,8 @@ def _parse_vector(sample: Mapping, key: str, dim: int, what: str) -> np.ndarray:
         raise ValueError(f"{key}: expected {what} of shape ({dim},), got shape {arr.shape}")
     if not np.isfinite(arr).all():
         raise ValueError(f"{key}: {what} contains NaN or inf: {arr.tolist()}")
+    if np.abs(arr).max(initial=0.0) > _FLOAT32_MAX:  # finite in float64, inf in the float32 model
+        raise ValueError(f"{key}: {what} holds values beyond float32 (|x| > {_FLOAT32_MAX:.3g}): {arr.tolist()}")
     return arr
 
 
@@ -340,11 +345,17 @@ def client_state(robot: RobotConfig, sample: Mapping) -> np.ndarray:
 
 def normalize_state(state: np.ndarray, norm_stats: Mapping[str, NormStats] | None, *, quantile: bool = True) -> np.ndarray:
     """The robot state as the model sees it: quantile (π0.5) or z-score normalised with norm_stats["state"];
-    unchanged without norm stats. Raises ValueError when the stats have no "state" entry."""
+    unchanged without norm stats. Raises ValueError when the stats have no "state" entry, or when the normalised
+    state is not finite in float32 (the model's dtype)."""
     if norm_stats is None:
         return state
     stats = _normalizer(norm_stats, "state")
-    return quantile_normalize(state, stats) if quantile else zscore_normalize(state, stats)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = quantile_normalize(state, stats) if quantile else zscore_normalize(state, stats)
+    if not np.isfinite(out).all():  # e.g. 1e38 over a narrow quantile range: inf in float32
+        raise ValueError(f"state: normalising {np.asarray(state).tolist()} with the checkpoint's state statistics "
+                         "gives values beyond float32; send the robot's raw state in its own units")
+    return out
 
 
 def make_observation(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -18,20 +19,27 @@ ENV_VAR = "OXYGEN_JAX_CACHE_DIR"
 
 
 def default_dir() -> Path:
+    """`$OXYGEN_JAX_CACHE_DIR`, else `~/.cache/oxygen_jax/xla` (a temp-dir path when there is no home directory)."""
     env = os.environ.get(ENV_VAR)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "oxygen_jax" / "xla"
+    try:
+        return Path(env).expanduser() if env else Path.home() / ".cache" / "oxygen_jax" / "xla"
+    except RuntimeError:  # "Could not determine home directory": HOME unset and no passwd entry
+        return Path(tempfile.gettempdir()) / "oxygen_jax_xla"
 
 
 def enable(path: str | os.PathLike | None = None) -> Path | None:
     """Caches every compiled program (however quick to compile) under `path`; returns the directory.
 
-    Returns None, leaving the cache off, when the directory cannot be created (a read-only home, say):
-    the cache only saves time, so its absence must never stop a run.
+    Returns None, leaving the cache off, when the directory cannot be created or written (a read-only
+    home, a path through a file, `~user` of no such user, a NUL in the name): the cache only saves
+    time, so its absence must never stop a run.
     """
-    cache = Path(path).expanduser() if path is not None else default_dir()
     try:
+        cache = Path(path).expanduser() if path is not None else default_dir()
         cache.mkdir(parents=True, exist_ok=True)
-    except OSError:
+        with tempfile.TemporaryFile(dir=cache):  # writable? (mkdir succeeds on an existing read-only dir)
+            pass
+    except (OSError, RuntimeError, ValueError, TypeError):
         return None
     jax.config.update("jax_compilation_cache_dir", str(cache))
     # The defaults skip programs that compile in under a second: most of a tiny run's programs.

@@ -28,7 +28,6 @@ has a row, continuing that robot's observation.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import time
 from collections.abc import Sequence
@@ -39,11 +38,14 @@ import numpy as np
 from oxygen_jax.runtime import decode
 from oxygen_jax.models.pi05.config import EOS_ID
 from oxygen_jax.models.lora import LoraBank
+from oxygen_jax.nn.sampling import check_temperature, check_top_p
+from oxygen_jax.runtime import rtc as rtc_mod
 from oxygen_jax.runtime.frame import FrameOutput, frame_step
 from oxygen_jax.runtime.scheduler import Scheduler, Ticket
 from oxygen_jax.runtime.vla import Vla, as_vla
 
 MAX_SEED = 2**32 - 1
+MAX_STREAM = 2**31 - 1  # stream ids (rows) are int32 on the device side; -1 marks a padding row
 
 
 class RequestError(ValueError):
@@ -109,6 +111,44 @@ def _is_int(x) -> bool:
 
 def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _show(value, limit: int = 40) -> str:
+    """A caller's value for an error message, at most `limit` characters (a 3 MiB value is not echoed)."""
+    if _is_int(value) and int(value).bit_length() > 64:
+        return f"an integer of {int(value).bit_length()} bits"
+    if isinstance(value, (numbers.Number, str, bytes, type(None))):
+        text = repr(value)
+    elif isinstance(value, (list, tuple)) and len(value) <= 8:
+        text = repr(type(value)(_show(v, 12) for v in value)).replace("'", "")
+    else:
+        text = f"{type(value).__name__}" + (f" of length {len(value)}" if hasattr(value, "__len__") else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _float32_finite(x) -> bool:
+    """Every value finite once cast to float32 (a float64 1e300 is finite, but inf on the device)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.asarray(x, np.float32)).all())
+
+
+def _check_rows(rows, b: int) -> list[int]:
+    """The stream id of each of the b batch rows, as ints; ValueError naming what to pass otherwise."""
+    want = f"pass rows= as a list of {b} integer stream ids in [0, {MAX_STREAM}] (-1 = padding row)"
+    if isinstance(rows, np.ndarray):
+        rows = rows.tolist() if rows.ndim == 1 and np.issubdtype(rows.dtype, np.integer) else None
+    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
+        raise ValueError(f"rows must be a sequence of stream ids, got {_show(rows)}: {want}")
+    if len(rows) != b:
+        raise ValueError(f"rows names {len(rows)} streams but the observation has {b} rows: {want}")
+    bad = next((r for r in rows if not (_is_int(r) and -1 <= r <= MAX_STREAM)), None)
+    if bad is not None:
+        raise ValueError(f"rows holds {_show(bad)}: {want}")
+    rows = [int(r) for r in rows]
+    real = [r for r in rows if r >= 0]
+    if len(set(real)) != len(real):
+        raise ValueError(f"rows names a stream twice ({_show(rows)}): each stream has at most one batch row per frame")
+    return rows
 
 
 class Engine:
@@ -193,18 +233,19 @@ class Engine:
         if any(not 0 <= t < vocab for t in prompt_tokens):
             raise RequestError(f"request prompt token ids must lie in [0, {vocab})")
         if not _is_int(max_tokens) or not 1 <= max_tokens <= cfg.max_new_tokens:
-            raise RequestError(
-                f"max_tokens must be an integer in [1, {cfg.max_new_tokens}] (EngineConfig.max_new_tokens), got {max_tokens!r}")
-        if not _is_real(temperature) or not (math.isfinite(temperature) and temperature >= 0):
-            raise RequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if not _is_real(top_p) or not 0 < top_p <= 1:
-            raise RequestError(f"top_p must be a number in (0, 1], got {top_p!r}")
+            raise RequestError(f"max_tokens must be an integer in [1, {cfg.max_new_tokens}] "
+                               f"(EngineConfig.max_new_tokens), got {_show(max_tokens)}")
+        try:  # checked as the float32 values the device samples with
+            temperature, top_p = check_temperature(temperature), check_top_p(top_p)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         if stop_token is not None and (not _is_int(stop_token) or not -1 <= stop_token < vocab):
-            raise RequestError(f"stop_token must be None, -1 or a token id in [0, {vocab}), got {stop_token!r}")
+            raise RequestError(f"stop_token must be None, -1 or a token id in [0, {vocab}), got {_show(stop_token)}")
         if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
-            raise RequestError(f"seed must be None or an integer in [0, {MAX_SEED}], got {seed!r}")
-        if not _is_int(row) or row < 0:
-            raise RequestError(f"row must be a non-negative integer (the stream / batch row), got {row!r}")
+            raise RequestError(f"seed must be None or an integer in [0, {MAX_SEED}], got {_show(seed)}")
+        if not _is_int(row) or not 0 <= row <= MAX_STREAM:
+            raise RequestError(f"row must be an integer stream id in [0, {MAX_STREAM}] (the stream / batch row), "
+                               f"got {_show(row)}")
         adapter_id = self.adapter_id(adapter)
         rid = self._next_id
         self._next_id += 1
@@ -221,10 +262,10 @@ class Engine:
             return 0
         if isinstance(adapter, str):
             if adapter not in self.adapters:
-                raise RequestError(f"unknown adapter {adapter!r}; this engine has {sorted(self.adapters)}")
+                raise RequestError(f"unknown adapter {_show(adapter)}; this engine has {sorted(self.adapters)}")
             return self.adapters[adapter]
         if not _is_int(adapter) or not 0 <= adapter < len(self.adapters):
-            raise RequestError(f"adapter id must be an integer in [0, {len(self.adapters)}), got {adapter!r}")
+            raise RequestError(f"adapter id must be an integer in [0, {len(self.adapters)}), got {_show(adapter)}")
         return int(adapter)
 
     def cancel(self, request_id: int) -> bool:
@@ -268,8 +309,8 @@ class Engine:
                                  + (f" (head {n!r})" if len(heads) > 1 else ""))
             if not np.issubdtype(np.dtype(x.dtype), np.floating):
                 raise ValueError(f"noise must be floating point, got dtype {x.dtype}")
-            if not isinstance(x, jax.core.Tracer) and not np.isfinite(np.asarray(x, np.float32)).all():
-                raise ValueError("noise contains NaN or inf")
+            if not isinstance(x, jax.core.Tracer) and not _float32_finite(x):
+                raise ValueError("noise holds NaN, inf or values beyond float32")
         return noise
 
     def _noise_shape(self, name: str, b: int) -> tuple[int, int, int]:
@@ -284,8 +325,11 @@ class Engine:
         for n, x in got.items():
             if tuple(x.shape) != (b, want[n]):
                 raise ValueError(f"states[{n!r}] must have shape [B, Ds] = {(b, want[n])}, got {tuple(x.shape)}")
-            if not isinstance(x, jax.core.Tracer) and not np.isfinite(np.asarray(x, np.float32)).all():
-                raise ValueError(f"states[{n!r}] contains NaN or inf")
+            if not np.issubdtype(np.dtype(x.dtype), np.number) or np.issubdtype(np.dtype(x.dtype), np.complexfloating):
+                raise ValueError(f"states[{n!r}] must be real numbers, got dtype {x.dtype}")
+            if not isinstance(x, jax.core.Tracer) and not _float32_finite(x):
+                raise ValueError(f"states[{n!r}] holds NaN, inf or values beyond float32 (|x| > 3.4e38); "
+                                 "send the robot's normalised state")
         return got or None
 
     def _ensure_pool(self, inputs) -> None:
@@ -343,7 +387,7 @@ class Engine:
         return errors
 
     def step(self, observation, noise=None, *, rows: Sequence[int] | None = None,
-             states: dict | None = None) -> StepResult:
+             states: dict | None = None, rtc=None) -> StepResult:
         """Runs one control frame with this frame's observation; returns actions and finished texts.
 
         Args:
@@ -352,16 +396,17 @@ class Engine:
             from the engine's seed and frame index.
           rows: stream id of each batch row (-1 = padding); default rows 0..B-1.
           states: head name -> robot state [B, Ds] for the heads with a state token.
+          rtc: optional real-time chunking per row: a `runtime.rtc.RtcInputs` for the primary head, or head
+            name -> `RtcInputs` (previous chunk, d, s, schedule, β, mode as arrays: no recompile when they change).
         """
         self.vla.check_inputs(observation)
         b = self.vla.batch_size(observation)
         if rows is not None:
-            if not isinstance(rows, Sequence) or isinstance(rows, str) or not all(_is_int(r) for r in rows):
-                raise ValueError(f"rows must be a sequence of integer stream ids (-1 = padding), got {rows!r}")
-            if len(rows) != b:
-                raise ValueError(f"rows names {len(rows)} streams but the observation has {b} rows")
+            rows = _check_rows(rows, b)
         noise = self._check_noise(noise, b)
         states = self._check_states(states, b)
+        rtc = rtc_mod.for_heads(self.vla, rtc, noise)
+        rtc_kw = {} if rtc is None else {"rtc": rtc}  # omitted when off: the same compiled program as before
         self._ensure_pool(observation)
         errors = self._drop_unservable(rows, b)
         cfg = self.config
@@ -369,7 +414,7 @@ class Engine:
         start = time.perf_counter()
         try:
             pool, out = frame_step(self.vla, self._pool, observation, noise, requests, evict, self.bank, states,
-                                   tokens_per_frame=cfg.tokens_per_frame)
+                                   tokens_per_frame=cfg.tokens_per_frame, **rtc_kw)
             out: FrameOutput = jax.device_get(out)  # the frame's single host sync
         except Exception as e:  # noqa: BLE001 - the actions must survive a failing request
             if not np.any(requests.valid):
@@ -377,7 +422,7 @@ class Engine:
             errors += self._retry_without_requests(e)
             requests, evict = self._sched.offer([])
             pool, out = frame_step(self.vla, self._pool, observation, noise, requests, evict, self.bank, states,
-                                   tokens_per_frame=cfg.tokens_per_frame)
+                                   tokens_per_frame=cfg.tokens_per_frame, **rtc_kw)
             out = jax.device_get(out)
         self._pool = pool
         end = time.perf_counter()
