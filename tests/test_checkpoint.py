@@ -449,7 +449,8 @@ _DAMAGE = {
 @pytest.mark.parametrize("damage", list(_DAMAGE))
 def test_damaged_orbax_directory_gives_one_line_naming_file_and_cause(tmp_path, saved_tiny, damage):
     fn, names = _DAMAGE[damage]
-    path = _copy(saved_tiny, tmp_path / "ckpt")
+    # A deep directory: TensorStore repeats absolute paths, which must not crowd the file's name out.
+    path = _copy(saved_tiny, tmp_path / ("deep-" * 12) / "ckpt")
     fn(path / "params")
     for load in (restore_params, load_openpi_params):
         with pytest.raises(CheckpointError) as e:

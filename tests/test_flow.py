@@ -24,12 +24,14 @@ def test_accumulated_clock_is_the_hand_written_float32_loop(num_steps):
     """π0.5's schedule: t starts at 1 and is accumulated in float32 with dt = -1/S (not recomputed as 1 - k/S)."""
     got = jax.jit(lambda x: flow.integrate(_velocity, x, num_steps, -1.0, t0=1.0))(_x0())
 
-    def hand(x):
+    def hand(x):  # openpi's while loop; a loop body, not unrolled code, so both compile to the same kernels
         dt = -1.0 / num_steps
-        t = jnp.float32(1.0)
-        for _ in range(num_steps):
-            x, t = x + dt * _velocity(x, t), t + dt
-        return x
+
+        def body(_, carry):
+            x, t = carry
+            return x + dt * _velocity(x, t), t + dt
+
+        return jax.lax.fori_loop(0, num_steps, body, (x, jnp.float32(1.0)))[0]
 
     np.testing.assert_array_equal(got, jax.jit(hand)(_x0()))
 
@@ -46,9 +48,10 @@ def test_step_index_clock_hands_the_velocity_k(direction):
     got = jax.jit(lambda x: flow.integrate(v, x, 4, direction))(_x0())
 
     def hand(x):
-        for k in range(4):
-            x = x + (direction / 4) * _velocity(x, jnp.int32(k).astype(jnp.float32) / 4)
-        return x
+        def body(k, x):
+            return x + (direction / 4) * _velocity(x, k.astype(jnp.float32) / 4)
+
+        return jax.lax.fori_loop(0, 4, body, x)
 
     np.testing.assert_array_equal(got, jax.jit(hand)(_x0()))
     assert seen and all(d == jnp.int32 for d in seen)

@@ -138,12 +138,17 @@ def test_cached_continuation_equals_one_prefill_and_left_padding_is_exact(tiny):
     # weights: measured 9.6e-4 at |logits| ~ 3 under the suite's XLA optimisation level 0
     scale = float(jnp.max(jnp.abs(full_logits)))
     np.testing.assert_allclose(logits, full_logits[:, 70:], atol=5e-4 * scale)
-    np.testing.assert_allclose(win, full["window"], atol=5e-4)  # rounding, as above (a bug is O(1))
-    np.testing.assert_allclose(st, full["state"], atol=5e-4)
+    # states: the same rounding relative to their size (5.1e-4 at |state| ~ 3 under XLA's default codegen);
+    # a bug is O(1)
+    def close(a, b):
+        np.testing.assert_allclose(a, b, atol=3e-4 * max(1.0, float(jnp.max(jnp.abs(b)))))
+
+    close(win, full["window"])
+    close(st, full["state"])
     # left padding: row 1's state equals that row's 71 real tokens alone
     _, alone = _prefill_logits(spec, dec, ids[1:, 5:], jnp.ones((1, 71), bool))
-    np.testing.assert_allclose(full["state"][:, 1], alone["state"][:, 0], atol=5e-4)
-    np.testing.assert_allclose(full["window"][:, 1], alone["window"][:, 0], atol=5e-4)
+    close(full["state"][:, 1], alone["state"][:, 0])
+    close(full["window"][:, 1], alone["window"][:, 0])
 
 
 def test_compact_left_moves_valid_tokens_to_the_right_end_in_order():

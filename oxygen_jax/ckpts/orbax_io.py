@@ -85,9 +85,14 @@ def resolve_params_item(path: PathLike) -> Path:
     )
 
 
-def one_line(e: BaseException, limit: int = 400) -> str:
-    """An exception as one short line: TensorStore's `[tensorstore_spec=...]` tail and newlines dropped."""
+def one_line(e: BaseException, limit: int = 400, *, within: Path | None = None) -> str:
+    """An exception as one short line: TensorStore's `[tensorstore_spec=...]` tail and newlines dropped.
+    Paths inside `within` are written relative to its parent, so a deep temporary directory cannot
+    push the name of the damaged file past the length limit."""
     text = re.split(r"\s*\[tensorstore_spec=", str(e), maxsplit=1)[0]
+    if within is not None:
+        for root in {str(within.parent), str(within.resolve().parent)}:
+            text = text.replace(root.rstrip("/") + "/", "")
     text = " ".join(text.split()) or type(e).__name__
     if not text.startswith(type(e).__name__) and not re.match(r"[A-Z_]+:", text):
         text = f"{type(e).__name__}: {text}"
@@ -146,7 +151,7 @@ def read_tree_metadata(item: Path) -> Mapping[str, Any]:
     except Exception as e:  # orbax/TensorStore raise assorted types for damaged directories
         _quiet_late_orbax_callbacks()
         raise CheckpointError(
-            f"{item}: cannot read the checkpoint's metadata, it is damaged or incomplete: {one_line(e)}"
+            f"{item}: cannot read the checkpoint's metadata, it is damaged or incomplete: {one_line(e, within=item)}"
         ) from e
     finally:
         handler.close()
@@ -187,7 +192,7 @@ def restore_arrays(item: Path, stored: Mapping[tuple[str, ...], Any], partial: b
         _quiet_late_orbax_callbacks()
         leaf = _leaf_from_tensorstore(str(e))
         where = f"array {leaf!r}" if leaf else "an array"
-        raise CheckpointError(f"{item}: cannot read {where}, the checkpoint is damaged or incomplete: {one_line(e)}") from e
+        raise CheckpointError(f"{item}: cannot read {where}, the checkpoint is damaged or incomplete: {one_line(e, within=item)}") from e
     return {k: np.asarray(v) for k, v in flatten_dict(restored).items()}
 
 
