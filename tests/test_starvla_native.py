@@ -1,5 +1,7 @@
 """StarVLA's own QwenPI_v3 / QwenGR00T (../shared/fixtures/starvla_*_tiny): restored from their native
-checkpoint layout and matched to 1e-4 on every reference array, in both layer layouts."""
+checkpoint layout and matched to 1e-4 on every reference array, in both layer layouts; restored through
+the public loader, `Engine` steps each with a language request on the same prefix and its chunk equals
+the fixture's actions, bit-identical to the same program without the request."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from eval.parity import starvla as parity
 from oxygen_jax.ckpts import starvla
 from oxygen_jax.ckpts.load import load_model, source_kind
 from oxygen_jax.ckpts.safetensors import read_safetensors, write_safetensors
+from oxygen_jax.runtime.engine import Engine, EngineConfig
+from oxygen_jax.runtime.vla import MultiHead
 
 SHARED = Path(os.environ.get("OXYGEN_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
 FIXTURES = {"QwenPI_v3": SHARED / "fixtures" / "starvla_qwenpi_v3_tiny", "QwenGR00T": SHARED / "fixtures" / "starvla_gr00t_tiny"}
@@ -54,11 +58,37 @@ def test_the_transformers_5_convention_misses_gr00t(tmp_path):
     del jax
 
 
-def test_public_loader_detects_starvla_and_keeps_a_language_decoder():
-    path = _need(FIXTURES["QwenPI_v3"])
-    assert source_kind(path) == "starvla"
-    loaded = load_model(path, family="multihead")
-    assert loaded.source == "starvla" and loaded.config.language and loaded.config.names == ("starvla_qwenpi_v3",)
+@pytest.fixture(scope="module", params=sorted(FIXTURES))
+def loaded(request):
+    """(framework, the public loader's model, reference arrays), once per fixture for this module."""
+    path = _need(FIXTURES[request.param])
+    return request.param, load_model(path, family="multihead"), dict(np.load(path / "reference.npz"))
+
+
+def test_public_loader_detects_starvla_and_keeps_a_language_decoder(loaded):
+    framework, m, _ = loaded
+    assert source_kind(FIXTURES[framework]) == "starvla"
+    assert m.source == "starvla" and m.config.language and m.config.names == (starvla.HEAD_NAMES[framework],)
+
+
+def test_engine_steps_the_restored_model_with_a_language_request_and_matches_the_fixture(loaded):
+    framework, m, ref = loaded
+    vla = MultiHead(m.params, m.config)
+    name = m.config.names[0]
+    inputs = parity.inputs_from_reference(m.config, ref)
+    noises = {name: ref["noise"]}
+    states = {n: ref["state"][:, 0] for n in vla.state_dims()}  # GR00T's state token; QwenPI_v3 has none
+    assert bool(states) == (framework == "QwenGR00T")
+    cfg = EngineConfig(num_slots=2, max_new_tokens=4, admissions_per_frame=1, tokens_per_frame=2)
+    eng = Engine(vla, cfg)
+    eng.submit(max_tokens=4, stop_token=None, row=1)  # decodes on row 1's (left-padded) prefix
+    res = eng.step(inputs, noises, states=states or None)
+    assert res.batch == 1  # the request decoded in this frame
+    tol = parity.ATOL + parity.ATOL * float(np.max(np.abs(ref["actions"])))  # the fixture's atol = rtol = 1e-4
+    np.testing.assert_allclose(res.head_actions[name], ref["actions"], rtol=0, atol=tol)
+    alone = Engine(vla, cfg).step(inputs, noises, states=states or None)  # the same program, no request
+    assert alone.batch == 0
+    np.testing.assert_array_equal(res.head_actions[name], alone.head_actions[name])
 
 
 def _copy(src: Path, dst: Path, edit=None) -> Path:
