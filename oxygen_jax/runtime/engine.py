@@ -351,11 +351,12 @@ class Engine:
     def _new_pool(self, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int) -> decode.DecodePool:
         return decode.init_pool(self.vla.language(), num_slots, prefix_len, max_new_tokens, prompt_len)
 
-    def warmup(self, observation, states=None) -> float:
+    def warmup(self, observation, states=None, rtc=None) -> float:
         """Compiles the frame program for this observation's shapes without touching any request.
 
         Runs one frame on a scratch pool (no requests, nothing emitted), so a server can compile every
-        batch bucket before it reports healthy. Returns the seconds it took.
+        batch bucket before it reports healthy. With `rtc` (as `step` takes it; e.g. `rtc.off(...)`) the
+        real-time-chunking program is compiled instead (its values never recompile). Returns the seconds it took.
         """
         start = time.perf_counter()
         self.vla.check_inputs(observation)
@@ -365,8 +366,10 @@ class Engine:
         scratch = self._new_pool(p.num_slots, p.prefix_len, p.max_new_tokens, p.prompt_len)
         requests, _ = Scheduler(p.num_slots, self.config.admissions_per_frame, p.prompt_len).offer(b)
         noises = {n: jax.random.normal(jax.random.key(0), self._noise_shape(n, b)) for n in self.vla.heads}
+        rtc = rtc_mod.for_heads(self.vla, rtc, noises)
         _, out = frame_step(self.vla, scratch, observation, noises, requests, np.zeros((p.num_slots,), bool),
-                            self.bank, states, tokens_per_frame=self.config.tokens_per_frame)
+                            self.bank, states, tokens_per_frame=self.config.tokens_per_frame,
+                            **({} if rtc is None else {"rtc": rtc}))
         jax.block_until_ready(out)
         return time.perf_counter() - start
 
