@@ -22,12 +22,17 @@ def shared_dir() -> Path:
     return (Path(env) if env else REPO.parent / "shared").resolve()
 
 
-def openpi_fixture() -> Path:
-    """The openpi tiny π0.5 fixture directory, or a visible skip when ../shared is absent."""
-    path = shared_dir() / "fixtures" / "openpi_tiny_pi05"
-    if not path.is_dir():
+def fixture(*parts: str) -> Path:
+    """A path inside ../shared/fixtures, or a visible skip naming it when it is absent."""
+    path = shared_dir().joinpath("fixtures", *parts)
+    if not path.exists():
         pytest.skip(f"../shared fixtures not present: {path}")
     return path
+
+
+def openpi_fixture() -> Path:
+    """The openpi tiny π0.5 fixture directory, or a visible skip when ../shared is absent."""
+    return fixture("openpi_tiny_pi05")
 
 
 def leaves_equal(a, b) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import leaves_equal, write_norm_stats
+from helpers import fixture, leaves_equal, write_norm_stats
 from oxygen_jax.ckpts.manifest import check_manifest
 from oxygen_jax.ckpts.openpi import infer_model_config, load_openpi_norm_stats, load_openpi_params
 from oxygen_jax.ckpts.orbax_io import CheckpointError
@@ -21,19 +21,7 @@ from oxygen_jax.ckpts.own import restore_params, save_params
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import OPENPI_PATHS, abstract_params, init_params, openpi_shapes, to_openpi_dict
 
-_REPO = Path(__file__).resolve().parents[1]
-
-
-def _shared_fixtures() -> Path:
-    shared = os.environ.get("OXYGEN_SHARED_DIR")
-    return (Path(shared) if shared else _REPO.parent / "shared").resolve() / "fixtures"
-
-
-def _fixture(*parts: str) -> Path:
-    path = _shared_fixtures().joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"../shared fixtures not present: {path}")
-    return path
+_fixture = fixture  # a path inside ../shared/fixtures, or a visible skip
 
 
 @pytest.fixture(scope="module")

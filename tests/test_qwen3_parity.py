@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from eval.parity import hf as parity_hf
-from helpers import shared_dir
+from helpers import fixture, shared_dir
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.ckpts import hf as hf_checkpoint
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors, read_safetensors, write_safetensors
@@ -22,11 +22,7 @@ from oxygen_jax.models import qwen3_vl
 from oxygen_jax.models.pi05.params import to_openpi_dict
 
 
-def _fixture(name: str):
-    path = shared_dir() / "fixtures" / name
-    if not path.is_dir():
-        pytest.skip(f"../shared fixtures not present: {path}")
-    return path
+_fixture = fixture  # path or a visible skip
 
 
 @pytest.fixture(scope="module")

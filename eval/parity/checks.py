@@ -89,3 +89,10 @@ def summary(rows: Sequence[Row]) -> str:
     failed = [r for r in rows if not r.ok]
     return f"{len(rows) - len(failed)}/{len(rows)} checks passed" + (
         f"; FAILED: {', '.join(r.quantity for r in failed)}" if failed else "")
+
+
+def report(rows: Sequence[Row]) -> int:
+    """Prints the table and the summary; the command's exit status (0 when every check passed)."""
+    print(format_table(rows))
+    print("\n" + summary(rows))
+    return 0 if all(r.ok for r in rows) else 1

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.parity.checks import Checker, Row, format_table, summary
+from eval.parity.checks import Checker, Row, report
 from oxygen_jax.models import backbone
 from oxygen_jax.ckpts import hf as hf_checkpoint
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
@@ -228,9 +228,7 @@ def main(argv=None) -> int:
           + (f" sections {spec.rope.mrope_section}" if spec.rope.mrope_section else "")
           + f", {'tied' if spec.tie_embeddings else 'untied'} head"
           + (f"; ViT {v.depth} x {v.width}, DeepStack {v.deepstack_layers}" if v is not None else ""))
-    print(format_table(rows))
-    print("\n" + summary(rows))
-    return 0 if all(r.ok for r in rows) else 1
+    return report(rows)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.parity.checks import Checker, Row, format_table, summary
+from eval.parity.checks import Checker, Row, report
 from oxygen_jax.ckpts import hf as hf_checkpoint
 from oxygen_jax.ckpts import qwen35 as ckpt
 from oxygen_jax.models import backbone, qwen3_vl, qwen35
@@ -232,9 +232,7 @@ def main(argv=None) -> int:
           f"x {b.head_dim} (rotary {b.rotary_dim or b.head_dim}), GDN Hk {g.num_key_heads} Hv {g.num_value_heads} Dk {g.key_dim} "
           f"Dv {g.value_dim} Kc {g.conv_kernel}, {'tied' if b.tie_embeddings else 'untied'} head"
           + (f"; ViT {b.vision.depth} x {b.vision.width}" if b.vision is not None else ""))
-    print(format_table(rows))
-    print("\n" + summary(rows))
-    return 0 if all(r.ok for r in rows) else 1
+    return report(rows)
 
 
 if __name__ == "__main__":

@@ -164,9 +164,7 @@ def run_fixture(path: Path) -> list[Row]:
 
 def main(argv: list[str]) -> int:
     """Prints the table and the summary; exit status 1 on any FAIL."""
-    from eval.parity.checks import format_table, summary
+    from eval.parity.checks import report
 
     rows = run_fixture(Path(argv[0]))
-    print(format_table(rows))
-    print("\n" + summary(rows))
-    return 0 if all(r.ok for r in rows) else 1
+    return report(rows)

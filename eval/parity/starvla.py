@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.parity.checks import Checker, Row, format_table, summary
+from eval.parity.checks import Checker, Row, report
 from oxygen_jax.ckpts import starvla
 from oxygen_jax.models import backbone, mot, qwen3_vl
 from oxygen_jax.models import heads as hd
@@ -234,9 +234,7 @@ def main(argv=None) -> int:
     print(f"[StarVLA {ck.framework}] {args.fixture}: VLM {b.depth} x {b.width} (hidden states {b.hidden_states}); "
           f"DiT {h.depth} x {h.width} ({h.num_heads} x {h.head_dim}, {h.block_pattern}), Ha {h.horizon} x Ad "
           f"{h.action_dim}, S {h.num_steps}; stored but never run: {', '.join(ck.unused) or 'none'}")
-    print(format_table(rows))
-    print("\n" + summary(rows))
-    return 0 if all(r.ok for r in rows) else 1
+    return report(rows)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.parity.checks import Checker, Row, format_table, summary
+from eval.parity.checks import Checker, Row, report
 from oxygen_jax.ckpts import xr0 as xr0_ckpt
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models import mot, qwen3_vl
@@ -172,9 +172,7 @@ def main(argv=None) -> int:
           f"ViT {b.vision.depth} x {b.vision.width}; DiT {h.width} x {h.depth} ({h.num_heads} heads, cache KV "
           f"{h.num_kv_heads}), reads layers {h.kv_layers}; state {h.state_dim}, actions {h.horizon} x {h.action_dim}, "
           f"{h.num_steps} steps")
-    print(format_table(rows))
-    print("\n" + summary(rows))
-    return 0 if all(r.ok for r in rows) else 1
+    return report(rows)
 
 
 if __name__ == "__main__":

@@ -365,18 +365,9 @@ def check_names(spec: BackboneSpec, tensors: Mapping[str, Any]) -> None:
     got = {k: tuple(np.shape(v)) for k, v in tensors.items()}
     if spec.tie_embeddings:
         got.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(got))
-    unexpected = sorted(set(got) - set(expected))
-    misshaped = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
-    if not (missing or unexpected or misshaped):
+    parts = name_mismatches(expected, got)
+    if not parts:
         return
-    parts = []
-    if missing:
-        parts.append(f"missing {len(missing)}: " + ", ".join(_collapse(missing)))
-    if unexpected:
-        parts.append(f"unexpected {len(unexpected)}: " + ", ".join(_collapse(unexpected)))
-    if misshaped:
-        parts.append(f"mis-shaped {len(misshaped)}: " + ", ".join(f"{k} {got[k]} (expected {expected[k]})" for k in misshaped))
     raise ValueError(f"checkpoint does not match the {spec.family} spec (width {spec.width}, depth {spec.depth}): "
                      + "; ".join(parts) + " — load it with the spec of its own family (hf.load reads it from config.json)")
 
