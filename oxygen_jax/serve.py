@@ -4,6 +4,13 @@
     python -m oxygen_jax.serve --ckpt /path/to/pi05_libero --robot libero --tokenizer paligemma_tokenizer.model
     python -m oxygen_jax.serve --demo --port 8000      # the embedded demo with its "memory" adapter
     python -m oxygen_jax.serve --heads tiny --image-size 64 --port 8000   # Qwen3-VL + XR0 / StarVLA / GR00T heads
+    python -m oxygen_jax.serve --ckpt ../shared/fixtures/xr0_tiny --image-size 64   # a restored XR0 / StarVLA model
+
+A Xiaomi-Robotics-0 or StarVLA directory given to --ckpt is recognised (`ckpts.load.source_kind`) and
+served with its own head and a language decoder on the shared prefix: the horizon and action mask are
+the checkpoint's (XR0: config.json `action_mask`, else `action_length`), and StarVLA's actions are
+un-normalised with its `dataset_statistics.json` when the run has one (clip, gripper threshold,
+q01 / q99; `ckpts.starvla.unnormalize_actions`).
 
 The protocol (openpi's, with language extensions) is described in `oxygen_jax.serving.server`.
 
@@ -62,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=["tiny", "bench", "pi05"], help="random-weight model size (default tiny)")
-    model.add_argument("--ckpt", help="openpi checkpoint (params dir or its parent), or one saved by oxygen_jax")
+    model.add_argument("--ckpt", help="openpi checkpoint (params dir or its parent), one saved by oxygen_jax, or a "
+                                      "Xiaomi-Robotics-0 / StarVLA checkpoint directory (served with its own head)")
     model.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR",
                        help="serve the embedded demo (default DIR: checkpoints/demo) with its 'memory' adapter")
     ap.add_argument("--heads", metavar="PRESET", choices=["tiny", "bench"],
@@ -70,7 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                          "(models.mot preset; random weights, or the backbone from a Hugging Face --ckpt); the "
                          "first head's chunk is 'actions', every head's is under 'heads'")
     ap.add_argument("--image-size", type=_positive_int, default=224,
-                    help="--heads: camera images are resized to this square size (a multiple of patch x merge px)")
+                    help="--heads, XR0 / StarVLA: camera images are resized to this square size (a multiple of "
+                         "patch x merge px)")
+    ap.add_argument("--dataset-key", help="StarVLA: the dataset_statistics.json entry to un-normalise with "
+                                          "(default: its only entry)")
     ap.add_argument("--adapter", action="append", default=[], metavar="DIR",
                     help="a trained language adapter (training.memory output) served by its name; repeatable")
     ap.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="client observation format")
@@ -144,7 +155,8 @@ def build(args: argparse.Namespace):
     from oxygen_jax.runtime.engine import Engine, EngineConfig
 
     robot = robot_config(args.robot)
-    if args.prompt_len and not args.heads:
+    native = not args.heads and args.demo is None and _native(args.ckpt)  # XR0 / StarVLA with its own head
+    if args.prompt_len and not (args.heads or native):
         robot = robot.replace(max_token_len=args.prompt_len)
     norm_stats, bank, names, tok, tok_file, rows = None, None, (), None, args.tokenizer, {}
     if args.demo is not None:
@@ -156,18 +168,19 @@ def build(args: argparse.Namespace):
         cfg, params, tok, bank, names = demo.config, demo.params, demo.tokenizer, demo.bank, demo.adapter_names
         robot = demo.robot.replace(max_token_len=args.prompt_len) if args.prompt_len else demo.robot
         vocab = cfg.vocab_size
-    elif args.heads:
+    elif args.heads or native:
         if args.preset:
             raise ValueError("give --heads or --preset, not both (--heads names the model with several heads)")
         from oxygen_jax.models import mot
         from oxygen_jax.robots.prompt_rows import image_tokens
         from oxygen_jax.runtime.vla import MultiHead
 
-        spec = mot.preset(args.heads)
-        if args.ckpt:
-            model = load_model(args.ckpt, heads=spec.heads, dtype=args.dtype, seed=args.seed)
+        if native:
+            model = load_model(args.ckpt, family="multihead", dtype=args.dtype)
+        elif args.ckpt:
+            model = load_model(args.ckpt, heads=mot.preset(args.heads).heads, dtype=args.dtype, seed=args.seed)
         else:
-            model = load_model(preset=spec, dtype=args.dtype, seed=args.seed)
+            model = load_model(preset=mot.preset(args.heads), dtype=args.dtype, seed=args.seed)
         cfg, params, norm_stats, tok_file = model.config, model.params, model.norm_stats, tok_file or model.tokenizer
         if not isinstance(cfg, mot.ModelSpec):
             raise ValueError(f"--heads needs a Qwen3 / Qwen3-VL backbone, but {model.what} is a π0.5 model")
@@ -176,6 +189,8 @@ def build(args: argparse.Namespace):
         if rows["prompt_len"] <= n_img:
             raise ValueError(f"--prompt-len {rows['prompt_len']} leaves no prompt tokens after {n_img} image tokens")
         params, vocab = MultiHead(params, cfg), cfg.backbone.vocab_size
+        if model.dataset_statistics:
+            rows["outputs"] = starvla_outputs(cfg, model.dataset_statistics, args.dataset_key)
     else:
         model = load_model(args.ckpt or None, preset=None if args.ckpt else args.preset or "tiny", family="pi05",
                            dtype=args.dtype, prompt_attention=args.prompt_attention, seed=args.seed)
@@ -204,6 +219,29 @@ def build(args: argparse.Namespace):
         tokens_per_frame=args.tokens_per_frame, num_steps=args.steps, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=tok, bank=bank, adapter_names=names)
     return engine, tok, robot, norm_stats, mesh, rows
+
+
+def _native(ckpt) -> bool:
+    """A Xiaomi-Robotics-0 or StarVLA directory (served with its own head); False for anything else,
+    whose errors the π0.5 loader then reports."""
+    from oxygen_jax.ckpts.load import source_kind
+
+    try:
+        return ckpt is not None and source_kind(ckpt) in ("xr0", "starvla")
+    except (OSError, ValueError):
+        return False
+
+
+def starvla_outputs(spec, dataset_statistics, key: str | None = None) -> dict:
+    """head name -> StarVLA's deployment un-normalisation of one chunk [Ha, Ad] with one dataset's q01 / q99."""
+    from oxygen_jax.ckpts import starvla
+
+    stats = starvla.action_stats(dataset_statistics, key)
+    dims = stats["q01"].shape[0]
+    for h in spec.heads:
+        if h.action_dim < dims:
+            raise ValueError(f"dataset_statistics.json has {dims} action dims but head {h.name!r} emits {h.action_dim}")
+    return {h.name: (lambda chunk: starvla.unnormalize_actions(chunk[..., :dims], stats)) for h in spec.heads}
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -55,10 +55,12 @@ class LoadedModel:
       config: `ModelConfig` (π0.5) or `mot.ModelSpec` (a backbone with heads and a language decoder).
       params: `Params` or `mot.ModelParams`, layer stacks laid out for the backend (`for_backend`).
       family: "pi05" or "multihead" (which of the two the config and params are).
-      source: "preset", "checkpoint" (ours), "openpi", "hf" or "xr0".
+      source: "preset", "checkpoint" (ours), "openpi", "hf", "xr0" or "starvla".
       what: one line for messages, e.g. "random 'tiny' weights" or "openpi checkpoint /ckpts/pi05_libero".
       norm_stats: {"state", "actions": NormStats} from the checkpoint's `assets/`, or None.
       tokenizer: a `tokenizer.model` found with the checkpoint, or None (the caller picks its default).
+      dataset_statistics: StarVLA's `dataset_statistics.json` as read (`starvla.action_stats` turns one
+        entry into its q01 / q99 un-normalisation), or None.
     """
 
     config: ModelConfig | ModelSpec
@@ -68,6 +70,7 @@ class LoadedModel:
     what: str
     norm_stats: dict[str, NormStats] | None = None
     tokenizer: Path | None = None
+    dataset_statistics: dict | None = None
 
 
 def find_tokenizer(*checkpoints: PathLike | None) -> Path | None:
@@ -185,7 +188,7 @@ def load_model(
     if (ckpt is None) == (preset is None):
         raise ValueError("load_model needs a checkpoint directory or a preset (exactly one), got "
                          + ("both" if ckpt is not None else "neither"))
-    norm_stats = tokenizer = None
+    norm_stats = tokenizer = stats = None
     if preset is not None:
         if heads:
             raise ValueError("heads= puts random heads on a Hugging Face backbone; a ModelSpec preset names its own")
@@ -209,7 +212,7 @@ def load_model(
             what = f"Hugging Face {config.backbone.family} checkpoint {path}"
         elif source == "starvla":
             ck = starvla.load(path, dtype, language=True)
-            config, params = ck.spec, ck.params
+            config, params, stats = ck.spec, ck.params, ck.dataset_statistics
             what = f"StarVLA {ck.framework} checkpoint {path}"
         elif source == "xr0":
             ck = xr0.load(path, dtype, language=True)
@@ -227,4 +230,4 @@ def load_model(
         tokenizer = find_tokenizer(path)
     lay_out = mot.for_backend if have == "multihead" else pi05_params.for_backend
     return LoadedModel(config=config, params=lay_out(params, backend), family=have, source=source, what=what,
-                       norm_stats=norm_stats, tokenizer=tokenizer)
+                       norm_stats=norm_stats, tokenizer=tokenizer, dataset_statistics=stats)

@@ -20,7 +20,10 @@ the tensors, N = D / head_dim heads (modeling_mibot views qkv as (3, D / head_di
 layer i reads backbone layer L_vlm - L_dit + i. The horizon is not the config's `action_length` (the
 pretraining horizon; the forward never reads it) but the robot's action mask: pass `action_mask`
 [Ha, Ad] (the released processor's `get_action_mask(robot_type)`, std > 1e-5 per timestep and dim) or
-`horizon`; with neither, `action_length` and an all-ones mask are used.
+`horizon`; with neither, the checkpoint's own mask is used when its config.json carries one
+(`action_mask`: [Ha][Ad] of 0 / 1, `config_action_mask`), else `action_length` and an all-ones mask.
+The released processor's per-robot statistics (from which `get_action_mask(robot_type)` derives the
+mask) are not read here: their file layout is not known to this project.
 
 Errors are one line: a directory of another family (a Qwen3-VL HF directory, a StarVLA directory) names
 what it found; missing, unexpected and mis-shaped tensors are listed together (`hf.name_mismatches`).
@@ -100,6 +103,18 @@ def _mask_rows(action_mask) -> tuple[tuple[int, ...], ...]:
         raise ValueError(f"action_mask must be [Ha, Ad] of 0 / 1 (the processor's get_action_mask for one robot), "
                          f"got shape {m.shape}")
     return tuple(tuple(int(v) for v in row) for row in m)
+
+
+def config_action_mask(config: Mapping) -> np.ndarray | None:
+    """float32 [Ha, Ad] of config.json's `action_mask` (one robot's mask), or None when it has none."""
+    if config.get("action_mask") is None:
+        return None
+    m = np.asarray(config["action_mask"], np.float32)
+    if m.ndim != 2 or m.shape[1] != int(config["action_dim"]):
+        raise ValueError(f"config.json action_mask must be [Ha, action_dim = {config['action_dim']}] of 0 / 1, "
+                         f"got shape {m.shape}")
+    _mask_rows(m)
+    return m
 
 
 def head_spec(config: Mapping, tensors: Mapping[str, Any], vlm_depth: int, *, name: str = "xr0",
@@ -250,7 +265,8 @@ def load(directory: str | Path, dtype: str = "float32", *, name: str = "xr0", ho
 
     Args:
       name: the head's name in the model.
-      horizon / action_mask: the robot's chunk (see the module docstring); default `action_length`, all ones.
+      horizon / action_mask: the robot's chunk (see the module docstring); default config.json's
+        `action_mask`, else `action_length` and all ones.
       num_steps: Euler steps (native default 5).
       language: keep every backbone layer's K/V for a language decoder on the same prefix.
     Raises:
@@ -258,6 +274,11 @@ def load(directory: str | Path, dtype: str = "float32", *, name: str = "xr0", ho
     """
     d = Path(directory)
     config = read_config(d)
+    if action_mask is None and horizon is None:
+        try:
+            action_mask = config_action_mask(config)
+        except ValueError as e:
+            raise ValueError(f"{d}: {e}") from None
     tensors = read_checkpoint_tensors(d)
     spec = model_spec(config, tensors, name=name, horizon=horizon, action_mask=action_mask, num_steps=num_steps,
                       language=language)

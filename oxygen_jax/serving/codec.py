@@ -11,7 +11,8 @@ with several heads are served by the same code:
 * `HeadsCodec`: rows are `prompt_rows.PromptRows` (image tokens + prompt, left-padded to a fixed length);
   the primary head's chunk is "actions", and every head's chunk is under "heads": {name: [Ha, Da]} —
   in robot units (unnormalised, sliced to the robot's action dim) when the head has at least the robot's
-  action dims, else as the head emits it.
+  action dims, else as the head emits it. A head restored with its own un-normalisation (StarVLA's
+  `dataset_statistics.json`) is mapped by that function instead (`outputs=`).
 
 Noise is deterministic per (seed, stream, frame, head): `frame_noise`.
 
@@ -21,7 +22,7 @@ Axes: B rows of a step, Ha horizon, Ad model (head) action dim, Da robot action 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -121,9 +122,14 @@ class HeadsCodec(_Codec):
     """A `ModelSpec` (Qwen3-VL backbone, several heads): rows are `PromptRows`; every head's chunk is returned."""
 
     def __init__(self, engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None, *,
-                 image_size: int, prompt_len: int):
+                 image_size: int, prompt_len: int,
+                 outputs: Mapping[str, Callable[[np.ndarray], np.ndarray]] | None = None):
         super().__init__(engine, robot, tokenizer, norm_stats, default_prompt)
         self.spec, self.image_size, self.prompt_len = self.vla.spec, image_size, prompt_len
+        self.transforms = dict(outputs or {})  # head name -> chunk [Ha, Ad] -> robot units
+        if set(self.transforms) - set(self.heads):
+            raise ValueError(f"outputs names heads {sorted(set(self.transforms) - set(self.heads))} this model does "
+                             f"not have (it has {list(self.heads)})")
         prompt_rows.image_tokens(self.spec, image_size)  # fails early on an image size the ViT cannot patch
 
     def prepare(self, sample: Mapping) -> prompt_rows.PromptRows:
@@ -139,15 +145,22 @@ class HeadsCodec(_Codec):
         heads = {}
         for name in self.heads:
             chunk = np.asarray(head_actions[name][i], np.float32)
-            heads[name] = self._robot_chunk(chunk, state) if chunk.shape[-1] >= self.robot.action_dim else chunk
+            if name in self.transforms:
+                heads[name] = np.asarray(self.transforms[name](chunk), np.float32)
+            else:
+                heads[name] = self._robot_chunk(chunk, state) if chunk.shape[-1] >= self.robot.action_dim else chunk
         return heads[self.primary], {"heads": heads}
 
 
 def make_codec(engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None, *,
-               image_size: int | None = None, prompt_len: int | None = None) -> _Codec:
-    """The codec of the engine's model: π0.5 rows, or prompt rows of `image_size` px images and `prompt_len` tokens."""
+               image_size: int | None = None, prompt_len: int | None = None, outputs=None) -> _Codec:
+    """The codec of the engine's model: π0.5 rows, or prompt rows of `image_size` px images and `prompt_len`
+    tokens (`outputs`: head name -> its own chunk-to-robot transform)."""
     if not isinstance(engine.vla, MultiHead):
+        if outputs:
+            raise ValueError("outputs= maps the chunks of a model with heads; π0.5 un-normalises with norm_stats")
         return Pi05Codec(engine, robot, tokenizer, norm_stats, default_prompt)
     if image_size is None or prompt_len is None:
         raise ValueError("serving a backbone with heads needs image_size (px) and prompt_len (tokens per row)")
-    return HeadsCodec(engine, robot, tokenizer, norm_stats, default_prompt, image_size=image_size, prompt_len=prompt_len)
+    return HeadsCodec(engine, robot, tokenizer, norm_stats, default_prompt, image_size=image_size, prompt_len=prompt_len,
+                      outputs=outputs)

@@ -200,14 +200,17 @@ class PolicyServer:
       config: serving limits and policy.
       norm_stats: the checkpoint's normalisation statistics (None for random presets).
       mesh: a 1-D `jax.sharding.Mesh` with axis "robots" to shard steps over several devices.
+      image_size, prompt_len, outputs: a model with heads (`codec.HeadsCodec`): square image side, row
+        length, and head name -> its chunk's own transform to robot units (e.g. StarVLA's un-normalisation).
     """
 
     def __init__(self, engine, tokenizer, robot: RobotConfig, config: ServeConfig = ServeConfig(), *,
-                 norm_stats=None, mesh=None, image_size: int | None = None, prompt_len: int | None = None):
+                 norm_stats=None, mesh=None, image_size: int | None = None, prompt_len: int | None = None,
+                 outputs=None):
         self.engine, self.tokenizer, self.robot, self.config = engine, tokenizer, robot, config
         self.norm_stats = norm_stats
         self.codec = make_codec(engine, robot, tokenizer, norm_stats, config.default_prompt,
-                                image_size=image_size, prompt_len=prompt_len)
+                                image_size=image_size, prompt_len=prompt_len, outputs=outputs)
         self.limits = wire.Limits(max_message_bytes=config.max_message_bytes, max_array_bytes=config.max_message_bytes,
                                   max_str_bytes=min(64 << 10, 4 * config.max_prompt_chars))
         self.worker = EngineWorker(engine, self.codec, seed=config.seed, mesh=mesh)
