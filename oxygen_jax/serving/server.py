@@ -43,6 +43,9 @@ Extensions, ignored by clients that do not use them (openpi's client passes extr
   "devices", "step_ms" (steady step time per batch size, measured at warm-up), "deadline_ms",
   "max_message_bytes", "language": {...limits}, "noise": {"seed", "rule"}}, plus "reset_pose" for
   ALOHA (what openpi's ALOHA configs send).
+* Real-time chunking (`ServeConfig.rtc`): an observation's "rtc" map names the chunk the robot is executing,
+  how many of its actions it has executed and its delay in actions; the response's "rtc" map says which
+  actions are new (`serving.rtc_session`, docs/rtc.md). Frames without it are served as before.
 * Noise: frame f of stream s uses `batcher.frame_noise(seed, s, f)`, so `Engine.step(observation,
   noise)` reproduces a served chunk.
 
@@ -66,7 +69,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from oxygen_jax.models.pi05.config import RobotConfig
-from oxygen_jax.serving import requests, wire
+from oxygen_jax.serving import requests, rtc_session, wire
 from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, StepOutput, Stream
 from oxygen_jax.serving.codec import make_codec
 from oxygen_jax.serving.requests import BadRequest, parse_language_requests  # noqa: F401 - part of this API
@@ -105,6 +108,7 @@ class ServeConfig:
     seed: int = 0  # noise seed (see batcher.frame_noise)
     default_prompt: str | None = None  # for robots that send no "prompt" (openpi's --default_prompt)
     api_key: str | None = None  # when set, require "Authorization: Api-Key <key>" (openpi-client's header)
+    rtc: bool = False  # per-robot real-time chunking ("rtc" field, serving.rtc_session); 2 programs per bucket
 
     def __post_init__(self):
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
@@ -213,7 +217,9 @@ class PolicyServer:
                                 image_size=image_size, prompt_len=prompt_len, outputs=outputs)
         self.limits = wire.Limits(max_message_bytes=config.max_message_bytes, max_array_bytes=config.max_message_bytes,
                                   max_str_bytes=min(64 << 10, 4 * config.max_prompt_chars))
-        self.worker = EngineWorker(engine, self.codec, seed=config.seed, mesh=mesh)
+        self.rtc = rtc_session.RtcSessions.for_engine(engine, robot.name) if config.rtc else None
+        worker_engine = engine if self.rtc is None else rtc_session.RtcEngine(engine, self.rtc)
+        self.worker = EngineWorker(worker_engine, self.codec, seed=config.seed, mesh=mesh)
         self.metrics = Metrics(self)
         self.batcher = Batcher(self.worker, buckets=config.buckets, max_pending=config.max_pending,
                                on_step=self.metrics.on_step)
@@ -269,6 +275,8 @@ class PolicyServer:
         codec = self.codec.metadata()
         codec["noise"] = {"seed": self.config.seed, **codec["noise"]}
         meta.update(codec)
+        if self.rtc is not None:
+            meta["rtc"] = self.rtc.metadata()
         if r.name == "aloha":
             meta["reset_pose"] = list(_ALOHA_RESET_POSE)
         return meta
@@ -431,6 +439,8 @@ class PolicyServer:
                 pass
         finally:
             self._streams.pop(stream.id, None)
+            if self.rtc is not None:
+                self.rtc.forget(stream.id)
             self._robots.discard(stream.id)
             self._peers[peer] -= 1
             if self._peers[peer] <= 0:
@@ -472,7 +482,7 @@ class PolicyServer:
         loop = asyncio.get_running_loop()
         self._preparing += 1
         try:
-            observation, state, language, deadline = await loop.run_in_executor(self._prep, self._prepare, message)
+            observation, state, language, deadline, rtc = await loop.run_in_executor(self._prep, self._prepare, message)
             if deadline is not None:
                 stream.deadline_s = deadline
             if len(stream.tags) + len(language) > self.config.max_requests_per_robot:
@@ -481,6 +491,8 @@ class PolicyServer:
                     f"{len(language)} more (limit {self.config.max_requests_per_robot}); wait for some to finish")
             frame = Frame(stream=stream, observation=observation, state=state, language=language,
                           arrival=time.perf_counter(), future=loop.create_future())
+            if self.rtc is not None:
+                self.rtc.on_frame(stream.id, rtc)
             self.batcher.submit(frame)
         except BadRequest as e:
             self.metrics.frames.labels("bad_request").inc()
@@ -532,7 +544,7 @@ class PolicyServer:
             raise BadRequest(str(err).removeprefix("sample 0: ")) from None
         if self.codec.prompt_full(observation):
             self._note_full_prompt()
-        return observation, state, language, deadline
+        return observation, state, language, deadline, (None if self.rtc is None else self.rtc.parse(sample))
 
     def _note_full_prompt(self) -> None:
         """One warning per `_TRUNCATION_WARNING_S` for prompts that fill every prompt token (longer ones are cut)."""
@@ -549,6 +561,7 @@ class PolicyServer:
         return {
             "actions": np.asarray(result.actions, np.float32),
             **result.extras,
+            **({} if self.rtc is None else self.rtc.reply(stream.id)),
             "stream": stream.id,
             "frame": result.index,
             "server_timing": {"infer_ms": result.step_ms, "queue_ms": max(result.queue_ms, 0.0),
