@@ -17,6 +17,7 @@ connection.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -127,9 +128,11 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
         where = f"language_requests[{i}]"
         if not isinstance(req, Mapping):
             raise BadRequest(f"{where} must be a map with a 'prompt', got {type(req).__name__}")
-        unknown = sorted(short(k, 40) for k in list(req)[:16] if k not in LANGUAGE_FIELDS)
+        unknown = [k for k in req if k not in LANGUAGE_FIELDS]
         if unknown:
-            raise BadRequest(f"{where}: unknown fields {unknown}; known: {list(LANGUAGE_FIELDS)}")
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+            raise BadRequest(f"{where}: unknown fields {[short(k, 40) for k in unknown[:3]]}{more}; "
+                             f"known: {list(LANGUAGE_FIELDS)}")
         prompt = req.get("prompt")
         if not isinstance(prompt, str):
             raise BadRequest(f"{where}.prompt must be a string (e.g. 'Subtask: '), got {type(prompt).__name__}")
@@ -162,10 +165,12 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
 
 
 def tokenize_requests(requests: Sequence[LanguageRequest], tokenizer, *, prompt_capacity: int) -> list[LanguageRequest]:
-    """Checks each request's token count (`tokenizer.encode`, as `Engine.submit` does) against `prompt_capacity`.
+    """Tokenizes each request's prompt (`tokenizer.encode`, as `Engine.submit` would) and checks its length.
 
-    Runs on a prep thread, so a prompt that cannot fit is refused before the engine thread sees it.
-    `tokenizer=None` (an engine without one) checks nothing.
+    Runs on a prep thread: a costly prompt is paid for there, never on the thread that steps the
+    engine, and a prompt that cannot fit `prompt_capacity` is refused before the engine sees it.
+    The requests come back with `tokens` set (the engine is handed ids, not text). `tokenizer=None`
+    (an engine without one) leaves them as they are.
 
     Raises:
       BadRequest when a prompt has more tokens than `prompt_capacity`.
@@ -178,8 +183,5 @@ def tokenize_requests(requests: Sequence[LanguageRequest], tokenizer, *, prompt_
         if len(ids) > prompt_capacity:
             raise BadRequest(f"language_requests[{i}].prompt has {len(ids)} tokens; the engine's prompt_capacity "
                              f"is {prompt_capacity}")
-        # The ids are not handed to the engine (yet): submitting prompt_tokens instead of the text made the
-        # engine compile 2 programs after warm-up in tests/test_serve.py (cause not found); the engine
-        # re-tokenizes the text, now at most `max_prompt_chars` long and known to fit.
-        out.append(req)
+        out.append(dataclasses.replace(req, tokens=tuple(ids)))  # the engine thread never tokenizes
     return out
