@@ -15,7 +15,10 @@ Compared, for the text batch and (when present) the image batch:
   the state at its last real token, which is what this implementation keeps (HF's batch state for such
   a row has absorbed the pads; a row reports how far ours is from it, and must be far);
 - greedy tokens (exact) and step logits of a cached decode (K/V for full layers, the recurrent form for
-  linear ones), and the conv window / state after it.
+  linear ones), and the conv window / state after it;
+- greedy tokens (exact) through the runtime's decode slot pool (`runtime.decode`): the prompt's last 3
+  tokens are each row's request prompt in a capacity of 5 (2 padding entries, identity steps), admitted
+  after a prefix pass over the rest.
 
 Tolerances (absolute unless marked; float32 on CPU): HF's own float32 result is about 1e-4 from a
 float64 run of the same maths on logits (measured with this module's float64 mode), so logits, K/V and
@@ -44,6 +47,7 @@ from oxygen_jax.models import backbone, qwen3_vl, qwen35
 from oxygen_jax.models.backbone import Decoder
 from oxygen_jax.models.qwen35 import Qwen35Spec
 from oxygen_jax.nn.masks import last_valid_index
+from oxygen_jax.runtime import decode
 
 _TOL = {"logits": 2e-4, "kv": 2e-4, "proj": 2e-4, "state": 2e-5, "core": 2e-5, "window": 5e-5, "pixels": 1e-6, "vision": 1e-4}
 HIDDEN_RTOL = 2e-5
@@ -111,6 +115,29 @@ def greedy_decode(spec: Qwen35Spec, decoder: Decoder, k, v, window, state, input
     return tokens, jnp.concatenate([first_logits[:, None], jnp.swapaxes(logits, 0, 1)], axis=1), (window, state)
 
 
+_prefix_pass = jax.jit(qwen35.prefix_pass, static_argnums=0, static_argnames=("hidden_layers", "language"))
+POOL_PROMPT, POOL_CAPACITY = 3, 5  # request-prompt tokens taken off each row's end, and the pool's prompt capacity
+
+
+def pool_greedy(spec: Qwen35Spec, decoder: Decoder, x, ids, positions, input_mask, num_tokens: int,
+                prompt: int = POOL_PROMPT, capacity: int = POOL_CAPACITY) -> np.ndarray:
+    """Greedy tokens of each row through the decode slot pool: a prefix pass over all but the last
+    `prompt` tokens, then those tokens as the row's request prompt (capacity `capacity`), `num_tokens` tokens.
+
+    Args: x [B, T, D] embeddings, ids int [B, T], positions int [B, T] or [Mr, B, T], input_mask bool [B, T]
+    (the last `prompt` tokens real text tokens of every row). Returns int32 [B, num_tokens].
+    """
+    b, t = input_mask.shape
+    cut = t - prompt
+    pre = _prefix_pass(spec, decoder, x[:, :cut], jnp.asarray(positions)[..., :cut], jnp.asarray(input_mask[:, :cut]))
+    lm = qwen35.language_model(spec, decoder)
+    pool = decode.init_pool(lm, b, cut, num_tokens, capacity)
+    req = decode.make_requests(b, capacity, list(range(b)), rows=list(range(b)), prompts=[list(r) for r in np.asarray(ids)[:, cut:]],
+                               budgets=[num_tokens] * b, stop_tokens=[-1] * b)
+    pool, _, _ = decode.admit(lm, pool, pre, req)
+    return np.asarray(decode.decode_to_completion(lm, pool).tokens)
+
+
 _encode = jax.jit(qwen3_vl.encode, static_argnums=(0, 3))
 
 
@@ -119,7 +146,7 @@ def _embed_images(spec: Qwen35Spec, decoder: Decoder, input_ids, image_tokens, i
     return qwen3_vl.embed_multimodal(spec.backbone, decoder, input_ids, image_tokens, image_token_id)
 
 
-def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, positions, am, start, tag: str) -> None:
+def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, ids, positions, am, start, tag: str) -> None:
     """Every comparison of one batch (`p` = '' for text, 'vl_' for images) whose inputs are x, positions."""
     out = _forward(spec, dec, x, jnp.asarray(positions), jnp.asarray(am))
     chk.close(f"{tag} logits (valid tokens)", out["logits"], ref[p + "logits"], "logits", valid=am)
@@ -158,6 +185,11 @@ def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, positio
                                                    sel(out["state"], 1), jnp.asarray(am[rows]), sel(out["first_logits"], 0),
                                                    jnp.asarray(np.asarray(start)[rows], jnp.int32), n)
     chk.exact(f"{tag} greedy tokens, cached decode ({n} steps)", tokens, ref[p + "gen_tokens"])
+    mm = ref.get(p + "mm_token_type_ids")  # the request prompt must be text: real tokens, no image placeholders
+    if am[rows, -POOL_PROMPT:].all() and (mm is None or not mm[rows, -POOL_PROMPT:].any()):
+        pool_tokens = pool_greedy(spec, dec, sel(x, 0), np.asarray(ids)[rows], np.take(positions, rows, axis=-2), am[rows], n)
+        chk.exact(f"{tag} greedy tokens through the decode slot pool (prompt tail as request prompt)", pool_tokens,
+                  ref[p + "gen_tokens"])
     chk.close(f"{tag} decode step logits", step_logits, ref[p + "gen_logits"], "logits")
     pos_key = "gen_decode_position_ids" if not p else "vl_decode_position_ids"
     if pos_key in ref:
@@ -187,7 +219,7 @@ def run_fixture(fixture: Path, dtype: str = "float32") -> tuple[Qwen35Spec, list
             chk.exact("text position_ids (valid tokens)", np.broadcast_to(positions, ref["position_ids"].shape), ref["position_ids"],
                       np.broadcast_to(am, ref["position_ids"].shape))
         x = backbone.embed_tokens(spec.backbone, dec, jnp.asarray(ref["input_ids"]))
-        _batch(chk, spec, dec, ref, "", x, positions, am, am.sum(-1), "text")
+        _batch(chk, spec, dec, ref, "", x, ref["input_ids"], positions, am, am.sum(-1), "text")
         if "vl_input_ids" in ref and ck.vision is not None:
             _vision_batch(chk, ck, ref)
     return spec, chk.rows
@@ -213,7 +245,7 @@ def _vision_batch(chk: Checker, ck: ckpt.Qwen35Checkpoint, ref) -> None:
     x, image_mask = _embed_images(spec, ck.decoder, jnp.asarray(ids), enc["tokens"], image_id)
     if "vl_mm_token_type_ids" in ref:
         chk.exact("vl image token mask (mm_token_type_ids)", image_mask, ref["vl_mm_token_type_ids"].astype(bool))
-    _batch(chk, spec, ck.decoder, ref, "vl_", x, positions, am, nxt, "vl")
+    _batch(chk, spec, ck.decoder, ref, "vl_", x, ids, positions, am, nxt, "vl")
 
 
 def main(argv=None) -> int:

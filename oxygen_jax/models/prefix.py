@@ -18,6 +18,9 @@ K KV heads, H head dim, D VLM width, Mr = 3 M-RoPE axes (t, h, w).
                                      (HF's `rope_deltas`)
     last_hidden    [B, D]            final-normed output at the last valid prefix token (the first decoded
                                      token's logits); None without a language decoder
+    window         [Lg, B, Cc, Kc]   Qwen3.5's linear (Gated DeltaNet) layers, as of the last valid token:
+    state          [Lg, B, Hv, Dk, Dv]  the conv window and the float32 recurrent state (`models/qwen35.py`;
+                                     k, v then hold the full-attention layers `kv_layers`); None otherwise
 
 Consumers never write a prefix: heads read it for all their denoising steps; the decode pool copies the
 K/V into its own slots at admission.
@@ -64,6 +67,8 @@ class Prefix:
     kv_layers: tuple[int, ...] = dataclasses.field(metadata=_STATIC)
     hidden_layers: tuple[int, ...] = dataclasses.field(default=(), metadata=_STATIC)
     rope: RopeSpec | None = dataclasses.field(default=None, metadata=_STATIC)
+    window: jax.Array | None = None
+    state: jax.Array | None = None
 
     @classmethod
     def every_layer(cls, k, v, mask, positions, last_hidden, rope: RopeSpec | None = None) -> Prefix:
@@ -87,7 +92,7 @@ class Prefix:
         return dataclasses.replace(
             self, k=take(self.k, 1), v=take(self.v, 1), hidden=take(self.hidden, 1), mask=take(self.mask, 0),
             positions=take(self.positions, self.positions.ndim - 2), next_position=take(self.next_position, 0),
-            last_hidden=take(self.last_hidden, 0))
+            last_hidden=take(self.last_hidden, 0), window=take(self.window, 1), state=take(self.state, 1))
 
     def layer_kv(self, layers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
         """K, V [len(layers), B, P, K, H] of the given backbone layers (a slice when contiguous)."""

@@ -40,8 +40,9 @@ from oxygen_jax.models import backbone
 from oxygen_jax.models import gated_deltanet as gdn
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Draw, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.models.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec
+from oxygen_jax.models.prefix import Prefix, next_positions
 from oxygen_jax.nn.layers import RMSNorm
-from oxygen_jax.nn.masks import make_attn_mask
+from oxygen_jax.nn.masks import last_valid_index, make_attn_mask
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -350,6 +351,38 @@ def prefill(spec: Qwen35Spec, decoder: Decoder, x, positions, input_mask, *, ret
     if return_hidden:
         out["hidden_states"] = jnp.concatenate([x[None], out.pop("layer_outputs")[:-1], out["normed"][None]], axis=0)
     return out
+
+
+def prefix_pass(spec: Qwen35Spec, decoder: Decoder, x, positions, input_mask, next_position=None, *,
+                hidden_layers: tuple[int, ...] = (), language: bool = True) -> Prefix:
+    """`prefill` as the runtime's `Prefix`: what heads (HF hidden states `hidden_layers`) and the decode
+    pool (with `language`: the full layers' K/V, the linear layers' window and state, the last valid
+    token's final-normed output) read.
+
+    Args:
+      x: [B, P, D] embeddings (after any image scatter); positions: int [B, P] or [Mr, B, P];
+      input_mask: bool [B, P], valid tokens contiguous per row (`compact_left` otherwise);
+      next_position: int [B] where text continues (default: max valid position + 1).
+    """
+    hidden_layers = tuple(sorted(set(hidden_layers)))
+    bad = [i for i in hidden_layers if not 0 <= i <= spec.backbone.depth]
+    _require(not bad, f"hidden_layers {bad} are not HF hidden-state indices in [0, {spec.backbone.depth}]")
+    out = prefill(spec, decoder, x, positions, input_mask, return_hidden=bool(hidden_layers))
+    hidden = out["hidden_states"][jnp.asarray(hidden_layers, jnp.int32)] if hidden_layers else None
+    nxt = next_positions(input_mask, positions) if next_position is None else jnp.asarray(next_position, jnp.int32)
+    kept = dict(k=None, v=None, window=None, state=None, last_hidden=None, kv_layers=())
+    if language:
+        last = jnp.take_along_axis(out["normed"], last_valid_index(input_mask)[:, None, None], axis=1)[:, 0]
+        kept = dict(k=out["k"], v=out["v"], window=out["window"], state=out["state"], last_hidden=last,
+                    kv_layers=spec.full_layers)
+    return Prefix(hidden=hidden, mask=input_mask, positions=positions, next_position=nxt, hidden_layers=hidden_layers,
+                  rope=spec.backbone.rope, **kept)
+
+
+def language_model(spec: Qwen35Spec, decoder: Decoder) -> backbone.LanguageModel:
+    """The decoder as what `runtime.decode` serves: a `backbone.LanguageModel` whose static spec is the
+    `Qwen35Spec` (the pool then keeps per-slot windows and states beside the full layers' K/V)."""
+    return backbone.LanguageModel(decoder=decoder, spec=spec)
 
 
 def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, mask, cache_k, cache_v, write_index,

@@ -32,6 +32,16 @@ prefix is a `prefix.Prefix` that kept every layer's K/V and the last hidden stat
 or `mot.prefix_pass` of a model with `language=True`). Positions
 are 1-D; for an M-RoPE backbone a [B, T] position means all three axes equal, which is what text after
 the prefix uses (HF Qwen3-VL's decode positions: the row's next_position + j on every axis).
+
+Qwen3.5 (a `LanguageModel` whose spec is a `models.qwen35.Qwen35Spec`; prefix from `qwen35.prefix_pass`):
+k, v hold the full-attention layers only ([Lf, ...]) and every slot also carries its linear layers'
+conv window [Lg, Ns, Cc, Kc] and float32 recurrent state [Lg, Ns, Hv, Dk, Dv], whose size does not
+depend on the sequence length. Admission copies the prefix row's window and state into the slot, and
+that copy is the reset of a reused slot: no leaf keeps anything of its previous request (K/V past the
+written entries are masked). The request prompt runs in the chunked form with entries >= its length as
+identity steps (state untouched, window ending at the last real entry); a decode step runs the
+recurrent form and an inactive slot keeps its window and state by a select (a recurrence has no write
+index to drop). `slot_bytes` is a slot's memory per part. Language adapters are not served on Qwen3.5.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.models import backbone
+from oxygen_jax.models import backbone, qwen35
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, LanguageModel
 from oxygen_jax.models.pi05.config import EOS_ID
 from oxygen_jax.models.prefix import Prefix
@@ -52,6 +62,7 @@ from oxygen_jax.models.lora import LoraBank, RowAdapters
 from oxygen_jax.models.pi05.model import vlm_decoder
 from oxygen_jax.models.pi05.params import Params
 from oxygen_jax.models.pi05.spec import pi05_spec
+from oxygen_jax.models.qwen35 import Qwen35Spec
 from oxygen_jax.nn.sampling import sample_tokens
 
 _STATIC = dict(static=True)
@@ -70,30 +81,44 @@ class _Text(NamedTuple):
     spec: BackboneSpec
     decoder: Decoder
     dtype: jnp.dtype
+    hybrid: Qwen35Spec | None = None  # Qwen3.5: linear layers with (window, state), K/V for the full ones
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        return self.hybrid.full_layers if self.hybrid else tuple(range(self.spec.depth))
 
 
 def _text(lm: LM) -> _Text:
     if isinstance(lm, Params):  # π0.5: the VLM expert with the embedder and the tied head (the same arrays)
         return _Text(pi05_spec(lm.config), vlm_decoder(lm), lm.config.jnp_dtype)
+    if isinstance(lm, LanguageModel) and isinstance(lm.spec, Qwen35Spec):
+        return _Text(lm.spec.backbone, lm.decoder, lm.decoder.embedding.dtype, lm.spec)
     if isinstance(lm, LanguageModel):
         return _Text(lm.spec, lm.decoder, lm.decoder.embedding.dtype)
     raise ValueError(f"the decode pool serves π0.5 Params or a decode.LanguageModel, got {type(lm).__name__}")
 
 
 class _PrefixView(NamedTuple):
-    k: jax.Array  # [L, B, P, K, H]
+    k: jax.Array  # [L, B, P, K, H] (Qwen3.5: [Lf, ...])
     v: jax.Array
     mask: jax.Array  # bool [B, P]
     next_position: jax.Array  # int32 [B]
     last_hidden: jax.Array  # [B, D]
+    window: jax.Array | None  # Qwen3.5: [Lg, B, Cc, Kc]
+    state: jax.Array | None  # Qwen3.5: float32 [Lg, B, Hv, Dk, Dv]
 
 
-def _prefix(prefix: Prefix, depth: int) -> _PrefixView:
-    """The fields admission reads, from a `Prefix` holding every layer's K/V and the last hidden state."""
-    if prefix.kv_layers != tuple(range(depth)) or prefix.last_hidden is None:
-        raise ValueError(f"language decoding needs the K/V of all {depth} layers and the last hidden state, but the "
+def _prefix(prefix: Prefix, text: _Text) -> _PrefixView:
+    """The fields admission reads, from a `Prefix` holding the decoder's K/V (every layer; Qwen3.5: the
+    full-attention layers, with the linear layers' window and state) and the last hidden state."""
+    layers = text.kv_layers
+    if prefix.kv_layers != layers or prefix.last_hidden is None:
+        raise ValueError(f"language decoding needs the K/V of layers {layers} and the last hidden state, but the "
                          f"prefix kept K/V of layers {prefix.kv_layers}: build it with a ModelSpec that has language=True")
-    return _PrefixView(prefix.k, prefix.v, prefix.mask, prefix.next_position, prefix.last_hidden)
+    if text.hybrid is not None and (prefix.window is None or prefix.state is None):
+        raise ValueError("a Qwen3.5 language model decodes from a prefix with its linear layers' window and state: "
+                         "build it with models.qwen35.prefix_pass(..., language=True)")
+    return _PrefixView(prefix.k, prefix.v, prefix.mask, prefix.next_position, prefix.last_hidden, prefix.window, prefix.state)
 
 
 def prefix_length(prefix: Prefix) -> int:
@@ -152,6 +177,8 @@ class DecodePool:
       active: bool [Ns] occupied and still generating.
       tokens: int32 [Ns, M] generated tokens, -1 beyond num_generated.
       prefix_len, prompt_len: static P and Q.
+      window, state: Qwen3.5 only (None otherwise): [Lg, Ns, Cc, Kc] conv windows (activation dtype) and
+        float32 [Lg, Ns, Hv, Dk, Dv] recurrent states of the linear layers; k, v are then [Lf, Ns, C, K, H].
     """
 
     k: jax.Array
@@ -168,6 +195,8 @@ class DecodePool:
     tokens: jax.Array
     prefix_len: int = dataclasses.field(metadata=_STATIC)
     prompt_len: int = dataclasses.field(metadata=_STATIC)
+    window: jax.Array | None = None
+    state: jax.Array | None = None
 
     @property
     def num_slots(self) -> int:
@@ -278,7 +307,8 @@ def init_pool(params: LM, num_slots: int, prefix_len: int, max_new_tokens: int, 
     """
     text = _text(params)
     cap = prefix_len + prompt_len + max_new_tokens
-    kv_shape = (text.spec.depth, num_slots, cap, text.spec.num_kv_heads, text.spec.head_dim)
+    kv_shape = (len(text.kv_layers), num_slots, cap, text.spec.num_kv_heads, text.spec.head_dim)
+    window, state = qwen35.empty_state(text.hybrid, num_slots, text.dtype) if text.hybrid else (None, None)
     # Every field gets its own buffer: donation rejects a pool whose fields alias one array.
     ints = lambda fill=0: jnp.full((num_slots,), fill, jnp.int32)  # noqa: E731
     return DecodePool(
@@ -287,7 +317,30 @@ def init_pool(params: LM, num_slots: int, prefix_len: int, max_new_tokens: int, 
         num_generated=ints(), sampling=_empty_sampling(num_slots), request_id=ints(-1),
         adapter=ints(), active=jnp.zeros((num_slots,), bool),
         tokens=jnp.full((num_slots, max_new_tokens), -1, jnp.int32), prefix_len=prefix_len, prompt_len=prompt_len,
+        window=window, state=state,
     )
+
+
+def slot_bytes(params: LM, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> dict[str, int]:
+    """One slot's device memory by part, from the spec alone (what `init_pool` allocates per slot).
+
+    kv: K and V of the attention layers over C = P + Q + M entries; window, state: Qwen3.5's linear layers
+    (Lg Cc Kc activation-dtype elements, Lg Hv Dk Dv float32), 0 for other models; bookkeeping: mask,
+    tokens and the per-slot scalars. `kv_per_token` (K/V bytes of one entry) and `state_tokens` (how many
+    entries' K/V the fixed window + state equal) compare the two kinds: at Qwen3.5-0.8B / 2B in
+    bfloat16 the fixed part equals the K/V of about 1,600 tokens.
+    """
+    text = _text(params)
+    s, item = text.spec, jnp.dtype(text.dtype).itemsize
+    cap = prefix_len + prompt_len + max_new_tokens
+    kv_per_token = 2 * len(text.kv_layers) * s.num_kv_heads * s.head_dim * item
+    window = state = 0
+    if text.hybrid is not None:
+        g, lg = text.hybrid.gdn, len(text.hybrid.linear_layers)
+        window, state = lg * g.conv_channels * g.conv_kernel * item, lg * g.num_value_heads * g.key_dim * g.value_dim * 4
+    scalars = 4 * 8 + 4 + 4 + 4 * int(np.prod(_key_shape())) + 1  # 8 int32 + temperature, top_p, key, active
+    out = dict(kv=cap * kv_per_token, window=window, state=state, bookkeeping=cap + 4 * max_new_tokens + scalars)
+    return dict(out, total=sum(out.values()), kv_per_token=kv_per_token, state_tokens=(window + state) / kv_per_token)
 
 
 def _sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array:
@@ -321,37 +374,61 @@ def suffix_forward(params: LM, prefix: Prefix, rows: jax.Array, tokens: jax.Arra
       final norm).
     """
     text = _text(params)
-    prefix = _prefix(prefix, text.spec.depth)
-    pk, pv = prefix.k[:, rows], prefix.v[:, rows]
-    j, q_cap, p = rows.shape[0], tokens.shape[1], prefix.mask.shape[-1]
+    if text.hybrid is not None:
+        raise ValueError("suffix_forward serves attention-only decoders; a Qwen3.5 prompt also advances recurrent "
+                         "states (admission runs it with its length)")
+    ck, cv, x, positions, mask, write = _suffix_inputs(text, _prefix(prefix, text), rows, tokens)
+    lora = _row_adapters(bank, jnp.zeros((rows.shape[0],), jnp.int32) if adapter is None else adapter)
+    h, (ck, cv) = backbone.forward_write(text.spec, text.decoder.layers, x, positions, mask, ck, cv, write, lora=lora)
+    return ck, cv, h
+
+
+def _suffix_inputs(text: _Text, view: _PrefixView, rows, tokens):
+    """Slot caches [L, J, P + Q, K, H] (prefix rows, then room for Q entries), embedded tokens [J, Q, D],
+    positions [J, Q], mask [J, Q, P + Q] (prefix validity, causal suffix) and write index [J, Q]."""
+    j, q_cap, p = rows.shape[0], tokens.shape[1], view.mask.shape[-1]
     pad = [(0, 0), (0, 0), (0, q_cap), (0, 0), (0, 0)]
-    ck, cv = jnp.pad(pk, pad), jnp.pad(pv, pad)
+    ck, cv = jnp.pad(view.k[:, rows], pad), jnp.pad(view.v[:, rows], pad)
     steps = jnp.arange(q_cap, dtype=jnp.int32)
     causal = steps[None, :] <= steps[:, None]  # [Q, Q]
     mask = jnp.concatenate(
-        [jnp.broadcast_to(prefix.mask[rows][:, None, :], (j, q_cap, p)), jnp.broadcast_to(causal, (j, q_cap, q_cap))], -1
+        [jnp.broadcast_to(view.mask[rows][:, None, :], (j, q_cap, p)), jnp.broadcast_to(causal, (j, q_cap, q_cap))], -1
     )
-    positions = prefix.next_position[rows][:, None] + steps[None]  # equal on all M-RoPE axes
+    positions = view.next_position[rows][:, None] + steps[None]  # equal on all M-RoPE axes
     x = backbone.embed_tokens(text.spec, text.decoder, tokens).astype(text.dtype)
-    write = jnp.broadcast_to(p + steps, (j, q_cap))
-    lora = _row_adapters(bank, jnp.zeros((j,), jnp.int32) if adapter is None else adapter)
-    h, (ck, cv) = backbone.forward_write(text.spec, text.decoder.layers, x, positions, mask, ck, cv, write, lora=lora)
-    return ck, cv, h
+    return ck, cv, x, positions, mask, jnp.broadcast_to(p + steps, (j, q_cap))
+
+
+def _hybrid_prompts(text: _Text, view: _PrefixView, req: Requests):
+    """Qwen3.5 request prompts after their prefix rows: entries >= prompt_len are identity steps of the
+    linear layers (chunked form), so the window and state are those at the last real entry.
+
+    Returns (k, v [Lf, J, P + Q, K, H], hidden [J, Q, D] before the final norm, (window, state) [Lg, J, ...]).
+    """
+    ck, cv, x, positions, mask, write = _suffix_inputs(text, view, req.row, req.prompt)
+    real = jnp.arange(req.prompt.shape[1])[None, :] < req.prompt_len[:, None]
+    h, (ck, cv), carried = qwen35.forward_step(text.hybrid, text.decoder.layers, x, positions, real, mask, ck, cv, write,
+                                               view.window[:, req.row], view.state[:, req.row], form="chunked")
+    return ck, cv, h, carried
 
 
 def _extend_with_prompts(params: LM, prefix: Prefix, req: Requests, q_cap: int, bank=None):
     """Runs the request prompts after their prefixes: returns slot caches [L, J, P+Q, K, H] and seed hidden [J, D]."""
     text = _text(params)
-    view = _prefix(prefix, text.spec.depth)
+    view = _prefix(prefix, text)
     seed_prefix = view.last_hidden[req.row]
+    carried = None if text.hybrid is None else (view.window[:, req.row], view.state[:, req.row])
     if q_cap == 0:
-        return view.k[:, req.row], view.v[:, req.row], seed_prefix
-    ck, cv, h = suffix_forward(params, prefix, req.row, req.prompt, bank, req.adapter)
+        return view.k[:, req.row], view.v[:, req.row], seed_prefix, carried
+    if text.hybrid is not None:
+        ck, cv, h, carried = _hybrid_prompts(text, view, req)
+    else:
+        ck, cv, h = suffix_forward(params, prefix, req.row, req.prompt, bank, req.adapter)
     last = jnp.clip(req.prompt_len - 1, 0, q_cap - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
     h_last = backbone.final_norm(text.spec, text.decoder, h_last)
     seed = jnp.where((req.prompt_len > 0)[:, None], h_last[:, 0], seed_prefix)
-    return ck, cv, seed
+    return ck, cv, seed, carried
 
 
 def _admit(params: LM, pool: DecodePool, prefix: Prefix, req: Requests, bank=None):
@@ -368,8 +445,10 @@ def _admit(params: LM, pool: DecodePool, prefix: Prefix, req: Requests, bank=Non
     admitted = req.valid & (rank < jnp.sum(free))
     slot = jnp.where(admitted, free_slots[jnp.minimum(rank, s - 1)], s)  # s = out of range: dropped
 
-    ck, cv, seed = _extend_with_prompts(params, prefix, req, q_cap, bank)
-    view = _prefix(prefix, text.spec.depth)
+    if text.hybrid is not None and bank is not None:
+        raise ValueError("language adapters are not served on Qwen3.5 yet: admit with bank=None")
+    ck, cv, seed, carried = _extend_with_prompts(params, prefix, req, q_cap, bank)
+    view = _prefix(prefix, text)
     logits = backbone.lm_logits_vocab_major(text.spec, text.decoder, seed)
     sampling = dataclasses.replace(req.sampling, budget=jnp.clip(req.sampling.budget, 1, g))
     token0 = _sample(logits, sampling, jnp.zeros_like(req.row))
@@ -398,6 +477,9 @@ def _admit(params: LM, pool: DecodePool, prefix: Prefix, req: Requests, bank=Non
         active=put(pool.active, active),
         tokens=put(pool.tokens, tokens),
     )
+    if carried is not None:  # the slot's whole window and state are overwritten: the reset of a reused slot
+        new = dataclasses.replace(new, window=pool.window.at[:, slot].set(carried[0].astype(pool.window.dtype), mode="drop"),
+                                  state=pool.state.at[:, slot].set(carried[1], mode="drop"))
     first = jnp.full((s,), -1, jnp.int32).at[slot].set(token0, mode="drop")
     return new, admitted, first
 
@@ -428,7 +510,8 @@ def step_logits(params: LM, pool: DecodePool, bank: LoraBank | None = None) -> t
     three axes of an M-RoPE backbone).
 
     The pool's mask and length are not advanced here (see `_decode_step`); inactive slots write
-    nothing.
+    nothing. On Qwen3.5 the linear layers advance each active slot's window and state by one
+    recurrent step; inactive slots keep theirs (a select).
     """
     text = _text(params)
     cap = pool.capacity
@@ -437,10 +520,20 @@ def step_logits(params: LM, pool: DecodePool, bank: LoraBank | None = None) -> t
     positions = (pool.base_position + pool.length)[:, None]
     attend = pool.mask | (jnp.arange(cap)[None, :] == write[:, None])
     write_index = jnp.where(pool.active, write, cap)[:, None]
-    h, (k, v) = backbone.forward_write(text.spec, text.decoder.layers, x, positions, attend[:, None, :],
-                                       pool.k, pool.v, write_index, lora=_row_adapters(bank, pool.adapter))
+    if text.hybrid is None:
+        h, (k, v) = backbone.forward_write(text.spec, text.decoder.layers, x, positions, attend[:, None, :],
+                                           pool.k, pool.v, write_index, lora=_row_adapters(bank, pool.adapter))
+        pool = dataclasses.replace(pool, k=k, v=v)
+    else:
+        if bank is not None:
+            raise ValueError("language adapters are not served on Qwen3.5 yet: decode with bank=None")
+        h, (k, v), (window, state) = qwen35.forward_step(
+            text.hybrid, text.decoder.layers, x, positions, pool.active[:, None], attend[:, None, :], pool.k, pool.v,
+            write_index, pool.window, pool.state, form="recurrent")
+        keep = lambda new, old: jnp.where(pool.active.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)  # noqa: E731
+        pool = dataclasses.replace(pool, k=k, v=v, window=keep(window, pool.window), state=keep(state, pool.state))
     h = backbone.final_norm(text.spec, text.decoder, h)
-    return dataclasses.replace(pool, k=k, v=v), backbone.lm_logits_vocab_major(text.spec, text.decoder, h[:, 0])
+    return pool, backbone.lm_logits_vocab_major(text.spec, text.decoder, h[:, 0])
 
 
 def _decode_step(params: LM, pool: DecodePool, bank=None) -> tuple[DecodePool, jax.Array, jax.Array]:
