@@ -30,6 +30,7 @@ from oxygen_jax.robots import transforms
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from oxygen_jax.runtime.engine import Engine, EngineConfig
 from oxygen_jax.serving import wire
+from oxygen_jax.serving.requests import RefusalBudget
 from oxygen_jax.serving.codec import frame_noise
 from oxygen_jax.serving.server import MAX_REPLY_CHARS, PolicyServer, ServeConfig, ServerThread
 from test_serve import ScriptedEngine
@@ -45,7 +46,8 @@ GOOD = "127.0.0.1"
 LIMITS = ServeConfig(
     host="127.0.0.1", port=0, buckets=(1, 4), seed=SEED, deadline_ms=1000, max_deadline_ms=1000,
     max_robots=4, max_connections=16, max_connections_per_peer=8, first_frame_timeout_s=1.5, idle_timeout_s=20.0,
-    send_timeout_s=1.0, write_limit=4096, max_prompt_chars=200, max_message_bytes=1 << 20)
+    send_timeout_s=1.0, write_limit=4096, send_buffer_bytes=8192, max_prompt_chars=200, max_message_bytes=1 << 20,
+    max_refusals_per_s=1000.0)  # attackers here are not throttled (test_2_refused_frames_are_throttled is)
 
 
 class SpyTokenizer:
@@ -292,6 +294,33 @@ def test_2_language_prompts_are_tokenized_on_prep_threads_never_on_the_engine_th
     threads = {name for name, _ in tok.calls[before:]}
     assert any(name.startswith("oxygen-prep") for name in threads), threads
     assert not any(name.startswith("oxygen-engine") for name in threads), threads
+
+
+def test_2_refused_frames_are_read_at_the_refusal_rate_after_a_burst():
+    budget = RefusalBudget(rate=4.0)
+    assert [budget.charge(0.0) for _ in range(4)] == [0.0] * 4  # a burst of `rate` refusals is free
+    assert budget.charge(0.0) == pytest.approx(0.25)  # then one per 1/rate seconds
+    assert budget.charge(0.25) == pytest.approx(0.25)
+    assert budget.charge(10.0) == 0.0  # ten quiet seconds refill the burst, and no more than it
+    assert [budget.charge(10.0) for _ in range(4)] == [0.0, 0.0, 0.0, pytest.approx(0.25)]
+    with pytest.raises(ValueError, match="rate"):
+        RefusalBudget(0.0)
+
+    handle = ServerThread(PolicyServer(ScriptedEngine(), train_demo_tokenizer(), ROBOT, ServeConfig(
+        host="127.0.0.1", port=0, buckets=(1,), seed=SEED, max_refusals_per_s=2.0))).start()
+    try:
+        handle.wait_ready(timeout=60)
+        ws, meta = _ws(handle.port)
+        for _ in range(4):  # refused frames: the third and fourth are read only after a wait
+            ws.send("not an observation")
+            assert ws.recv(timeout=10).startswith("BadRequest: ")
+        assert _metric(handle.port, "oxygen_connections_refused_total{reason=throttled}") >= 1
+        ws.send(wire.pack(_sample(0)))  # the same connection is served as soon as its frames are good
+        reply = wire.unpack(ws.recv(timeout=10))
+        np.testing.assert_array_equal(reply["actions"], frame_noise(SEED, meta["stream"], 0, HA, AD)[:, :7])
+        ws.close()
+    finally:
+        handle.stop()
 
 
 # -------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ so no reply is larger than a few hundred characters whatever the frame carried.
     tokenize_requests(requests, tokenizer, prompt_capacity=16)   # token count checked before the engine
 
 Refusals raise `BadRequest` (a ValueError); the server sends its text as "BadRequest: ..." and keeps the
-connection.
+connection. A refusal is cheap but not free (the frame was read and decoded), so `RefusalBudget` caps how
+fast one connection's refused frames are read.
 """
 
 from __future__ import annotations
@@ -185,3 +186,29 @@ def tokenize_requests(requests: Sequence[LanguageRequest], tokenizer, *, prompt_
                              f"is {prompt_capacity}")
         out.append(dataclasses.replace(req, tokens=tuple(ids)))  # the engine thread never tokenizes
     return out
+
+
+class RefusalBudget:
+    """A token bucket of refused frames for one connection: `rate` per second, in bursts of up to `rate`.
+
+    A client whose frames keep being refused (cheap to send, not free to read and refuse: a 3.6 MB
+    frame is still received and decoded) is read at `rate` frames per second once its burst is spent:
+    the server waits before reading its next frame, so those frames wait in TCP, not in the server, and
+    cannot take the CPU that other robots' frames need.
+
+        budget = RefusalBudget(rate=20.0)
+        budget.charge(now)   # 0.0 for 20 refusals in a row, then about 1/20 s per refusal
+    """
+
+    def __init__(self, rate: float):
+        if not rate > 0:
+            raise ValueError(f"RefusalBudget rate must be > 0 refusals per second, got {rate}")
+        self.rate, self._tokens, self._last = rate, max(rate, 1.0), None
+
+    def charge(self, now: float) -> float:
+        """Counts one refusal at time `now` (seconds); returns the seconds to wait before the next read."""
+        if self._last is not None:
+            self._tokens = min(max(self.rate, 1.0), self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        self._tokens -= 1.0
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate

@@ -25,7 +25,9 @@ open handshakes lock nobody out; a connection that sends no frame for `first_fra
 its first) or `idle_timeout_s` (after) is closed with 1008; at most `max_connections` connections in
 all and `max_connections_per_peer` per client address (HTTP 503 beyond); frames are read one at a
 time (websockets `max_queue=1`: a client that sends without reading is back-pressured by TCP, not
-buffered), and a reply that cannot be written within `send_timeout_s` drops the connection.
+buffered; the kernel's send buffer is fixed at `send_buffer_bytes`), a reply that cannot be written
+within `send_timeout_s` drops the connection, and a connection whose frames keep being refused is
+read at most `max_refusals_per_s` frames per second.
 
 Extensions, ignored by clients that do not use them (openpi's client passes extra keys through):
 
@@ -60,6 +62,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -70,8 +73,9 @@ import numpy as np
 
 from oxygen_jax.models.pi05.config import RobotConfig
 from oxygen_jax.serving import requests, rtc_session, wire
-from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, StepOutput, Stream
+from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, Stream
 from oxygen_jax.serving.codec import make_codec
+from oxygen_jax.serving.metrics import Metrics
 from oxygen_jax.serving.requests import BadRequest, parse_language_requests  # noqa: F401 - part of this API
 
 log = logging.getLogger("oxygen_jax.serve")
@@ -100,7 +104,9 @@ class ServeConfig:
     send_timeout_s: float = 10.0  # drop a connection whose reply cannot be written in this time
     max_queue: int = 1  # frames websockets buffers per connection (the protocol is lock-step)
     write_limit: int = 64 << 10  # bytes websockets buffers for writing before send() waits
+    send_buffer_bytes: int = 64 << 10  # the kernel's send buffer per connection (SO_SNDBUF; replies are a few kB)
     max_requests_per_robot: int = 8  # live language requests per connection
+    max_refusals_per_s: float = 20.0  # refused frames read per connection and second, after a burst of as many
     max_message_bytes: int = 4 << 20
     max_prompt_chars: int = 1024  # the observation "prompt" and each language request's prompt
     ping_interval: float | None = 20.0  # websockets keepalive (openpi's defaults)
@@ -114,9 +120,12 @@ class ServeConfig:
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
             raise ValueError(f"ServeConfig.buckets must be increasing positive sizes, got {list(self.buckets)}")
         for f in ("max_pending", "max_robots", "max_connections", "max_connections_per_peer", "max_queue",
-                  "write_limit", "max_requests_per_robot", "max_message_bytes", "max_prompt_chars"):
+                  "write_limit", "send_buffer_bytes", "max_requests_per_robot", "max_message_bytes",
+                  "max_prompt_chars"):
             if getattr(self, f) < 1:
                 raise ValueError(f"ServeConfig.{f} must be >= 1, got {getattr(self, f)}")
+        if not self.max_refusals_per_s > 0:
+            raise ValueError(f"ServeConfig.max_refusals_per_s must be > 0, got {self.max_refusals_per_s}")
         if not 0 < self.max_deadline_ms <= 3.6e6:
             raise ValueError(f"ServeConfig.max_deadline_ms must be in (0, 3.6e6], got {self.max_deadline_ms}")
         if not 0 < self.deadline_ms <= self.max_deadline_ms:
@@ -126,66 +135,6 @@ class ServeConfig:
             value = getattr(self, f)
             if value is not None and not value > 0:
                 raise ValueError(f"ServeConfig.{f} must be > 0 seconds (or None for no limit), got {value}")
-
-
-# -------------------------------------------------------------------------------------------------
-# Metrics
-# -------------------------------------------------------------------------------------------------
-
-
-class Metrics:
-    """Prometheus metrics of one server (its own registry, so several servers can share a process)."""
-
-    def __init__(self, server: "PolicyServer"):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        r = self.registry = CollectorRegistry()
-        ms = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-        self.frames = Counter("oxygen_frames", "Observation frames by outcome", ["outcome"], registry=r)
-        self.steps = Counter("oxygen_steps", "Engine steps", registry=r)
-        self.rows = Histogram("oxygen_step_rows", "Robots per engine step", buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16),
-                              registry=r)
-        self.bucket = Histogram("oxygen_step_bucket", "Padded batch size per step", buckets=(1, 2, 4, 8, 16),
-                                registry=r)
-        self.step_s = Histogram("oxygen_step_seconds", "Engine.step wall time", buckets=ms, registry=r)
-        self.queue_s = Histogram("oxygen_queue_seconds", "Frame wait before its step", buckets=ms, registry=r)
-        self.total_s = Histogram("oxygen_frame_seconds", "Frame received to reply sent", buckets=ms, registry=r)
-        self.language = Counter("oxygen_language_requests", "Language requests by event", ["event"], registry=r)
-        self.tokens = Counter("oxygen_language_tokens", "Tokens of finished language requests", registry=r)
-        Gauge("oxygen_connections", "Open websocket connections (handshakes included)", registry=r).set_function(
-            lambda: len(server._streams))
-        Gauge("oxygen_robots", "Streaming robots (connections that have sent a frame)", registry=r).set_function(
-            lambda: len(server._robots))
-        self.refused = Counter("oxygen_connections_refused", "Connections refused or dropped, by reason", ["reason"],
-                               registry=r)
-        Gauge("oxygen_queue_depth", "Frames waiting for a step", registry=r).set_function(
-            lambda: server.batcher.queue_depth)
-        Gauge("oxygen_ready", "1 when warm and not draining", registry=r).set_function(lambda: float(server.healthy))
-        Gauge("oxygen_compiles_after_warmup", "XLA compilations on the engine thread after warm-up",
-              registry=r).set_function(lambda: server.compiles_after_warmup)
-        self.lang_active = Gauge("oxygen_language_active", "Language requests decoding", registry=r)
-        self.lang_queued = Gauge("oxygen_language_queued", "Language requests waiting for a slot", registry=r)
-
-    def on_step(self, out: StepOutput) -> None:
-        if out.rows:
-            self.steps.inc()
-            self.rows.observe(out.rows)
-            self.bucket.observe(out.bucket)
-            self.step_s.observe(out.step_ms / 1e3)
-            for res in out.results:
-                if res.error is None:
-                    self.queue_s.observe(max(res.queue_ms, 0.0) / 1e3)
-        self.language.labels("accepted").inc(sum(len(r.accepted) for r in out.results))
-        self.language.labels("finished").inc(len(out.finished))
-        self.language.labels("failed").inc(len(out.failed))
-        self.tokens.inc(sum(len(f.tokens) for f in out.finished))
-        self.lang_active.set(out.language_active)
-        self.lang_queued.set(out.language_queued)
-
-    def render(self) -> tuple[str, str]:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return generate_latest(self.registry).decode(), CONTENT_TYPE_LATEST
 
 
 # -------------------------------------------------------------------------------------------------
@@ -409,6 +358,10 @@ class PolicyServer:
         peer = _peer(ws)
         self._peers[peer] += 1
         self.batcher.add_stream(stream)
+        refusals = requests.RefusalBudget(self.config.max_refusals_per_s)
+        sock = ws.transport.get_extra_info("socket")
+        if sock is not None:  # fixed, not autotuned to megabytes: a client that never reads pins this much there
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.send_buffer_bytes)
         try:
             if not await self._send(ws, stream, wire.pack(self.metadata(stream))):
                 return
@@ -426,6 +379,9 @@ class PolicyServer:
                 if isinstance(reply, bytes):  # a robot that got actions is expected back within its period
                     stream.last_reply = time.perf_counter()
                     self.metrics.total_s.observe(stream.last_reply - received)
+                elif reply.startswith("BadRequest") and (wait := refusals.charge(time.perf_counter())) > 0:
+                    self.metrics.refused.labels("throttled").inc()  # its next frame waits in TCP meanwhile
+                    await asyncio.sleep(wait)
         except ConnectionClosed:
             pass
         except Exception:  # noqa: BLE001 - logged with an id; the client gets the id, not the traceback
