@@ -19,7 +19,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import shared_dir
+from helpers import fixture as _fixture
 
 from oxygen_jax import serve
 from oxygen_jax.ckpts import starvla
@@ -33,13 +33,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a 
 
 ROBOT = robot_config("libero")
 SEED, IMAGE, PROMPT = 5, 64, 24  # 64 px -> 4 image tokens per camera with the fixtures' ViT (16 px patches, merge 2)
-
-
-def _fixture(name: str):
-    path = shared_dir() / "fixtures" / name
-    if not path.is_dir():
-        pytest.skip(f"fixture {name} absent: {path} (../shared not checked out)")
-    return path
 
 
 def _args(ckpt, *extra):

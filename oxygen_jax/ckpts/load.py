@@ -10,6 +10,7 @@ caller needs beside them (`LoadedModel`). Sources:
 | `preset=` a `mot.ModelSpec` | (no directory) | `ModelSpec` | `mot.ModelParams`, random |
 | our checkpoint (`own.save_params`) | a `config/` item | `ModelConfig` (stored dims) | π0.5 `Params` |
 | Hugging Face Qwen3 / Qwen3-VL | `model.safetensors` (or its sharded index) | `ModelSpec` (language + `heads`) | `mot.ModelParams` |
+| Hugging Face Qwen3.5 (`ckpts.qwen35`) | the same files, config.json `model_type` 'qwen3_5' | `ModelSpec` with `hybrid` (language + `heads`) | `mot.ModelParams` |
 | Xiaomi-Robotics-0 (released layout, `ckpts.xr0`) | config.json `model_type` 'mibot' | `ModelSpec` (its XR0 head + language) | `mot.ModelParams` |
 | StarVLA QwenPI_v3 / QwenGR00T (`ckpts.starvla`) | config.yaml `framework.name` + `qwen_vl_interface.model.*` weights | `ModelSpec` (its head + language) | `mot.ModelParams` |
 | openpi checkpoint (either layout) | an orbax item or `params/` | `ModelConfig` (inferred) | π0.5 `Params` (LoRA merged) |
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from oxygen_jax.ckpts import hf
-from oxygen_jax.ckpts import starvla, xr0
+from oxygen_jax.ckpts import qwen35, starvla, xr0
 from oxygen_jax.ckpts.openpi import load_openpi_norm_stats, load_openpi_params
 from oxygen_jax.ckpts.orbax_io import PathLike, is_pytree_item
 from oxygen_jax.ckpts.own import restore_params, stored_config
@@ -36,6 +37,7 @@ from oxygen_jax.models.heads import HeadSpec
 from oxygen_jax.models.mot import ModelParams, ModelSpec
 from oxygen_jax.models.pi05 import params as pi05_params
 from oxygen_jax.models.pi05.config import DType, ModelConfig, PromptAttention, model_config
+from oxygen_jax.robots.native_prompts import find_beside
 from oxygen_jax.robots.normalize import NormStats
 
 Family = Literal["pi05", "multihead"]
@@ -78,14 +80,7 @@ def find_tokenizer(*checkpoints: PathLike | None) -> Path | None:
 
     Our training runs and the demo keep it beside the base checkpoint (`out/base`, `out/tokenizer.model`).
     """
-    for c in checkpoints:
-        if c is None:
-            continue
-        d = Path(c).expanduser()
-        for candidate in (d / TOKENIZER_FILE, d.parent / TOKENIZER_FILE):
-            if candidate.is_file():
-                return candidate
-    return None
+    return find_beside(TOKENIZER_FILE, *checkpoints)
 
 
 def source_kind(path: PathLike) -> Source:
@@ -130,8 +125,13 @@ def _random(preset: str | ModelConfig | ModelSpec, dtype: DType, prompt_attentio
 
 
 def _hf(path: Path, dtype: DType, heads: Sequence[HeadSpec], seed: int) -> tuple[ModelSpec, ModelParams]:
-    ck = hf.load(path, dtype)
-    spec = ModelSpec(backbone=ck.spec, heads=tuple(heads), language=True, image_token_id=ck.config.get("image_token_id"))
+    if qwen35.is_qwen35_dir(path):
+        ck = qwen35.load(path, dtype)
+        spec = ModelSpec(backbone=ck.spec.backbone, hybrid=ck.spec, heads=tuple(heads), language=True,
+                         image_token_id=ck.config.get("image_token_id"))
+    else:
+        ck = hf.load(path, dtype)
+        spec = ModelSpec(backbone=ck.spec, heads=tuple(heads), language=True, image_token_id=ck.config.get("image_token_id"))
     heads_params = {h.name: hd.init_head(h, seed, dtype) for h in spec.heads}  # random: HF holds the backbone only
     return spec, ModelParams(decoder=ck.decoder, vision=ck.vision, heads=heads_params)
 

@@ -106,16 +106,21 @@ def _configured_pad(path: Path) -> str | None:
     return pad.get("content") if isinstance(pad, Mapping) else pad
 
 
-def find_tokenizer_json(*dirs: str | Path | None) -> Path | None:
-    """The first `tokenizer.json` in or beside (the parent of) each directory; None if there is none."""
+def find_beside(name: str, *dirs: str | Path | None) -> Path | None:
+    """The first file `name` in or beside (in the parent of) each directory, in order; None if none."""
     for d in dirs:
         if d is None:
             continue
         d = Path(d).expanduser()
-        for cand in (d / TOKENIZER_FILE, d.parent / TOKENIZER_FILE):
+        for cand in (d / name, d.parent / name):
             if cand.is_file():
                 return cand
     return None
+
+
+def find_tokenizer_json(*dirs: str | Path | None) -> Path | None:
+    """The first `tokenizer.json` in or beside each directory (`find_beside`)."""
+    return find_beside(TOKENIZER_FILE, *dirs)
 
 
 def family_of(spec: ModelSpec) -> str:
