@@ -10,7 +10,9 @@ A Xiaomi-Robotics-0 or StarVLA directory given to --ckpt is recognised (`ckpts.l
 served with its own head and a language decoder on the shared prefix: the horizon and action mask are
 the checkpoint's (XR0: config.json `action_mask`, else `action_length`), and StarVLA's actions are
 un-normalised with its `dataset_statistics.json` when the run has one (clip, gripper threshold,
-q01 / q99; `ckpts.starvla.unnormalize_actions`).
+q01 / q99; `ckpts.starvla.unnormalize_actions`). With a `tokenizer.json` in or beside the directory (or
+given as --tokenizer) the observation rows are the family's native prompts (`robots.native_prompts`)
+and language results come back as token ids.
 
 The protocol (openpi's, with language extensions) is described in `oxygen_jax.serving.server`.
 
@@ -91,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"])
-    ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model; default: tokenizer.model beside --ckpt, "
+    ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model, or an XR0 / StarVLA checkpoint's tokenizer.json; "
+                                         "default: tokenizer.model (tokenizer.json for XR0 / StarVLA) beside --ckpt, "
                                          "else the offline demo tokenizer")
     ap.add_argument("--prompt-len", type=_positive_int,
                     help="prompt tokens in the prefix (default: the robot's; with --heads the whole row, image tokens "
@@ -158,7 +161,7 @@ def build(args: argparse.Namespace):
     native = not args.heads and args.demo is None and _native(args.ckpt)  # XR0 / StarVLA with its own head
     if args.prompt_len and not (args.heads or native):
         robot = robot.replace(max_token_len=args.prompt_len)
-    norm_stats, bank, names, tok, tok_file, rows = None, None, (), None, args.tokenizer, {}
+    norm_stats, bank, names, tok, tok_file, rows, chat = None, None, (), None, args.tokenizer, {}, None
     if args.demo is not None:
         if args.heads:
             raise ValueError("--heads cannot be combined with --demo (the demo is a π0.5 model)")
@@ -185,7 +188,17 @@ def build(args: argparse.Namespace):
         if not isinstance(cfg, mot.ModelSpec):
             raise ValueError(f"--heads needs a Qwen3 / Qwen3-VL backbone, but {model.what} is a π0.5 model")
         n_img = image_tokens(cfg, args.image_size) * len(robot.cameras)
-        rows = dict(image_size=args.image_size, prompt_len=args.prompt_len or n_img + 48)
+        template = n_img
+        if native and (chat_file := _chat_tokenizer(args)):  # the native prompts of the checkpoint's tokenizer
+            from oxygen_jax.robots import native_prompts as npr
+
+            chat, tok_file = npr.QwenTokenizer(chat_file), None
+            if chat.vocab_size > cfg.backbone.vocab_size:
+                raise ValueError(f"{chat_file} has {chat.vocab_size} ids but the model's vocabulary is "
+                                 f"{cfg.backbone.vocab_size}: not this checkpoint's tokenizer")
+            template = npr.template_tokens(npr.family_of(cfg), chat, [n_img // len(robot.cameras)] * len(robot.cameras),
+                                           robot.cameras, robot.state_dim)
+        rows = dict(image_size=args.image_size, prompt_len=args.prompt_len or template + 48)
         if rows["prompt_len"] <= n_img:
             raise ValueError(f"--prompt-len {rows['prompt_len']} leaves no prompt tokens after {n_img} image tokens")
         params, vocab = MultiHead(params, cfg), cfg.backbone.vocab_size
@@ -203,9 +216,9 @@ def build(args: argparse.Namespace):
         from oxygen_jax.ckpts.adapters import load_bank
 
         bank, names = load_bank(args.adapter, cfg, base=args.ckpt)
-    if tok is None:
+    if tok is None and chat is None:
         tok = Tokenizer.from_file(tok_file) if tok_file else train_demo_tokenizer()
-    if tok.vocab_size > vocab:
+    if tok is not None and tok.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {vocab}; "
                          "pass the checkpoint's tokenizer with --tokenizer")
     mesh = None
@@ -218,7 +231,9 @@ def build(args: argparse.Namespace):
         num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=args.prompt_capacity,
         tokens_per_frame=args.tokens_per_frame, num_steps=args.steps, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=tok, bank=bank, adapter_names=names)
-    return engine, tok, robot, norm_stats, mesh, rows
+    # With a tokenizer.json the rows are native prompts; the engine then returns token ids (its streaming
+    # detokeniser reads SentencePiece models only) and takes language-request prompts as ids.
+    return engine, chat or tok, robot, norm_stats, mesh, rows
 
 
 def _native(ckpt) -> bool:
@@ -230,6 +245,16 @@ def _native(ckpt) -> bool:
         return ckpt is not None and source_kind(ckpt) in ("xr0", "starvla")
     except (OSError, ValueError):
         return False
+
+
+def _chat_tokenizer(args):
+    """The tokenizer.json of an XR0 / StarVLA checkpoint: --tokenizer when it is one, else one found in or
+    beside --ckpt (`native_prompts.find_tokenizer_json`); None: the generic prompt rows."""
+    from oxygen_jax.robots.native_prompts import find_tokenizer_json
+
+    if args.tokenizer:
+        return Path(args.tokenizer) if args.tokenizer.endswith(".json") else None
+    return find_tokenizer_json(args.ckpt)
 
 
 def starvla_outputs(spec, dataset_statistics, key: str | None = None) -> dict:

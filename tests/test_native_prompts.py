@@ -90,7 +90,7 @@ def test_starvla_rows_equal_the_fixture_processors_ids_pixels_and_positions(fami
                        prompt_len=5)
 
 
-def _byte_level_tokenizer_json(directory, token_ids: dict) -> None:
+def byte_level_tokenizer_json(directory, token_ids: dict) -> None:
     """A Qwen-style byte-level tokenizer.json (256 byte tokens, no merges) with the model's special ids."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -119,7 +119,7 @@ def test_a_tokenizer_json_beside_the_checkpoint_encodes_xr0_rows_with_the_fixtur
     ids = {"image": cfg["image_token_id"], "vision_start": cfg["vision_start_token_id"],
            "vision_end": cfg["vision_end_token_id"], "im_start": cfg["vision_end_token_id"] + 1,
            "im_end": cfg["vision_end_token_id"] + 2}
-    _byte_level_tokenizer_json(tmp_path, ids)
+    byte_level_tokenizer_json(tmp_path, ids)
     assert npr.find_tokenizer_json(tmp_path / "checkpoint") == tmp_path / npr.TOKENIZER_FILE  # beside it
     tok = npr.QwenTokenizer(npr.find_tokenizer_json(tmp_path))
     assert tok.pad_id == 0 and tok.special_id("image") == ids["image"]

@@ -8,7 +8,9 @@ test skips, naming the fixture, when ../shared is absent):
   noise (the served noise rule), and the metadata's horizon is the checkpoint's;
 * the robot's action mask and horizon come from the checkpoint's config.json when it carries one;
 * a StarVLA run with `dataset_statistics.json` is served un-normalised by StarVLA's own rule (clip, gripper
-  threshold, q01 / q99) applied to the engine's chunk.
+  threshold, q01 / q99) applied to the engine's chunk;
+* with a `tokenizer.json` beside an XR0 checkpoint a client's observation becomes XR0's deploy prompt (the
+  ids of the released prompt text, left-padded), and the engine steps those rows.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ ROBOT = robot_config("libero")
 SEED, IMAGE, PROMPT = 5, 64, 24  # 64 px -> 4 image tokens per camera with the fixtures' ViT (16 px patches, merge 2)
 
 
-def _args(ckpt, *extra):
+def _args(ckpt, *extra, prompt_len=PROMPT):
     return serve._parser().parse_args([
-        "--ckpt", str(ckpt), "--image-size", str(IMAGE), "--prompt-len", str(PROMPT), "--robot", "libero",
+        "--ckpt", str(ckpt), "--image-size", str(IMAGE), *(["--prompt-len", str(prompt_len)] if prompt_len else []),
+        "--robot", "libero",
         "--batch-sizes", "1", "--slots", "2", "--max-new-tokens", "4", "--tokens-per-frame", "2", "--seed", str(SEED),
         "--host", "127.0.0.1", "--port", "0", "--deadline-ms", "1000", *extra])
 
@@ -134,3 +137,33 @@ def test_a_starvla_run_with_dataset_statistics_is_served_unnormalised(tmp_path):
     assert not np.array_equal(served_chunk, out["starvla_qwenpi_v3"][0])  # the un-normalisation did something
     with pytest.raises(ValueError, match="has no 'droid' entry"):
         serve.build(_args(d, "--dataset-key", "droid"))
+
+
+def test_a_tokenizer_json_beside_an_xr0_checkpoint_gives_rows_of_its_deploy_prompt(tmp_path):
+    pytest.importorskip("tokenizers")
+    from test_native_prompts import byte_level_tokenizer_json
+
+    from oxygen_jax.robots import native_prompts as npr
+
+    src = _fixture("xr0_tiny")
+    d = _linked_copy(src, tmp_path / "xr0", {})
+    vlm = json.loads((src / "config.json").read_text())["vlm_config"]
+    byte_level_tokenizer_json(d, {"image": vlm["image_token_id"], "vision_start": vlm["vision_start_token_id"],
+                                  "vision_end": vlm["vision_end_token_id"], "im_start": 504, "im_end": 505})
+    engine, tok, robot, _, _, rows = serve.build(_args(d, prompt_len=None))
+    assert isinstance(tok, npr.QwenTokenizer) and engine.tokenizer is None  # results are token ids
+    server = PolicyServer(engine, tok, robot, ServeConfig(buckets=(1,), seed=SEED), **rows)
+    sample = _sample(4)
+    row = server.codec.prepare(sample)
+    n = (IMAGE // 32) ** 2
+    image = "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>"
+    text = ("<|im_start|>user\nThe following observations are captured from multiple views.\n"
+            f"# Base View\n{image}\n# Left-Wrist View\n{image}\n"
+            f"Generate robot actions for the task:\n{sample['prompt']} /no_cot<|im_end|>\n"
+            "<|im_start|>assistant\n<cot></cot><|im_end|>\n")
+    want = tok._tok.encode(text, add_special_tokens=False).ids
+    assert row.ids.shape == (1, rows["prompt_len"]) and row.mask[0].sum() == len(want)
+    assert row.ids[0][row.mask[0]].tolist() == want and not row.mask[0, 0]  # left-padded
+    inputs, states = server.codec.batch([row], 1)
+    out = engine.step(inputs, server.codec.noise(SEED, [0], [0], 1), states=states).head_actions["xr0"]
+    assert out.shape == (1, *engine.vla.action_shape("xr0")) and np.isfinite(out).all()

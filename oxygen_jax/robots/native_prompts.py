@@ -243,25 +243,35 @@ def build_rows(family: str, spec: ModelSpec, tok: ChatTokenizer, rows: Sequence[
 
 def client_rows(robot: RobotConfig, samples: Sequence[Mapping], *, image_size: int | None = None,
                 default_prompt: str | None = None) -> tuple[list[dict], tuple[str, ...]]:
-    """openpi client dicts -> (`build_rows` rows, camera names): every camera the client sent, in the
-    robot's order, resized with padding to `image_size` squares when given (fixed frame shapes) and
-    kept at their size otherwise (sides must then be multiples of patch x merge, as after the
-    processor's own resize); the state as the client sent it."""
+    """openpi client dicts -> (`build_rows` rows, camera names): the state as the client sent it and the
+    cameras in the robot's order. With `image_size`, every camera slot, each resized with padding to an
+    `image_size` square (a camera the client did not send is black), so every frame has one shape (the
+    serving layout); without it, only the cameras sent, at their size (sides must then be multiples of
+    patch x merge, as after the processor's own resize)."""
     rows, views = [], None
     for i, sample in enumerate(samples):
         try:
             inp = transforms.robot_inputs(robot, sample, default_prompt=default_prompt)
         except ValueError as e:
             raise ValueError(f"sample {i}: {e}") from e
-        cams = tuple(c for c in robot.cameras if inp["image_masks"][c])
+        cams = tuple(c for c in robot.cameras if image_size is not None or inp["image_masks"][c])
         if views is not None and cams != views:
             raise ValueError(f"sample {i} sends cameras {cams} but sample 0 sent {views}: one batch, one layout")
         views = cams
         ims = [np.asarray(inp["images"][c]) for c in cams]
         if image_size is not None:
-            ims = [transforms.resize_with_pad(im[None], image_size, image_size)[0] for im in ims]
+            ims = [transforms.resize_with_pad(im[None], image_size, image_size)[0] if inp["image_masks"][c]
+                   else np.zeros((image_size, image_size, 3), np.uint8) for c, im in zip(cams, ims)]
         rows.append({"images": ims, "instruction": inp["prompt"], "state": inp["state"]})
     return rows, views or ()
+
+
+def template_tokens(family: str, tok: ChatTokenizer, image_tokens: Sequence[int], views: Sequence[str] = (),
+                    state_dim: int = 0) -> int:
+    """Tokens of a row with an empty instruction (the template, images included; QwenPI_v3: a state of
+    `state_dim` zeros): what a fixed row length must hold beyond the instruction's own tokens."""
+    state = np.zeros(state_dim, np.float32) if family == "starvla_qwenpi_v3" else None
+    return len(encode(tok, pieces(family, "", image_tokens, views=views, state=state)))
 
 
 def make_inputs(spec: ModelSpec, built: NativeRows) -> mot.PrefixInputs:

@@ -12,7 +12,10 @@ with several heads are served by the same code:
   the primary head's chunk is "actions", and every head's chunk is under "heads": {name: [Ha, Da]} —
   in robot units (unnormalised, sliced to the robot's action dim) when the head has at least the robot's
   action dims, else as the head emits it. A head restored with its own un-normalisation (StarVLA's
-  `dataset_statistics.json`) is mapped by that function instead (`outputs=`).
+  `dataset_statistics.json`) is mapped by that function instead (`outputs=`). With a chat tokenizer (a
+  checkpoint's `tokenizer.json`, `native_prompts.QwenTokenizer`) the rows are the native prompts of the
+  model's family (`robots.native_prompts`: XR0's deploy prompt, StarVLA's chat template), left-padded
+  to the same fixed length, every camera slot an `image_size` square.
 
 Noise is deterministic per (seed, stream, frame, head): `frame_noise`.
 
@@ -28,7 +31,7 @@ import numpy as np
 
 from oxygen_jax.models.pi05.config import RobotConfig
 from oxygen_jax.models.pi05.observation import Observation
-from oxygen_jax.robots import prompt_rows, transforms
+from oxygen_jax.robots import native_prompts, prompt_rows, transforms
 from oxygen_jax.runtime.vla import MultiHead
 
 
@@ -131,8 +134,16 @@ class HeadsCodec(_Codec):
             raise ValueError(f"outputs names heads {sorted(set(self.transforms) - set(self.heads))} this model does "
                              f"not have (it has {list(self.heads)})")
         prompt_rows.image_tokens(self.spec, image_size)  # fails early on an image size the ViT cannot patch
+        self.native = native_prompts.family_of(self.spec) if hasattr(tokenizer, "special_id") else None
 
     def prepare(self, sample: Mapping) -> prompt_rows.PromptRows:
+        if self.native:
+            rows, views = native_prompts.client_rows(self.robot, [sample], image_size=self.image_size,
+                                                     default_prompt=self.default_prompt)
+            built = native_prompts.build_rows(self.native, self.spec, self.tokenizer, rows, prompt_len=self.prompt_len,
+                                              views=views)
+            return prompt_rows.PromptRows(ids=built.ids, mask=built.mask, images=np.stack(built.images)[None],
+                                          state=built.state)
         return prompt_rows.make_rows(self.robot, self.spec, self.tokenizer, [sample], self.norm_stats,
                                      image_size=self.image_size, prompt_len=self.prompt_len,
                                      default_prompt=self.default_prompt)
