@@ -84,7 +84,7 @@ def find_tokenizer(*checkpoints: PathLike | None) -> Path | None:
 
 
 def source_kind(path: PathLike) -> Source:
-    """Which kind of checkpoint directory `path` is ("checkpoint", "hf" or "openpi"), from its files alone.
+    """Which kind of checkpoint directory `path` is ("checkpoint", "xr0", "starvla", "hf" or "openpi"), from its files alone.
 
     Raises:
       FileNotFoundError: `path` does not exist.
