@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from pathlib import Path
 
@@ -41,7 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.parity.checks import Checker, Row, report
-from oxygen_jax.ckpts import hf as hf_checkpoint
 from oxygen_jax.ckpts import qwen35 as ckpt
 from oxygen_jax.models import backbone, qwen3_vl, qwen35
 from oxygen_jax.models.backbone import Decoder
@@ -61,15 +59,7 @@ def _tolerance(quantity: str, family: str | None):
 
 def is_qwen35_fixture(path) -> bool:
     """True for a directory holding an HF Qwen3.5 checkpoint (config.json + safetensors)."""
-    path = Path(path)
-    cfg = path / "config.json"
-    if not (path.is_dir() and cfg.is_file() and ((path / "model.safetensors").is_file()
-                                                  or (path / "model.safetensors.index.json").is_file())):
-        return False
-    try:
-        return hf_checkpoint.is_qwen35(json.loads(cfg.read_text()))
-    except (ValueError, OSError):
-        return False
+    return Path(path).is_dir() and ckpt.is_qwen35_dir(path)
 
 
 @functools.partial(jax.jit, static_argnames=("taps",))
@@ -146,7 +136,8 @@ def _embed_images(spec: Qwen35Spec, decoder: Decoder, input_ids, image_tokens, i
     return qwen3_vl.embed_multimodal(spec.backbone, decoder, input_ids, image_tokens, image_token_id)
 
 
-def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, ids, positions, am, start, tag: str) -> None:
+def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, ids, positions, am, start, tag: str,
+           pool: bool = True) -> None:
     """Every comparison of one batch (`p` = '' for text, 'vl_' for images) whose inputs are x, positions."""
     out = _forward(spec, dec, x, jnp.asarray(positions), jnp.asarray(am))
     chk.close(f"{tag} logits (valid tokens)", out["logits"], ref[p + "logits"], "logits", valid=am)
@@ -186,7 +177,7 @@ def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, ids, po
                                                    jnp.asarray(np.asarray(start)[rows], jnp.int32), n)
     chk.exact(f"{tag} greedy tokens, cached decode ({n} steps)", tokens, ref[p + "gen_tokens"])
     mm = ref.get(p + "mm_token_type_ids")  # the request prompt must be text: real tokens, no image placeholders
-    if am[rows, -POOL_PROMPT:].all() and (mm is None or not mm[rows, -POOL_PROMPT:].any()):
+    if pool and am[rows, -POOL_PROMPT:].all() and (mm is None or not mm[rows, -POOL_PROMPT:].any()):
         pool_tokens = pool_greedy(spec, dec, sel(x, 0), np.asarray(ids)[rows], np.take(positions, rows, axis=-2), am[rows], n)
         chk.exact(f"{tag} greedy tokens through the decode slot pool (prompt tail as request prompt)", pool_tokens,
                   ref[p + "gen_tokens"])
@@ -199,9 +190,10 @@ def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, ids, po
             chk.close(f"{tag} {name} after decoding", ours, ref[f"{p}gen_final_{name}"], fam)
 
 
-def run_fixture(fixture: Path, dtype: str = "float32") -> tuple[Qwen35Spec, list[Row]]:
+def run_fixture(fixture: Path, dtype: str = "float32", pool: bool = True) -> tuple[Qwen35Spec, list[Row]]:
     """Loads the fixture by its own config.json and compares every reference array present (full float32
-    matmul precision; `dtype` 'float64' shows HF's own float32 error)."""
+    matmul precision; `dtype` 'float64' shows HF's own float32 error); `pool=False` leaves out the slot-pool
+    rows (tests/test_qwen35_runtime.py checks those)."""
     fixture = Path(fixture).resolve()
     if not (fixture / "reference.npz").is_file():
         raise SystemExit(f"{fixture}: reference.npz not found")
@@ -219,13 +211,13 @@ def run_fixture(fixture: Path, dtype: str = "float32") -> tuple[Qwen35Spec, list
             chk.exact("text position_ids (valid tokens)", np.broadcast_to(positions, ref["position_ids"].shape), ref["position_ids"],
                       np.broadcast_to(am, ref["position_ids"].shape))
         x = backbone.embed_tokens(spec.backbone, dec, jnp.asarray(ref["input_ids"]))
-        _batch(chk, spec, dec, ref, "", x, ref["input_ids"], positions, am, am.sum(-1), "text")
+        _batch(chk, spec, dec, ref, "", x, ref["input_ids"], positions, am, am.sum(-1), "text", pool)
         if "vl_input_ids" in ref and ck.vision is not None:
-            _vision_batch(chk, ck, ref)
+            _vision_batch(chk, ck, ref, pool)
     return spec, chk.rows
 
 
-def _vision_batch(chk: Checker, ck: ckpt.Qwen35Checkpoint, ref) -> None:
+def _vision_batch(chk: Checker, ck: ckpt.Qwen35Checkpoint, ref, pool: bool = True) -> None:
     spec, vspec = ck.spec, ck.spec.backbone.vision
     ids, am = ref["vl_input_ids"], ref["vl_attention_mask"].astype(bool)
     image_id = int(ck.config["image_token_id"])
@@ -245,7 +237,7 @@ def _vision_batch(chk: Checker, ck: ckpt.Qwen35Checkpoint, ref) -> None:
     x, image_mask = _embed_images(spec, ck.decoder, jnp.asarray(ids), enc["tokens"], image_id)
     if "vl_mm_token_type_ids" in ref:
         chk.exact("vl image token mask (mm_token_type_ids)", image_mask, ref["vl_mm_token_type_ids"].astype(bool))
-    _batch(chk, spec, ck.decoder, ref, "vl_", x, ids, positions, am, nxt, "vl")
+    _batch(chk, spec, ck.decoder, ref, "vl_", x, ids, positions, am, nxt, "vl", pool)
 
 
 def main(argv=None) -> int:

@@ -248,3 +248,15 @@ def load(directory: str | Path, dtype: str = "float32", spec: Qwen35Spec | None 
     decoder, vision = from_hf(spec, tensors, dtype)
     return Qwen35Checkpoint(spec=spec, decoder=decoder, vision=vision, config=config)
 
+
+
+def is_qwen35_dir(directory: str | Path) -> bool:
+    """True for a directory holding safetensors and a Qwen3.5 config.json (`hf.is_qwen35`)."""
+    directory = Path(directory)
+    cfg = directory / "config.json"
+    if not (cfg.is_file() and any((directory / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))):
+        return False
+    try:
+        return hf.is_qwen35(json.loads(cfg.read_text()))
+    except (ValueError, OSError):
+        return False

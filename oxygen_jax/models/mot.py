@@ -18,6 +18,7 @@ Two input kinds, chosen by the backbone's vision encoder (`ModelSpec.input_kind`
 | backbone                                  | inputs                                 | prefix pass                       |
 |-------------------------------------------|----------------------------------------|-----------------------------------|
 | Qwen3 / Qwen3-VL (`Qwen3VisionSpec`, none) | `PrefixInputs` (`make_inputs`)         | ViT + DeepStack + M-RoPE, here    |
+| Qwen3.5 (`ModelSpec.hybrid`)              | `PrefixInputs`, valid tokens contiguous | ViT, then `qwen35.prefix_pass`    |
 | any with a `SiglipConfig` (π0.5's Gemma)  | `models.observation.Observation`       | `models.siglip_prefix.prefix_pass` |
 
 π0.5 is one instance: `models.pi05.model.as_model(params)` = its Gemma + SigLIP backbone and one
@@ -45,11 +46,12 @@ import numpy as np
 
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models import qwen3_vl, siglip_prefix
+from oxygen_jax.models import qwen3_vl, qwen35, siglip_prefix
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.models.heads import HeadParams, HeadSpec
 from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.prefix import Prefix
+from oxygen_jax.models.qwen35 import Qwen35Spec
 from oxygen_jax.models.siglip import Siglip, SiglipConfig
 from oxygen_jax.nn.layers import stack_layers, unstack_layers
 from oxygen_jax.nn.masks import last_valid_index
@@ -79,9 +81,15 @@ class ModelSpec:
     heads: tuple[HeadSpec, ...]
     language: bool = True  # keep every layer's K/V and the last hidden for text decoding
     image_token_id: int | None = None  # placeholder id of image tokens (Qwen3-VL backbones)
+    hybrid: Qwen35Spec | None = None  # Qwen3.5: the hybrid stack, whose `.backbone` is `backbone`
 
     def __post_init__(self):
         _require(isinstance(self.backbone, BackboneSpec), f"ModelSpec.backbone must be a BackboneSpec, got {type(self.backbone).__name__}")
+        if self.hybrid is not None:
+            _require(self.hybrid.backbone == self.backbone, "ModelSpec.backbone must be hybrid.backbone for a Qwen3.5 model")
+            kv = [h.name for h in self.heads if h.kv_layers]
+            _require(not kv, f"heads {kv} read K/V, which Qwen3.5's linear-attention layers do not have: use heads that "
+                             f"read hidden states (QwenPI_v3, GR00T)")
         _require(bool(self.heads) or self.language, "ModelSpec needs at least one head or language=True")
         names = [h.name for h in self.heads]
         _require(len(set(names)) == len(names), f"ModelSpec.heads must have distinct names, got {names}")
@@ -113,7 +121,8 @@ class ModelSpec:
         Example: XR0 (K/V of layers 20..35) + QwenPI_v3 (hidden 1..36) + GR00T (hidden 36) +
         language on a 36-layer backbone -> kv 0..35, hidden 1..36, last hidden.
         """
-        kv = set(range(self.backbone.depth)) if self.language else {l for h in self.heads for l in h.kv_layers}
+        every = self.hybrid.full_layers if self.hybrid else range(self.backbone.depth)  # what the decode pool continues
+        kv = set(every) if self.language else {l for h in self.heads for l in h.kv_layers}
         hidden = {l for h in self.heads for l in h.hidden_layers}
         return PrefixReads(tuple(sorted(kv)), tuple(sorted(hidden)), self.language)
 
@@ -151,8 +160,9 @@ def init_model(spec: ModelSpec, seed: int = 0, dtype: str = "float32") -> ModelP
     Host-side numpy draws (no per-shape compiles); a head's weights depend on (seed, its name)
     only, so a single-head model built with `ModelParams.only` has the same weights.
     """
+    decoder = qwen35.init_decoder(spec.hybrid, seed, dtype) if spec.hybrid else bb.init_decoder(spec.backbone, seed, dtype)
     return ModelParams(
-        decoder=bb.init_decoder(spec.backbone, seed, dtype), vision=_vision_tree(spec, bb.numpy_draws(seed + 1, dtype)),
+        decoder=decoder, vision=_vision_tree(spec, bb.numpy_draws(seed + 1, dtype)),
         heads={h.name: hd.init_head(h, seed, dtype) for h in spec.heads},
     )
 
@@ -166,8 +176,9 @@ def _vision_tree(spec: ModelSpec, draw: bb.Draw):
 
 def abstract_model(spec: ModelSpec, dtype: str = "float32") -> ModelParams:
     """`jax.ShapeDtypeStruct` leaves of the whole model via `jax.eval_shape`: nothing is allocated."""
+    decoder = qwen35.abstract_decoder(spec.hybrid, dtype) if spec.hybrid else bb.abstract_decoder(spec.backbone, dtype)
     return ModelParams(
-        decoder=bb.abstract_decoder(spec.backbone, dtype), vision=jax.eval_shape(lambda: _vision_tree(spec, bb.zeros_draws(dtype))),
+        decoder=decoder, vision=jax.eval_shape(lambda: _vision_tree(spec, bb.zeros_draws(dtype))),
         heads={h.name: hd.abstract_head(h, dtype) for h in spec.heads},
     )
 
@@ -181,7 +192,9 @@ def for_backend(params: ModelParams, backend: str | None = None) -> ModelParams:
     else:
         vision = params.vision and dataclasses.replace(params.vision, blocks=layers(params.vision.blocks))
     head = hd.unstack_head if cpu else hd.stack_head
-    return ModelParams(decoder=dataclasses.replace(params.decoder, layers=layers(params.decoder.layers)), vision=vision,
+    dec_layers = params.decoder.layers  # Qwen3.5's stack is its own scan over layer groups on every backend
+    dec_layers = dec_layers if isinstance(dec_layers, qwen35.HybridLayers) else layers(dec_layers)
+    return ModelParams(decoder=dataclasses.replace(params.decoder, layers=dec_layers), vision=vision,
                        heads={n: head(p) for n, p in params.heads.items()})
 
 
@@ -223,6 +236,11 @@ def make_inputs(spec: ModelSpec, input_ids, input_mask, images=()) -> PrefixInpu
     if ids.size:  # JAX would clamp an out-of-range embedding gather silently
         vocab = spec.backbone.vocab_size
         _require(ids.min() >= 0 and ids.max() < vocab, f"input_ids must lie in [0, {vocab}), got [{ids.min()}, {ids.max()}]")
+    if spec.hybrid is not None:  # a recurrent state cannot skip a token: each row's valid tokens in one run
+        starts = np.sum(np.diff(np.pad(mask, [(0, 0), (1, 0)]).astype(np.int8), axis=-1) == 1, axis=-1)
+        bad = np.flatnonzero(starts > 1).tolist()
+        _require(not bad, f"rows {bad} have invalid tokens between valid ones, which Qwen3.5's linear layers cannot mask: "
+                          f"left-pad them (models.qwen35.compact_left)")
     vspec = _vision_spec(spec)
     pixels, grid = None, ()
     if len(images):
@@ -270,6 +288,9 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs | Obs
             deepstack = qwen3_vl.scatter_deepstack(enc["deepstack"], image_mask)
     else:
         x = bb.embed_tokens(bspec, decoder, inputs.input_ids)
+    if spec.hybrid is not None:
+        return qwen35.prefix_pass(spec.hybrid, decoder, x, inputs.positions, inputs.input_mask, inputs.next_position,
+                                  hidden_layers=reads.hidden_layers, language=reads.last_hidden)
     # The layer loop stores only the K/V and hidden states someone reads (the others are never kept).
     out = bb.prefill(bspec, decoder, x, inputs.positions, inputs.input_mask, deepstack=deepstack,
                      keep_kv=reads.kv_layers, keep_hidden=reads.hidden_layers)
@@ -310,7 +331,7 @@ def language_model(spec: ModelSpec, params: ModelParams) -> bb.LanguageModel:
     `decode.init_pool` / `admit` / `decode_burst` take it in place of π0.5's `Params`; they admit from
     the `Prefix` of a `prefix_pass` with `spec.language` (every layer's K/V and the last hidden).
     """
-    return bb.LanguageModel(decoder=params.decoder, spec=spec.backbone)
+    return bb.LanguageModel(decoder=params.decoder, spec=spec.hybrid or spec.backbone)
 
 
 def run_heads(spec: ModelSpec, params: ModelParams, prefix: Prefix, noises: dict[str, jax.Array],
@@ -366,6 +387,8 @@ def preset(name: str) -> ModelSpec:
     * 'bench': `bench_backbone()` + the three bench heads + language (CPU benchmarks).
     * 'full': Qwen3-VL-4B + XR0, QwenPI_v3 and GR00T heads + language (`eval_shape` only).
     * 'xr0', 'starvla_qwenpi_v3', 'gr00t': the published single-head models on Qwen3-VL-4B.
+    * 'qwen35_tiny': `qwen35.preset("qwen35_tiny")` (8 layers, 6 of them linear) + the tiny QwenPI_v3 head
+      reading its last 3 hidden states and GR00T its last + language (tests; image id 500).
     """
     # StarVLA's heads were trained on transformers 4.57's hidden states (`models.hidden_states`); XR0 reads K/V only.
     full = functools.partial(ModelSpec, backbone=bb.preset("qwen3_vl_4b").replace(hidden_states="transformers_4_57"),
@@ -379,4 +402,11 @@ def preset(name: str) -> ModelSpec:
         return full(heads=(hd.xr0(), hd.starvla_qwenpi_v3(), hd.gr00t()))
     if name in ("xr0", "starvla_qwenpi_v3", "gr00t"):
         return full(heads=(hd.preset(name),), language=False)
-    raise ValueError(f"unknown model preset {name!r}; choose one of ['bench', 'full', 'gr00t', 'starvla_qwenpi_v3', 'tiny', 'xr0']")
+    if name == "qwen35_tiny":
+        q = qwen35.preset("qwen35_tiny")
+        depth = q.backbone.depth  # StarVLA's heads read hidden states only: QwenPI_v3 the last ones, GR00T the last
+        heads = (hd.preset("starvla_tiny").replace(hidden_layers=tuple(range(depth - 2, depth + 1))),
+                 hd.preset("gr00t_tiny").replace(hidden_layers=(depth,)))
+        return ModelSpec(backbone=q.backbone, hybrid=q, heads=heads, image_token_id=500)
+    raise ValueError(f"unknown model preset {name!r}; choose one of ['bench', 'full', 'gr00t', 'qwen35_tiny', "
+                     f"'starvla_qwenpi_v3', 'tiny', 'xr0']")
