@@ -284,3 +284,25 @@ def test_training_loss_counts_the_postfix_only_with_clean_prefix_tokens(pi05):
     assert set(np.unique(d)) == {0, 1, 2, 3}
     with pytest.raises(ValueError, match="max_delay must be >= 0"):
         train_rtc.RtcTrainConfig(max_delay=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The closed-loop sweep's task (eval/rtc_sweep.py)
+
+
+def test_sweep_task_expert_passes_both_walls_and_at_zero_delay_synchronous_is_naive_async():
+    """The scripted expert reaches the goal through every gap choice without touching a wall (also with the
+    training data's noise and stops: `demonstrations` asserts it), and with d = 0 synchronous and naive
+    asynchronous execution are the same schedule (same chunks, same results)."""
+    from eval import rtc_sweep as sweep
+
+    obs, chunks = sweep.demonstrations(40, np.random.default_rng(0))
+    assert obs.shape == (40 * sweep.T_MAX, 4) and chunks.shape == (40 * sweep.T_MAX, sweep.HA, sweep.AD)
+    gaps = np.array([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]])
+    ep = sweep.Episodes.start(len(gaps))
+    while ep.t < sweep.T_MAX:
+        ep.execute(sweep.expert_action(ep.p, gaps))
+    assert ep.done.all() and not ep.failed.any()
+    params = sweep.init_mlp(jax.random.key(0), width=16)
+    runs = [sweep.run_method(m, 0, 4, params, np.random.default_rng(1), 6) for m in ("synchronous", "naive_async")]
+    assert runs[0] == runs[1]
