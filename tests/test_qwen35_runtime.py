@@ -215,3 +215,11 @@ def test_slot_bytes_is_the_pools_size_and_the_fixed_state_is_about_1600_tokens_o
         assert 1500 < size["state_tokens"] < 1700
         pool = jax.eval_shape(lambda lm=lm: decode.init_pool(lm, 2, 100, 30, 8))
         assert size["total"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool)) // 2
+
+
+def test_qwen35_model_specs_take_hidden_state_heads_and_refuse_kv_heads():
+    bench = mot.preset("qwen35_bench")  # the bench heads on the bench hybrid (validated at construction)
+    assert bench.reads().kv_layers == bench.hybrid.full_layers and bench.reads().hidden_layers == tuple(range(1, 9))
+    tiny = mot.preset("qwen35_tiny")
+    with pytest.raises(ValueError, match="read K/V, which Qwen3.5's linear-attention layers do not have"):
+        tiny.replace(heads=tiny.heads + (mot.preset("tiny").head("xr0").replace(kv_layers=(3, 7)),))

@@ -38,7 +38,7 @@ from eval.bench import harness, heads, pi05
 from eval.bench.grid import DEFAULT_SETTINGS, GRIDS, SETTINGS, WORKLOADS, Group, build_grid
 from oxygen_jax.cli import float_in, int_at_least
 
-PRESETS = ("tiny", "bench", "pi05")
+PRESETS = ("tiny", "bench", "pi05", "qwen35_bench")
 
 
 _positive_int = int_at_least(1, "a positive integer")
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--ckpt", type=Path, default=None, help="a pi0.5 checkpoint instead of a preset: openpi's or one saved by oxygen_jax")
     m.add_argument("--heads", type=heads.parse_heads, default=None, metavar="NAMES",
                    help="several action heads + the language decoder on one Qwen3-VL prefix instead of pi0.5: "
-                        "comma-separated from xr0, starvla, gr00t (e.g. xr0,starvla,gr00t; presets bench or tiny). "
+                        "comma-separated from xr0, starvla, gr00t (e.g. xr0,starvla,gr00t; presets bench or tiny, or qwen35_bench with starvla,gr00t). "
                         "Reports the fan-out ratio: shared-prefix frame / sum of the single-head frames")
     m.add_argument("--image-size", type=_positive_int, default=224,
                    help="with --heads: square camera image side in pixels, a multiple of 32 ((size/32)^2 image "
@@ -199,8 +199,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--tokenizer: {args.tokenizer} is not a file")
     args.settings = [s for s in SETTINGS if s in args.settings]  # canonical order, no duplicates
     if args.heads is not None:
-        if args.ckpt is not None or args.preset not in ("tiny", "bench"):
-            parser.error("--heads builds a random-weight mot model: use --preset bench or tiny (no --ckpt)")
+        if args.ckpt is not None or args.preset not in ("tiny", "bench", "qwen35_bench"):
+            parser.error("--heads builds a random-weight mot model: use --preset bench, tiny or qwen35_bench (no --ckpt)")
         if args.num_steps is not None and len(args.num_steps) > 1:
             parser.error("--heads takes one --S (every head runs S steps) or none (each head its own steps)")
         if args.adapter_rank:
@@ -208,6 +208,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         problem = heads.check_image_size(args.preset, args.image_size)
         if problem:
             parser.error(problem)
+    elif args.preset == "qwen35_bench":
+        parser.error("--preset qwen35_bench is a Qwen3.5 backbone with StarVLA heads: pass --heads starvla and/or gr00t")
     return args
 
 

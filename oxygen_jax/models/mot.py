@@ -57,6 +57,7 @@ from oxygen_jax.nn.layers import stack_layers, unstack_layers
 from oxygen_jax.nn.masks import last_valid_index
 
 QWEN3_VL_IMAGE_TOKEN_ID = 151_655  # Qwen3-VL-4B-Instruct config.json `image_token_id`
+QWEN35_IMAGE_TOKEN_ID = 248_056  # Qwen3.5's `image_token_id` (transformers' Qwen3_5Config; ../shared/docs/qwen35.md §2.4)
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -389,6 +390,7 @@ def preset(name: str) -> ModelSpec:
     * 'xr0', 'starvla_qwenpi_v3', 'gr00t': the published single-head models on Qwen3-VL-4B.
     * 'qwen35_tiny': `qwen35.preset("qwen35_tiny")` (8 layers, 6 of them linear) + the tiny QwenPI_v3 head
       reading its last 3 hidden states and GR00T its last + language (tests; image id 500).
+    * 'qwen35_bench': `qwen35.preset("qwen35_bench")` + the bench QwenPI_v3 and GR00T heads + language.
     """
     # StarVLA's heads were trained on transformers 4.57's hidden states (`models.hidden_states`); XR0 reads K/V only.
     full = functools.partial(ModelSpec, backbone=bb.preset("qwen3_vl_4b").replace(hidden_states="transformers_4_57"),
@@ -408,5 +410,9 @@ def preset(name: str) -> ModelSpec:
         heads = (hd.preset("starvla_tiny").replace(hidden_layers=tuple(range(depth - 2, depth + 1))),
                  hd.preset("gr00t_tiny").replace(hidden_layers=(depth,)))
         return ModelSpec(backbone=q.backbone, hybrid=q, heads=heads, image_token_id=500)
-    raise ValueError(f"unknown model preset {name!r}; choose one of ['bench', 'full', 'gr00t', 'qwen35_tiny', "
-                     f"'starvla_qwenpi_v3', 'tiny', 'xr0']")
+    if name == "qwen35_bench":  # the bench heads fit its 8 layers as they fit bench_backbone()'s
+        q = qwen35.preset("qwen35_bench")
+        return ModelSpec(backbone=q.backbone, hybrid=q, heads=(hd.preset("starvla_bench"), hd.preset("gr00t_bench")),
+                         image_token_id=QWEN35_IMAGE_TOKEN_ID)
+    raise ValueError(f"unknown model preset {name!r}; choose one of ['bench', 'full', 'gr00t', 'qwen35_bench', "
+                     f"'qwen35_tiny', 'starvla_qwenpi_v3', 'tiny', 'xr0']")

@@ -141,6 +141,9 @@ _PRESETS: dict[str, Callable[[], Qwen35Spec]] = {
         _qwen35(64, 8, 4, 2, 128, 512, True, (4, 2), head_dim=32, gdn_dim=16, rotary_dim=8, section=(2, 1, 1),
                 vision=Qwen3VisionSpec(depth=2, width=32, num_heads=2, mlp_dim=64, out_width=64, num_position_embeddings=64)),
         gdn=GatedDeltaNetSpec(num_key_heads=2, num_value_heads=4, key_dim=16, value_dim=8)),
+    # CPU benchmarks: Qwen3.5-0.8B's layer dims (width, heads, GDN, MLP, vocabulary) at 8 of its 24 layers
+    # (2 groups), with the Qwen3-VL bench ViT's size (384 x 6) and no DeepStack.
+    "qwen35_bench": lambda: _qwen35(1024, 8, 8, 2, 3584, _V, True, (16, 16), vision=_vit(6, 384, 6, 1536, 1024)),
     # Released sizes: the table of ../shared/docs/qwen35.md §4 (model cards and config copies it cites).
     "qwen3_5_0.8b": lambda: _qwen35(1024, 24, 8, 2, 3584, _V, True, (16, 16), vision=_vit(12, 768, 12, 3072, 1024)),
     "qwen3_5_2b": lambda: _qwen35(2048, 24, 8, 2, 6144, _V, True, (16, 16), vision=_vit(24, 1024, 16, 4096, 2048)),
@@ -150,7 +153,8 @@ _PRESETS: dict[str, Callable[[], Qwen35Spec]] = {
 
 
 def preset(name: str) -> Qwen35Spec:
-    """A named spec: 'qwen35_tiny' (the test fixture's dims) or a released size 'qwen3_5_{0.8b,2b,4b,9b}'."""
+    """A named spec: 'qwen35_tiny' (the test fixture's dims), 'qwen35_bench' (CPU benchmarks) or a released
+    size 'qwen3_5_{0.8b,2b,4b,9b}'."""
     if name not in _PRESETS:
         raise ValueError(f"unknown Qwen3.5 preset {name!r}; choose one of {sorted(_PRESETS)}")
     return _PRESETS[name]()
