@@ -14,8 +14,6 @@ import logging
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import chex
 import msgpack
@@ -25,29 +23,23 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from oxygen_jax import serve
-from oxygen_jax.models.pi05.config import robot_config
 from oxygen_jax.robots import transforms
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
-from oxygen_jax.runtime.engine import Engine, EngineConfig
+from oxygen_jax.runtime.engine import Engine
 from oxygen_jax.serving import wire
-from oxygen_jax.serving.requests import RefusalBudget
 from oxygen_jax.serving.codec import frame_noise
+from oxygen_jax.serving.requests import RefusalBudget
 from oxygen_jax.serving.server import MAX_REPLY_CHARS, PolicyServer, ServeConfig, ServerThread
-from test_serve import ScriptedEngine
+from test_serve import AD, ENGINE_CONFIG, HA, ROBOT, SEED, ScriptedEngine, _http
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
 
-ROBOT = robot_config("libero", max_token_len=32)
-HA, AD = ROBOT.action_horizon, 32
-SEED = 7
-ENGINE_CONFIG = EngineConfig(num_slots=8, max_new_tokens=6, prompt_capacity=4, admissions_per_frame=4,
-                             tokens_per_frame=2, num_steps=2, action_horizon=HA)
 GOOD = "127.0.0.1"
 LIMITS = ServeConfig(
     host="127.0.0.1", port=0, buckets=(1, 4), seed=SEED, deadline_ms=1000, max_deadline_ms=1000,
     max_robots=4, max_connections=16, max_connections_per_peer=8, first_frame_timeout_s=1.5, idle_timeout_s=20.0,
     send_timeout_s=1.0, write_limit=4096, send_buffer_bytes=8192, max_prompt_chars=200, max_message_bytes=1 << 20,
-    max_refusals_per_s=1000.0)  # attackers here are not throttled (test_2_refused_frames_are_throttled is)
+    max_refusals_per_s=1000.0)  # attackers are not throttled here (see test_2_refused_frames_are_read_at_...)
 
 
 class SpyTokenizer:
@@ -109,14 +101,6 @@ def _ws(port: int, source: str = GOOD, **kw):
     sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
     ws = connect(f"ws://127.0.0.1:{port}", sock=sock, compression=None, max_size=None, proxy=None, **kw)
     return ws, wire.unpack(ws.recv(timeout=10))
-
-
-def _http(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def _metric(port: int, name: str) -> float:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from eval import libero_client, serve_bench
+from eval import libero_client, serve_bench, serve_bench_hostile
 from oxygen_jax.robots.libero import quat_to_axis_angle
 from oxygen_jax.serving.codec import frame_noise
 from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
@@ -59,6 +60,20 @@ def _record(mode, robots, rate, step_ms_by_bucket, ha=10):
             "step_ms_by_bucket": {str(b): ms for b, ms in step_ms_by_bucket.items()},
             "ideal_action_rate_total": float("nan"), "fraction_of_ideal": float("nan"),
             "speedup_vs_serial": float("nan")}
+
+
+def test_hostile_bench_frames_are_all_refused_and_its_robot_is_measured(server):
+    url = f"ws://127.0.0.1:{server.port}"
+    assert len(serve_bench_hostile.robot_rtts(url, frames=3, warmup=1)) == 3
+    ws = serve_bench_hostile._connect(url)
+    ws.recv()
+    # What the attackers of the RTT measurement send; the last (too many prompt tokens) needs the engine's
+    # tokenizer, which the scripted engine lacks (test_hostile refuses it on a real engine).
+    for frame in serve_bench_hostile.hostile_frames()[:-1]:
+        ws.send(frame)
+        assert ws.recv(timeout=30).startswith("BadRequest: ")
+    ws.close()
+    assert serve_bench_hostile.rss_mb(os.getpid()) > 0
 
 
 def test_ideal_rate_comes_from_the_runs_own_step_times():
