@@ -1,7 +1,8 @@
 """Real-time chunking through the policy server (serving.rtc_session): two robots with different delays and
 execution horizons, batched in one engine, each get chunks that continue their own previous chunk (training-time
-RTC reproduces the committed actions exactly); an unmodified openpi client on the same server is served as
-without RTC; fallbacks and bad "rtc" fields are answered per frame; nothing compiles after warm-up."""
+RTC reproduces the committed actions exactly), a third with exact guidance gets chunks nearer its previous chunk
+than the plain ones; an unmodified openpi client on the same server is served as without RTC; fallbacks and bad
+"rtc" fields are answered per frame; nothing compiles after warm-up."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ SEED = 3
 CFG = EngineConfig(num_slots=2, max_new_tokens=2, prompt_capacity=0, admissions_per_frame=1, tokens_per_frame=1,
                    num_steps=3, action_horizon=HA)
 FRAMES = 4
-ROBOTS = {"a": dict(executed=3, delay=1), "b": dict(executed=2, delay=4)}  # (s, d) per robot
+ROBOTS = {"a": dict(executed=3, delay=1), "b": dict(executed=2, delay=4)}  # (s, d) per robot, training-time RTC
+GUIDED = dict(executed=4, delay=2)  # robot "c", exact guidance
 
 
 def _client():
@@ -58,6 +60,9 @@ def served(tiny_params):
                 obs = dict(_sample(i))
                 if name in ROBOTS:
                     obs["rtc"] = {"mode": "trained"} if last is None else {"chunk": last, **ROBOTS[name]}
+                elif name == "c":
+                    obs["rtc"] = {"mode": "guided", "schedule": "ones", "max_guidance": 10.0} if last is None else {
+                        "chunk": last, **GUIDED}
                 out = policy.infer(obs)
                 frames.append((obs, out))
                 last = out.get("rtc", {}).get("chunk")
@@ -65,7 +70,7 @@ def served(tiny_params):
         except Exception as e:  # noqa: BLE001 - reported by the test
             errors.append(f"{name}: {type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=robot, args=(n, i)) for i, n in enumerate(["a", "b", "openpi"])]
+    threads = [threading.Thread(target=robot, args=(n, i)) for i, n in enumerate(["a", "b", "c", "openpi"])]
     for t in threads:
         t.start()
     for t in threads:
@@ -99,6 +104,27 @@ def test_the_two_robots_were_batched_and_are_not_continuing_each_other(served):
     assert np.max(np.abs(a[-1][1]["actions"][:1] - b[-2][1]["actions"][2:3])) > 1e-3
 
 
+def _plain(server, obs: dict, stream: int, frame: int) -> np.ndarray:
+    """The chunk `Engine.step` gives this observation with the served noise rule, without RTC (robot units)."""
+    inputs, states = server.codec.batch([server.codec.prepare(obs)], 2)
+    noise = server.codec.noise(SEED, [stream], [frame], 2)
+    res = server.worker.call(lambda: server.engine.step(inputs, noise, rows=[-1, -1], states=states))
+    return server.codec.outputs(res.head_actions, 0, transforms.client_state(ROBOT, obs))[0]
+
+
+def test_a_guided_robot_gets_chunks_closer_to_its_previous_chunk_than_the_plain_chunk(served):
+    """Exact guidance (schedule ones: the whole overlap Ha - s): the served chunk's overlap is nearer to the
+    previous chunk's remaining actions than the plain chunk of the same observation and noise is."""
+    server, _, logs = served
+    frames, stream = logs["c"]["frames"], logs["c"]["meta"]["stream"]
+    s = GUIDED["executed"]
+    for (_, before), (obs, now) in zip(frames, frames[1:]):
+        assert (now["rtc"]["mode"], now["rtc"]["new_from"], now["rtc"]["fallback"]) == ("guided", 2, None)
+        target = before["actions"][s:]
+        err = lambda a: float(np.sqrt(np.mean((a[:HA - s] - target) ** 2)))  # noqa: E731
+        assert err(now["actions"]) < 0.8 * err(_plain(server, obs, stream, now["frame"]))
+
+
 def test_an_unmodified_openpi_client_is_served_as_without_rtc(served):
     """No "rtc" key in its responses, and its actions are the plain `Engine.step` chunk of the served noise rule
     (to float32 rounding: its row may sit at another batch position, beside RTC rows)."""
@@ -108,11 +134,7 @@ def test_an_unmodified_openpi_client_is_served_as_without_rtc(served):
     stream = log["meta"]["stream"]
     for obs, out in log["frames"]:
         assert "rtc" not in out and out["actions"].shape == (HA, ROBOT.action_dim)
-        inputs, states = server.codec.batch([server.codec.prepare(obs)], 2)
-        noise = server.codec.noise(SEED, [stream], [out["frame"]], 2)
-        res = server.worker.call(lambda: server.engine.step(inputs, noise, rows=[-1, -1], states=states))
-        want, _ = server.codec.outputs(res.head_actions, 0, transforms.client_state(ROBOT, obs))
-        np.testing.assert_allclose(out["actions"], want, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(out["actions"], _plain(server, obs, stream, out["frame"]), atol=1e-5, rtol=0)
     assert server.compiles_after_warmup == 0
 
 
