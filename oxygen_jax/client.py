@@ -9,6 +9,9 @@ the actions the robot consumed, real-time chunking when the server is oxygen_jax
     while running:                      # the robot's control loop, at its control rate
         robot_command(robot.act(observation()))
 
+It also has openpi_client's policy interface (`infer(obs) -> {"actions": [Da]}`, `reset()`), so it replaces
+`ActionChunkBroker(policy, action_horizon)` in an openpi_client `Runtime(..., max_hz=...)` loop unchanged.
+
 `act` returns the action for this control step and never waits for the network, except for the very first
 chunk (and, with `asynchronous=False`, at every request: synchronous execution). Every `execution_horizon`
 actions of a chunk it hands the current observation to a background thread, which calls `policy.infer`;
@@ -173,6 +176,19 @@ class AsyncChunkClient:
         self._last = action
         self._steps += 1
         return action
+
+    # -- openpi_client's policy interface (a drop-in for ActionChunkBroker in openpi_client.runtime) --------
+
+    def infer(self, observation: Mapping) -> dict:
+        """{"actions": [Da]}: this control step's action, as openpi's `ActionChunkBroker.infer` returns it."""
+        return {"actions": self.act(observation)}
+
+    def reset(self) -> None:
+        """A new episode: the chunk in flight (if any) is awaited and dropped; the next step fetches a fresh one."""
+        if self._sent_at is not None:
+            self._replies.get()
+        self._chunk = self._chunk_id = self._last = self._sent_at = None
+        self._index = 0
 
     def close(self) -> None:
         """Stops the background thread (after the request in flight, if any)."""

@@ -126,6 +126,20 @@ def test_synchronous_execution_waits_for_every_chunk_and_starts_it_at_index_0():
     server.close()
 
 
+def test_openpi_policy_interface_infer_returns_one_action_and_reset_starts_a_fresh_chunk():
+    """`infer` is `act` in ActionChunkBroker's form; `reset` drops the chunk in flight and fetches a new one."""
+    server = ScriptedServer({})
+    server.gate.release(2)
+    with _client(server, execution_horizon=2) as robot:
+        got = [robot.infer({})["actions"] for _ in range(3)]  # chunk 0 [0, 1], then [2] with request 1 sent
+        robot.reset()  # waits for reply 1 (released above) and drops it
+        server.gate.release()
+        got.append(robot.infer({})["actions"])  # a fresh chunk 2 from its start
+    np.testing.assert_array_equal(np.stack(got), np.stack([_chunk(0)[0], _chunk(0)[1], _chunk(0)[2], _chunk(2)[0]]))
+    assert len(server.frames) == 3
+    server.close()
+
+
 def test_a_server_error_reaches_the_control_loop_and_bad_arguments_are_one_line_errors():
     class Failing:
         def get_server_metadata(self):
