@@ -157,3 +157,5 @@ def test_fallbacks_and_bad_rtc_fields_are_answered_per_frame(served):
     assert policy.infer(obs)["actions"].shape == (HA, ROBOT.action_dim)  # the connection stays usable
     with pytest.raises(ValueError, match="ALOHA"):
         rtc_session.RtcSessions.for_engine(server.engine, "aloha")
+    with pytest.raises(ValueError, match="needs per-token flow time"):  # a head without it (joint_kv, cross)
+        rtc_session.parse({"mode": "trained"}, HA, trained_ok=False)
