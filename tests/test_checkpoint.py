@@ -416,6 +416,28 @@ def test_non_finite_or_implausible_leaf_is_refused_naming_the_leaf(tmp_path, tin
         load_openpi_params(tmp_path / "params", max_abs=1e37)
 
 
+def test_value_checks_read_each_leaf_in_chunks_and_still_find_the_last_element(tmp_path, monkeypatch):
+    from oxygen_jax.ckpts import orbax_io
+
+    monkeypatch.setattr(orbax_io, "_CHECK_CHUNK", 7)  # chunks that do not divide the leaf
+    x = np.zeros((5, 9), np.float32)
+    orbax_io.check_values(tmp_path, {"a": x}, max_abs=1.0)
+    x[-1, -1] = np.nan
+    with pytest.raises(CheckpointError, match="'a' holds 1 non-finite"):
+        orbax_io.check_values(tmp_path, {"a": x}, max_abs=1.0)
+
+
+def test_consuming_conversion_empties_the_host_dict_and_builds_the_same_params(tiny_flat):
+    from oxygen_jax.models.pi05.params import from_openpi_dict
+
+    config = model_config("tiny")
+    flat = {k: np.asarray(v) for k, v in tiny_flat.items()}
+    kept = from_openpi_dict(dict(flat), config)
+    consumed = from_openpi_dict(flat, config, consume=True)
+    assert flat == {}  # each host array was dropped once converted: restore never holds the weights twice
+    assert leaves_equal(kept, consumed)
+
+
 def _garble(path: Path) -> None:
     path.write_bytes(b"\x00\x9f not what was written {")
 

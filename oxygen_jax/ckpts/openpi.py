@@ -328,7 +328,9 @@ def load_openpi_params(
     if merging:
         adapters = openpi_lora.from_openpi(arrays, config, alpha=lora_alpha, rslora=lora_rslora)
         arrays = openpi_lora.merge_openpi(arrays, adapters, dtype=np_dtype)
-    return config, from_openpi_dict({k: arrays[k] for k in OPENPI_PATHS}, config)
+    flat = {k: arrays.pop(k) for k in OPENPI_PATHS}
+    del arrays  # `flat` holds the only references: each host array is freed once converted
+    return config, from_openpi_dict(flat, config, consume=True)
 
 
 def load_openpi_lora(

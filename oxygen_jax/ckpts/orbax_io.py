@@ -202,18 +202,22 @@ def _abs_bits(x: np.ndarray) -> np.ndarray:
     return x.view(uint) & uint((1 << (8 * x.dtype.itemsize - 1)) - 1)
 
 
+_CHECK_CHUNK = 1 << 22  # elements per integer pass: a full-size embedding table is never copied whole
+
+
 def check_values(item: Path, arrays: Mapping[str, np.ndarray], max_abs: float | None) -> None:
     """Raises `CheckpointError` naming the first leaf with a non-finite value or |x| > max_abs.
 
-    One integer pass per leaf (the bits of |x| are ordered like |x|), so this costs about one
-    read of the parameters.
+    One integer pass per leaf (the bits of |x| are ordered like |x|), in chunks of `_CHECK_CHUNK`
+    elements, so this costs about one read of the parameters and a few MiB of memory.
     """
     for path, x in arrays.items():
         if not (np.issubdtype(x.dtype, np.floating) or x.dtype.kind == "V" or "float" in x.dtype.name) or x.size == 0:
             continue
         inf_bits = _abs_bits(np.asarray(np.inf, x.dtype).reshape(1))[0]
         limit = inf_bits - 1 if max_abs is None else min(_abs_bits(np.asarray(max_abs, x.dtype).reshape(1))[0], inf_bits - 1)
-        if _abs_bits(np.ascontiguousarray(x).reshape(-1)).max() <= limit:
+        flat = np.ascontiguousarray(x).reshape(-1)
+        if max(_abs_bits(flat[i:i + _CHECK_CHUNK]).max() for i in range(0, flat.size, _CHECK_CHUNK)) <= limit:
             continue
         x32 = x.astype(np.float32)
         bad = int(np.count_nonzero(~np.isfinite(x32)))

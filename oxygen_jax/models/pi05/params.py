@@ -287,10 +287,12 @@ def to_openpi_dict(params: Params) -> dict[str, jax.Array]:
     return {leaf.openpi: _get(params, leaf.attr) for leaf in _SPEC}
 
 
-def from_openpi_dict(flat: dict[str, jax.Array], config: ModelConfig) -> Params:
+def from_openpi_dict(flat: dict[str, jax.Array], config: ModelConfig, *, consume: bool = False) -> Params:
     """Builds `Params` from a flat {openpi path: array} dict, checking keys and shapes.
 
-    Leaves are converted to `config.dtype`.
+    Leaves are converted to `config.dtype`. `consume=True` empties `flat` leaf by leaf as each is
+    converted (and waits for each copy), so a restore holding the only references to host arrays
+    frees each as soon as its device copy exists: the weights are never held twice.
 
     Raises:
       ValueError: listing every missing key, every unexpected key and every mis-shaped key.
@@ -310,7 +312,12 @@ def from_openpi_dict(flat: dict[str, jax.Array], config: ModelConfig) -> Params:
                 lines.append(f"  {title} ({len(items)}):")
                 lines += [f"    {i}" for i in items]
         raise ValueError("\n".join(lines))
-    return _build({leaf.attr: _as_dtype(flat[leaf.openpi], config.jnp_dtype) for leaf in _SPEC}, config)
+    if not consume:
+        return _build({leaf.attr: _as_dtype(flat[leaf.openpi], config.jnp_dtype) for leaf in _SPEC}, config)
+    values = {}
+    for leaf in _SPEC:
+        values[leaf.attr] = jax.block_until_ready(_as_dtype(flat.pop(leaf.openpi), config.jnp_dtype))
+    return _build(values, config)
 
 
 def _as_dtype(x, dtype):
