@@ -409,6 +409,10 @@ def test_6_a_declared_hour_long_deadline_is_capped_and_a_quiet_robot_is_not_wait
         assert reply["server_timing"]["deadline_ms"] == LIMITS.max_deadline_ms  # capped by the server
     stream = quiet.server._streams[meta["stream"]]
     assert stream.expect_s < LIMITS.max_deadline_ms / 1e3  # expected back for its period, not its deadline
+    for bad in (float("nan"), float("inf"), 0, -5, 1e300, "100", True):  # refused, the connection kept
+        lazy.send(wire.pack({**_sample(3), "deadline_ms": bad}))
+        reply = lazy.recv(timeout=30)
+        assert isinstance(reply, str) and reply.startswith("BadRequest: deadline_ms"), reply
     # ... then it goes quiet (connection open): the good robot's frames fire without it.
     _assert_engine_actions(reference, tok, _good_robot(port, frames=4))
     lazy.close()
