@@ -33,8 +33,8 @@ class Metrics:
             lambda: len(server._streams))
         Gauge("oxygen_robots", "Streaming robots (connections that have sent a frame)", registry=r).set_function(
             lambda: len(server._robots))
-        self.refused = Counter("oxygen_connections_refused", "Connections refused or dropped, by reason", ["reason"],
-                               registry=r)
+        self.refused = Counter("oxygen_connections_refused", "Connections refused, dropped or throttled, by reason",
+                               ["reason"], registry=r)
         Gauge("oxygen_queue_depth", "Frames waiting for a step", registry=r).set_function(
             lambda: server.batcher.queue_depth)
         Gauge("oxygen_ready", "1 when warm and not draining", registry=r).set_function(lambda: float(server.healthy))
