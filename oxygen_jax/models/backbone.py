@@ -279,7 +279,7 @@ class LanguageModel:
 
     Attributes:
       decoder: `backbone.Decoder` (embedder, layers, final norm, head).
-      spec: `BackboneSpec`, static.
+      spec: `BackboneSpec`, static (a `qwen35.Qwen35Spec` for Qwen3.5: `qwen35.language_model`).
     """
 
     decoder: Decoder
