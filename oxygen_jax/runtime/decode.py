@@ -179,6 +179,9 @@ class DecodePool:
       prefix_len, prompt_len: static P and Q.
       window, state: Qwen3.5 only (None otherwise): [Lg, Ns, Cc, Kc] conv windows (activation dtype) and
         float32 [Lg, Ns, Hv, Dk, Dv] recurrent states of the linear layers; k, v are then [Lf, Ns, C, K, H].
+
+    Bytes per slot: `slot_bytes` (K/V grow with C; Qwen3.5's window + state are fixed, at 0.8B / 2B in
+    bfloat16 as much as the K/V of about 1,600 entries).
     """
 
     k: jax.Array
