@@ -324,7 +324,7 @@ def init_pool(params: LM, num_slots: int, prefix_len: int, max_new_tokens: int, 
     )
 
 
-def slot_bytes(params: LM, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> dict[str, int]:
+def slot_bytes(params: LM, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> dict[str, int | float]:
     """One slot's device memory by part, from the spec alone (what `init_pool` allocates per slot).
 
     kv: K and V of the attention layers over C = P + Q + M entries; window, state: Qwen3.5's linear layers
@@ -337,10 +337,8 @@ def slot_bytes(params: LM, prefix_len: int, max_new_tokens: int, prompt_len: int
     s, item = text.spec, jnp.dtype(text.dtype).itemsize
     cap = prefix_len + prompt_len + max_new_tokens
     kv_per_token = 2 * len(text.kv_layers) * s.num_kv_heads * s.head_dim * item
-    window = state = 0
-    if text.hybrid is not None:
-        g, lg = text.hybrid.gdn, len(text.hybrid.linear_layers)
-        window, state = lg * g.conv_channels * g.conv_kernel * item, lg * g.num_value_heads * g.key_dim * g.value_dim * 4
+    fixed = text.hybrid.state_bytes(kv_itemsize=item, conv_itemsize=item) if text.hybrid else dict(window=0, state=0)
+    window, state = fixed["window"], fixed["state"]
     scalars = 4 * 8 + 4 + 4 + 4 * int(np.prod(_key_shape())) + 1  # 8 int32 + temperature, top_p, key, active
     out = dict(kv=cap * kv_per_token, window=window, state=state, bookkeeping=cap + 4 * max_new_tokens + scalars)
     return dict(out, total=sum(out.values()), kv_per_token=kv_per_token, state_tokens=(window + state) / kv_per_token)
