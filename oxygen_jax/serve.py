@@ -125,6 +125,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt-chars", type=_positive_int, default=1024,
                     help="longest observation or language-request prompt (characters), refused before tokenizing")
     ap.add_argument("--max-requests-per-robot", type=_positive_int, default=8, help="live language requests per robot")
+    ap.add_argument("--max-refusals-per-s", type=_positive_float, default=20.0,
+                    help="refused frames read per connection and second after a burst (the rest wait in TCP)")
+    ap.add_argument("--send-buffer-kb", type=_positive_int, default=64,
+                    help="kernel send buffer per connection (KiB); replies are a few kB")
+    ap.add_argument("--rtc", action="store_true",
+                    help="accept per-robot real-time chunking (the request's 'rtc' field, docs/rtc.md); compiles a "
+                         "second program per batch size")
     ap.add_argument("--max-message-mb", type=_positive_float, default=4.0, help="larger frames close with 1009")
     ap.add_argument("--ping-interval", type=_positive_float, default=20.0, help="keepalive ping period (s)")
     ap.add_argument("--ping-timeout", type=_positive_float, default=20.0, help="keepalive pong timeout (s)")
@@ -322,6 +329,20 @@ async def _serve_until_signal(server: PolicyServer, sock: socket.socket | None =
     return 0
 
 
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The server settings the command line asks for (raises ValueError naming a bad value)."""
+    return ServeConfig(
+        host=args.host, port=args.port, buckets=args.batch_sizes, deadline_ms=args.deadline_ms,
+        max_deadline_ms=max(args.max_deadline_ms, args.deadline_ms), max_pending=args.max_pending,
+        max_robots=args.max_robots, max_connections=args.max_connections,
+        max_connections_per_peer=args.max_connections_per_peer, first_frame_timeout_s=args.first_frame_timeout,
+        idle_timeout_s=args.idle_timeout, send_timeout_s=args.send_timeout, max_prompt_chars=args.max_prompt_chars,
+        max_requests_per_robot=args.max_requests_per_robot, max_message_bytes=int(args.max_message_mb * (1 << 20)),
+        ping_interval=args.ping_interval, ping_timeout=args.ping_timeout, seed=args.seed,
+        default_prompt=args.default_prompt, api_key=args.api_key, max_refusals_per_s=args.max_refusals_per_s,
+        send_buffer_bytes=args.send_buffer_kb << 10, rtc=args.rtc)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.seed < 0:
@@ -330,15 +351,7 @@ def main(argv=None) -> int:
         return _fail(f"argument --tokenizer: no such file {args.tokenizer!r}", 2)
     configure_logging(args.log_level)
     try:
-        config = ServeConfig(
-            host=args.host, port=args.port, buckets=args.batch_sizes, deadline_ms=args.deadline_ms,
-            max_deadline_ms=max(args.max_deadline_ms, args.deadline_ms), max_pending=args.max_pending,
-            max_robots=args.max_robots, max_connections=args.max_connections,
-            max_connections_per_peer=args.max_connections_per_peer, first_frame_timeout_s=args.first_frame_timeout,
-            idle_timeout_s=args.idle_timeout, send_timeout_s=args.send_timeout, max_prompt_chars=args.max_prompt_chars,
-            max_requests_per_robot=args.max_requests_per_robot, max_message_bytes=int(args.max_message_mb * (1 << 20)),
-            ping_interval=args.ping_interval, ping_timeout=args.ping_timeout, seed=args.seed,
-            default_prompt=args.default_prompt, api_key=args.api_key)
+        config = serve_config(args)
     except ValueError as e:
         return _fail(str(e), 2)
     try:

@@ -35,7 +35,7 @@ from oxygen_jax.serving.codec import Pi05Codec, frame_noise
 from oxygen_jax.runtime.vla import Pi05
 from oxygen_jax.models.pi05.config import model_config, robot_config
 from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
-from oxygen_jax.serve import main
+from oxygen_jax.serve import _parser, main, serve_config
 from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 
@@ -621,6 +621,15 @@ def test_bad_flags_are_rejected_by_name_in_one_line(argv, name, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and name in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_server_limit_and_rtc_is_settable_from_the_command_line():
+    default = serve_config(_parser().parse_args([]))
+    assert default == ServeConfig(buckets=default.buckets)  # the CLI's defaults are the library's
+    cfg = serve_config(_parser().parse_args(["--rtc", "--max-refusals-per-s", "5", "--send-buffer-kb", "16",
+                                             "--max-connections-per-peer", "3", "--idle-timeout", "7"]))
+    assert (cfg.rtc, cfg.max_refusals_per_s, cfg.send_buffer_bytes) == (True, 5.0, 16 << 10)
+    assert (cfg.max_connections_per_peer, cfg.idle_timeout_s) == (3, 7.0)
 
 
 def test_missing_or_damaged_checkpoints_are_one_line_errors(tmp_path, capsys):
