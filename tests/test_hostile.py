@@ -445,6 +445,7 @@ def test_7_an_unusable_compile_cache_does_not_stop_the_server(monkeypatch, tmp_p
 
     monkeypatch.setattr(serve, "build", build)
     monkeypatch.setattr(serve, "configure_logging", lambda level: None)
+    caplog.set_level(logging.WARNING, logger="oxygen_jax.serve")  # an earlier main(--log-level ERROR) may linger
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     cache = str(blocker / "cache")  # a directory inside a file: cannot be created
