@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -73,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--preset", choices=["tiny", "bench", "pi05"], help="random-weight model size (default tiny)")
     model.add_argument("--ckpt", help="openpi checkpoint (params dir or its parent), one saved by oxygen_jax, or a "
                                       "Xiaomi-Robotics-0 / StarVLA checkpoint directory (served with its own head)")
+    ap.add_argument("--action-mask", metavar="FILE",
+                    help="XR0: the robot's [Ha, Ad] 0/1 action mask (.npy or .json), e.g. saved from the released "
+                         "processor's get_action_mask(robot_type); sets the horizon (default: config.json's "
+                         "action_mask, else action_length and all ones)")
     model.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR",
                        help="serve the embedded demo (default DIR: checkpoints/demo) with its 'memory' adapter")
     ap.add_argument("--heads", metavar="PRESET", choices=["tiny", "bench"],
@@ -186,7 +191,8 @@ def build(args: argparse.Namespace):
         from oxygen_jax.runtime.vla import MultiHead
 
         if native:
-            model = load_model(args.ckpt, family="multihead", dtype=args.dtype)
+            model = load_model(args.ckpt, family="multihead", dtype=args.dtype, action_mask=_action_mask(args))
+            _warn_without_action_mask(args, model)
         elif args.ckpt:
             model = load_model(args.ckpt, heads=mot.preset(args.heads).heads, dtype=args.dtype, seed=args.seed)
         else:
@@ -241,6 +247,34 @@ def build(args: argparse.Namespace):
     # With a tokenizer.json the rows are native prompts; the engine then returns token ids (its streaming
     # detokeniser reads SentencePiece models only) and takes language-request prompts as ids.
     return engine, chat or tok, robot, norm_stats, mesh, rows
+
+
+def _action_mask(args) -> np.ndarray | None:
+    """--action-mask read from .npy or .json (None without the flag); one-line errors for unreadable files."""
+    if not args.action_mask:
+        return None
+    path = Path(args.action_mask)
+    try:
+        mask = np.load(path) if path.suffix == ".npy" else np.asarray(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--action-mask {path}: cannot read a [Ha, Ad] array of 0 / 1 from it ({e})") from None
+    if mask.ndim != 2 or not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"--action-mask {path}: expected a [Ha, Ad] array of 0 / 1, got shape {mask.shape}")
+    return mask.astype(np.float32)
+
+
+def _warn_without_action_mask(args, model) -> None:
+    from oxygen_jax.ckpts import xr0
+    from oxygen_jax.ckpts.load import source_kind
+
+    if args.action_mask or source_kind(args.ckpt) != "xr0":
+        return
+    if xr0.config_action_mask(xr0.read_config(Path(args.ckpt))) is None:
+        h = model.config.heads[0]
+        log.warning("XR0 checkpoint without an action mask: serving all %d dims over action_length = %d steps. "
+                    "The released runtime multiplies the noisy action by the robot's mask at every step "
+                    "(LIBERO: 7 of 32 dims, horizon 10); pass --action-mask with the processor's "
+                    "get_action_mask(robot_type)", h.action_dim, h.horizon)
 
 
 def _native(ckpt) -> bool:

@@ -16,6 +16,7 @@ test skips, naming the fixture, when ../shared is absent):
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import numpy as np
@@ -115,6 +116,27 @@ def test_the_action_mask_and_horizon_come_from_the_checkpoints_config_json(tmp_p
     with pytest.raises(ValueError, match=rf"config.json action_mask must be \[Ha, action_dim = {ad}\]") as e:
         load_model(bad)
     assert "\n" not in str(e.value)
+
+
+def test_an_action_mask_file_sets_the_xr0_robot_and_a_checkpoint_without_one_warns(tmp_path, caplog):
+    src = _fixture("xr0_tiny")
+    config = json.loads((src / "config.json").read_text())
+    ad = config["action_dim"]
+    mask = np.zeros((config["action_length"] - 3, ad), int)
+    mask[:, : ad - 2] = 1
+    for path in (tmp_path / "mask.npy", tmp_path / "mask.json"):
+        np.save(path, mask) if path.suffix == ".npy" else path.write_text(json.dumps(mask.tolist()))
+        args = _args(src, "--action-mask", str(path))
+        head = load_model(src, action_mask=serve._action_mask(args)).config.heads[0]
+        assert head.horizon == mask.shape[0] and np.array_equal(np.asarray(head.action_mask), mask)
+    (tmp_path / "bad.json").write_text("[[0, 2]]")
+    with pytest.raises(ValueError, match=r"--action-mask .*bad.json: expected a \[Ha, Ad\] array of 0 / 1"):
+        serve._action_mask(_args(src, "--action-mask", str(tmp_path / "bad.json")))
+    with pytest.raises(ValueError, match="action_mask= is the robot's mask of an XR0 checkpoint"):
+        load_model(_fixture("starvla_gr00t_tiny"), action_mask=mask)
+    caplog.set_level(logging.WARNING, logger="oxygen_jax.serve")
+    serve._warn_without_action_mask(_args(src), load_model(src))  # the fixture's config.json has no mask
+    assert any("XR0 checkpoint without an action mask" in r.getMessage() for r in caplog.records)
 
 
 def test_a_starvla_run_with_dataset_statistics_is_served_unnormalised(tmp_path):

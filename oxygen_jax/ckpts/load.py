@@ -157,6 +157,7 @@ def load_model(
     seed: int = 0,
     heads: Sequence[HeadSpec] = (),
     backend: str | None = None,
+    action_mask=None,
 ) -> LoadedModel:
     """A model from a checkpoint directory or a preset (exactly one), restored once in `dtype`.
 
@@ -175,6 +176,9 @@ def load_model(
       heads: action heads put on a Hugging Face backbone, with random weights (the checkpoint holds
         the backbone only); the model always has a language decoder.
       backend: the layout `for_backend` picks (default: JAX's default backend).
+      action_mask: XR0 only: the robot's [Ha, Ad] 0 / 1 mask (the released processor's
+        `get_action_mask(robot_type)`, which sets the horizon too); default config.json's `action_mask`,
+        else `action_length` with all ones (`ckpts.xr0`).
 
     Returns:
       A `LoadedModel`; its `params` are ready for the engine and the frame programs.
@@ -206,6 +210,8 @@ def load_model(
                              f"{'an XR0' if source == 'xr0' else 'a StarVLA'} checkpoint with its own head: drop heads=")
         if heads and source != "hf":
             raise ValueError(f"heads= puts random heads on a Hugging Face backbone; {path} is a π0.5 checkpoint")
+        if action_mask is not None and source != "xr0":
+            raise ValueError(f"action_mask= is the robot's mask of an XR0 checkpoint; {path} is a {source} checkpoint")
         have = _FAMILY_OF[source]
         if source == "hf":
             config, params = _hf(path, dtype, heads, seed)
@@ -215,7 +221,7 @@ def load_model(
             config, params, stats = ck.spec, ck.params, ck.dataset_statistics
             what = f"StarVLA {ck.framework} checkpoint {path}"
         elif source == "xr0":
-            ck = xr0.load(path, dtype, language=True)
+            ck = xr0.load(path, dtype, language=True, action_mask=action_mask)
             config, params = ck.spec, ck.params
             what = f"Xiaomi-Robotics-0 checkpoint {path}"
         elif source == "checkpoint":
