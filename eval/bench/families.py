@@ -30,10 +30,15 @@ FAMILIES = {
     "pi05": (["--preset", "bench"], 10),
     "xr0": (["--preset", "bench", "--heads", "xr0"], 5),
     "starvla_qwenpi_v3": (["--preset", "bench", "--heads", "starvla"], 4),
+    # StarVLA QwenPI_v3 on a Qwen3.5-shaped prefix (issue 16): N = 30 only, an isolated frame takes ~5 s here.
+    "qwen35_starvla_qwenpi_v3": (["--preset", "qwen35_bench", "--heads", "starvla"], 4),
 }
+# The N values a family runs at (default N_VALUES).
+FAMILY_N = {"qwen35_starvla_qwenpi_v3": (30,)}
 # Continuous batching's speedup over isolated on an RTX 4090 at N = 5, 10, 20, 30 (issue 15, as published).
 PUBLISHED_4090 = {"pi05": (1.27, 1.60, 2.35, 2.98), "xr0": (1.03, 1.40, 2.31, 3.14),
-                  "starvla_qwenpi_v3": (1.07, 1.51, 2.47, 3.41)}
+                  "starvla_qwenpi_v3": (1.07, 1.51, 2.47, 3.41),
+                  "qwen35_starvla_qwenpi_v3": (None, None, None, 3.53)}  # Qwen3.5-0.8B: N = 30 published
 
 
 def bench_argv(family: str, out: Path, *, frames: int, image_size: int) -> list[str]:
@@ -41,7 +46,7 @@ def bench_argv(family: str, out: Path, *, frames: int, image_size: int) -> list[
     args, s = FAMILIES[family]
     if "--heads" in args:
         args = args + ["--image-size", str(image_size)]
-    return args + ["--workloads", "libero", "--S", str(s), "--N", *map(str, N_VALUES), "--k", "5", "--frames",
+    return args + ["--workloads", "libero", "--S", str(s), "--N", *map(str, FAMILY_N.get(family, N_VALUES)), "--k", "5", "--frames",
                    str(frames), "--settings", *SETTINGS, "--component-batches", "1,2,4,8", "--out", str(out),
                    "--no-progress"]
 
