@@ -159,3 +159,30 @@ def test_fallbacks_and_bad_rtc_fields_are_answered_per_frame(served):
         rtc_session.RtcSessions.for_engine(server.engine, "aloha")
     with pytest.raises(ValueError, match="needs per-token flow time"):  # a head without it (joint_kv, cross)
         rtc_session.parse({"mode": "trained"}, HA, trained_ok=False)
+
+
+def test_a_server_on_a_device_mesh_compiles_the_rtc_program_at_warm_up(tiny_params):
+    """On a mesh, warm-up runs padding steps (no row asks for RTC); the RTC program must be among them, or the
+    first RTC frame would compile while robots wait. A one-device mesh takes the same warm-up path."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    client = _client()
+    mesh = Mesh(np.array(jax.devices()[:1]), ("robots",))
+    params = jax.device_put(tiny_params, NamedSharding(mesh, PartitionSpec()))
+    tok = train_demo_tokenizer()
+    server = PolicyServer(Engine(params, CFG, tokenizer=tok), tok, ROBOT, ServeConfig(
+        port=0, buckets=(1,), deadline_ms=500, seed=SEED, rtc=True), mesh=mesh)
+    handle = ServerThread(server).start()
+    try:
+        handle.wait_ready(timeout=600)
+        policy, last = client(host="127.0.0.1", port=handle.port), None
+        for f in range(3):
+            obs = dict(_sample(7))
+            obs["rtc"] = {"mode": "trained"} if last is None else {"chunk": last, **ROBOTS["a"]}
+            out = policy.infer(obs)
+            assert "rtc" in out, out.keys()
+            last = out["rtc"]["chunk"]
+        assert server.compiles_after_warmup == 0
+    finally:
+        handle.stop()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -255,6 +256,18 @@ class RtcEngine:
         guided = self.engine.warmup(observation, states, rtc=rtc_mod.off(b, self.sessions.horizon,
                                                                           self.sessions.action_dim))
         return max(plain, guided)  # the step-time prediction: the slower of the two programs
+
+    def padding_steps(self, observation, noise, *, rows, states=None) -> float:
+        """Warm-up on a device mesh (`EngineWorker.warmup`): a padding step of each program, plain then RTC
+        with every row off, so neither compiles while serving. Returns the slower step's seconds (as
+        `warmup` does: the step-time prediction)."""
+        b = self.engine.vla.batch_size(observation)
+        seconds = []
+        for rtc in (None, rtc_mod.off(b, self.sessions.horizon, self.sessions.action_dim)):
+            start = time.perf_counter()
+            self.engine.step(observation, noise, rows=rows, states=states, **({} if rtc is None else {"rtc": rtc}))
+            seconds.append(time.perf_counter() - start)
+        return max(seconds)
 
     def step(self, observation, noise=None, *, rows=None, states=None):
         b = self.engine.vla.batch_size(observation)
