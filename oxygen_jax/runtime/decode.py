@@ -40,8 +40,9 @@ depend on the sequence length. Admission copies the prefix row's window and stat
 that copy is the reset of a reused slot: no leaf keeps anything of its previous request (K/V past the
 written entries are masked). The request prompt runs in the chunked form with entries >= its length as
 identity steps (state untouched, window ending at the last real entry); a decode step runs the
-recurrent form and an inactive slot keeps its window and state by a select (a recurrence has no write
-index to drop). `slot_bytes` is a slot's memory per part. Language adapters are not served on Qwen3.5.
+recurrent form with the slot's activity as validity, so an inactive slot's step is an identity step too
+(its window and state come back unchanged, bit for bit). `slot_bytes` is a slot's memory per part.
+Language adapters are not served on Qwen3.5.
 """
 
 from __future__ import annotations
@@ -512,7 +513,7 @@ def step_logits(params: LM, pool: DecodePool, bank: LoraBank | None = None) -> t
 
     The pool's mask and length are not advanced here (see `_decode_step`); inactive slots write
     nothing. On Qwen3.5 the linear layers advance each active slot's window and state by one
-    recurrent step; inactive slots keep theirs (a select).
+    recurrent step; inactive slots run identity steps, which keep theirs bit for bit.
     """
     text = _text(params)
     cap = pool.capacity
@@ -531,8 +532,7 @@ def step_logits(params: LM, pool: DecodePool, bank: LoraBank | None = None) -> t
         h, (k, v), (window, state) = qwen35.forward_step(
             text.hybrid, text.decoder.layers, x, positions, pool.active[:, None], attend[:, None, :], pool.k, pool.v,
             write_index, pool.window, pool.state, form="recurrent")
-        keep = lambda new, old: jnp.where(pool.active.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)  # noqa: E731
-        pool = dataclasses.replace(pool, k=k, v=v, window=keep(window, pool.window), state=keep(state, pool.state))
+        pool = dataclasses.replace(pool, k=k, v=v, window=window, state=state)
     h = backbone.final_norm(text.spec, text.decoder, h)
     return pool, backbone.lm_logits_vocab_major(text.spec, text.decoder, h[:, 0])
 
