@@ -8,9 +8,9 @@
 
 A Xiaomi-Robotics-0 or StarVLA directory given to --ckpt is recognised (`ckpts.load.source_kind`) and
 served with its own head and a language decoder on the shared prefix: the horizon and action mask are
-the checkpoint's (XR0: config.json `action_mask`, else `action_length`), and StarVLA's actions are
-un-normalised with its `dataset_statistics.json` when the run has one (clip, gripper threshold,
-q01 / q99; `ckpts.starvla.unnormalize_actions`). With a `tokenizer.json` in or beside the directory (or
+the checkpoint's (XR0: --action-mask, else config.json `action_mask`, else `action_length` with a
+warning), and StarVLA's actions are un-normalised with its `dataset_statistics.json` when the run has
+one (clip, gripper threshold, q01 / q99; `ckpts.starvla.unnormalize_actions`). With a `tokenizer.json` in or beside the directory (or
 given as --tokenizer) the observation rows are the family's native prompts (`robots.native_prompts`)
 and language results come back as token ids.
 
@@ -192,7 +192,7 @@ def build(args: argparse.Namespace):
 
         if native:
             model = load_model(args.ckpt, family="multihead", dtype=args.dtype, action_mask=_action_mask(args))
-            _warn_without_action_mask(args, model)
+            _warn_without_action_mask(model)
         elif args.ckpt:
             model = load_model(args.ckpt, heads=mot.preset(args.heads).heads, dtype=args.dtype, seed=args.seed)
         else:
@@ -263,14 +263,10 @@ def _action_mask(args) -> np.ndarray | None:
     return mask.astype(np.float32)
 
 
-def _warn_without_action_mask(args, model) -> None:
-    from oxygen_jax.ckpts import xr0
-    from oxygen_jax.ckpts.load import source_kind
-
-    if args.action_mask or source_kind(args.ckpt) != "xr0":
-        return
-    if xr0.config_action_mask(xr0.read_config(Path(args.ckpt))) is None:
-        h = model.config.heads[0]
+def _warn_without_action_mask(model) -> None:
+    """An XR0 head restored with no robot mask (neither --action-mask nor config.json) runs all ones."""
+    h = model.config.heads[0]
+    if model.source == "xr0" and h.action_mask is None:
         log.warning("XR0 checkpoint without an action mask: serving all %d dims over action_length = %d steps. "
                     "The released runtime multiplies the noisy action by the robot's mask at every step "
                     "(LIBERO: 7 of 32 dims, horizon 10); pass --action-mask with the processor's "

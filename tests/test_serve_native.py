@@ -135,7 +135,9 @@ def test_an_action_mask_file_sets_the_xr0_robot_and_a_checkpoint_without_one_war
     with pytest.raises(ValueError, match="action_mask= is the robot's mask of an XR0 checkpoint"):
         load_model(_fixture("starvla_gr00t_tiny"), action_mask=mask)
     caplog.set_level(logging.WARNING, logger="oxygen_jax.serve")
-    serve._warn_without_action_mask(_args(src), load_model(src))  # the fixture's config.json has no mask
+    serve._warn_without_action_mask(load_model(src, action_mask=mask))
+    assert not caplog.records  # a mask given: nothing to warn about
+    serve._warn_without_action_mask(load_model(src))  # the fixture's config.json has no mask
     assert any("XR0 checkpoint without an action mask" in r.getMessage() for r in caplog.records)
 
 
