@@ -249,7 +249,6 @@ def load(directory: str | Path, dtype: str = "float32", spec: Qwen35Spec | None 
     return Qwen35Checkpoint(spec=spec, decoder=decoder, vision=vision, config=config)
 
 
-
 def is_qwen35_dir(directory: str | Path) -> bool:
     """True for a directory holding safetensors and a Qwen3.5 config.json (`hf.is_qwen35`)."""
     directory = Path(directory)

@@ -203,12 +203,13 @@ class RefusalBudget:
     def __init__(self, rate: float):
         if not rate > 0:
             raise ValueError(f"RefusalBudget rate must be > 0 refusals per second, got {rate}")
-        self.rate, self._tokens, self._last = rate, max(rate, 1.0), None
+        self.rate, self._burst, self._last = rate, max(rate, 1.0), None
+        self._tokens = self._burst
 
     def charge(self, now: float) -> float:
         """Counts one refusal at time `now` (seconds); returns the seconds to wait before the next read."""
         if self._last is not None:
-            self._tokens = min(max(self.rate, 1.0), self._tokens + (now - self._last) * self.rate)
+            self._tokens = min(self._burst, self._tokens + (now - self._last) * self.rate)
         self._last = now
         self._tokens -= 1.0
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
