@@ -89,13 +89,13 @@ _FIXTURE_LAYOUTS = ["params", "train_checkpoint/1/params", "train_checkpoint/1",
 
 @pytest.fixture(scope="module")
 def fixture_reference():
-    return load_openpi_params(_fixture("openpi_tiny_pi05", "params"))
+    return load_openpi_params(_fixture("openpi_tiny_pi05", "params"), layout="stacked")
 
 
 @pytest.mark.parametrize("layout", _FIXTURE_LAYOUTS)
 def test_openpi_fixture_layouts_restore_identical_arrays(layout, fixture_reference):
     ref_config, ref_params = fixture_reference
-    config, params = load_openpi_params(_fixture("openpi_tiny_pi05", *layout.split("/")))
+    config, params = load_openpi_params(_fixture("openpi_tiny_pi05", *layout.split("/")), layout="stacked")
     assert config == ref_config
     assert leaves_equal(params, ref_params)
     assert len(jax.tree.leaves(params)) == 51
@@ -115,7 +115,7 @@ def test_openpi_fixture_inferred_config(fixture_reference):
 
 def test_openpi_fixture_restores_as_bfloat16(fixture_reference):
     _, ref = fixture_reference
-    config, params = load_openpi_params(_fixture("openpi_tiny_pi05", "train_checkpoint", "1"), dtype="bfloat16")
+    config, params = load_openpi_params(_fixture("openpi_tiny_pi05", "train_checkpoint", "1"), dtype="bfloat16", layout="stacked")
     assert config.dtype == "bfloat16"
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
     expected = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), ref)
@@ -217,7 +217,7 @@ def test_own_checkpoint_refuses_to_overwrite_and_is_openpi_readable(tmp_path, ti
     with pytest.raises(FileExistsError):
         save_params(path, params, config)
     save_params(path, params, config, overwrite=True)
-    openpi_config, openpi_params = load_openpi_params(path)
+    openpi_config, openpi_params = load_openpi_params(path, layout="stacked")
     assert openpi_config == config and leaves_equal(openpi_params, params)
 
 
@@ -235,7 +235,7 @@ def tiny_flat(tiny):
 def test_openpi_checkpoint_round_trip(tmp_path, tiny, tiny_flat, value_suffix):
     _write_openpi(tmp_path / "params", tiny_flat, value_suffix=value_suffix)
     for path in (tmp_path / "params", tmp_path):  # the item, and the step dir containing it
-        config, params = load_openpi_params(path)
+        config, params = load_openpi_params(path, layout="stacked")
         assert config == tiny[0]
         assert leaves_equal(params, tiny[1])
 
@@ -264,7 +264,7 @@ def test_openpi_misshaped_key_names_key_and_both_shapes(tmp_path, tiny_flat):
 def test_openpi_extra_keys_are_ignored(tmp_path, tiny, tiny_flat):
     tiny_flat["some_head/kernel"] = jnp.ones((3, 5))
     _write_openpi(tmp_path / "params", tiny_flat, value_suffix=True)
-    config, params = load_openpi_params(tmp_path / "params")
+    config, params = load_openpi_params(tmp_path / "params", layout="stacked")
     assert config == tiny[0] and leaves_equal(params, tiny[1])
 
 

@@ -59,7 +59,7 @@ def _identical(a, b) -> bool:
 @pytest.fixture(scope="module")
 def fixture_lora():
     """(config, base params, adapters) of the shared LoRA fixture, released layout."""
-    config, base = load_openpi_params(_lora_fixture("params"), lora="ignore")
+    config, base = load_openpi_params(_lora_fixture("params"), lora="ignore", layout="stacked")
     return config, base, load_openpi_lora(_lora_fixture("params"))
 
 
@@ -246,21 +246,21 @@ def test_lora_checkpoint_restore_merges_ignores_or_separates(tmp_path, tiny_para
     for training_layout in (False, True):
         path = _write_lora_checkpoint(tmp_path / f"ck{training_layout}" / "params", base, adapters,
                                       training_layout=training_layout)
-        config, merged = load_openpi_params(path, lora_alpha={"vlm": 6.0})
+        config, merged = load_openpi_params(path, lora_alpha={"vlm": 6.0}, layout="stacked")
         # bf16-stored embeddings keep openpi's bf16-rounded sqrt(D) factor (ckpts.openpi docstring).
         assert config == base.config.replace(embed_scale_dtype="bfloat16" if training_layout else None)
         assert _identical(merged, expected)
         restored = load_openpi_lora(path, alpha={"vlm": 6.0})
         assert restored.action_expert is None and (restored.vlm.attn_rank, restored.vlm.ffn_rank) == (3, 5)
         assert _identical(restored, adapters) and restored.vlm.scaling == 2.0
-    _, ignored = load_openpi_params(path, lora="ignore")
+    _, ignored = load_openpi_params(path, lora="ignore", layout="stacked")
     assert _identical(ignored, base)
     # alpha defaults to rank (scaling 1), and is then a different model.
-    _, default = load_openpi_params(path)
+    _, default = load_openpi_params(path, layout="stacked")
     assert not np.array_equal(default.vlm.layers.q, merged.vlm.layers.q)
     assert np.array_equal(default.vlm.layers.gating, merged.vlm.layers.gating)  # FFN: unscaled
     with pytest.raises(ValueError, match="load_openpi_lora"):
-        load_openpi_params(path, lora="separate")
+        load_openpi_params(path, lora="separate", layout="stacked")
     assert load_openpi_lora(_write_lora_checkpoint(
         tmp_path / "plain" / "params", base, pi05_lora.ModelLora(None, None), training_layout=False)) is None
 
@@ -270,14 +270,14 @@ _LAYOUTS = ["params", "train_checkpoint/1/params"]
 
 def test_lora_fixture_restores_identically_from_both_layouts(fixture_lora):
     config, base, adapters = fixture_lora
-    _, merged = load_openpi_params(_lora_fixture("params"))
+    _, merged = load_openpi_params(_lora_fixture("params"), layout="stacked")
     for layout in _LAYOUTS[1:]:
         path = _lora_fixture(*layout.split("/"))
-        c2, m2 = load_openpi_params(path)
+        c2, m2 = load_openpi_params(path, layout="stacked")
         # frozen bf16 leaves upcast exactly; their bf16 embedding keeps openpi's bf16 sqrt(D) factor
         assert c2 == config.replace(embed_scale_dtype="bfloat16") and _identical(m2, merged)
         assert _identical(load_openpi_lora(path), adapters)
-        _, b16 = load_openpi_params(path, dtype="bfloat16")
+        _, b16 = load_openpi_params(path, dtype="bfloat16", layout="stacked")
         assert {x.dtype for x in jax.tree.leaves(b16)} == {jnp.dtype(jnp.bfloat16)}
         assert _identical(b16, jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), merged))
     vlm_bank = pi05_lora.stack_adapters([adapters.vlm], config)  # the serving bank, built from a checkpoint

@@ -26,6 +26,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+import jax
+
 from oxygen_jax.ckpts import hf
 from oxygen_jax.ckpts import qwen35, starvla, xr0
 from oxygen_jax.ckpts.openpi import load_openpi_norm_stats, load_openpi_params
@@ -229,7 +231,8 @@ def load_model(
             config, params = restore_params(path, stored.replace(dtype=dtype, prompt_attention=prompt_attention))
             what = f"checkpoint {path}"
         else:
-            config, params = load_openpi_params(path, dtype=dtype, prompt_attention=prompt_attention)
+            layout = "unstacked" if (backend or jax.default_backend()) == "cpu" else "stacked"  # streamed into it
+            config, params = load_openpi_params(path, dtype=dtype, prompt_attention=prompt_attention, layout=layout)
             what = f"openpi checkpoint {path}"
         if source not in ("hf", "xr0", "starvla"):  # StarVLA's q01/q99 stats: ckpts.starvla.action_stats
             norm_stats = load_openpi_norm_stats(path)

@@ -27,6 +27,10 @@ the item in `assets/<asset_id>/norm_stats.json` (`load_openpi_norm_stats`).
 
 openpi checkpoints carry no checksums: damage is caught by `orbax_io` (unreadable files) and by
 `orbax_io.check_values` (non-finite values, |x| > `MAX_ABS_WEIGHT`).
+
+Memory: `load_openpi_params` streams each leaf from disk into its final layout (`leaf_stream`: the
+per-layer buffers on the CPU, the stacked arrays elsewhere), so the weights exist once and the
+transient is a few tens of MiB; merging LoRA leaves restores the merged leaves whole (in float32).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict
 
+from oxygen_jax.ckpts.leaf_stream import LeafReader
 from oxygen_jax.ckpts.orbax_io import (
     PathLike, check_values, is_pytree_item, read_tree_metadata, resolve_params_item, restore_arrays,
 )
@@ -47,7 +52,9 @@ from oxygen_jax.ckpts import openpi_lora
 from oxygen_jax.models import lora as lora_lib
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.config import DType, ExpertConfig, ModelConfig, PromptAttention
-from oxygen_jax.models.pi05.params import OPENPI_PATHS, Params, from_openpi_dict
+from oxygen_jax.models.pi05.params import (
+    LAYER_STACKED, OPENPI_PATHS, Params, from_layer_pieces, from_openpi_dict, stack_layers, unstack_layers,
+)
 from oxygen_jax.models.siglip import SiglipConfig
 from oxygen_jax.robots.normalize import NormStats, load_norm_stats
 
@@ -264,6 +271,31 @@ def _open_openpi(path: PathLike, dtype: DType, prompt_attention: PromptAttention
 
 
 LoraMode = Literal["merge", "ignore"]
+Layout = Literal["backend", "stacked", "unstacked"]
+
+
+def _resolve_layout(layout: str) -> str:
+    if layout not in ("backend", "stacked", "unstacked"):
+        raise ValueError(f"layout must be 'backend', 'stacked' or 'unstacked', got {layout!r}")
+    if layout == "backend":  # as `params.for_backend` lays them out
+        return "unstacked" if jax.default_backend() == "cpu" else "stacked"
+    return layout
+
+
+def _stream_params(ck: _OpenpiItem, dtype: np.dtype, unstacked: bool, max_abs: float | None) -> Params:
+    """Every leaf streamed from disk into its final buffers (one per layer when `unstacked`)."""
+    suffix = ("value",) if ck.has_value else ()
+    shapes = {k: tuple(ck.meta[k].shape) for k in OPENPI_PATHS}
+    split = {k for k in OPENPI_PATHS if unstacked and k in LAYER_STACKED}
+    piece = lambda k: math.prod(shapes[k][1:] if k in split else shapes[k]) * np.dtype(ck.meta[k].dtype).itemsize  # noqa: E731
+    reader, values = LeafReader(ck.item), {}
+    # A host piece and its device copy coexist for a moment: the largest pieces go first, while least is resident.
+    for k in sorted(OPENPI_PATHS, key=piece, reverse=True):
+        pieces = reader.pieces(("params", *k.split("/"), *suffix), k, shapes[k], dtype, k in split, max_abs)
+        # device_put copies once (jnp.asarray stages a second host copy); each host piece is freed once copied.
+        arrays = [jax.block_until_ready(jax.device_put(p)) for p in pieces]
+        values[k] = arrays if k in split else arrays[0]
+    return from_layer_pieces(values, ck.config)
 
 
 def load_openpi_params(
@@ -276,12 +308,14 @@ def load_openpi_params(
     lora_rslora: bool = False,
     max_abs: float | None = MAX_ABS_WEIGHT,
     embed_scale: EmbedScale = "stored",
+    layout: Layout = "backend",
 ) -> tuple[ModelConfig, Params]:
-    """Restores an openpi π0.5 checkpoint, every leaf cast to `dtype`.
+    """Restores an openpi π0.5 checkpoint, every leaf cast to `dtype`, in the layout the backend runs.
 
     Keys and shapes (LoRA leaves included) are checked from the orbax metadata before any array
-    is read; arrays are then restored as host numpy arrays, checked for damage (non-finite values,
-    |x| > `max_abs`) and handed to `params.from_openpi_dict`.
+    is read; each leaf is then streamed from disk in pieces, checked for damage (non-finite values,
+    |x| > `max_abs`) and cast, straight into its final buffers (`leaf_stream`), so the weights are
+    held once: no stacked copy beside the per-layer one and no float32 copy beside a bfloat16 one.
 
     Args:
       path: an openpi `params` item directory (released or training layout), or a directory that
@@ -302,6 +336,9 @@ def load_openpi_params(
       embed_scale: "stored" (default): token embeddings are scaled by sqrt(D) rounded to the embedding's stored
         dtype, as openpi computes them (a training-layout table is bfloat16: 45.25 for D = 2048, not 45.2548);
         "restored": rounded to `dtype` instead. Only a bfloat16-stored table restored in float32 tells them apart.
+      layout: "backend" (default): as `params.for_backend` would lay them out for the default backend
+        (per-layer buffers on the CPU, stacked elsewhere), so `for_backend` is then a no-op;
+        "stacked" / "unstacked" force one.
 
     Returns:
       (config inferred from the stored shapes, `Params` built by `from_openpi_dict`, whose leaves
@@ -316,10 +353,13 @@ def load_openpi_params(
     """
     if lora not in ("merge", "ignore"):
         raise ValueError(f"lora must be 'merge' or 'ignore', got {lora!r} (adapters as a pytree: load_openpi_lora)")
+    unstacked = _resolve_layout(layout) == "unstacked"
     ck = _open_openpi(path, dtype, prompt_attention, embed_scale)
     config = ck.config
     np_dtype = np.dtype(config.jnp_dtype)
     merging = lora == "merge" and bool(ck.lora_paths)
+    if not merging and (ck.item / "manifest.ocdbt").is_file():
+        return config, _stream_params(ck, np_dtype, unstacked, max_abs)
     dtypes = {k: np_dtype for k in OPENPI_PATHS}
     if merging:  # merge in float32; the merged weights are cast to `dtype` by from_openpi_dict
         targets = {openpi_lora.openpi_weight_path(t, sfx) for _, sfx in pi05_lora.EXPERTS for t in lora_lib.TARGETS}
@@ -330,7 +370,8 @@ def load_openpi_params(
         arrays = openpi_lora.merge_openpi(arrays, adapters, dtype=np_dtype)
     flat = {k: arrays.pop(k) for k in OPENPI_PATHS}
     del arrays  # `flat` holds the only references: each host array is freed once converted
-    return config, from_openpi_dict(flat, config, consume=True)
+    params = from_openpi_dict(flat, config, consume=True)
+    return config, unstack_layers(params) if unstacked else stack_layers(params)
 
 
 def load_openpi_lora(

@@ -205,31 +205,39 @@ def _abs_bits(x: np.ndarray) -> np.ndarray:
 _CHECK_CHUNK = 1 << 22  # elements per integer pass: a full-size embedding table is never copied whole
 
 
-def check_values(item: Path, arrays: Mapping[str, np.ndarray], max_abs: float | None) -> None:
-    """Raises `CheckpointError` naming the first leaf with a non-finite value or |x| > max_abs.
+def _is_float(x: np.ndarray) -> bool:
+    return np.issubdtype(x.dtype, np.floating) or x.dtype.kind == "V" or "float" in x.dtype.name
 
-    One integer pass per leaf (the bits of |x| are ordered like |x|), in chunks of `_CHECK_CHUNK`
-    elements, so this costs about one read of the parameters and a few MiB of memory.
-    """
-    for path, x in arrays.items():
-        if not (np.issubdtype(x.dtype, np.floating) or x.dtype.kind == "V" or "float" in x.dtype.name) or x.size == 0:
-            continue
-        inf_bits = _abs_bits(np.asarray(np.inf, x.dtype).reshape(1))[0]
-        limit = inf_bits - 1 if max_abs is None else min(_abs_bits(np.asarray(max_abs, x.dtype).reshape(1))[0], inf_bits - 1)
-        flat = np.ascontiguousarray(x).reshape(-1)
-        if max(_abs_bits(flat[i:i + _CHECK_CHUNK]).max() for i in range(0, flat.size, _CHECK_CHUNK)) <= limit:
-            continue
-        x32 = x.astype(np.float32)
-        bad = int(np.count_nonzero(~np.isfinite(x32)))
-        if bad:
-            raise CheckpointError(
-                f"{item}: leaf {path!r} holds {bad} non-finite value(s) (NaN/inf) among {x.size}; the checkpoint is damaged"
-            )
-        top = float(np.max(np.abs(x32)))
+
+def check_block(item: Path, path: str, x: np.ndarray, max_abs: float | None, offset: int | None = None) -> None:
+    """Raises `CheckpointError` if `x` (leaf `path`, or its elements from `offset` on) holds a non-finite
+    value or |x| > max_abs. One integer pass in chunks of `_CHECK_CHUNK` elements (the bits of |x| are
+    ordered like |x|): about one read of the values and a few MiB of memory."""
+    if not _is_float(x) or x.size == 0:
+        return
+    inf_bits = _abs_bits(np.asarray(np.inf, x.dtype).reshape(1))[0]
+    limit = inf_bits - 1 if max_abs is None else min(_abs_bits(np.asarray(max_abs, x.dtype).reshape(1))[0], inf_bits - 1)
+    flat = np.ascontiguousarray(x).reshape(-1)
+    if max(_abs_bits(flat[i:i + _CHECK_CHUNK]).max() for i in range(0, flat.size, _CHECK_CHUNK)) <= limit:
+        return
+    x32 = flat.astype(np.float32)
+    where = f"among {x.size}" if offset is None else f"in elements {offset}..{offset + x.size - 1}"
+    bad = int(np.count_nonzero(~np.isfinite(x32)))
+    if bad:
         raise CheckpointError(
-            f"{item}: leaf {path!r} has max |x| = {top:.3g}, above {max_abs:g}, which no trained weight reaches; the "
-            f"checkpoint is damaged (if this is a genuine weight, pass a larger max_abs)"
+            f"{item}: leaf {path!r} holds {bad} non-finite value(s) (NaN/inf) {where}; the checkpoint is damaged"
         )
+    top = float(np.max(np.abs(x32)))
+    raise CheckpointError(
+        f"{item}: leaf {path!r} has max |x| = {top:.3g}, above {max_abs:g}, which no trained weight reaches; the "
+        f"checkpoint is damaged (if this is a genuine weight, pass a larger max_abs)"
+    )
+
+
+def check_values(item: Path, arrays: Mapping[str, np.ndarray], max_abs: float | None) -> None:
+    """Raises `CheckpointError` naming the first leaf with a non-finite value or |x| > max_abs (`check_block`)."""
+    for path, x in arrays.items():
+        check_block(item, path, x, max_abs)
 
 
 def read_json_item(src: Path, name: str) -> Any:

@@ -155,6 +155,10 @@ OPENPI_PATHS: tuple[str, ...] = tuple(leaf.openpi for leaf in _SPEC)
 """Every openpi parameter path (51 for π0.5), in table order."""
 
 
+LAYER_STACKED: frozenset[str] = frozenset(leaf.openpi for leaf in _SPEC if "layers" in leaf.attr)
+"""The openpi paths whose leaves carry a leading layer axis L."""
+
+
 def openpi_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Expected shape of every openpi parameter path for `config`."""
     return {leaf.openpi: tuple(leaf.shape(config)) for leaf in _SPEC}
@@ -318,6 +322,29 @@ def from_openpi_dict(flat: dict[str, jax.Array], config: ModelConfig, *, consume
     for leaf in _SPEC:
         values[leaf.attr] = jax.block_until_ready(_as_dtype(flat.pop(leaf.openpi), config.jnp_dtype))
     return _build(values, config)
+
+
+def from_layer_pieces(values: dict[str, jax.Array | list[jax.Array]], config: ModelConfig) -> Params:
+    """`Params` from converted leaves (keys and shapes already checked, e.g. by a streaming restore).
+
+    A path in `LAYER_STACKED` may map to a list of its per-layer arrays instead of the stacked
+    array; every stack given that way becomes `Unstacked` (the CPU layout, `unstack_layers`), and
+    no stacked copy is ever made. A stack's leaves must all be given the same way.
+    """
+    built = _build({leaf.attr: values[leaf.openpi] for leaf in _SPEC}, config)
+    is_list = lambda x: isinstance(x, list)  # noqa: E731
+
+    def unstack(layers):
+        kinds = {is_list(x) for x in jax.tree.leaves(layers, is_leaf=is_list)}
+        if kinds == {False}:
+            return layers
+        if kinds != {True}:
+            raise ValueError("a layer stack mixes stacked arrays and per-layer lists")
+        depth = len(jax.tree.leaves(layers, is_leaf=is_list)[0])
+        return nn_layers.Unstacked(layers=tuple(
+            jax.tree.map(lambda x, i=i: x[i], layers, is_leaf=is_list) for i in range(depth)))
+
+    return _map_layer_stacks(built, unstack)
 
 
 def _as_dtype(x, dtype):
