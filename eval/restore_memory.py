@@ -1,12 +1,17 @@
 """Peak memory of restoring an openpi π0.5 checkpoint and converting it for the backend.
 
     python -m eval.restore_memory --preset bench --out eval/results/restore_memory_bench
+    python -m eval.restore_memory --preset pi05 --ckpt /tmp/full/ckpt --frames 3 --out eval/results/restore_memory_pi05
 
-Writes a random checkpoint of the preset in openpi's released layout (float32, orbax) to a temporary
-directory, then, in a fresh process per dtype, measures the resident set size (VmRSS, sampled every
-5 ms) above the process's own baseline: the peak while `load_openpi_params` runs and once it has
-returned, and the peak while `for_backend(params, "cpu")` runs and once it has returned; each as a
-multiple of the restored weights' bytes (the issue-18 target is <= 1.3x for load + conversion).
+Writes a random checkpoint of the preset in openpi's released layout (float32; `write_checkpoint`,
+leaf by leaf, as orbax lays it out) to a temporary directory or `--ckpt DIR`, then, in a fresh process
+per dtype, measures the resident set size (VmRSS, sampled every 5 ms) above the process's own
+baseline: the peak while `load_openpi_params` runs and once it has returned, and the peak while
+`for_backend(params, "cpu")` runs and once it has returned; each as a multiple of the restored
+weights' bytes (the issue-18 target is <= 1.3x for load + conversion). `--frames N` then runs the
+README's robot loop (an `Engine`, one LIBERO observation, one language request) for N steps on those
+weights: its peak RSS and the first (compiling) and steady step times. The full-size checkpoint is
+13.4 GB on disk and takes about 2 minutes to write here.
 
 Output: DIR/summary.json and DIR/report.md.
 """
@@ -14,7 +19,9 @@ Output: DIR/summary.json and DIR/report.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -55,30 +62,67 @@ class PeakRss:
         self.peak = max(self.peak, rss_mib())
 
 
-def write_checkpoint(preset: str, root: Path) -> int:
-    """A random `preset` checkpoint in openpi's released layout under root/params; returns the float32 bytes."""
-    import jax
+def _key_metadata(keys: tuple[str, ...]) -> dict:
+    return {"key_metadata": [{"key": k, "key_type": 2} for k in keys],  # 2: a dict key
+            "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False}}
+
+
+def write_checkpoint(preset: str, root: Path, rss_limit_gib: float | None = 20.0) -> int:
+    """A random `preset` checkpoint in openpi's released layout under root/params; returns the float32 bytes.
+
+    orbax's own save copies every numpy leaf into a device array and compresses them all at once:
+    at full size (13 GB of float32) that passes 20 GiB on a 24 GiB machine. This writes the same
+    files leaf by leaf instead: each leaf a zarr v2 array of one zstd chunk in the item's OCDBT
+    database (what orbax 0.12.8 writes from one host), the tree in `_METADATA` as orbax lays it out,
+    and `_CHECKPOINT_METADATA`; orbax reads the result (`tests/test_leaf_stream.py` checks it).
+    Every leaf is a view of one buffer of 0.02 * N(0, 1) float32 draws as long as the largest leaf:
+    random data, so zstd finds nothing to compress, as in a trained checkpoint. A watchdog stops
+    the process if its RSS passes `rss_limit_gib` (None: no watchdog) instead of letting the kernel
+    pick a victim.
+    """
     import numpy as np
-    import orbax.checkpoint as ocp
+    import tensorstore as ts
 
     from oxygen_jax.models.pi05.config import model_config
-    from oxygen_jax.models.pi05.params import init_params, to_openpi_dict
+    from oxygen_jax.models.pi05.params import openpi_shapes
 
-    flat = {k: np.asarray(v, np.float32) for k, v in
-            to_openpi_dict(init_params(model_config(preset), jax.random.key(0))).items()}
-    tree: dict = {}
-    for key, leaf in flat.items():
-        node = tree
-        *parents, name = key.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[name] = leaf
-    ocp.PyTreeCheckpointer().save((root / "params").resolve(), {"params": tree})
-    return sum(v.nbytes for v in flat.values())
+    def watchdog():
+        while True:
+            if rss_mib() > rss_limit_gib * 1024:
+                print(f"write_checkpoint: RSS above {rss_limit_gib} GiB, stopping", file=sys.stderr, flush=True)
+                os._exit(3)
+            time.sleep(0.05)
+
+    if rss_limit_gib is not None:
+        threading.Thread(target=watchdog, daemon=True).start()
+    item = (root / "params").resolve()
+    item.mkdir(parents=True, exist_ok=False)
+    shapes = openpi_shapes(model_config(preset))
+    pool = np.random.default_rng(0).standard_normal(max(math.prod(s) for s in shapes.values()), dtype=np.float32)
+    pool *= np.float32(0.02)
+    tree, stored = {}, 0
+    for key, shape in shapes.items():
+        keys = ("params", *key.split("/"))
+        leaf = pool[: math.prod(shape)].reshape(shape)
+        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{item}/", "path": ".".join(keys)},
+                "metadata": {"shape": list(shape), "chunks": list(shape), "dtype": "<f4",
+                             "compressor": {"id": "zstd", "level": 1}}}
+        ts.open(spec, create=True).result().write(leaf).result()
+        tree[str(keys)] = _key_metadata(keys) | {"value_metadata": {
+            "value_type": "np.ndarray", "skip_deserialize": False, "write_shape": list(shape)}}
+        stored += leaf.nbytes
+    (item / "_METADATA").write_text(json.dumps({"tree_metadata": tree, "use_zarr3": False,
+                                                "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
+    now = time.time_ns()
+    (item / "_CHECKPOINT_METADATA").write_text(json.dumps({
+        "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler",
+        "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
+        "custom_metadata": {}}))
+    return stored
 
 
-def measure(path: str, dtype: str) -> dict:
-    """One dtype, in this (fresh) process."""
+def measure(path: str, dtype: str, frames: int = 0) -> dict:
+    """One dtype, in this (fresh) process; then `frames` engine steps on the weights (0: none)."""
     import jax
     import jax.numpy as jnp
 
@@ -89,7 +133,7 @@ def measure(path: str, dtype: str) -> dict:
     base = rss_mib()
     with PeakRss() as load:
         t0 = time.perf_counter()
-        _, params = load_openpi_params(path, dtype=dtype)
+        config, params = load_openpi_params(path, dtype=dtype)
         jax.block_until_ready(params)
         load_s = time.perf_counter() - t0
     weights = sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20
@@ -102,9 +146,58 @@ def measure(path: str, dtype: str) -> dict:
     rec = {"dtype": dtype, "weights_mib": weights, "load_s": load_s, "load_peak_mib": load.peak - base,
            "after_load_mib": after_load, "convert_s": convert_s, "convert_peak_mib": convert.peak - base,
            "after_convert_mib": after}
-    for k in ("load_peak", "after_load", "convert_peak", "after_convert"):
+    keys = ["load_peak", "after_load", "convert_peak", "after_convert"]
+    if frames:
+        rec.update(_run_frames(config, params, frames))
+        rec["frames_peak_mib"] -= base
+        keys.append("frames_peak")
+    for k in keys:
         rec[f"{k}_x"] = rec[f"{k}_mib"] / weights
     return rec
+
+
+def _run_frames(config, params, frames: int) -> dict:
+    """The README's robot loop on the restored weights: a LIBERO observation (synthetic cameras), one
+    language request, `frames` engine steps (the first compiles). Peak RSS and the steady frame time."""
+    import jax
+    import numpy as np
+
+    from oxygen_jax import Engine, EngineConfig, robot_config
+    from oxygen_jax.robots import transforms
+    from oxygen_jax.robots.tokenizer import train_demo_tokenizer
+
+    tokenizer = train_demo_tokenizer()  # ids below any π0.5 vocabulary; the PaliGemma model is not shipped
+    robot = robot_config("libero")
+    sample = transforms.synthetic_sample(robot, np.random.default_rng(0), image_size=224)
+    engine = Engine(params, EngineConfig(num_slots=4, max_new_tokens=20, prompt_capacity=8,
+                                         action_horizon=robot.action_horizon), tokenizer=tokenizer)
+    observation = transforms.make_observation(robot, config, tokenizer, [sample])
+    engine.submit(prompt="Subtask: ", max_tokens=20)
+    times = []
+    with PeakRss() as peak:
+        for _ in range(frames):
+            t0 = time.perf_counter()
+            result = engine.step(observation)
+            jax.block_until_ready(result.actions)
+            times.append(time.perf_counter() - t0)
+    if not np.isfinite(np.asarray(result.actions, np.float32)).all():
+        raise RuntimeError("the full-size frame gave non-finite actions")
+    return {"frames": frames, "first_frame_s": times[0], "frame_s": float(np.median(times[1:])) if frames > 1 else None,
+            "frames_peak_mib": peak.peak}
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _stored_bytes(ckpt: Path) -> int:
+    import numpy as np
+    from flax.traverse_util import flatten_dict
+
+    from oxygen_jax.ckpts.orbax_io import read_tree_metadata, resolve_params_item
+
+    meta = flatten_dict(dict(read_tree_metadata(resolve_params_item(ckpt))["params"])).values()
+    return sum(math.prod(m.shape) * np.dtype(m.dtype).itemsize for m in meta)
 
 
 def main(argv=None) -> int:
@@ -112,24 +205,43 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="bench", choices=["tiny", "bench", "pi05"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--measure", nargs=2, metavar=("CKPT", "DTYPE"), help=argparse.SUPPRESS)  # the child process
+    ap.add_argument("--ckpt", type=Path, help="reuse (or write, if absent) the random checkpoint in this directory "
+                    "instead of a temporary one (the full-size one takes minutes to write)")
+    ap.add_argument("--frames", type=int, default=0, help="after loading, run the README's robot loop for this many "
+                    "engine steps (the first compiles) and report its peak RSS and frame time (default 0: none)")
+    ap.add_argument("--measure", nargs=2, metavar=("CKPT", "DTYPE"), help=argparse.SUPPRESS)  # the child processes
+    ap.add_argument("--write", metavar="CKPT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.measure:
-        print(json.dumps(measure(*args.measure)), flush=True)
+        print(json.dumps(measure(*args.measure, frames=args.frames)), flush=True)
+        return 0
+    if args.write:
+        print(write_checkpoint(args.preset, Path(args.write)), flush=True)
         return 0
     if args.out is None:
         ap.error("--out DIR is required")
     records = []
-    with tempfile.TemporaryDirectory(prefix="oxygen-restore-") as tmp:
-        stored = write_checkpoint(args.preset, Path(tmp))
+    with contextlib.ExitStack() as stack:
+        tmp = str(args.ckpt or stack.enter_context(tempfile.TemporaryDirectory(prefix="oxygen-restore-")))
+        if not (Path(tmp) / "params").exists():  # written in its own process, so its memory is gone before measuring
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "eval.restore_memory", "--preset", args.preset, "--write", tmp],
+                           cwd=REPO, check=True)
+            print(f"wrote the random {args.preset} checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
+        stored = _stored_bytes(Path(tmp))
         for dtype in args.dtypes:
-            run = subprocess.run([sys.executable, "-m", "eval.restore_memory", "--measure", tmp, dtype], cwd=REPO,
-                                 capture_output=True, text=True, check=True)
+            run = subprocess.run([sys.executable, "-m", "eval.restore_memory", "--measure", tmp, dtype,
+                                  "--frames", str(args.frames)], cwd=REPO,
+                                 capture_output=True, text=True)
+            if run.returncode:  # e.g. killed for memory (-9): say which dtype and show the child's last words
+                tail = "\n".join((run.stderr or run.stdout).strip().splitlines()[-5:])
+                ap.exit(1, f"restore_memory: measuring {dtype} failed (exit {run.returncode}):\n{tail}\n")
             records.append(json.loads(run.stdout.strip().splitlines()[-1]))
             r = records[-1]
             print(f"{dtype}: weights {r['weights_mib']:.0f} MiB; load peak {r['load_peak_x']:.2f}x, after "
                   f"{r['after_load_x']:.2f}x; for_backend(cpu) peak {r['convert_peak_x']:.2f}x, after "
-                  f"{r['after_convert_x']:.2f}x", flush=True)
+                  f"{r['after_convert_x']:.2f}x" + (f"; {args.frames} engine steps peak {r['frames_peak_x']:.2f}x, first "
+                  f"{r['first_frame_s']:.1f} s, then {_seconds(r['frame_s'])} s" if args.frames else ""), flush=True)
     env = {"preset": args.preset, "stored_float32_bytes": stored, "cpu_count": os.cpu_count(),
            "platform": platform.platform(), "load_average": [round(x, 2) for x in os.getloadavg()],
            "command": " ".join(["python", "-m", "eval.restore_memory", *(argv or sys.argv[1:])]),
@@ -140,6 +252,12 @@ def main(argv=None) -> int:
             "|---|---|---|---|---|---|---|"]
     rows += [f"| {r['dtype']} | {r['weights_mib']:.0f} | {r['load_s']:.1f} | {r['load_peak_x']:.2f}x "
              f"| {r['after_load_x']:.2f}x | {r['convert_peak_x']:.2f}x | {r['after_convert_x']:.2f}x |" for r in records]
+    if args.frames:
+        rows += ["", f"The README's robot loop on the same weights ({args.frames} engine steps, LIBERO, one language "
+                 "request): peak RSS above the baseline while it ran, first step (compiles) and the median of the rest.",
+                 "", "| dtype | peak | peak MiB | first step s | step s |", "|---|---|---|---|---|"]
+        rows += [f"| {r['dtype']} | {r['frames_peak_x']:.2f}x | {r['frames_peak_mib']:.0f} | {r['first_frame_s']:.1f} "
+                 f"| {_seconds(r['frame_s'])} |" for r in records]
     (args.out / "report.md").write_text("\n".join([
         f"# Restore memory ({args.preset}, openpi released layout, float32 on disk)", "",
         f"Command: `{env['command']}`", "", f"Machine: {env['cpu_count']} CPUs, load average {env['load_average']}.",
