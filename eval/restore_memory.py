@@ -67,8 +67,8 @@ def _key_metadata(keys: tuple[str, ...]) -> dict:
             "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False}}
 
 
-def write_checkpoint(preset: str, root: Path, rss_limit_gib: float | None = 20.0) -> int:
-    """A random `preset` checkpoint in openpi's released layout under root/params; returns the float32 bytes.
+def write_checkpoint(preset, root: Path, rss_limit_gib: float | None = 20.0) -> int:
+    """A random checkpoint of `preset` (a preset name or a `ModelConfig`) in openpi's released layout under root/params; returns the float32 bytes.
 
     orbax's own save copies every numpy leaf into a device array and compresses them all at once:
     at full size (13 GB of float32) that passes 20 GiB on a 24 GiB machine. This writes the same
@@ -97,7 +97,7 @@ def write_checkpoint(preset: str, root: Path, rss_limit_gib: float | None = 20.0
         threading.Thread(target=watchdog, daemon=True).start()
     item = (root / "params").resolve()
     item.mkdir(parents=True, exist_ok=False)
-    shapes = openpi_shapes(model_config(preset))
+    shapes = openpi_shapes(model_config(preset) if isinstance(preset, str) else preset)
     pool = np.random.default_rng(0).standard_normal(max(math.prod(s) for s in shapes.values()), dtype=np.float32)
     pool *= np.float32(0.02)
     tree, stored = {}, 0
