@@ -101,10 +101,11 @@ def test_a_training_layout_checkpoint_at_width_48_restores_with_openpis_embeddin
                                         num_kv_heads=tiny.vlm.num_kv_heads, head_dim=tiny.vlm.head_dim))
     path = _write_training_layout(tmp_path / "params", init_params(cfg, 0))
     config, params = load_openpi_params(path)  # float32
-    assert (config.dtype, config.embed_scale_dtype, config.vlm.width) == ("float32", "bfloat16", 48)
     tokens = jnp.arange(12) % cfg.vocab_size
     want = np.asarray(jax.jit(_openpi_embed)(params.embedding.astype(jnp.bfloat16), tokens))
     np.testing.assert_array_equal(np.asarray(model.embed_tokens(params, tokens)), want)
+    # the numbers first, then how the config records the switch
+    assert (config.dtype, config.embed_scale_dtype, config.vlm.width) == ("float32", "bfloat16", 48)
     switched, p2 = load_openpi_params(path, embed_scale="restored")
     assert switched.embed_scale_dtype is None
     assert np.abs(np.asarray(model.embed_tokens(p2, tokens)) - want).max() > 0
