@@ -32,13 +32,16 @@ FAMILIES = {
     "starvla_qwenpi_v3": (["--preset", "bench", "--heads", "starvla"], 4),
     # StarVLA QwenPI_v3 on a Qwen3.5-shaped prefix (issue 16): N = 30 only, an isolated frame takes ~5 s here.
     "qwen35_starvla_qwenpi_v3": (["--preset", "qwen35_bench", "--heads", "starvla"], 4),
+    # StarVLA's GR00T head (flow-matching DiT on the last hidden state) on the same prefix.
+    "qwen35_starvla_gr00t": (["--preset", "qwen35_bench", "--heads", "gr00t"], 4),
 }
 # The N values a family runs at (default N_VALUES).
-FAMILY_N = {"qwen35_starvla_qwenpi_v3": (30,)}
+FAMILY_N = {"qwen35_starvla_qwenpi_v3": (30,), "qwen35_starvla_gr00t": (30,)}
 # Continuous batching's speedup over isolated on an RTX 4090 at N = 5, 10, 20, 30 (issue 15, as published).
 PUBLISHED_4090 = {"pi05": (1.27, 1.60, 2.35, 2.98), "xr0": (1.03, 1.40, 2.31, 3.14),
                   "starvla_qwenpi_v3": (1.07, 1.51, 2.47, 3.41),
-                  "qwen35_starvla_qwenpi_v3": (None, None, None, 3.53)}  # Qwen3.5-0.8B: N = 30 published
+                  "qwen35_starvla_qwenpi_v3": (None, None, None, 3.53),  # Qwen3.5-0.8B: N = 30 published
+                  "qwen35_starvla_gr00t": (None, None, None, None)}  # the one published Qwen3.5 number sits beside QwenPI_v3
 
 
 def bench_argv(family: str, out: Path, *, frames: int, image_size: int) -> list[str]:
