@@ -10,7 +10,6 @@ head's chunk bit-identical to that head alone; `decode.slot_bytes` is the pool's
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 
 from eval.parity import qwen35 as parity
-from helpers import mot_prompt_rows, shared_dir
+from helpers import FAST_CODEGEN, mot_prompt_rows, shared_dir
 from oxygen_jax.ckpts.load import load_model
 from oxygen_jax.models import backbone, mot, qwen35
 from oxygen_jax.runtime import decode, frame
@@ -156,18 +155,10 @@ def test_load_model_routes_a_qwen35_directory_and_its_pool_decodes_hfs_greedy_to
     np.testing.assert_array_equal(tokens, ref["gen_tokens"])
 
 
-# The suite's fast-compile XLA flags (tests/conftest.py). Under both together, and only then, XLA's CPU
-# backend rounds the hybrid's layer scan differently in programs that keep different outputs (the heads'
-# program vs the frame with language: hidden states ~1e-5 apart, measured); under XLA's defaults
-# (OXYGEN_JAX_TEST_XLA_DEFAULTS=1) and each flag alone they are bit-identical.
-_FAST_CODEGEN = all(f in os.environ.get("XLA_FLAGS", "") for f in ("--xla_backend_optimization_level=0",
-                                                                   "--xla_cpu_use_fusion_emitters=false"))
-
-
 def test_engine_steps_starvla_heads_on_a_qwen35_prefix_with_language_and_each_head_is_unchanged():
     """QwenPI_v3 (last 3 hidden states) and GR00T (the last) on the hybrid backbone with a language request
     in flight: every chunk bit-identical to the same heads without language (`frame.actions_program`, a
-    prefix pass keeping only the heads' reads; see `_FAST_CODEGEN`), and the request finishes."""
+    prefix pass keeping only the heads' reads; see `helpers.FAST_CODEGEN`), and the request finishes."""
     spec = mot.preset("qwen35_tiny")
     model = MultiHead(mot.init_model(spec, seed=0), spec)
     rows, mask = mot_prompt_rows()
@@ -186,7 +177,7 @@ def test_engine_steps_starvla_heads_on_a_qwen35_prefix_with_language_and_each_he
         without_language = frame.actions_program(model, inputs, noises, states)  # every head, no language
         for name in model.heads:
             alone = np.asarray(without_language[name])
-            if _FAST_CODEGEN:  # measured 4.2e-6: the two programs round the layer scan differently
+            if FAST_CODEGEN:  # measured 4.2e-6: the two programs round the layer scan differently
                 np.testing.assert_allclose(res.head_actions[name], alone, atol=5e-5, rtol=0, err_msg=f"frame {f} head {name}")
             else:
                 np.testing.assert_array_equal(res.head_actions[name], alone, err_msg=f"frame {f} head {name}")

@@ -39,6 +39,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from oxygen_jax.models.lora import LayerRows
 from oxygen_jax.nn.layers import RMSNorm
 
 
@@ -235,7 +236,7 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, eps: float) 
 
 
 def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, window: jax.Array, state: jax.Array,
-          valid: jax.Array | None, form: str = "chunked", taps: dict | None = None):
+          valid: jax.Array | None, form: str = "chunked", taps: dict | None = None, lora: LayerRows | None = None):
     """The linear-attention mixer of one layer over normed inputs x [B, T, D].
 
     Args:
@@ -244,6 +245,9 @@ def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, windo
       valid: bool [B, T] or None; invalid tokens are identity steps (see the module docstring).
       form: "chunked" (prefill) or "recurrent" (decode); the same numbers up to rounding.
       taps: optional dict that receives the intermediates HF's hooks see (qkv, z, a, b, core) for parity.
+      lora: this layer's slice of a `lora.DeltaNetLora` bank and the row ids: each row's adapter term is
+        added to in_proj_qkv, in_proj_z and out_proj (rows on id 0 keep the base projections bit for
+        bit); None: the adapter-free program.
     Returns:
       (out [B, T, D], window [B, Cc, Kc], state float32 [B, Hv, Dk, Dv]).
     """
@@ -254,6 +258,8 @@ def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, windo
         x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
     columns = x @ lp.qkv.astype(x.dtype)  # [B, T, Cc]
     z = jnp.einsum("BTD,DAZ->BTAZ", x, lp.z.astype(x.dtype))
+    if lora is not None:  # before the conv: an adapter changes what the window stores
+        columns, z = lora.add("qkv", columns, x), lora.add("z", z, x)
     b_logit = x @ lp.b.astype(x.dtype)
     a_in = x @ lp.a.astype(x.dtype)
     u, window = causal_conv(window, columns, lp.conv, valid)
@@ -272,4 +278,5 @@ def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, windo
     if taps is not None:
         taps.update(qkv=columns, z=z, a=a_in, b=b_logit, core=core)
     y = gated_rms_norm(core, z, lp.norm, gspec.norm_eps)
-    return jnp.einsum("BTAZ,AZD->BTD", y, lp.out.astype(y.dtype)), window, state
+    out = jnp.einsum("BTAZ,AZD->BTD", y, lp.out.astype(y.dtype))
+    return (out if lora is None else lora.add("out", out, y)), window, state

@@ -42,7 +42,22 @@ Pytrees (leaves are arrays; alpha and rslora are static):
   ids 0..E. Ids outside 0..E get the base weights.
 * `RowAdapters(bank, ids)` — the `lora` argument of `backbone.forward_write`: one adapter id per row.
 
-Shapes come from `LayerDims`, read off a stack's weights (`layer_dims`). π0.5's two-expert adapters
+* `DeltaNetLora` — one adapter of Qwen3.5's Gated DeltaNet (linear-attention) layers, the same
+  conventions on their projections (C = Cc conv channels, A = Hv value heads, Z = Dv value head dim;
+  `models/gated_deltanet.py`). The mixer targets are scaled like attention, the MLP is unscaled:
+
+      target  W              A              B              effective update
+      qkv     [D, C]         [D, r]         [r, C]         ΔW = s·A·B      (in_proj_qkv)
+      z       [D, A, Z]      [D, r]         [r, A, Z]      ΔW = s·A·B      (in_proj_z, the output gate)
+      out     [A, Z, D]      [A, Z, r]      [r, D]         ΔW = s·A·B      (out_proj; no head sum)
+      gating  [2, D, F]      [2, D, r]      [2, r, F]      ΔW[c] = A[c]·B[c]
+      linear  [F, D]         [F, r]         [r, D]         ΔW = A·B
+
+  in_proj_b / in_proj_a ([D, Hv] gate logits) and the conv are not targets. Qwen3.5's bank of both
+  layer kinds, grouped as its layer scan, is `models.qwen35.HybridBank`.
+
+Shapes come from `LayerDims`, read off a stack's weights (`layer_dims`); `DeltaNetDims` for the
+linear layers. π0.5's two-expert adapters
 (`ModelLora`, `merge`, `init_bank`, `stack_adapters`) are in `models/pi05/lora.py`; openpi's
 checkpoint paths of the factors in `ckpts/openpi_lora.py`.
 """
@@ -64,6 +79,10 @@ ATTN_TARGETS = ("q", "kv", "out")
 """Targets scaled by alpha / rank (openpi's attention einsums)."""
 FFN_TARGETS = ("gating", "linear")
 """Targets added unscaled (openpi's feed-forward LoRA)."""
+DELTANET_TARGETS = ("qkv", "z", "out", "gating", "linear")
+"""LoRA targets of a Gated DeltaNet layer (`gated_deltanet.GatedDeltaNetLayers`' fields)."""
+DELTANET_MIXER_TARGETS = ("qkv", "z", "out")
+"""Gated DeltaNet targets scaled by alpha / rank (they replace attention's q, kv, out)."""
 
 
 def _pytree(cls):
@@ -81,8 +100,36 @@ class LoraPair:
     b: jax.Array
 
 
+class _Targeted:
+    """What ExpertLora and DeltaNetLora share: `_targets` (all) and `_scaled` (those scaled by
+    alpha / rank; they share one rank, as the FFN targets do)."""
+
+    _targets: tuple[str, ...] = ()
+    _scaled: tuple[str, ...] = ()
+
+    def pairs(self) -> dict[str, LoraPair]:
+        """{target: pair} for the targets that have LoRA."""
+        return {t: getattr(self, t) for t in self._targets if getattr(self, t) is not None}
+
+    def _rank(self, targets) -> int | None:
+        pair = next((getattr(self, t) for t in targets if getattr(self, t) is not None), None)
+        return None if pair is None else int(pair.a.shape[-1])
+
+    @property
+    def ffn_rank(self) -> int | None:
+        return self._rank(FFN_TARGETS)
+
+    @property
+    def scaling(self) -> float:
+        """The scaled targets' alpha / rank (alpha / sqrt(rank) with rslora); 1.0 when there are none."""
+        rank = self._rank(self._scaled)
+        if rank is None:
+            return 1.0
+        return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
+
+
 @_pytree
-class ExpertLora:
+class ExpertLora(_Targeted):
     """One LoRA adapter of one expert's layer stack (shapes in the module docstring, plus a leading L).
 
     Attributes:
@@ -99,30 +146,39 @@ class ExpertLora:
     alpha: float = dataclasses.field(metadata=_STATIC)
     rslora: bool = dataclasses.field(default=False, metadata=_STATIC)
 
-    def pairs(self) -> dict[str, LoraPair]:
-        """{target: pair} for the targets that have LoRA."""
-        return {t: getattr(self, t) for t in TARGETS if getattr(self, t) is not None}
+    _targets, _scaled = TARGETS, ATTN_TARGETS  # scaling = openpi's `scaling_value`
 
     @property
     def attn_rank(self) -> int | None:
-        pair = next((getattr(self, t) for t in ATTN_TARGETS if getattr(self, t) is not None), None)
-        return None if pair is None else int(pair.a.shape[-1])
-
-    @property
-    def ffn_rank(self) -> int | None:
-        pair = next((getattr(self, t) for t in FFN_TARGETS if getattr(self, t) is not None), None)
-        return None if pair is None else int(pair.a.shape[-1])
-
-    @property
-    def scaling(self) -> float:
-        """openpi's `scaling_value` of the attention LoRA (1.0 when there is none)."""
-        r = self.attn_rank
-        if r is None:
-            return 1.0
-        return self.alpha / math.sqrt(r) if self.rslora else self.alpha / r
+        return self._rank(ATTN_TARGETS)
 
     def replace(self, **changes) -> "ExpertLora":
         return dataclasses.replace(self, **changes)
+
+
+@_pytree
+class DeltaNetLora(_Targeted):
+    """One LoRA adapter of Gated DeltaNet layers (shapes in the module docstring, after any leading axes).
+
+    Attributes:
+      qkv, z, out, gating, linear: `LoraPair` or None where the target has no LoRA.
+      alpha: scaling numerator of the mixer targets (static); the MLP LoRA ignores it.
+      rslora: alpha / sqrt(rank) instead of alpha / rank (static).
+    """
+
+    qkv: LoraPair | None
+    z: LoraPair | None
+    out: LoraPair | None
+    gating: LoraPair | None
+    linear: LoraPair | None
+    alpha: float = dataclasses.field(metadata=_STATIC)
+    rslora: bool = dataclasses.field(default=False, metadata=_STATIC)
+
+    _targets, _scaled = DELTANET_TARGETS, DELTANET_MIXER_TARGETS
+
+    @property
+    def mixer_rank(self) -> int | None:
+        return self._rank(DELTANET_MIXER_TARGETS)
 
 
 @_pytree
@@ -201,7 +257,29 @@ def target_shapes(dims: LayerDims, target: str, rank: int) -> tuple[tuple[int, .
     }[target]
 
 
-def _leaf_shapes(adapter: ExpertLora) -> dict[str, tuple]:
+class DeltaNetDims(NamedTuple):
+    """The dims of Gated DeltaNet layers that LoRA shapes depend on."""
+
+    width: int  # D
+    mlp_dim: int  # F
+    conv_channels: int  # Cc = 2 Hk Dk + Hv Dv
+    num_value_heads: int  # Hv
+    value_dim: int  # Dv
+
+
+def deltanet_target_shapes(dims: DeltaNetDims, target: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(A shape, B shape) of one Gated DeltaNet target for one layer (no leading axes)."""
+    d, f, c, a, z = dims.width, dims.mlp_dim, dims.conv_channels, dims.num_value_heads, dims.value_dim
+    return {
+        "qkv": ((d, rank), (rank, c)),
+        "z": ((d, rank), (rank, a, z)),
+        "out": ((a, z, rank), (rank, d)),
+        "gating": ((2, d, rank), (2, rank, f)),
+        "linear": ((f, rank), (rank, d)),
+    }[target]
+
+
+def _leaf_shapes(adapter: ExpertLora | DeltaNetLora) -> dict[str, tuple]:
     out = {}
     for target, pair in adapter.pairs().items():
         out[f"{target}.a"], out[f"{target}.b"] = tuple(pair.a.shape), tuple(pair.b.shape)
@@ -215,13 +293,17 @@ def _mismatches(got: dict[str, tuple], want: dict[str, tuple]) -> list[str]:
     return lines
 
 
-def fit_problems(adapter: ExpertLora, dims: LayerDims, lead: tuple[int, ...]) -> list[str]:
+def fit_problems(adapter: ExpertLora | DeltaNetLora, dims: LayerDims | DeltaNetDims, lead: tuple[int, ...]) -> list[str]:
     """One line per leaf of `adapter` that does not have the shape `lead + target_shapes(dims, ...)`
-    (ranks read off its own factors, one per group); empty when it fits."""
-    ranks = {"attn": adapter.attn_rank, "ffn": adapter.ffn_rank}
+    (`deltanet_target_shapes` for a `DeltaNetLora`; ranks read off its own factors, one per group);
+    empty when it fits."""
+    if isinstance(adapter, DeltaNetLora):
+        shapes, scaled, ranks = deltanet_target_shapes, DELTANET_MIXER_TARGETS, (adapter.mixer_rank, adapter.ffn_rank)
+    else:
+        shapes, scaled, ranks = target_shapes, ATTN_TARGETS, (adapter.attn_rank, adapter.ffn_rank)
     want = {}
     for target in adapter.pairs():
-        a, b = target_shapes(dims, target, ranks["attn" if target in ATTN_TARGETS else "ffn"])
+        a, b = shapes(dims, target, ranks[0] if target in scaled else ranks[1])
         want[f"{target}.a"], want[f"{target}.b"] = lead + a, lead + b
     return _mismatches(_leaf_shapes(adapter), want)
 
@@ -259,20 +341,37 @@ def _weight_delta(target: str, pair: LoraPair, scaling: float) -> jax.Array:
     return jnp.einsum("...Fr,...rD->...FD", a, b, precision=hi)
 
 
+_DELTANET_MERGE_EQNS = {"qkv": "...Dr,...rC->...DC", "z": "...Dr,...rAZ->...DAZ", "out": "...AZr,...rD->...AZD"}
+
+
+def _adapter_delta(adapter: ExpertLora | DeltaNetLora, target: str, pair: LoraPair) -> jax.Array:
+    """ΔW of one target of `adapter` in float32 (a DeltaNet mixer target, or `_weight_delta`'s)."""
+    if isinstance(adapter, DeltaNetLora) and target in DELTANET_MIXER_TARGETS:
+        a, b = jnp.asarray(pair.a, jnp.float32), jnp.asarray(pair.b, jnp.float32)
+        return adapter.scaling * jnp.einsum(_DELTANET_MERGE_EQNS[target], a, b, precision=jax.lax.Precision.HIGHEST)
+    return _weight_delta(target, pair, adapter.scaling)
+
+
 def merge_weight(w: jax.Array, target: str, pair: LoraPair, scaling: float) -> jax.Array:
     """`w + ΔW` computed in float32, returned in w's dtype (shapes: module docstring, same leading axes)."""
     merged = jnp.asarray(w, jnp.float32) + _weight_delta(target, pair, scaling)
     return merged.astype(jnp.asarray(w).dtype)
 
 
-def _merge_stacked(layers, adapter: ExpertLora):
-    changes = {t: merge_weight(getattr(layers, t), t, p, adapter.scaling) for t, p in adapter.pairs().items()}
-    return dataclasses.replace(layers, **changes)
+def _merge_stacked(layers, adapter: ExpertLora | DeltaNetLora):
+    def merged(t, p):
+        w = getattr(layers, t)
+        return (jnp.asarray(w, jnp.float32) + _adapter_delta(adapter, t, p)).astype(jnp.asarray(w).dtype)
+
+    return dataclasses.replace(layers, **{t: merged(t, p) for t, p in adapter.pairs().items()})
 
 
 @jax.jit  # one program per layer structure, not one dispatch per einsum and slice
-def merge_layers(layers, adapter: ExpertLora):
-    """One expert's layer weights (stacked or `Unstacked`) with `adapter` ([L, ...] leaves) folded in."""
+def merge_layers(layers, adapter: ExpertLora | DeltaNetLora):
+    """One expert's layer weights (stacked or `Unstacked`) with `adapter` ([L, ...] leaves) folded in.
+
+    Any leading axes work for stacked weights (Qwen3.5's [G, P, ...]: `qwen35.merge_adapter`); a
+    `DeltaNetLora` merges into Gated DeltaNet layers."""
     if isinstance(layers, Unstacked):
         return Unstacked(
             layers=tuple(
@@ -296,6 +395,15 @@ _ROW_EQNS = {
 }
 
 
+_DELTANET_ROW_EQNS = {
+    "qkv": ("BTD,Dr->BTr", "BTr,rC->BTC", lambda r: (r, 1, 1)),
+    "z": ("BTD,Dr->BTr", "BTr,rAZ->BTAZ", lambda r: (r, 1, 1, 1)),
+    "out": ("BTAZ,AZr->BTr", "BTr,rD->BTD", lambda r: (r, 1, 1)),
+    "gating": _ROW_EQNS["gating"],
+    "linear": _ROW_EQNS["linear"],
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerRows:
     """One layer's slice of a bank (leaves [E, ...]) and the row ids [B]; adds per-row LoRA terms.
@@ -314,17 +422,20 @@ class LayerRows:
 
         x / y layouts: q [B,T,D] -> [B,T,N,H]; kv [B,S,D] -> [2,B,S,K,H]; out [B,T,N,H] -> [B,T,D];
         gating [Y,D] -> [2,Y,F]; linear [Y,F] -> [Y,D], with Y = B*T rows in batch-major order.
+        A `DeltaNetLora` slice: qkv [B,T,D] -> [B,T,C]; z [B,T,D] -> [B,T,A,Z]; out [B,T,A,Z] -> [B,T,D].
         """
         pair = getattr(self.adapters, target)
         if pair is None:
             return y
-        eqn_a, eqn_b, sel_shape = _ROW_EQNS[target]
+        deltanet = isinstance(self.adapters, DeltaNetLora)
+        eqn_a, eqn_b, sel_shape = (_DELTANET_ROW_EQNS if deltanet else _ROW_EQNS)[target]
+        scaled = target in (DELTANET_MIXER_TARGETS if deltanet else ATTN_TARGETS)
         ids = self.ids
         if target in FFN_TARGETS:  # feed-forward rows are the flattened (row, token) pairs
             ids = jnp.repeat(ids, x.shape[0] // ids.shape[0])
         for n in range(pair.a.shape[0]):
             delta = jnp.einsum(eqn_b, jnp.einsum(eqn_a, x, pair.a[n].astype(x.dtype)), pair.b[n].astype(x.dtype))
-            if target in ATTN_TARGETS:
+            if scaled:
                 delta = delta * self.adapters.scaling
             sel = (ids == n + 1).reshape(sel_shape(ids.shape[0]))
             y = jnp.where(sel, y + delta.astype(y.dtype), y)

@@ -18,6 +18,18 @@ What a prefix pass leaves (`prefill`), per row, as of its last valid token:
     window    [Lg, B, Cc, Kc]      linear layers: the last Kc conv inputs (activation dtype)
     state     [Lg, B, Hv, Dk, Dv]  linear layers: the delta-rule state, float32
 
+Language adapters (`HybridBank`, served per row by `forward_step(..., lora=RowAdapters(bank, ids))`): E
+adapters on both layer kinds, stacked like the weights with E after the group axes, so the layer scan
+slices them with the weights and a full-size model still compiles one group:
+
+    full     lora.ExpertLora   [G, Pf, E, ...]  q [N, D, r] / [N, r, H], kv, out, gating, linear: exactly
+                                               the attention-only bank's targets (`lora.TARGETS`)
+    linear   lora.DeltaNetLora [G, Pl, E, ...]  qkv [D, r] / [r, Cc], z [D, r] / [r, Hv, Dv],
+                                               out [Hv, Dv, r] / [r, D], gating, linear (`lora.DELTANET_TARGETS`)
+
+The full layers' output gate (`q_gate`) and the linear layers' b / a / conv are not targets. Id 0 = base
+weights (not stored); id n = index n - 1 on the E axis.
+
 Padding: a recurrent state cannot mask a token after the fact, so the valid tokens of a row must be
 contiguous. Left padding (what StarVLA batches) and right padding are both exact here: pads are identity
 steps, and the window ends at the last valid token (HF's own right-padded state is pad-contaminated).
@@ -39,7 +51,9 @@ import numpy as np
 from oxygen_jax.models import backbone
 from oxygen_jax.models import gated_deltanet as gdn
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Draw, Qwen3VisionSpec, RopeSpec
+from oxygen_jax.models import lora as lora_lib
 from oxygen_jax.models.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec
+from oxygen_jax.models.lora import DeltaNetLora, ExpertLora, LayerRows, LoraPair, RowAdapters
 from oxygen_jax.models.prefix import Prefix, next_positions
 from oxygen_jax.nn.layers import RMSNorm
 from oxygen_jax.nn.masks import last_valid_index, make_attn_mask
@@ -234,6 +248,124 @@ def abstract_decoder(spec: Qwen35Spec, dtype: str = "float32") -> Decoder:
 
 
 # --------------------------------------------------------------------------------------------------
+# Language adapters
+
+
+@_pytree
+class HybridBank:
+    """E LoRA adapters of a Qwen3.5 stack for per-row serving (the layout: module docstring).
+
+    Attributes:
+      full: `lora.ExpertLora` of the full-attention layers, leaves [G, Pf, E, ...] (targets without LoRA None).
+      linear: `lora.DeltaNetLora` of the linear layers, leaves [G, Pl, E, ...].
+    """
+
+    full: ExpertLora
+    linear: DeltaNetLora
+
+    @property
+    def num_adapters(self) -> int:
+        """E: the bank serves ids 0 (base weights) .. E."""
+        return int(jax.tree.leaves(self)[0].shape[2])
+
+    def adapter(self, adapter_id: int) -> "HybridBank":
+        """The stored adapter `adapter_id` (1..E) with leaves [G, P, ...] (what `merge_adapter` folds in)."""
+        if not 1 <= adapter_id <= self.num_adapters:
+            raise ValueError(f"adapter id {adapter_id} is not stored in this bank (ids 1..{self.num_adapters}; 0 = base)")
+        return jax.tree.map(lambda x: x[:, :, adapter_id - 1], self)
+
+
+def _deltanet_dims(spec: Qwen35Spec) -> lora_lib.DeltaNetDims:
+    g, b = spec.gdn, spec.backbone
+    return lora_lib.DeltaNetDims(width=b.width, mlp_dim=b.mlp_dim, conv_channels=g.conv_channels,
+                                 num_value_heads=g.num_value_heads, value_dim=g.value_dim)
+
+
+def _full_dims(spec: Qwen35Spec) -> lora_lib.LayerDims:
+    b = spec.backbone
+    return lora_lib.LayerDims(width=b.width, depth=len(spec.full_layers), mlp_dim=b.mlp_dim, num_heads=b.num_heads,
+                              num_kv_heads=b.num_kv_heads, head_dim=b.head_dim)
+
+
+def _fan_in(spec: Qwen35Spec, kind: str, target: str, a_shape) -> int:
+    """The size A contracts (the heads and head dim for the two output projections)."""
+    if target == "out":
+        b, g = spec.backbone, spec.gdn
+        return b.num_heads * b.head_dim if kind == FULL else g.num_value_heads * g.value_dim
+    return a_shape[-2]
+
+
+def bank_tree(spec: Qwen35Spec, num_adapters: int, rank: int, draw: Draw, *, alpha: float | None = None,
+              rslora: bool = False, full_targets=lora_lib.TARGETS, linear_targets=lora_lib.DELTANET_TARGETS,
+              b_std: float = 0.0) -> HybridBank:
+    """The `HybridBank` of `spec` with every factor from `draw`: A ~ N(0, 1 / fan_in), B ~ N(0, b_std²)
+    (b_std = 0: B = 0, every adapter the base model until trained). The one description of its shapes."""
+    bad = sorted(set(full_targets) - set(lora_lib.TARGETS)) + sorted(set(linear_targets) - set(lora_lib.DELTANET_TARGETS))
+    _require(not bad and num_adapters >= 1 and rank >= 1,
+             f"qwen35 bank: need num_adapters >= 1, rank >= 1, full targets from {lora_lib.TARGETS} and linear targets "
+             f"from {lora_lib.DELTANET_TARGETS}; got {num_adapters}, {rank}, {bad or 'targets ok'}")
+    grp = spec.num_groups
+    kinds = ((FULL, full_targets, lora_lib.TARGETS, lambda t: lora_lib.target_shapes(_full_dims(spec), t, rank)),
+             (LINEAR, linear_targets, lora_lib.DELTANET_TARGETS,
+              lambda t: lora_lib.deltanet_target_shapes(_deltanet_dims(spec), t, rank)))
+    out = {}
+    for kind, targets, every, shapes in kinds:
+        lead = (grp, spec.group.count(kind), num_adapters)
+        pairs = {}
+        for t in every:
+            if t not in targets:
+                pairs[t] = None
+                continue
+            a, b = shapes(t)
+            pairs[t] = LoraPair(a=draw(lead + a, 1.0 / math.sqrt(_fan_in(spec, kind, t, a)), 0.0), b=draw(lead + b, b_std, 0.0))
+        out[kind] = pairs
+    alpha = float(rank if alpha is None else alpha)
+    return HybridBank(full=ExpertLora(**out[FULL], alpha=alpha, rslora=rslora),
+                      linear=DeltaNetLora(**out[LINEAR], alpha=alpha, rslora=rslora))
+
+
+def init_bank(spec: Qwen35Spec, num_adapters: int, rank: int, alpha: float | None = None, seed: int = 0, *,
+              rslora: bool = False, full_targets=lora_lib.TARGETS, linear_targets=lora_lib.DELTANET_TARGETS,
+              b_std: float = 0.0, dtype: str = "float32") -> HybridBank:
+    """A bank of `num_adapters` adapters (`bank_tree`, numpy draws from `seed`): b_std = 0 gives the training
+    init (B = 0, exactly the base weights), b_std > 0 random adapters (tests).
+
+    Args:
+      rank: r of every target; alpha: the scaling numerator (default rank: scaling 1).
+      full_targets / linear_targets: subsets of `lora.TARGETS` / `lora.DELTANET_TARGETS` that get LoRA.
+    """
+    return bank_tree(spec, num_adapters, rank, backbone.numpy_draws(seed, dtype), alpha=alpha, rslora=rslora,
+                     full_targets=full_targets, linear_targets=linear_targets, b_std=b_std)
+
+
+def abstract_bank(spec: Qwen35Spec, num_adapters: int, rank: int, dtype: str = "float32", **kw) -> HybridBank:
+    """`jax.ShapeDtypeStruct` leaves via `jax.eval_shape` (full-size specs too: nothing is allocated)."""
+    return jax.eval_shape(lambda: bank_tree(spec, num_adapters, rank, backbone.zeros_draws(dtype), **kw))
+
+
+def check_bank(spec: Qwen35Spec, bank) -> None:
+    """Raises a one-line ValueError naming what does not fit: not a `HybridBank`, or leaves whose shapes are
+    not `spec`'s (ranks read off the bank itself)."""
+    _require(isinstance(bank, HybridBank),
+             f"a Qwen3.5 language model serves a qwen35.HybridBank (qwen35.init_bank), got {type(bank).__name__}")
+    e = bank.num_adapters
+    lines = [f"full.{x}" for x in lora_lib.fit_problems(bank.full, _full_dims(spec), (spec.num_groups, spec.group.count(FULL), e))]
+    lines += [f"linear.{x}" for x in lora_lib.fit_problems(bank.linear, _deltanet_dims(spec),
+                                                          (spec.num_groups, spec.group.count(LINEAR), e))]
+    _require(not lines, "HybridBank does not fit this Qwen3.5 spec (built for another one?): " + "; ".join(lines))
+
+
+def merge_adapter(spec: Qwen35Spec, decoder: Decoder, bank: HybridBank, adapter_id: int) -> Decoder:
+    """`decoder` with adapter `adapter_id` folded into the weights (W + ΔW, `lora.merge_layers`): the
+    reference a row on that adapter must match."""
+    check_bank(spec, bank)
+    one = bank.adapter(adapter_id)
+    layers = HybridLayers(linear=lora_lib.merge_layers(decoder.layers.linear, one.linear),
+                          full=lora_lib.merge_layers(decoder.layers.full, one.full))
+    return dataclasses.replace(decoder, layers=layers)
+
+
+# --------------------------------------------------------------------------------------------------
 # The stack
 
 
@@ -247,42 +379,49 @@ def _grouped(x, spec: Qwen35Spec, kind: str):
     return x.reshape((spec.num_groups, spec.group.count(kind)) + x.shape[1:])
 
 
-def _linear_layer(spec: Qwen35Spec, lp: GatedDeltaNetLayers, x, window, state, valid, form, taps=None):
-    """One Gated DeltaNet decoder layer: (1 + w) norm, mixer, residual, norm, SwiGLU, residual."""
+def _linear_layer(spec: Qwen35Spec, lp: GatedDeltaNetLayers, x, window, state, valid, form, taps=None,
+                  lora: LayerRows | None = None):
+    """One Gated DeltaNet decoder layer: (1 + w) norm, mixer, residual, norm, SwiGLU, residual (`lora`:
+    this layer's `DeltaNetLora` slice and the row ids)."""
     bspec = spec.backbone
     h, _ = backbone.rms_norm(bspec, x, lp.attn_norm)
-    o, window, state = gdn.mixer(spec.gdn, lp, h, window, state, valid, form, taps)
+    o, window, state = gdn.mixer(spec.gdn, lp, h, window, state, valid, form, taps, lora)
     x = x + o
     h, _ = backbone.rms_norm(bspec, x, lp.ffw_norm)
-    return x + backbone.gated_mlp(bspec, h, lp.gating, lp.linear), window, state
+    return x + backbone.gated_mlp(bspec, h, lp.gating, lp.linear, lora), window, state
 
 
 def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, form, cache, window, state, kv_fn_for,
-                collect_hidden=False, collect_taps=False):
+                collect_hidden=False, collect_taps=False, lora: RowAdapters | None = None):
     """The scan over groups shared by `forward_prefill` and `forward_step`.
 
     `window`, `state`: [Lg, B, ...] states the linear layers continue; `cache`: a carried pytree the full
-    layers' `kv_fn_for(cache, layer) -> (kv_fn, get_cache)` reads and updates (layer = full-layer index).
+    layers' `kv_fn_for(cache, layer) -> (kv_fn, get_cache)` reads and updates (layer = full-layer index);
+    `lora`: a `HybridBank` and row ids, scanned with the weights (each layer gets its [E, ...] slice).
     Returns (x, cache, window [Lg, ...], state [Lg, ...], per-group outputs dict of [L or Lg, ...]).
     """
     pl, pf = spec.group.count(LINEAR), spec.group.count(FULL)
 
+    def rows(bank, kind, i):  # layer i of this group's [P, E, ...] bank slice, or None without adapters
+        return None if bank is None else LayerRows(jax.tree.map(lambda a: a[i], getattr(bank, kind)), lora.ids)
+
     def body(carry, xs):
         x, cache = carry
-        lin, full, win, st, g = xs
+        lin, full, win, st, g, bank = xs
         wins, sts, hids, taps = [], [], [], []
         il = jf = 0
         for kind in spec.group:
             if kind == LINEAR:
                 lp = jax.tree.map(lambda a, i=il: a[i], lin)
                 tap = {} if collect_taps else None
-                x, w_i, s_i = _linear_layer(spec, lp, x, win[il], st[il], valid, form, tap)
+                x, w_i, s_i = _linear_layer(spec, lp, x, win[il], st[il], valid, form, tap,
+                                            rows(bank, "linear", il))
                 wins.append(w_i), sts.append(s_i), taps.append(tap)
                 il += 1
             else:
                 fp = jax.tree.map(lambda a, j=jf: a[j], full)
                 kv_fn, get_cache = kv_fn_for(cache, g * pf + jf)
-                x = backbone.decoder_block(spec.backbone, fp, x, None, rope, mask, kv_fn)
+                x = backbone.decoder_block(spec.backbone, fp, x, None, rope, mask, kv_fn, rows(bank, "full", jf))
                 cache = get_cache()
                 jf += 1
             hids.append(x if collect_hidden else None)
@@ -293,7 +432,8 @@ def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, fo
             ys["taps"] = jax.tree.map(lambda *a: jnp.stack(a), *taps)
         return (x, cache), ys
 
-    xs = (layers.linear, layers.full, _grouped(window, spec, LINEAR), _grouped(state, spec, LINEAR), jnp.arange(spec.num_groups))
+    xs = (layers.linear, layers.full, _grouped(window, spec, LINEAR), _grouped(state, spec, LINEAR), jnp.arange(spec.num_groups),
+          None if lora is None else lora.bank)
     (x, cache), ys = jax.lax.scan(body, (x, cache), xs)
     ys = jax.tree.map(_flat, ys)
     return x, cache, ys.pop("window"), ys.pop("state"), ys
@@ -390,7 +530,7 @@ def language_model(spec: Qwen35Spec, decoder: Decoder) -> backbone.LanguageModel
 
 
 def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, mask, cache_k, cache_v, write_index,
-                 window, state, form: str = "recurrent"):
+                 window, state, form: str = "recurrent", lora: RowAdapters | None = None):
     """Continues cached sequences by T tokens: full layers write their K/V into the cache and attend to it;
     linear layers advance (window, state) (decode steps, request prompts).
 
@@ -399,9 +539,14 @@ def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, ma
         (right padding and inactive rows: False, identity steps); mask: bool [B, T, S] over cache slots.
       cache_k, cache_v: [Lf, B, S, K, H]; write_index: int [B, T] (>= S drops the write).
       window: [Lg, B, Cc, Kc]; state: float32 [Lg, B, Hv, Dk, Dv].
+      lora: `RowAdapters(HybridBank, ids int32 [B])`: row b runs with adapter ids[b] on both layer kinds
+        (0 = base weights; rows on 0 get exactly the adapter-free result); None: the adapter-free program.
     Returns:
       (hidden [B, T, D] before the final norm, (cache_k, cache_v), (window, state)).
     """
+    if lora is not None:
+        check_bank(spec, lora.bank)
+        _require(lora.ids.shape == (x.shape[0],), f"RowAdapters.ids must be [B] = ({x.shape[0]},), got {lora.ids.shape}")
     rope = backbone.rope_tables(spec.backbone, positions)
     rows = jnp.arange(x.shape[0])[:, None]
 
@@ -416,7 +561,7 @@ def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, ma
         return kv_fn, lambda: out["cache"]
 
     x, (cache_k, cache_v), window, state, _ = _run_groups(spec, layers, x, rope, mask, valid, form, (cache_k, cache_v),
-                                                          window, state, kv_fn_for)
+                                                          window, state, kv_fn_for, lora=lora)
     return x, (cache_k, cache_v), (window, state)
 
 

@@ -42,7 +42,9 @@ written entries are masked). The request prompt runs in the chunked form with en
 identity steps (state untouched, window ending at the last real entry); a decode step runs the
 recurrent form with the slot's activity as validity, so an inactive slot's step is an identity step too
 (its window and state come back unchanged, bit for bit). `slot_bytes` is a slot's memory per part.
-Language adapters are not served on Qwen3.5.
+Language adapters on Qwen3.5: a `qwen35.HybridBank` (both layer kinds, grouped like the layer scan); each
+slot's id runs through its request prompt and every recurrent step, and slots on id 0 compute exactly the
+bank-free program's numbers.
 """
 
 from __future__ import annotations
@@ -352,8 +354,35 @@ def _sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Arra
 
 
 def _row_adapters(bank, ids):
-    """`backbone.forward_write`'s per-row LoRA argument, or None (the adapter-free program) without a bank."""
+    """`backbone.forward_write`'s (or `qwen35.forward_step`'s) per-row LoRA argument, or None (the adapter-free
+    program) without a bank."""
     return None if bank is None else RowAdapters(bank, ids)
+
+
+def _check_bank(text: _Text, bank) -> None:
+    """One-line ValueError when `bank` is not the kind of bank this language model serves (shapes are checked
+    where it is applied: `qwen35.check_bank`, `lora.check_bank_fits`)."""
+    if bank is None:
+        return
+    if text.hybrid is not None:
+        qwen35.check_bank(text.hybrid, bank)
+    elif isinstance(bank, qwen35.HybridBank):
+        raise ValueError("a qwen35.HybridBank serves Qwen3.5 language models only; this decoder takes a lora.LoraBank")
+
+
+def _check_adapter_ids(requests: Requests, bank) -> None:
+    """One-line ValueError when a valid request names an adapter the bank does not store (host values only:
+    inside a traced program, e.g. a frame step, the ids are not known and ids outside 0..E get the base
+    weights)."""
+    ids, valid = requests.adapter, requests.valid
+    if isinstance(ids, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
+        return
+    ids, valid = np.asarray(ids), np.asarray(valid)
+    stored = 0 if bank is None else bank.num_adapters
+    bad = ids[valid & ((ids < 0) | (ids > stored))]
+    if bad.size:
+        held = "no bank: only id 0 (base weights)" if bank is None else f"ids 0..{stored} (0 = base weights)"
+        raise ValueError(f"request adapter id {int(bad[0])} is out of range: the bank serves {held}")
 
 
 def suffix_forward(params: LM, prefix: Prefix, rows: jax.Array, tokens: jax.Array,
@@ -401,16 +430,18 @@ def _suffix_inputs(text: _Text, view: _PrefixView, rows, tokens):
     return ck, cv, x, positions, mask, jnp.broadcast_to(p + steps, (j, q_cap))
 
 
-def _hybrid_prompts(text: _Text, view: _PrefixView, req: Requests):
+def _hybrid_prompts(text: _Text, view: _PrefixView, req: Requests, bank=None):
     """Qwen3.5 request prompts after their prefix rows: entries >= prompt_len are identity steps of the
-    linear layers (chunked form), so the window and state are those at the last real entry.
+    linear layers (chunked form), so the window and state are those at the last real entry. Each request
+    runs with its adapter (`req.adapter`) from `bank`.
 
     Returns (k, v [Lf, J, P + Q, K, H], hidden [J, Q, D] before the final norm, (window, state) [Lg, J, ...]).
     """
     ck, cv, x, positions, mask, write = _suffix_inputs(text, view, req.row, req.prompt)
     real = jnp.arange(req.prompt.shape[1])[None, :] < req.prompt_len[:, None]
     h, (ck, cv), carried = qwen35.forward_step(text.hybrid, text.decoder.layers, x, positions, real, mask, ck, cv, write,
-                                               view.window[:, req.row], view.state[:, req.row], form="chunked")
+                                               view.window[:, req.row], view.state[:, req.row], form="chunked",
+                                               lora=_row_adapters(bank, req.adapter))
     return ck, cv, h, carried
 
 
@@ -423,7 +454,7 @@ def _extend_with_prompts(params: LM, prefix: Prefix, req: Requests, q_cap: int, 
     if q_cap == 0:
         return view.k[:, req.row], view.v[:, req.row], seed_prefix, carried
     if text.hybrid is not None:
-        ck, cv, h, carried = _hybrid_prompts(text, view, req)
+        ck, cv, h, carried = _hybrid_prompts(text, view, req, bank)
     else:
         ck, cv, h = suffix_forward(params, prefix, req.row, req.prompt, bank, req.adapter)
     last = jnp.clip(req.prompt_len - 1, 0, q_cap - 1)
@@ -447,8 +478,7 @@ def _admit(params: LM, pool: DecodePool, prefix: Prefix, req: Requests, bank=Non
     admitted = req.valid & (rank < jnp.sum(free))
     slot = jnp.where(admitted, free_slots[jnp.minimum(rank, s - 1)], s)  # s = out of range: dropped
 
-    if text.hybrid is not None and bank is not None:
-        raise ValueError("language adapters are not served on Qwen3.5 yet: admit with bank=None")
+    _check_bank(text, bank)
     ck, cv, seed, carried = _extend_with_prompts(params, prefix, req, q_cap, bank)
     view = _prefix(prefix, text)
     logits = backbone.lm_logits_vocab_major(text.spec, text.decoder, seed)
@@ -486,17 +516,24 @@ def _admit(params: LM, pool: DecodePool, prefix: Prefix, req: Requests, bank=Non
     return new, admitted, first
 
 
-@functools.partial(jax.jit, donate_argnames=("pool",))
-def admit(params: LM, pool: DecodePool, prefix: Prefix, requests: Requests, bank: LoraBank | None = None):
+def admit(params: LM, pool: DecodePool, prefix: Prefix, requests: Requests,
+          bank: LoraBank | qwen35.HybridBank | None = None):
     """Admits valid requests into free slots (lowest index first), in order, while slots last.
 
     Each admitted request copies its prefix row into the slot, runs its own prompt (if any) after
-    it with its adapter (`requests.adapter`, 0 = base weights; a bank is needed for other ids), and
-    samples its first token. Donates `pool`.
+    it with its adapter (`requests.adapter`, 0 = base weights; a bank is needed for other ids: a
+    `lora.LoraBank`, or on Qwen3.5 a `qwen35.HybridBank`), and samples its first token. Donates `pool`
+    (one jitted program; host-held adapter ids outside the bank's 0..E are refused before it runs).
 
     Returns:
       (pool, admitted bool [J], first_token int32 [Ns]: the token sampled in each slot, -1 elsewhere).
     """
+    _check_adapter_ids(requests, bank)
+    return _admit_program(params, pool, prefix, requests, bank)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _admit_program(params: LM, pool: DecodePool, prefix: Prefix, requests: Requests, bank=None):
     return jax.lax.cond(
         jnp.any(requests.valid),
         lambda: _admit(params, pool, prefix, requests, bank),
@@ -509,7 +546,7 @@ def step_logits(params: LM, pool: DecodePool, bank: LoraBank | None = None) -> t
 
     Each slot runs with its own adapter (`pool.adapter`) from `bank`; slots on adapter 0 compute
     exactly the adapter-free step. The position of the fed token is `base_position + length` (all
-    three axes of an M-RoPE backbone).
+    three axes of an M-RoPE backbone). On Qwen3.5 the bank is a `qwen35.HybridBank`.
 
     The pool's mask and length are not advanced here (see `_decode_step`); inactive slots write
     nothing. On Qwen3.5 the linear layers advance each active slot's window and state by one
@@ -522,16 +559,15 @@ def step_logits(params: LM, pool: DecodePool, bank: LoraBank | None = None) -> t
     positions = (pool.base_position + pool.length)[:, None]
     attend = pool.mask | (jnp.arange(cap)[None, :] == write[:, None])
     write_index = jnp.where(pool.active, write, cap)[:, None]
+    _check_bank(text, bank)
     if text.hybrid is None:
         h, (k, v) = backbone.forward_write(text.spec, text.decoder.layers, x, positions, attend[:, None, :],
                                            pool.k, pool.v, write_index, lora=_row_adapters(bank, pool.adapter))
         pool = dataclasses.replace(pool, k=k, v=v)
     else:
-        if bank is not None:
-            raise ValueError("language adapters are not served on Qwen3.5 yet: decode with bank=None")
         h, (k, v), (window, state) = qwen35.forward_step(
             text.hybrid, text.decoder.layers, x, positions, pool.active[:, None], attend[:, None, :], pool.k, pool.v,
-            write_index, pool.window, pool.state, form="recurrent")
+            write_index, pool.window, pool.state, form="recurrent", lora=_row_adapters(bank, pool.adapter))
         pool = dataclasses.replace(pool, k=k, v=v, window=window, state=state)
     h = backbone.final_norm(text.spec, text.decoder, h)
     return pool, backbone.lm_logits_vocab_major(text.spec, text.decoder, h[:, 0])
