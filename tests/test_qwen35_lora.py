@@ -157,3 +157,33 @@ def test_abstract_bank_has_full_size_shapes_from_the_spec(name):
     full = r * (2 * (b.num_heads + b.num_kv_heads) * (b.width + b.head_dim) + 3 * (b.width + b.mlp_dim))
     lin = r * ((b.width + g.conv_channels) + (b.width + g.num_value_heads * g.value_dim) * 2 + 3 * (b.width + b.mlp_dim))
     assert sum(x.size for x in jax.tree.leaves(bank)) == e * (nf * full + nl * lin)
+
+
+def test_the_engine_serves_a_hybrid_bank_by_adapter_name_beside_the_base_model():
+    """`Engine(bank=HybridBank)` on a Qwen3.5 MultiHead: a request on adapter "a" and one on "base" decode in
+    the same frames from one shared prefix. Their first token comes from the prefix (base weights, so
+    equal), the rest from the suffix path (adapter: different); unknown names are refused."""
+    from helpers import mot_prompt_rows
+    from oxygen_jax.models import mot
+    from oxygen_jax.runtime.engine import Engine, EngineConfig
+    from oxygen_jax.runtime.vla import MultiHead
+
+    spec = mot.preset("qwen35_tiny")
+    model = MultiHead(mot.init_model(spec, seed=0), spec)
+    bank = qwen35.init_bank(spec.hybrid, 1, 2, seed=1, b_std=0.5)
+    rows, mask = mot_prompt_rows()
+    rows = np.where(rows == mot.preset("tiny").image_token_id, 11, rows)  # text only
+    eng = Engine(model, EngineConfig(num_slots=2, max_new_tokens=4, admissions_per_frame=2, tokens_per_frame=2),
+                 bank=bank, adapter_names=["a"])
+    with pytest.raises(ValueError, match="unknown adapter 'b'"):
+        eng.submit(max_tokens=4, row=1, adapter="b")
+    ids = {eng.submit(max_tokens=4, stop_token=None, row=1, adapter=name): name for name in ("a", "base")}
+    finished = {}
+    for f in range(3):
+        rng = np.random.default_rng(f)
+        noises = {h: rng.standard_normal((3, *model.action_shape(h))).astype(np.float32) for h in model.heads}
+        states = {h: rng.standard_normal((3, d)).astype(np.float32) for h, d in model.state_dims().items()}
+        res = eng.step(mot.make_inputs(spec, rows, mask), noises, states=states)
+        finished |= {ids[r.request_id]: list(r.tokens) for r in res.finished}
+    assert sorted(finished) == ["a", "base"] and all(len(t) == 4 for t in finished.values())
+    assert finished["a"][0] == finished["base"][0] and finished["a"][1:] != finished["base"][1:]

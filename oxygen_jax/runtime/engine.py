@@ -160,8 +160,9 @@ class Engine:
           params: π0.5 `Params` or a `runtime.vla.Vla` (`MultiHead(spec, params)`); `for_backend` form recommended.
           config: pool and frame sizes.
           tokenizer: for text prompts and detokenised results (optional).
-          bank: language adapters of the VLM expert (`lora.LoraBank`, E stored adapters), served per
-            request on the suffix path only; actions and the prefix cache never see them.
+          bank: language adapters of the VLM expert (`lora.LoraBank`; `qwen35.HybridBank` for a Qwen3.5
+            model; E stored adapters), served per request on the suffix path only; actions and the
+            prefix cache never see them.
           adapter_names: names of the bank's adapters 1..E (id 0 is "base", the model's own weights).
         """
         self.vla: Vla = as_vla(params, config.num_steps)
