@@ -28,3 +28,11 @@ def test_rows_pair_each_n_with_its_own_isolated_frame_and_the_published_speedup(
     (tmp_path / "xr0" / "summary.json").write_text(json.dumps(summaries["xr0"]))
     (tmp_path / "xr0" / "environment.json").write_text(json.dumps({"backend": "cpu", "cpu_count": 2}))
     assert md in families.write(tmp_path) and (tmp_path / "families.json").is_file()
+
+
+def test_slot_memory_is_the_continuous_runs_slot_at_the_largest_n():
+    kv = lambda n: {"kv": 100 * n, "window": 7, "state": 9, "total": 100 * n + 20}  # noqa: E731
+    records = [dict(_record("continuous", n, 1.0, 1.0), slot_bytes=kv(n)) for n in (5, 30, 10)]
+    records += [dict(_record("isolated", 40, 1.0, 1.0), slot_bytes=None)]
+    assert families.slot_memory({"qwen35_starvla_gr00t": records, "pi05": [_record("continuous", 5, 1.0, 1.0)]}) == {
+        "qwen35_starvla_gr00t": kv(30)}

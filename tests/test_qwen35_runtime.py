@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eval.bench import harness
 from eval.parity import qwen35 as parity
 from helpers import FAST_CODEGEN, mot_prompt_rows, shared_dir
 from oxygen_jax.ckpts.load import load_model
@@ -197,6 +198,7 @@ def test_slot_bytes_is_the_pools_size_and_the_fixed_state_is_about_1600_tokens_o
         assert size["kv"] == per_slot(pool.k, pool.v)
         assert size["window"] == per_slot(pool.window) and size["state"] == per_slot(pool.state)
         assert size["total"] == per_slot(*jax.tree.leaves(pool))
+        assert harness.pool_slot_bytes(pool) == {k: size[k] for k in ("kv", "window", "state", "total")}  # the bench's
     # full size (shapes only): ../shared/docs/qwen35.md §5.2's table, bfloat16 activations
     for name, state, window, kv in (("qwen3_5_0.8b", 18_874_368, 884_736, 12_288), ("qwen3_5_4b", 50_331_648, 1_572_864, 32_768)):
         big = qwen35.preset(name)

@@ -101,6 +101,16 @@ def components(out: Path) -> dict:
     return res
 
 
+def slot_memory(summaries: Mapping[str, Sequence[Mapping]]) -> dict[str, dict]:
+    """family -> one slot's bytes by part (`harness.pool_slot_bytes`) in its continuous run at the largest N."""
+    res = {}
+    for family, records in summaries.items():
+        runs = [r for r in records if r["setting"] == "continuous" and r.get("slot_bytes")]
+        if runs:
+            res[family] = max(runs, key=lambda r: r["N"])["slot_bytes"]
+    return res
+
+
 def write(out: Path) -> str:
     """Writes OUT/families.{json,md} from OUT/<family>/summary.json; returns the markdown."""
     summaries = {f: json.loads((out / f / "summary.json").read_text()) for f in FAMILIES if (out / f / "summary.json").is_file()}
@@ -112,15 +122,20 @@ def write(out: Path) -> str:
             env[f] |= json.loads((out / f / "load.json").read_text())
     comp = components(out)
     table_rows = rows(summaries)
-    md = [table(table_rows), "", "| family | prefix pass ms | actions ms (denoise / head) | decode step ms B=1 / 8 |",
-          "|---|---|---|---|"]
+    slots = slot_memory(summaries)
+    md = [table(table_rows), "", "| family | prefix pass ms | actions ms (denoise / head) | decode step ms B=1 / 8 | "
+          "one slot KiB: K/V + window + state (largest N) |", "|---|---|---|---|---|"]
     for f, c in comp.items():
-        d = c["decode_step_ms"]
-        md.append(f"| {f} | {_f(c['prefix_ms'], 1)} | {_f(c['actions_ms'], 1)} | {_f(d.get('1'), 1)} / {_f(d.get('8'), 1)} |")
+        d, m = c["decode_step_ms"], slots.get(f)
+        mem = "–" if m is None else f"{m['kv'] / 1024:,.0f} + {m['window'] / 1024:,.0f} + {m['state'] / 1024:,.0f}"
+        md.append(f"| {f} | {_f(c['prefix_ms'], 1)} | {_f(c['actions_ms'], 1)} | {_f(d.get('1'), 1)} / {_f(d.get('8'), 1)} | {mem} |")
+    md.append("(one slot = what the continuous run's pool holds per request; – for runs recorded before the bench "
+              "reported it; window + state are Qwen3.5's fixed linear-layer state, the same at any N)")
     machine = {f: {k: e.get(k) for k in ("backend", "device_kind", "cpu_count", "platform", "commit", "timestamp", "loadavg_start", "loadavg_end") if k in e}
                for f, e in env.items()}
     md += ["", "Machine: " + "; ".join(f"{f}: {json.dumps(m)}" for f, m in machine.items())]
-    (out / "families.json").write_text(json.dumps({"rows": table_rows, "components": comp, "machine": machine}, indent=1))
+    (out / "families.json").write_text(json.dumps({"rows": table_rows, "components": comp, "slot_bytes": slots,
+                                                   "machine": machine}, indent=1))
     text = "\n".join(md) + "\n"
     (out / "families.md").write_text(text)
     return text

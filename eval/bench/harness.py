@@ -229,6 +229,19 @@ class Runner:
         self._record(x, f, ms, sum(n), len(ids) if generated is not None else 0, len(ids), max(n) - 1 if n else 0)
 
 
+def pool_slot_bytes(pool: decode.DecodePool | None) -> dict[str, int] | None:
+    """One slot's bytes in the pool the runner allocated, by part (`decode.slot_bytes`' names): K/V of the
+    attention layers; Qwen3.5's conv window and recurrent state (0 for other models); total with bookkeeping.
+    From shapes, so a donated pool still answers."""
+    if pool is None:
+        return None
+    nbytes = lambda *xs: sum(math.prod(x.shape) * x.dtype.itemsize for x in xs if x is not None)  # noqa: E731
+    slots = pool.k.shape[1]
+    parts = dict(kv=nbytes(pool.k, pool.v), window=nbytes(getattr(pool, "window", None)),
+                 state=nbytes(getattr(pool, "state", None)), total=nbytes(*jax.tree.leaves(pool)))
+    return {name: b // slots for name, b in parts.items()}
+
+
 class ContinuousRunner(Runner):
     """continuous batching with tokens-per-frame k on a persistent pool, queued by `scheduler.Scheduler`
     (the engine's own FIFO and output bookkeeping). A family provides the pool and the frame program:
@@ -451,7 +464,8 @@ def run_group(ctx: RunContext, group: Group, robot, progress=None) -> tuple[list
             "S": s_steps, "N": n_len, "k": r.k, "k_divides_N": (n_len % r.k == 0) if r.k else None,
             "arrival": group.arrival, "arrivals_per_frame": pattern.arrivals_per_frame,
             "action_horizon": inputs.action_horizon, "warmup_frames": inputs.warmup,
-            "slots": getattr(r, "slots", None), "fixed_length_decode": ctx.fixed_length,
+            "slots": getattr(r, "slots", None), "slot_bytes": pool_slot_bytes(getattr(r, "pool", None)),
+            "fixed_length_decode": ctx.fixed_length,
             "adapter_share": share, "adapter_rank": ctx.args.adapter_rank if share else None,
             **s,
             "ideal_frame_ms_steady": steady,
