@@ -237,8 +237,8 @@ def pool_slot_bytes(pool: decode.DecodePool | None) -> dict[str, int] | None:
         return None
     nbytes = lambda *xs: sum(math.prod(x.shape) * x.dtype.itemsize for x in xs if x is not None)  # noqa: E731
     slots = pool.k.shape[1]
-    parts = dict(kv=nbytes(pool.k, pool.v), window=nbytes(getattr(pool, "window", None)),
-                 state=nbytes(getattr(pool, "state", None)), total=nbytes(*jax.tree.leaves(pool)))
+    parts = dict(kv=nbytes(pool.k, pool.v), window=nbytes(pool.window), state=nbytes(pool.state),
+                 total=nbytes(*jax.tree.leaves(pool)))
     return {name: b // slots for name, b in parts.items()}
 
 

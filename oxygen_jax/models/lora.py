@@ -176,10 +176,6 @@ class DeltaNetLora(_Targeted):
 
     _targets, _scaled = DELTANET_TARGETS, DELTANET_MIXER_TARGETS
 
-    @property
-    def mixer_rank(self) -> int | None:
-        return self._rank(DELTANET_MIXER_TARGETS)
-
 
 @_pytree
 class LoraBank:
@@ -297,13 +293,11 @@ def fit_problems(adapter: ExpertLora | DeltaNetLora, dims: LayerDims | DeltaNetD
     """One line per leaf of `adapter` that does not have the shape `lead + target_shapes(dims, ...)`
     (`deltanet_target_shapes` for a `DeltaNetLora`; ranks read off its own factors, one per group);
     empty when it fits."""
-    if isinstance(adapter, DeltaNetLora):
-        shapes, scaled, ranks = deltanet_target_shapes, DELTANET_MIXER_TARGETS, (adapter.mixer_rank, adapter.ffn_rank)
-    else:
-        shapes, scaled, ranks = target_shapes, ATTN_TARGETS, (adapter.attn_rank, adapter.ffn_rank)
+    shapes = deltanet_target_shapes if isinstance(adapter, DeltaNetLora) else target_shapes
+    scaled_rank = adapter._rank(adapter._scaled)
     want = {}
     for target in adapter.pairs():
-        a, b = shapes(dims, target, ranks[0] if target in scaled else ranks[1])
+        a, b = shapes(dims, target, scaled_rank if target in adapter._scaled else adapter.ffn_rank)
         want[f"{target}.a"], want[f"{target}.b"] = lead + a, lead + b
     return _mismatches(_leaf_shapes(adapter), want)
 
@@ -354,16 +348,17 @@ def _adapter_delta(adapter: ExpertLora | DeltaNetLora, target: str, pair: LoraPa
 
 def merge_weight(w: jax.Array, target: str, pair: LoraPair, scaling: float) -> jax.Array:
     """`w + ΔW` computed in float32, returned in w's dtype (shapes: module docstring, same leading axes)."""
-    merged = jnp.asarray(w, jnp.float32) + _weight_delta(target, pair, scaling)
-    return merged.astype(jnp.asarray(w).dtype)
+    return _plus(w, _weight_delta(target, pair, scaling))
+
+
+def _plus(w: jax.Array, delta: jax.Array) -> jax.Array:
+    """w + delta in float32, in w's dtype."""
+    return (jnp.asarray(w, jnp.float32) + delta).astype(jnp.asarray(w).dtype)
 
 
 def _merge_stacked(layers, adapter: ExpertLora | DeltaNetLora):
-    def merged(t, p):
-        w = getattr(layers, t)
-        return (jnp.asarray(w, jnp.float32) + _adapter_delta(adapter, t, p)).astype(jnp.asarray(w).dtype)
-
-    return dataclasses.replace(layers, **{t: merged(t, p) for t, p in adapter.pairs().items()})
+    changes = {t: _plus(getattr(layers, t), _adapter_delta(adapter, t, p)) for t, p in adapter.pairs().items()}
+    return dataclasses.replace(layers, **changes)
 
 
 @jax.jit  # one program per layer structure, not one dispatch per einsum and slice
@@ -427,9 +422,8 @@ class LayerRows:
         pair = getattr(self.adapters, target)
         if pair is None:
             return y
-        deltanet = isinstance(self.adapters, DeltaNetLora)
-        eqn_a, eqn_b, sel_shape = (_DELTANET_ROW_EQNS if deltanet else _ROW_EQNS)[target]
-        scaled = target in (DELTANET_MIXER_TARGETS if deltanet else ATTN_TARGETS)
+        eqn_a, eqn_b, sel_shape = (_DELTANET_ROW_EQNS if isinstance(self.adapters, DeltaNetLora) else _ROW_EQNS)[target]
+        scaled = target in self.adapters._scaled
         ids = self.ids
         if target in FFN_TARGETS:  # feed-forward rows are the flattened (row, token) pairs
             ids = jnp.repeat(ids, x.shape[0] // ids.shape[0])
