@@ -25,7 +25,7 @@ import optax
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.models.pi05.params import Params
-from training.train_step import TrainState
+from training.train_step import TrainState, step_metrics
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,10 +101,10 @@ def train_step(state: TrainState, rng: jax.Array, observation: Observation, acti
     """One optimisation step on the training-time-RTC loss (as `training.train_step.train_step`). Donates `state`.
 
     Returns:
-      (new state, {"loss": postfix mean loss, "grad_norm": global gradient norm}).
+      (new state, {"loss": postfix mean loss, "grad_norm": global gradient norm, "finite": see `step_metrics`}).
     """
     loss, grads = jax.value_and_grad(lambda p: compute_loss_rng(p, rng, observation, actions, cfg))(state.params)
     updates, opt_state = state.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state)
-    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    return new, step_metrics(loss, grads, (params, opt_state))

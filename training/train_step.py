@@ -57,6 +57,20 @@ class TrainState:
     optimizer: optax.GradientTransformation = dataclasses.field(metadata=dict(static=True))
 
 
+def all_finite(tree) -> jax.Array:
+    """bool []: every float leaf of `tree` is free of NaN and ±inf (integer leaves count as finite)."""
+    checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return jnp.stack(checks).all() if checks else jnp.array(True)
+
+
+def step_metrics(loss: jax.Array, grads, new_state) -> dict:
+    """{"loss", "grad_norm", "finite"} of one step; `finite` is False when the loss, the gradient norm or any float
+    leaf of the updated state is NaN or ±inf: a loop stops there rather than save garbage."""
+    grad_norm = optax.tree.norm(grads)
+    return {"loss": loss, "grad_norm": grad_norm,
+            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(new_state)}
+
+
 def init_train_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), optimizer=optimizer)
 
@@ -69,7 +83,7 @@ def train_step(state: TrainState, rng: jax.Array, observation: Observation, acti
       rng: this step's key (noise and time are drawn from it).
       observation: a batch [B, ...]; actions: normalised, padded [B, Ha, A].
     Returns:
-      (new state, {"loss": mean loss, "grad_norm": global gradient norm}).
+      (new state, {"loss": mean loss, "grad_norm": global gradient norm, "finite": `step_metrics`' check}).
     """
     def loss_fn(params):
         return jnp.mean(model.compute_loss_rng(params, rng, observation, actions))
@@ -78,4 +92,4 @@ def train_step(state: TrainState, rng: jax.Array, observation: Observation, acti
     updates, opt_state = state.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state)
-    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    return new, step_metrics(loss, grads, (params, opt_state))
