@@ -30,7 +30,8 @@ from training.memory.__main__ import main
 from training.memory.config import TrainConfig
 from training.memory.data import TextTask, augment_frame
 from training.memory.evaluate import greedy_exact_match
-from training.memory.loop import StateCheckpoints, train
+from training.memory.checkpoints import StateCheckpoints
+from training.memory.loop import train
 from training.memory.model import make_mesh, teacher_forced_logits, with_base_trainable
 from training.memory_data import open_memory_dataset, write_memory_dataset
 from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits

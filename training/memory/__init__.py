@@ -30,7 +30,9 @@ Two modes:
 Optimisation: optax AdamW after global-norm clipping, warm-up + cosine schedule (`training.train_step`'s
 `make_optimizer`). Data: `training.memory_data` frames; the batch of step s is a pure function of (seed, s)
 (`epoch_batches`), so a resumed run sees exactly the batches an uninterrupted one would. State (step,
-trainable leaves, optimizer state) is saved by an orbax `CheckpointManager`; resuming is bit-identical.
+trainable leaves, optimizer state) is saved by an orbax `CheckpointManager` with a SHA-256 per leaf; resuming
+verifies them, falls back past damaged steps and is bit-identical. A step whose loss, gradient norm or state is
+not finite stops the run: nothing is evaluated, checkpointed or saved from it.
 Data parallelism: the batch is sharded over the `data` axis of a `jax.sharding.Mesh`, parameters, bank and
 optimizer state are replicated (`model.make_mesh`).
 
@@ -48,7 +50,8 @@ Modules, in the order a run uses them:
     data          TextTask, StepBatches (the batch of each step), augment_frame, fixed_batches
     model         trainable trees and state, suffix_logits / answer_loss, the compiled step, the mesh
     evaluate      engine_answers, greedy_exact_match (through `Engine`)
-    loop          train, StateCheckpoints
+    checkpoints   StateCheckpoints: verified training-state checkpoints, resume with fallback
+    loop          train (stops at the first non-finite step: NonFiniteStepError)
     export_demo   the embedded demo folder
     __main__      the command line
 """

@@ -1,21 +1,27 @@
 """`python -m training.memory`: train a "Memory: " adapter on a base π0.5, or pre-train the base on a text
 task (`--mode base`); `python -m training.memory export-demo` assembles the embedded demo folder.
 
-Writes into --out: adapter/ or base/, tokenizer.model, checkpoints/ (resumed when present), metrics.jsonl
-and run.json. Axes (`oxygen_jax.axes`): T suffix tokens, Tp prompt tokens in the prefix, V vocabulary.
+Writes into --out: adapter/ or base/, tokenizer.model, checkpoints/ (verified, resumed when present; damaged
+steps are moved to checkpoints.rejected/), metrics.jsonl and run.json. Bad input (flags, data, an unwritable
+--out, a batch larger than the training split, a --suffix-len too short for a split, checkpoints of another
+run or none intact) is one line on stderr and exit status 2; a run whose loss, gradients or state become
+non-finite stops at that step with one line and exit status 1, writing no adapter, base or checkpoint from it. Axes (`oxygen_jax.axes`): T suffix tokens, Tp prompt tokens in the prefix, V vocabulary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 
-from oxygen_jax.cli import OneLineParser, int_at_least
+from oxygen_jax.cli import OneLineParser, float_in, int_at_least
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME, save_adapter, tree_digest
 from oxygen_jax.models.pi05.config import RobotConfig, robot_config
@@ -23,10 +29,11 @@ from oxygen_jax.models.pi05.params import Params, for_backend, init_params
 from oxygen_jax.robots.tokenizer import (
     MIN_TRAINED_VOCAB, Tokenizer, encode_suffix_prompt, train_demo_tokenizer, train_text_tokenizer,
 )
+from training.memory.checkpoints import CheckpointError, first_non_finite
 from training.memory.config import DEMO_PROMPT_LEN, TrainConfig, checkpoint_config_json, preset_config
 from training.memory.data import TextTask, task_texts
 from training.memory.export_demo import main as export_main
-from training.memory.loop import train
+from training.memory.loop import NonFiniteStepError, train
 from training.memory.model import make_mesh, with_base_trainable
 from training.memory_data import MEMORY_PROMPT, frame_texts, open_memory_dataset
 
@@ -108,15 +115,15 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--steps", type=int_at_least(1), default=d.steps)
     o.add_argument("--batch-size", type=int_at_least(1), default=d.batch_size)
     o.add_argument("--rank", type=int_at_least(1), default=d.rank)
-    o.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: rank)")
+    o.add_argument("--alpha", type=float_in(0, low_open=True), default=None, help="LoRA alpha (default: rank)")
     o.add_argument("--targets", default=",".join(d.targets), help="comma-separated LoRA targets")
-    o.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 adapter, 1e-3 base)")
-    o.add_argument("--final-lr", type=float, default=None, help="end of the cosine (default peak / 30)")
+    o.add_argument("--lr", type=float_in(0, low_open=True), default=None, help="peak learning rate (default 3e-3 adapter, 1e-3 base)")
+    o.add_argument("--final-lr", type=float_in(0), default=None, help="end of the cosine (default peak / 30)")
     o.add_argument("--warmup", type=int_at_least(0), default=d.warmup_steps)
-    o.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    o.add_argument("--clip-norm", type=float, default=d.clip_norm)
+    o.add_argument("--weight-decay", type=float_in(0), default=d.weight_decay)
+    o.add_argument("--clip-norm", type=float_in(0, low_open=True), default=d.clip_norm)
     o.add_argument("--seed", type=int, default=d.seed, help="batch order, adapter init, random base, augmentation")
-    o.add_argument("--augment", type=float, default=d.augment,
+    o.add_argument("--augment", type=float_in(0), default=d.augment,
                    help="image augmentation: random shift up to this fraction of the side, brightness x(1 +- it)")
     o.add_argument("--devices", type=int_at_least(1), default=None, help="data-parallel devices (default: all)")
     e = p.add_argument_group("evaluation and checkpoints")
@@ -129,60 +136,104 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs (or resumes) one training run, or `export-demo ...`; returns the exit status (2: bad input)."""
+    """Runs (or resumes) one training run, or `export-demo ...`; returns the exit status (2: bad input, 1: the run
+    diverged (a non-finite step); nothing is saved from a diverged run)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["export-demo"]:
         return export_main(argv[1:])
     args = _parser().parse_args(argv)
+    try:
+        return _run(args, argv)
+    except (_Refused, CheckpointError) as e:
+        print(f"python -m training.memory: error: {e}", file=sys.stderr)
+        return 2
+    except (NonFiniteStepError, _NotSaved) as e:
+        print(f"python -m training.memory: error: {e}; no adapter or base was written", file=sys.stderr)
+        return 1
+
+
+class _Refused(ValueError):
+    """Bad input found before or instead of training (reported in one line, exit status 2)."""
+
+
+class _NotSaved(ArithmeticError):
+    """The trained weights have a NaN or ±inf leaf (reported in one line, exit status 1; nothing written)."""
+
+
+def _run(args, argv: list[str]) -> int:
     base_mode = args.mode == "base"
     prompt = args.prompt if args.prompt is not None else ("Scene: " if base_mode else MEMORY_PROMPT)
     label_key = args.label_key or ("scene" if base_mode else "memory")
     if not base_mode and args.base is None:
-        print("python -m training.memory: error: adapter mode needs --base (an own.save_params dir)",
-              file=sys.stderr)
-        return 2
+        raise _Refused("adapter mode needs --base (an own.save_params dir)")
+    if args.base is not None and not args.base.is_dir():
+        raise _Refused(f"--base {args.base}: no such directory (an own.save_params dir)")
+    out = _writable_out(args.out)
+    devices = args.devices or jax.device_count()
+    if devices > jax.device_count():
+        raise _Refused(f"--devices {devices}: only {jax.device_count()} device(s) exist; on CPU simulate more with "
+                       "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    if args.batch_size % devices:
+        raise _Refused(f"--batch-size {args.batch_size} is not a multiple of the {devices} data-parallel device(s)")
     try:
         train_src = open_memory_dataset(args.data, args.train_split)
         eval_src = open_memory_dataset(args.data, args.eval_split) if args.eval_split else None
     except (FileNotFoundError, ValueError) as e:
-        print(f"python -m training.memory: error: --data {args.data}: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
-    out = args.out.expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
+        raise _Refused(f"--data {args.data}: {str(e).splitlines()[0]}") from None
+    if len(train_src) < args.batch_size:
+        raise _Refused(f"--batch-size {args.batch_size} is larger than the {len(train_src)} frames of split "
+                       f"{args.train_split!r}; use --batch-size <= {len(train_src)}")
+    if eval_src is not None and len(eval_src) == 0:
+        raise _Refused(f"--eval-split {args.eval_split!r} has no frames; pass --eval-split '' to train without evaluation")
     tok_file = out / "tokenizer.model"
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.is_file() and args.tokenizer is None else _tokenizer(args, train_src)
-    params, what = _load_base(args, tokenizer)
-    params = for_backend(params)
-    suffix_len = args.suffix_len or _longest_suffix(train_src, tokenizer, prompt, label_key)
+    splits = {args.train_split: train_src, **({args.eval_split: eval_src} if eval_src is not None else {})}
+    suffix_len = _suffix_len(args.suffix_len, splits, tokenizer, prompt, label_key)
     lr = args.lr if args.lr is not None else (1e-3 if base_mode else 3e-3)
-    config = TrainConfig(
-        mode=args.mode, prompt=prompt, label_key=label_key, steps=args.steps, batch_size=args.batch_size,
-        suffix_len=suffix_len, rank=args.rank, alpha=args.alpha, targets=tuple(args.targets.split(",")),
-        peak_lr=lr, final_lr=args.final_lr if args.final_lr is not None else lr / 30, warmup_steps=args.warmup,
-        weight_decay=args.weight_decay, clip_norm=args.clip_norm, seed=args.seed, augment=args.augment,
-    )
+    try:
+        config = TrainConfig(
+            mode=args.mode, prompt=prompt, label_key=label_key, steps=args.steps, batch_size=args.batch_size,
+            suffix_len=suffix_len, rank=args.rank, alpha=args.alpha, targets=tuple(args.targets.split(",")),
+            peak_lr=lr, final_lr=args.final_lr if args.final_lr is not None else lr / 30, warmup_steps=args.warmup,
+            weight_decay=args.weight_decay, clip_norm=args.clip_norm, seed=args.seed, augment=args.augment,
+        )
+    except ValueError as e:
+        raise _Refused(str(e)) from None
+    try:
+        params, what = _load_base(args, tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        raise _Refused(f"--base {args.base}: {str(e).splitlines()[0]}" if args.base else str(e)) from None
+    params = for_backend(params)
     task = TextTask(robot=_robot(args.prompt_len), tokenizer=tokenizer, prompt=prompt, label_key=label_key,
                     suffix_len=suffix_len)
-    tok_file.write_bytes(tokenizer.to_bytes())
     run = {"argv": argv, "base": what, "data": str(args.data.resolve()),
            "train_frames": len(train_src), "eval_frames": len(eval_src) if eval_src is not None else 0,
            "tokenizer_vocab": tokenizer.vocab_size, "prompt_len": args.prompt_len, "config": config.to_json(),
-           "model": checkpoint_config_json(params.config), "devices": args.devices or jax.device_count()}
-    (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+           "model": checkpoint_config_json(params.config), "devices": devices}
     print(f"{args.mode}: {what}; {len(train_src)} train / {len(eval_src) if eval_src else 0} eval frames; "
-          f"task {prompt!r} -> {label_key!r}, T={suffix_len}; {jax.device_count()} device(s)", flush=True)
-    digest_before = None if base_mode else tree_digest(params)  # base mode trains these leaves
+          f"task {prompt!r} -> {label_key!r}, T={suffix_len}; {devices} device(s)", flush=True)
+    digest_before = tree_digest(params)  # identifies the base a checkpoint continues (base mode trains from it)
+    run_meta = {"base_digest": digest_before, "prompt_len": args.prompt_len, "tokenizer_vocab": tokenizer.vocab_size}
+    def write_run_files():  # on a fresh start, or once a checkpoint was accepted (a refused resume changes nothing)
+        tok_file.write_bytes(tokenizer.to_bytes())
+        (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+
+    ckpt_dir = out / "checkpoints"
+    if not (ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())):
+        write_run_files()
     with open(out / "metrics.jsonl", "a") as metrics_file:
         def log(entry):
+            if entry["event"] == "resumed":
+                write_run_files()
             metrics_file.write(json.dumps(entry) + "\n")
             metrics_file.flush()
             if entry["event"] != "train":
                 print(json.dumps(entry), flush=True)
 
         result = train(config, params, task, train_src, eval_source=eval_src, eval_every=args.eval_every,
-                       eval_frames=args.eval_frames, checkpoint_dir=out / "checkpoints",
-                       checkpoint_every=args.checkpoint_every, stop_at=args.stop_at, mesh=make_mesh(args.devices),
-                       progress=not args.no_progress, log=log)
+                       eval_frames=args.eval_frames, checkpoint_dir=ckpt_dir,
+                       checkpoint_every=args.checkpoint_every, stop_at=args.stop_at, mesh=make_mesh(devices),
+                       progress=not args.no_progress, log=log, run_meta=run_meta)
     if not base_mode:  # the frozen base, checked rather than assumed
         unchanged = tree_digest(params) == digest_before
         with open(out / "metrics.jsonl", "a") as metrics_file:
@@ -193,9 +244,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if base_mode:
         final = with_base_trainable(params, jax.device_get(result.state.trainable))
+        _require_finite(final, f"the trained base of step {config.steps}")
         dest = own.save_params(out / "base", final, overwrite=True)
     else:
         adapter = jax.device_get(result.state.trainable).adapter(1)
+        _require_finite(adapter, f"the adapter of step {config.steps}")
         dest = save_adapter(out / "adapter", adapter, name=DEFAULT_ADAPTER_NAME, prompt=prompt, base=args.base,
                             extra={"label_key": label_key, "suffix_len": suffix_len, "prompt_len": args.prompt_len,
                                    "steps": config.steps}, overwrite=True)
@@ -204,8 +257,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _longest_suffix(source, tokenizer: Tokenizer, prompt: str, label_key: str) -> int:
-    labels = {str(f[label_key]) for f in frame_texts(source, (label_key,))}
+def _writable_out(path: Path) -> Path:
+    """--out resolved, created if missing and probed by writing a file in it (and in checkpoints/ if present)."""
+    out = path.expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise _Refused(f"--out {path}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for folder in (out, out / "checkpoints"):
+            if folder.is_dir():
+                fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=folder)
+                os.close(fd)
+                os.remove(probe)
+        for name in ("tokenizer.model", "run.json", "metrics.jsonl"):
+            if (out / name).exists() and not os.access(out / name, os.W_OK):
+                raise PermissionError(f"{out / name} is read-only")
+    except OSError as e:
+        raise _Refused(f"--out {path}: cannot create or write there ({type(e).__name__}: {e}); choose a writable "
+                       "directory") from None
+    return out
+
+
+def _suffix_len(given: int | None, splits, tokenizer: Tokenizer, prompt: str, label_key: str) -> int:
+    """T: `given`, checked to hold the longest prompt + label + EOS of every split trained or evaluated on, or
+    (None) that longest."""
+    need = {name: _longest_suffix(src, name, tokenizer, prompt, label_key) for name, src in splits.items()}
+    if given is None:
+        return max(need.values())
+    short = {name: n for name, n in need.items() if n > given}
+    if short:
+        name, n = max(short.items(), key=lambda kv: kv[1])
+        raise _Refused(f"--suffix-len {given} is too short: split {name!r} needs {n} suffix tokens (prompt + longest "
+                       f"{label_key!r} + EOS); use --suffix-len {max(need.values())} or leave it out")
+    return given
+
+
+def _require_finite(tree, what: str) -> None:
+    """Refuses to write a tree with a NaN or ±inf leaf (a diverged run must leave no weights behind)."""
+    bad = first_non_finite({jax.tree_util.keystr(k): np.asarray(x)
+                            for k, x in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]})
+    if bad is not None:
+        raise _NotSaved(f"{what} has a non-finite leaf {bad}")
+
+
+def _longest_suffix(source, split: str, tokenizer: Tokenizer, prompt: str, label_key: str) -> int:
+    texts = frame_texts(source, (label_key,))
+    missing = next((i for i, f in enumerate(texts) if label_key not in f), None)
+    if missing is not None:
+        raise _Refused(f"frame {missing} of split {split!r} has no {label_key!r} field; choose another --label-key")
+    labels = {str(f[label_key]) for f in texts}
     return len(encode_suffix_prompt(tokenizer, prompt)) + max(len(tokenizer.encode(x)) for x in labels) + 1
 
 

@@ -7,6 +7,7 @@ Axes (`oxygen_jax.axes`): B batch rows, T suffix tokens, Tp prompt tokens in the
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Literal
 
@@ -97,8 +98,16 @@ class TrainConfig:
         for f in ("steps", "batch_size", "suffix_len", "rank"):
             if getattr(self, f) < 1:
                 raise ValueError(f"TrainConfig.{f} must be >= 1, got {getattr(self, f)}")
-        if self.warmup_steps < 0 or not self.peak_lr > 0 or self.final_lr < 0:
+        if self.warmup_steps < 0 or not self.peak_lr > 0 or not self.final_lr >= 0:
             raise ValueError("TrainConfig: need warmup_steps >= 0, peak_lr > 0 and final_lr >= 0")
+        for f in ("peak_lr", "final_lr", "weight_decay", "clip_norm", "augment"):
+            if not math.isfinite(getattr(self, f)):
+                raise ValueError(f"TrainConfig.{f} must be finite, got {getattr(self, f)}")
+        if not self.weight_decay >= 0 or not self.clip_norm > 0:
+            raise ValueError(f"TrainConfig: need weight_decay >= 0 and clip_norm > 0, got {self.weight_decay}, "
+                             f"{self.clip_norm}")
+        if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"TrainConfig.alpha must be a finite number > 0 (or None: rank), got {self.alpha}")
         if not 0.0 <= self.augment < 0.5:
             raise ValueError(f"TrainConfig.augment must be in [0, 0.5), got {self.augment}")
         bad = [t for t in self.targets if t not in lora.TARGETS]

@@ -30,6 +30,7 @@ from oxygen_jax.models.siglip import Siglip
 from oxygen_jax.runtime import decode
 from training.memory.config import Mode, TrainConfig
 from training.memory_data import MemoryBatch
+from training.train_step import step_metrics
 
 
 # -------------------------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def _train_step(mode: Mode, optimizer, state: TrainState, params: Params, batch:
     (loss, stats), grads = grad_fn(state.trainable)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
     trainable = optax.apply_updates(state.trainable, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **stats}
+    metrics = {**step_metrics(loss, grads, (trainable, opt_state)), **stats}
     return TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state), metrics
 
 
@@ -159,7 +160,9 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
 
 
 class TrainStep(NamedTuple):
-    """A compiled step `fn(state, params, batch) -> (state, metrics)` (donates `state`) and its optimizer."""
+    """A compiled step `fn(state, params, batch) -> (state, metrics)` (donates `state`) and its optimizer.
+
+    metrics: loss, grad_norm, finite (`training.train_step.step_metrics`), tokens and correct (`answer_loss`)."""
 
     fn: Callable[[TrainState, Params, MemoryBatch], tuple[TrainState, dict]]
     optimizer: optax.GradientTransformation
