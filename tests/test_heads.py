@@ -400,14 +400,12 @@ def test_head_specs_reject_inconsistent_fields_with_one_line_naming_the_field():
     xr0, gr00t = hd.preset("xr0_tiny"), hd.preset("gr00t_tiny")
     cases = [
         (lambda: xr0.replace(kv_layers=(1,)), "kv_layers must name one backbone layer per head layer"),
-        (lambda: xr0.replace(extra_tokens=("sink",)), "a 'state' extra token needs state_dim > 0"),
-        (lambda: xr0.replace(extra_tokens=("future", "state")), "extra_tokens of a joint_kv head"),
-        (lambda: gr00t.replace(depth=3), "depth must be even"),
-        (lambda: gr00t.replace(hidden_layers=(3, 3)), "one hidden state per cross block"),
-        (lambda: gr00t.replace(num_kv_heads=1), "num_kv_heads = num_heads"),
+        (lambda: xr0.replace(num_heads=3), r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+        (lambda: xr0.replace(hidden_layers=(3,)), r"JointKvSpec \(joint_kv\) has no field 'hidden_layers'"),
+        (lambda: gr00t.replace(num_kv_heads=1), r"CrossLastSpec \(cross_last\) has no field 'num_kv_heads'"),
+        (lambda: gr00t.replace(depth=1), "a 1-block DiT has no self block"),
+        (lambda: hd.preset("starvla_tiny").replace(hidden_layers=(3, 3)), "one hidden state per cross block"),
         (lambda: gr00t.replace(max_positions=2), "max_positions >= horizon"),
-        (lambda: gr00t.replace(time_cond="adaln_table"), "cross heads implement time_cond='adaln_scale_shift'"),
-        (lambda: hd.preset("starvla_tiny").replace(kind="cross_last"), "reads one hidden state"),
         (lambda: hd.preset("xr0_large"), "unknown head preset 'xr0_large'"),
     ]
     for build, message in cases:
@@ -423,7 +421,7 @@ def test_heads_are_checked_against_the_backbone_they_read():
         (hd.preset("xr0_tiny").replace(num_heads=4, num_kv_heads=4), "num_kv_heads 4 must equal the backbone's 2"),
         (hd.preset("xr0_tiny").replace(kv_layers=(2, 3)), r"kv_layers \(2, 3\) must be backbone layers in \[0, 3\)"),
         (hd.preset("starvla_tiny").replace(hidden_layers=(2, 3, 4)), r"must be HF hidden_states indices in \[0, 3\]"),
-        (hd.preset("gr00t_tiny").replace(hidden_layers=(2,)), r"reads hidden_states\[3\] \(the last entry\)"),
+        (hd.preset("gr00t_tiny").replace(hidden_layer=2), r"reads hidden_states\[3\] \(the last entry\)"),
         (hd.preset("starvla_bench"), "vlm_width 1024 must equal the backbone width 64"),
     ]
     for head, message in cases:

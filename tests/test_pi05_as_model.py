@@ -146,7 +146,8 @@ def test_pi05_vla_is_multihead_of_as_model(tiny):
 def test_adarms_spec_and_inputs_fail_with_one_line_messages(tiny):
     cfg = tiny["cfg"]
     spec = model.model_spec(cfg, STEPS)
-    with pytest.raises(ValueError, match="kv_layers must be"):
+    assert model.head_spec(cfg).kv_layers == tuple(range(cfg.action_expert.depth))  # layer l reads layer l, by construction
+    with pytest.raises(ValueError, match=r"AdaRmsSpec \(adarms_joint\) has no field 'kv_layers'"):
         model.head_spec(cfg).replace(kv_layers=(0,))
     with pytest.raises(ValueError, match="horizon must be positive"):
         hd.preset("xr0_tiny").replace(horizon=0)

@@ -160,7 +160,7 @@ def check_layout(chk: Checker, ck: starvla.StarVLACheckpoint, ref, params: mot.M
     if "state_features" in ref:
         chk.close("state_features", st.extra[:, :1], ref["state_features"])
     chk.exact("encoder_attention_mask", np.asarray(st.mask[:, 0]), ref["encoder_attention_mask"])
-    chk.exact("cross_block_index", np.arange(head.depth)[::1 if head.block_pattern == "all_cross" else 2], ref["cross_block_index"])
+    chk.exact("cross_block_index", np.asarray(head.cross_blocks), ref["cross_block_index"])
     for name, ours in (("cross_attn_k", st.k), ("cross_attn_v", st.v)):  # ours [Lc, B, P, N, H]; ref [Lc, B, N, P, H]
         chk.close(f"{name} (real tokens)", np.moveaxis(np.asarray(ours), 0, 2), np.moveaxis(np.swapaxes(ref[name], 2, 3), 0, 2), valid=am)
 

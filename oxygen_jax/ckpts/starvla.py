@@ -19,11 +19,15 @@ is `vlm_config.json` beside `config.yaml`, else `<base_vlm>/config.json` when `b
 
 Every dimension comes from the files: the DiT width, depth, MLP width, time features, output width,
 future tokens, positions, state and decoder widths from the tensor shapes, the horizon, action dim,
-steps and bucket count from `config.yaml`, the attention heads from `diffusion_model_cfg`
-(`num_attention_heads`, `attention_head_dim`; QwenPI_v3 writes them) or, for GR00T, StarVLA's
-`DiTConfig` table by `action_model_type` (DiT-B 12 x 64, DiT-L 32 x 48; an added entry is read from a
-`meta.json` `injected.dit_config_entry` next to the checkpoint, as the tiny fixture records it). Weights
-StarVLA stores but never runs at inference (QwenPI_v3's `state_encoder` and DiT `proj_out_*`) are
+steps and bucket count from `config.yaml`, the attention heads as StarVLA derives them (QwenPI_v3:
+`attention_head_dim`, default 64, and width / head_dim heads; GR00T: its `DiTConfig` table by
+`action_model_type` (DiT-B 12 x 64, DiT-L 32 x 48; an added entry is read from a `meta.json`
+`injected.dit_config_entry` next to the checkpoint, as the tiny fixture records it) overridden by
+`diffusion_model_cfg`), the block pattern from `interleave_self_attention` (or its alias
+`use_canonical_forward`; default: interleaved for GR00T, all-cross for QwenPI_v3), for any block count
+(interleaved: block i self-attends when i is odd). QwenPI_v3 may have no `project_layers` (StarVLA makes
+them identities when the DiT is as wide as the VLM). Weights StarVLA stores but never runs at inference
+(QwenPI_v3's `state_encoder`, DiT `proj_out_*` and, interleaved, the self blocks' `project_layers`) are
 accepted and listed in `StarVLACheckpoint.unused`. Both heads read the backbone's hidden states in the
 transformers 4.57 convention, StarVLA's pin (`models.hidden_states`).
 
@@ -47,8 +51,9 @@ import numpy as np
 from oxygen_jax.ckpts import hf
 from oxygen_jax.ckpts.safetensors import _header, read_safetensors
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models.heads import HeadSpec
-from oxygen_jax.models.heads.cross import ActionEncoder, BlockPair, CrossBlocks, CrossHead, HiddenProj
+from oxygen_jax.models.heads.cross import (
+    ActionEncoder, BlockPair, CrossBlocks, CrossHead, CrossHiddenSpec, CrossLastSpec, CrossSpec, HiddenProj, cross_blocks,
+)
 from oxygen_jax.models.heads.parts import Linear, Mlp
 from oxygen_jax.models.mot import ModelParams, ModelSpec
 from oxygen_jax.nn.layers import LayerNorm
@@ -145,7 +150,7 @@ def _vlm_config(path: Path, cfg: Mapping) -> tuple[dict, Path]:
 
 
 # --------------------------------------------------------------------------------------------------
-# config.yaml + shapes -> HeadSpec
+# config.yaml + shapes -> CrossSpec
 
 
 def _cfg(d: Mapping, key: str, where: str, path):
@@ -165,23 +170,43 @@ def _block_count(tensors) -> int:
     return max(found) + 1 if found else 0
 
 
-def _dit_heads(framework, am, dit, path) -> tuple[int, int]:
-    if dit.get("num_attention_heads") and dit.get("attention_head_dim"):
-        return int(dit["num_attention_heads"]), int(dit["attention_head_dim"])
+def _dit_heads(framework, am, dit, width: int, path) -> tuple[int, int]:
+    """(heads, head_dim) of the DiT as StarVLA builds it (its width is heads x head_dim).
+
+    QwenPI_v3 (`share_tools.populate_layerwise_dit_cfg`, which overrides any stored head count): head_dim =
+    `attention_head_dim` (default 64), heads = width // head_dim. GR00T: `DiTConfig[action_model_type]`
+    overridden key by key by `diffusion_model_cfg`.
+    """
+    if framework == "QwenPI_v3":
+        head_dim = int(dit.get("attention_head_dim") or 64)
+        return width // head_dim, head_dim
     kind = am.get("action_model_type")
     entry = DIT_CONFIG.get(kind)
     meta = path.parent / "meta.json"
     if entry is None and meta.is_file():  # a DiTConfig entry added next to StarVLA's table (the tiny fixtures)
         injected = (json.loads(meta.read_text()).get("injected") or {}).get("dit_config_entry") or {}
         entry = injected.get(f"DiTConfig_{str(kind).replace('-', '_')}")
-    if entry is None:
+    merged = {**(entry or {}), **{k: v for k, v in dit.items() if v is not None}}
+    if not (merged.get("num_attention_heads") and merged.get("attention_head_dim")):
         _fail(path, f"{framework}: action_model.action_model_type {kind!r} is not in StarVLA's DiTConfig table "
                     f"{sorted(DIT_CONFIG)} and diffusion_model_cfg has no num_attention_heads / attention_head_dim")
-    return int(entry["num_attention_heads"]), int(entry["attention_head_dim"])
+    return int(merged["num_attention_heads"]), int(merged["attention_head_dim"])
 
 
-def head_spec(framework: str, cfg: Mapping, tensors: Mapping[str, Any], vlm_depth: int, vlm_width: int, path="") -> HeadSpec:
-    """The `HeadSpec` of a StarVLA head from its config.yaml and the tensor shapes (nothing hard-wired)."""
+def _interleaved(framework: str, dit: Mapping) -> bool:
+    """StarVLA's `DiT` block pattern switch: `interleave_self_attention` (its alias `use_canonical_forward`
+    wins when set); the framework's default config when absent: QwenGR00T interleaves, QwenPI_v3 does not."""
+    if dit.get("use_canonical_forward") is not None:
+        return bool(dit["use_canonical_forward"])
+    return bool(dit.get("interleave_self_attention", framework == "QwenGR00T"))
+
+
+def head_spec(framework: str, cfg: Mapping, tensors: Mapping[str, Any], vlm_depth: int, vlm_width: int, path="") -> CrossSpec:
+    """The `CrossSpec` of a StarVLA head from its config.yaml and the tensor shapes (nothing hard-wired).
+
+    Any DiT depth, either block pattern (cross_self: block i self-attends when i is odd, 5 blocks = cross
+    0, 2, 4), QwenPI_v3 with or without its per-layer projections (none when the DiT is as wide as the VLM).
+    """
     fw = cfg.get("framework") or {}
     am = fw.get("action_model") or {}
     dit = am.get("diffusion_model_cfg") or {}
@@ -190,10 +215,10 @@ def head_spec(framework: str, cfg: Mapping, tensors: Mapping[str, Any], vlm_dept
     depth = _block_count(tensors)
     if not depth:
         _fail(path, "no action_model.model.transformer_blocks.* tensors: not a StarVLA DiT head")
-    heads, head_dim = _dit_heads(framework, am, dit, path)
-    if heads * head_dim != _shape(tensors, _AM + "model.transformer_blocks.0.attn1.to_q.weight", path)[0]:
-        _fail(path, f"{framework}: {heads} heads x {head_dim} do not fit to_q's width "
-                    f"{_shape(tensors, _AM + 'model.transformer_blocks.0.attn1.to_q.weight', path)[0]}")
+    heads, head_dim = _dit_heads(framework, am, dit, da, path)
+    q_width = _shape(tensors, _AM + "model.transformer_blocks.0.attn1.to_q.weight", path)[0]
+    if heads * head_dim != q_width or q_width != da:
+        _fail(path, f"{framework}: {heads} heads x {head_dim} do not fit to_q's width {q_width} and the DiT width {da}")
     mlp_dim = _shape(tensors, _AM + "model.transformer_blocks.0.ff.net.0.proj.weight", path)[0]
     time_dim = _shape(tensors, _AM + "model.timestep_encoder.timestep_embedder.linear_1.weight", path)[1]
     io_hidden = _shape(tensors, _AM + "action_decoder.layer1.weight", path)[0]
@@ -201,32 +226,32 @@ def head_spec(framework: str, cfg: Mapping, tensors: Mapping[str, Any], vlm_dept
     horizon = int(_cfg(am, "action_horizon", "framework.action_model", path))
     if not am.get("add_pos_embed", True):
         _fail(path, "action_model.add_pos_embed: false is not implemented (both StarVLA heads add the position table)")
-    interleave = bool(dit.get("interleave_self_attention", framework == "QwenGR00T"))
+    if dit.get("positional_embeddings"):
+        _fail(path, f"diffusion_model_cfg.positional_embeddings {dit['positional_embeddings']!r} is not implemented "
+                    "(StarVLA's heads set it to null: the blocks add no position embedding of their own)")
+    pattern = "cross_self" if _interleaved(framework, dit) and depth > 1 else "all_cross"  # 1 block: cross either way
     common = dict(
-        width=da, depth=depth, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, mlp_dim=mlp_dim,
+        name=HEAD_NAMES[framework], width=da, depth=depth, num_heads=heads, head_dim=head_dim, mlp_dim=mlp_dim,
         action_dim=action_dim, horizon=horizon, num_steps=int(am.get("num_inference_timesteps", 4)), t_direction="0_to_1",
-        time_cond="adaln_scale_shift", time_input="bucket", time_scale=int(am.get("num_timestep_buckets", 1000)),
-        time_embed_dim=time_dim, vlm_width=vlm_width, num_future_tokens=d_fut, positions="learned", max_positions=max_pos,
-        io_hidden=io_hidden, hidden_states=HIDDEN_STATES, block_pattern="cross_self" if interleave else "all_cross",
+        time_input="bucket", time_scale=int(am.get("num_timestep_buckets", 1000)), time_embed_dim=time_dim,
+        vlm_width=vlm_width, num_future_tokens=d_fut, max_positions=max_pos, io_hidden=io_hidden,
+        hidden_states=HIDDEN_STATES, block_pattern=pattern,
     )
     if framework == "QwenPI_v3":
-        if interleave:
-            _fail(path, "QwenPI_v3 with interleave_self_attention: true is not implemented (its default, legacy "
-                        "all-cross, is; see LayerwiseFM_ActionHeader)")
         n_proj = len({k.split(".")[1] for k in tensors if k.startswith("project_layers.")})
-        if n_proj != depth:
-            _fail(path, f"QwenPI_v3 needs one project_layers entry per DiT block ({depth}), found {n_proj}")
         if depth > vlm_depth:
             _fail(path, f"QwenPI_v3's {depth} DiT blocks read hidden_states[-{depth}:], more than the VLM's {vlm_depth} layers")
-        proj = _shape(tensors, "project_layers.0.1.weight", path)[0]
-        return HeadSpec(name=HEAD_NAMES[framework], kind="cross_hidden", extra_tokens=("future",), state_dim=0,
-                        hidden_layers=tuple(range(vlm_depth - depth + 1, vlm_depth + 1)), hidden_proj=proj, **common)
+        if n_proj == 0 and da != vlm_width:
+            _fail(path, f"config.yaml says QwenPI_v3 but the weights have no project_layers.*, which only a DiT as wide as "
+                        f"the VLM ({vlm_width}) may omit; this one is {da} wide (a QwenGR00T checkpoint?)")
+        if n_proj not in (0, depth):
+            _fail(path, f"QwenPI_v3 needs one project_layers entry per DiT block ({depth}), found {n_proj}")
+        proj = _shape(tensors, "project_layers.0.1.weight", path)[0] if n_proj else None
+        reads = tuple(vlm_depth - depth + 1 + i for i in cross_blocks(depth, pattern))  # block i: hidden_states[-depth:][i]
+        return CrossHiddenSpec(hidden_layers=reads, hidden_proj=proj, **common)
     out_dim = _shape(tensors, _AM + "model.proj_out_2.weight", path)[0]
     state_dim = _shape(tensors, _AM + "state_encoder.layer1.weight", path)[1] if _AM + "state_encoder.layer1.weight" in tensors else 0
-    n_cross = depth // 2 if interleave else depth
-    return HeadSpec(name=HEAD_NAMES[framework], kind="cross_last",
-                    extra_tokens=(("state",) if state_dim else ()) + ("future",), state_dim=state_dim,
-                    hidden_layers=(vlm_depth,) * n_cross, dit_output_dim=out_dim, **common)
+    return CrossLastSpec(hidden_layer=vlm_depth, state_dim=state_dim, dit_output_dim=out_dim, **common)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,7 +267,7 @@ def _lin(w, b=None, out_shape=None) -> Linear:
     return Linear(kernel=k, bias=bias)
 
 
-def expected_shapes(spec: HeadSpec) -> dict[str, tuple[int, ...]]:
+def expected_shapes(spec: CrossSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor the head needs, with its torch shape (StarVLA's names under `action_model.` / `project_layers.`)."""
     da, nh, fo, ad = spec.width, spec.num_heads * spec.head_dim, spec.io_hidden, spec.action_dim
     dit = _AM + "model."
@@ -261,8 +286,7 @@ def expected_shapes(spec: HeadSpec) -> dict[str, tuple[int, ...]]:
     out |= {_AM + "action_decoder.layer1.weight": (fo, dec_in), _AM + "action_decoder.layer1.bias": (fo,),
             _AM + "action_decoder.layer2.weight": (ad, fo), _AM + "action_decoder.layer2.bias": (ad,)}
     for i in range(spec.depth):
-        is_cross = spec.block_pattern == "all_cross" or i % 2 == 0
-        ctx = spec.context_width if is_cross else da
+        ctx = spec.context_width if i in spec.cross_blocks else da
         b = f"{dit}transformer_blocks.{i}."
         out |= {b + "norm1.linear.weight": (2 * da, da), b + "norm1.linear.bias": (2 * da,),
                 b + "attn1.to_q.weight": (nh, da), b + "attn1.to_q.bias": (nh,),
@@ -272,7 +296,7 @@ def expected_shapes(spec: HeadSpec) -> dict[str, tuple[int, ...]]:
                 b + "ff.net.0.proj.weight": (spec.mlp_dim, da), b + "ff.net.0.proj.bias": (spec.mlp_dim,),
                 b + "ff.net.2.weight": (da, spec.mlp_dim), b + "ff.net.2.bias": (da,)}
     if spec.hidden_proj:
-        for i in range(spec.num_cross_blocks):
+        for i in spec.cross_blocks:  # QwenPI_v3 projects every block's entry; self blocks never read theirs
             out |= {f"project_layers.{i}.0.weight": (spec.vlm_width,), f"project_layers.{i}.0.bias": (spec.vlm_width,),
                     f"project_layers.{i}.1.weight": (spec.hidden_proj, spec.vlm_width),
                     f"project_layers.{i}.1.bias": (spec.hidden_proj,)}
@@ -285,17 +309,20 @@ def expected_shapes(spec: HeadSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _never_run(framework: str) -> re.Pattern:
-    """Stored by StarVLA, never run by its inference (QwenPI_v3: `return_pre_output=True`, state=None)."""
+def _never_run(framework: str, spec: CrossSpec) -> re.Pattern:
+    """Stored by StarVLA, never run by its inference (QwenPI_v3: `return_pre_output=True`, state=None, and
+    the projections of self blocks' hidden states when interleaved)."""
     if framework == "QwenPI_v3":
-        return re.compile(r"action_model\.(model\.proj_out_[12]|state_encoder)\.")
+        self_blocks = "|".join(str(i) for i in range(spec.depth) if i not in spec.cross_blocks)
+        projections = rf"|project_layers\.({self_blocks})\." if self_blocks and spec.hidden_proj else ""
+        return re.compile(rf"action_model\.(model\.proj_out_[12]|state_encoder)\.{projections}")
     return re.compile(r"(?!)")
 
 
-def _check_head_names(path, framework: str, spec: HeadSpec, tensors: Mapping[str, Any]) -> list[str]:
+def _check_head_names(path, framework: str, spec: CrossSpec, tensors: Mapping[str, Any]) -> list[str]:
     expected = expected_shapes(spec)
     head_keys = {k: tuple(v.shape) for k, v in tensors.items() if not k.startswith(VLM)}
-    skip = _never_run(framework)
+    skip = _never_run(framework, spec)
     unused = sorted(k for k in head_keys if k not in expected and skip.match(k))
     missing = sorted(set(expected) - set(head_keys))
     unexpected = sorted(k for k in set(head_keys) - set(expected) if not skip.match(k))
@@ -312,7 +339,7 @@ def _check_head_names(path, framework: str, spec: HeadSpec, tensors: Mapping[str
     return unused
 
 
-def head_params(spec: HeadSpec, tensors: Mapping[str, Any], dtype: str = "float32") -> CrossHead:
+def head_params(spec: CrossSpec, tensors: Mapping[str, Any], dtype: str = "float32") -> CrossHead:
     """Our `CrossHead` (stacked blocks) from StarVLA's tensors; names and shapes checked by `load` first."""
     t = lambda name: np.asarray(tensors[name], np.float32)  # noqa: E731
     dit = _AM + "model."
@@ -339,13 +366,12 @@ def head_params(spec: HeadSpec, tensors: Mapping[str, Any], dtype: str = "float3
                                              bias=np.stack([getattr(x, f.name).bias for x in blocks]))
                               for f in dataclasses.fields(CrossBlocks)})
 
-    if spec.block_pattern == "all_cross":
-        blocks = stacked(range(spec.depth))
-    else:
-        blocks = BlockPair(cross=stacked(range(0, spec.depth, 2)), self_=stacked(range(1, spec.depth, 2)))
+    cross = spec.cross_blocks
+    selfs = [i for i in range(spec.depth) if i not in cross]
+    blocks = BlockPair(cross=stacked(cross), self_=stacked(selfs)) if selfs else stacked(cross)
     proj = None
     if spec.hidden_proj:
-        lc = range(spec.num_cross_blocks)
+        lc = cross  # cross block j reads project_layers[its block index]
         proj = HiddenProj(norm=LayerNorm(scale=np.stack([t(f"project_layers.{i}.0.weight") for i in lc]),
                                          bias=np.stack([t(f"project_layers.{i}.0.bias") for i in lc])),
                           proj=Linear(kernel=np.stack([t(f"project_layers.{i}.1.weight").T for i in lc]),
@@ -355,7 +381,8 @@ def head_params(spec: HeadSpec, tensors: Mapping[str, Any], dtype: str = "float3
     te = dit + "timestep_encoder.timestep_embedder."
     params = CrossHead(
         hidden_proj=proj, time_mlp=Mlp(fc1=lin(te + "linear_1"), fc2=lin(te + "linear_2")), action_in=enc,
-        positions=t(_AM + "position_embedding.weight"), future=t(_AM + "future_tokens.weight"),
+        positions=t(_AM + "position_embedding.weight"),
+        future=t(_AM + "future_tokens.weight") if spec.num_future_tokens else None,
         state_in=mlp(_AM + "state_encoder") if spec.state_dim else None, blocks=blocks,
         out_mod=lin(dit + "proj_out_1", (2, da)) if spec.dit_output_dim else None,
         out_proj=lin(dit + "proj_out_2") if spec.dit_output_dim else None, action_out=mlp(_AM + "action_decoder"),
@@ -396,8 +423,6 @@ def load(path, dtype: str = "float32", *, framework: str | None = None, language
         _fail(weights, f"no qwen_vl_interface.model.* tensors (found {roots[:6]}): not a StarVLA Qwen-VL checkpoint")
     if name == "QwenGR00T" and any(k.startswith("project_layers.") for k in tensors):
         _fail(weights, "config.yaml says QwenGR00T but the weights hold QwenPI_v3's project_layers.*")
-    if name == "QwenPI_v3" and not any(k.startswith("project_layers.") for k in tensors):
-        _fail(weights, "config.yaml says QwenPI_v3 but the weights have no project_layers.* (a QwenGR00T checkpoint?)")
     vlm_cfg, vlm_path = _vlm_config(weights, cfg)
     vlm_tensors = {k[len(VLM):]: v for k, v in tensors.items() if k.startswith(VLM)}
     bspec = hf.spec_from_config(vlm_cfg, vlm_tensors.keys()).replace(hidden_states=HIDDEN_STATES)

@@ -46,8 +46,7 @@ import numpy as np
 from oxygen_jax.ckpts import hf
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models.heads import HeadSpec
-from oxygen_jax.models.heads.joint import JointHead, JointLayers
+from oxygen_jax.models.heads.joint import JointHead, JointKvSpec, JointLayers
 from oxygen_jax.models.heads.parts import Linear, Mlp
 from oxygen_jax.models.mot import ModelParams, ModelSpec
 
@@ -118,8 +117,8 @@ def config_action_mask(config: Mapping) -> np.ndarray | None:
 
 
 def head_spec(config: Mapping, tensors: Mapping[str, Any], vlm_depth: int, *, name: str = "xr0",
-              horizon: int | None = None, action_mask=None, num_steps: int = NUM_STEPS) -> HeadSpec:
-    """The XR0 `HeadSpec` of a config.json dict and the checkpoint's tensors (for the MLP / time widths).
+              horizon: int | None = None, action_mask=None, num_steps: int = NUM_STEPS) -> JointKvSpec:
+    """The XR0 `JointKvSpec` of a config.json dict and the checkpoint's tensors (for the MLP / time widths).
 
     Raises:
       ValueError: a field the native model does not have (state_length != 1, width not a multiple of
@@ -147,17 +146,16 @@ def head_spec(config: Mapping, tensors: Mapping[str, Any], vlm_depth: int, *, na
             raise ValueError(f"horizon {horizon} disagrees with the action mask's {len(rows)} rows (the native horizon is its length)")
         horizon = len(rows)
     horizon = int(horizon if horizon is not None else config.get("action_length", 0))
-    return HeadSpec(
-        name=name, kind="joint_kv", width=width, depth=depth, num_heads=width // head_dim,
+    return JointKvSpec(
+        name=name, width=width, depth=depth, num_heads=width // head_dim,
         num_kv_heads=int(dit.get("num_key_value_heads", width // head_dim)), head_dim=head_dim, mlp_dim=mlp,
-        action_dim=action_dim, horizon=horizon, num_steps=num_steps, t_direction="0_to_1", time_cond="adaln_table",
-        time_input="continuous", time_scale=1000, time_embed_dim=time_dim,
-        kv_layers=tuple(range(vlm_depth - depth, vlm_depth)), block_pattern="joint", extra_tokens=("sink", "state"),
-        state_dim=int(config["state_dim"]), positions="continue_rope", suffix_mask="causal", action_mask=rows,
+        action_dim=action_dim, horizon=horizon, num_steps=num_steps, t_direction="0_to_1", time_input="continuous",
+        time_scale=1000, time_embed_dim=time_dim, kv_layers=tuple(range(vlm_depth - depth, vlm_depth)), sink=True,
+        state_dim=int(config["state_dim"]), suffix_mask="causal", action_mask=rows,
     )
 
 
-def head_shapes(h: HeadSpec) -> dict[str, tuple[int, ...]]:
+def head_shapes(h: JointKvSpec) -> dict[str, tuple[int, ...]]:
     """Every native head tensor name with its torch-layout shape."""
     d, f, a, s, hd_ = h.width, h.mlp_dim, h.action_dim, h.state_dim, h.head_dim
     out = {"sink.weight": (1, d), "state_projector.layers.0.weight": (d, s), "state_projector.layers.2.weight": (d, d),
@@ -198,7 +196,7 @@ def _mlp(t: Mapping[str, Any], prefix: str) -> Mlp:
     return Mlp(fc1=Linear(kernel=_lin_t(t[prefix + "0.weight"])), fc2=Linear(kernel=_lin_t(t[prefix + "2.weight"])))
 
 
-def _layer(t: Mapping[str, Any], h: HeadSpec, i: int) -> dict[str, Any]:
+def _layer(t: Mapping[str, Any], h: JointKvSpec, i: int) -> dict[str, Any]:
     p, d, n, hdim = f"dit.layers.{i}.", h.width, h.num_heads, h.head_dim
     qkv = np.asarray(t[p + "attn.qkv_proj.weight"], np.float32).reshape(3, n, hdim, d)  # .view(B, Q, 3, N, H)
     bias = np.asarray(t[p + "attn.qkv_proj.bias"], np.float32).reshape(3, n, hdim)
@@ -212,7 +210,7 @@ def _layer(t: Mapping[str, Any], h: HeadSpec, i: int) -> dict[str, Any]:
     )
 
 
-def head_from_native(h: HeadSpec, tensors: Mapping[str, Any], dtype: str = "float32") -> JointHead:
+def head_from_native(h: JointKvSpec, tensors: Mapping[str, Any], dtype: str = "float32") -> JointHead:
     """The `JointHead` (stacked layers) of the native head tensors; shapes are checked by `check_tensors`
     first and the result against `heads.abstract_head`."""
     per = [_layer(tensors, h, i) for i in range(h.depth)]

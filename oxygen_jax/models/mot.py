@@ -408,7 +408,7 @@ def preset(name: str) -> ModelSpec:
         q = qwen35.preset("qwen35_tiny")
         depth = q.backbone.depth  # StarVLA's heads read hidden states only: QwenPI_v3 the last ones, GR00T the last
         heads = (hd.preset("starvla_tiny").replace(hidden_layers=tuple(range(depth - 2, depth + 1))),
-                 hd.preset("gr00t_tiny").replace(hidden_layers=(depth,)))
+                 hd.preset("gr00t_tiny").replace(hidden_layer=depth))
         return ModelSpec(backbone=q.backbone, hybrid=q, heads=heads, image_token_id=500)
     if name == "qwen35_bench":  # the bench heads fit its 8 layers as they fit bench_backbone()'s
         q = qwen35.preset("qwen35_bench")

@@ -296,17 +296,16 @@ def denoise_head(params: hd.HeadParams, spec: hd.HeadSpec, st, noise: jax.Array,
     adaRMS time serves "trained" rows too.
     """
     b = noise.shape[0]
-    if getattr(spec, "kind", None) == "adarms_joint":
+    if spec.per_token_time:  # adarms_joint: the accumulated clock from spec.clock_start, per-token times
         v = lambda x, t: hd.velocity(params, spec, st, x, jnp.broadcast_to(t, (b,)))  # noqa: E731
         tv = lambda x, t_tok: hd.velocity(params, spec, st, x, t_tok)  # noqa: E731
-        return integrate(v, noise, spec.num_steps, -1.0, rtc, t0=1.0, token_velocity=tv, trace=trace)
+        return integrate(v, noise, spec.num_steps, spec.direction, rtc, t0=spec.clock_start, token_velocity=tv, trace=trace)
     mode = rtc.mode
     if not isinstance(mode, jax.core.Tracer) and np.any(np.asarray(mode) == TRAINED):
         raise ValueError(f"head {spec.name!r} has no per-token time input: training-time RTC ('trained') needs an "
                          "adarms_joint head (π0.5); use 'guided' or 'stop_gradient'")
-    direction = 1.0 if spec.t_direction == "0_to_1" else -1.0
     v = lambda x, k: hd.velocity(params, spec, st, x, k)  # noqa: E731
-    return integrate(v, noise, spec.num_steps, direction, rtc, trace=trace)
+    return integrate(v, noise, spec.num_steps, spec.direction, rtc, trace=trace)
 
 
 def vla_actions(vla, prefix, noises: dict[str, jax.Array], states: dict[str, jax.Array] | None,

@@ -134,7 +134,7 @@ class RtcSessions:
                              "kept chunk would need re-anchoring; RTC is served for libero and droid formats only")
         vla = engine.vla
         ha, ad = vla.action_shape(vla.primary, engine.config.action_horizon)
-        trained = not isinstance(vla, MultiHead) or vla.spec.head(vla.primary).kind == "adarms_joint"
+        trained = not isinstance(vla, MultiHead) or vla.spec.head(vla.primary).per_token_time
         return cls(ha, ad, trained_ok=trained)
 
     def parse(self, sample: Mapping) -> RtcRequest | None:

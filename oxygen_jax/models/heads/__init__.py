@@ -10,7 +10,7 @@ kinds differ only in what they read and how:
 |                | last 16 of 36), prefix mask, next position    | the head tokens, masks               |             |
 | `cross_hidden` | one hidden state per cross block (HF          | LayerNorm + Linear per layer         | StarVLA     |
 |                | `hidden_states` indices)                      | (optional), every cross block's K/V  | QwenPI_v3   |
-| `cross_last`   | the final-normed hidden state only            | every cross block's K/V              | QwenGR00T   |
+| `cross_last`   | the last `hidden_states` entry only           | every cross block's K/V              | QwenGR00T   |
 | `adarms_joint` | post-RoPE K/V of every backbone layer (layer  | none (the layers' K/V, mask and next | π0.5        |
 |                | l reads layer l), prefix mask, next position  | position as they are)                |             |
 
@@ -20,14 +20,15 @@ reads `state` and never recomputes it: the cross-attention K/V of a cross head a
 per frame, never per denoise step. Clocks (`flow.integrate`): joint_kv and cross heads derive their
 time from the step index; adarms_joint keeps openpi's accumulated float32 clock from t0 = 1.
 
-This face picks the kind's module once per call: `spec.py` (`HeadSpec`), `parts.py` (pieces the DiT
-kinds use), `joint.py` (joint_kv), `cross.py` (cross_hidden, cross_last), `adarms.py` (adarms_joint:
-π0.5's action expert; its horizon may be 0, the caller's chunk length), `presets.py`. The blocks of
-each kind are described in its module.
+Each kind has its own spec type (`spec.py` has the base `HeadSpec` and the DiT kinds' `DitSpec`), which
+checks its own fields and owns its behaviour (what it reads, its tokens, its clock, its weights); this face
+runs the spec's methods: `joint.py` (`JointKvSpec`), `cross.py` (`CrossHiddenSpec`, `CrossLastSpec`),
+`adarms.py` (`AdaRmsSpec`: π0.5's action expert; its horizon may be 0, the caller's chunk length),
+`parts.py` (pieces the DiT kinds use), `presets.py`. The blocks of each kind are described in its module.
 
 Axes (`oxygen_jax.axes`): B batch, P prefix tokens, T head tokens (extra tokens + Ha actions), S
 keys (P + T for joint attention), L layers (Lk prefix layers whose K/V are kept, Lh hidden states
-kept, Lc cross blocks), Da head width, D VLM width, F head MLP, N heads, K KV heads, H head dim,
+kept, Lc cross blocks, Ls self blocks), Da head width, D VLM width, F head MLP, N heads, K KV heads, H head dim,
 Ha horizon, Ad action dim, Ds state dim. New here:
     Dx   width of the context a cross block reads (D, or the per-layer projection width)
     Dt   width of the sinusoidal time features (256)
@@ -43,48 +44,40 @@ import zlib
 import jax
 
 from oxygen_jax.models import backbone as bb
-from oxygen_jax.models import flow
 from oxygen_jax.models.heads import adarms, cross, joint
-from oxygen_jax.models.heads.adarms import AdaRmsHead, AdaRmsState
-from oxygen_jax.models.heads.cross import BlockPair, CrossHead
-from oxygen_jax.models.heads.joint import JointHead
+from oxygen_jax.models.heads.adarms import AdaRmsHead, AdaRmsSpec, AdaRmsState
+from oxygen_jax.models.heads.cross import BlockPair, CrossHead, CrossHiddenSpec, CrossLastSpec, CrossSpec
+from oxygen_jax.models.heads.joint import JointHead, JointKvSpec
 from oxygen_jax.models.heads.parts import HeadState
 from oxygen_jax.models.heads.presets import gr00t, preset, starvla_qwenpi_v3, xr0
-from oxygen_jax.models.heads.spec import HeadSpec, Kind
+from oxygen_jax.models.heads.spec import DitSpec, HeadSpec, Kind
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import param_count
 
 HeadParams = JointHead | CrossHead | AdaRmsHead
 
 __all__ = [
-    "HeadSpec", "Kind", "HeadParams", "JointHead", "CrossHead", "AdaRmsHead", "BlockPair", "HeadState", "AdaRmsState",
+    # specs, one type per kind
+    "HeadSpec", "DitSpec", "JointKvSpec", "CrossSpec", "CrossHiddenSpec", "CrossLastSpec", "AdaRmsSpec", "Kind",
+    # weights and per-frame state
+    "HeadParams", "JointHead", "CrossHead", "AdaRmsHead", "BlockPair", "HeadState", "AdaRmsState",
     "head_tree", "init_head", "abstract_head", "param_count", "unstack_head", "stack_head",
-    "prepare", "velocity", "denoise", "sample", "preset", "xr0", "starvla_qwenpi_v3", "gr00t",
+    # running a head
+    "prepare", "velocity", "denoise", "sample",
+    # presets and the kinds' modules
+    "preset", "xr0", "starvla_qwenpi_v3", "gr00t", "joint", "cross", "adarms",
 ]
 
-_KINDS = {"joint_kv": (joint, JointHead), "cross_hidden": (cross, CrossHead), "cross_last": (cross, CrossHead),
-          "adarms_joint": (adarms, AdaRmsHead)}
-_BY_TYPE = {JointHead: joint, CrossHead: cross, AdaRmsHead: adarms}
 
-
-def _module_of(params: HeadParams):
-    if type(params) not in _BY_TYPE:
-        raise ValueError(f"expected head weights ({', '.join(t.__name__ for t in _BY_TYPE)}), got {type(params).__name__}")
-    return _BY_TYPE[type(params)]
-
-
-def _kind(spec: HeadSpec, params: HeadParams | None = None):
-    """The module of `spec.kind`, after checking that `params` (if given) are that kind's weights."""
-    module, want = _KINDS[spec.kind]
-    if params is not None and not isinstance(params, want):
-        raise ValueError(f"head {spec.name!r} is {spec.kind} and needs {want.__name__} weights, got {type(params).__name__}")
-    return module
+def _check_params(params: HeadParams) -> None:
+    if not isinstance(params, HeadParams):
+        raise ValueError(f"expected head weights (JointHead, CrossHead or AdaRmsHead), got {type(params).__name__}")
 
 
 def head_tree(spec: HeadSpec, draw: bb.Draw) -> HeadParams:
     """The parameters of `spec` with every leaf from `draw` (see `backbone.decoder_tree`): the one
     description of their shapes. Random values are fan-in scaled; norm scales sit around 1."""
-    return _kind(spec).head_tree(spec, draw)
+    return spec.head_tree(draw)
 
 
 def init_head(spec: HeadSpec, seed: int = 0, dtype: str = "float32") -> HeadParams:
@@ -100,12 +93,14 @@ def abstract_head(spec: HeadSpec, dtype: str = "float32") -> HeadParams:
 
 def unstack_head(params: HeadParams) -> HeadParams:
     """The per-step layer stack as `nn.layers.Unstacked` (the fast form on XLA's CPU backend)."""
-    return _module_of(params).unstack(params)
+    _check_params(params)
+    return params.unstack()
 
 
 def stack_head(params: HeadParams) -> HeadParams:
     """Inverse of `unstack_head`."""
-    return _module_of(params).stack(params)
+    _check_params(params)
+    return params.stack()
 
 
 def prepare(params: HeadParams, spec: HeadSpec, prefix: Prefix, state: jax.Array | None = None) -> HeadState | AdaRmsState:
@@ -118,46 +113,34 @@ def prepare(params: HeadParams, spec: HeadSpec, prefix: Prefix, state: jax.Array
       `HeadState` (`AdaRmsState` for adarms_joint). For cross heads this is where the per-block cross-attention K/V are computed
       (with QwenPI_v3's per-layer LayerNorm + Linear first), once, for all `num_steps` steps.
     """
-    return _kind(spec, params).prepare(params, spec, prefix, state)
+    spec.check_params(params)
+    return spec.prepare(params, prefix, state)
 
 
 def velocity(params: HeadParams, spec: HeadSpec, st: HeadState | AdaRmsState, x_t: jax.Array, step: jax.Array) -> jax.Array:
     """The head's output v(x_t, t) float32 [B, Ha, Ad] at Euler step `step` (int32; adarms_joint: the
     float32 time t [B] itself, its clock being accumulated)."""
-    return _kind(spec).velocity(params, spec, st, x_t, step)
-
-
-def _check_noise(spec: HeadSpec, noise: jax.Array, b: int) -> None:
-    if spec.horizon == 0:  # adarms_joint without a fixed horizon: the noise's Ha is the chunk length
-        if noise.ndim != 3 or noise.shape[0] != b or noise.shape[2] != spec.action_dim or noise.shape[1] < 1:
-            raise ValueError(f"head {spec.name!r} needs noise [B, Ha, Ad] = ({b}, Ha >= 1, {spec.action_dim}), got {noise.shape}")
-        return
-    want = (b, spec.horizon, spec.action_dim)
-    if noise.shape != want:
-        raise ValueError(f"head {spec.name!r} needs noise [B, Ha, Ad] = {want}, got {noise.shape}")
+    return spec.velocity(params, st, x_t, step)
 
 
 def denoise(params: HeadParams, spec: HeadSpec, st: HeadState | AdaRmsState, noise: jax.Array) -> jax.Array:
     """`spec.num_steps` Euler steps of the head's flow from `noise`, reading `st` only.
 
     The time comes from the step index (`flow.integrate` without `t0`): t = k / S exactly; an
-    adarms_joint head keeps openpi's accumulated float32 clock from t = 1 (`adarms.denoise`).
+    adarms_joint head keeps openpi's accumulated float32 clock from t = 1 (`spec.clock_start`).
 
     Args:
       noise: [B, Ha, Ad] x at the noise end (t = 0 for 0_to_1 heads, t = 1 for 1_to_0).
     Returns:
       actions float32 [B, Ha, Ad] (normalised, in the head's action space).
     """
-    module = _kind(spec, params)
-    _check_noise(spec, noise, st.mask.shape[0])
-    if spec.kind == "adarms_joint":
-        return adarms.denoise(params, spec, st, noise)
-    direction = 1.0 if spec.t_direction == "0_to_1" else -1.0
-    return flow.integrate(lambda x, k: module.velocity(params, spec, st, x, k), noise, spec.num_steps, direction)
+    spec.check_params(params)
+    spec.check_noise(noise, st.mask.shape[0])
+    return spec.denoise(params, st, noise)
 
 
 def sample(params: HeadParams, spec: HeadSpec, prefix: Prefix, noise: jax.Array,
            state: jax.Array | None = None) -> jax.Array:
     """`denoise(prepare(prefix))`: one action chunk [B, Ha, Ad] from a shared prefix."""
-    _check_noise(spec, noise, prefix.mask.shape[0])
+    spec.check_noise(noise, prefix.mask.shape[0])
     return denoise(params, spec, prepare(params, spec, prefix, state), noise)

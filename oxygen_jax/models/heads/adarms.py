@@ -17,7 +17,7 @@ float32 clock of `flow.integrate(..., t0=1.0)` with direction -1 (openpi's round
 0.09999993 for 10 steps, not 0.1).
 
 Horizon: the expert has no position table of its own (its positions continue the prefix's RoPE), so its
-chunk length is free: `HeadSpec.horizon = 0` means "the caller's" (the noise's Ha); a positive horizon
+chunk length is free: `AdaRmsSpec.horizon = 0` means "the caller's" (the noise's Ha); a positive horizon
 is checked against the noise like every other kind.
 
 Axes (`oxygen_jax.axes`, plus the heads' own of `models.heads`): B batch, P prefix tokens, L layers,
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +36,85 @@ import jax.numpy as jnp
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import flow
 from oxygen_jax.models.backbone import BackboneSpec, DecoderLayers, RopeSpec
-from oxygen_jax.models.heads.spec import HeadSpec
+from oxygen_jax.models.heads.spec import HeadSpec, require
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import AdaRMSNorm, Dense, Unstacked, _pytree, dense, stack_layers, unstack_layers
 from oxygen_jax.nn.masks import make_attn_mask
 
 _STATIC = dict(static=True)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaRmsSpec(HeadSpec):
+    """π0.5's action expert as a head: layer l reads backbone layer l, bidirectional inside its chunk, no
+    extra tokens (π0.5 reads the state as prompt tokens), adaRMS time of width Da on the accumulated clock
+    from t = 1. `horizon` 0: the chunk length is the caller's (the noise's Ha)."""
+
+    kind: ClassVar[str] = "adarms_joint"
+    per_token_time: ClassVar[bool] = True  # adaRMS conditions each action token on its own time
+    clock_start: ClassVar[float | None] = 1.0
+
+    num_kv_heads: int  # K: the expert's own K/V heads, the backbone's (their K/V are concatenated)
+
+    def _check(self, name: str) -> None:
+        super()._check(name)
+        require(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+                f"{name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        require(self.width % 2 == 0 and self.head_dim % 2 == 0,
+                f"{name}: width ({self.width}, sincos time features) and head_dim ({self.head_dim}, RoPE) must be even")
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Every backbone layer: head layer l reads backbone layer l."""
+        return tuple(range(self.depth))
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def extra_tokens(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def state_dim(self) -> int:
+        return 0
+
+    @property
+    def t_direction(self) -> str:
+        """openpi's clock: t = 1 noise -> 0 actions."""
+        return "1_to_0"
+
+    @property
+    def time_embed_dim(self) -> int:
+        """Dt = Da: the sincos time features have the head's width."""
+        return self.width
+
+    def check_backbone(self, spec: BackboneSpec) -> None:
+        name = f"head {self.name!r}"
+        require(self.depth == spec.depth, f"{name}: an adarms_joint head has one layer per backbone layer: depth "
+                                          f"{self.depth} must equal the backbone's {spec.depth}")
+        require(self.head_dim == spec.head_dim,
+                f"{name}: head_dim {self.head_dim} must equal the backbone's {spec.head_dim} (it attends to the backbone's K/V)")
+        require(self.num_kv_heads == spec.num_kv_heads,
+                f"{name}: num_kv_heads {self.num_kv_heads} must equal the backbone's {spec.num_kv_heads} (its K/V are "
+                "concatenated to the backbone's)")
+
+    def params_type(self) -> type:
+        return AdaRmsHead
+
+    def head_tree(self, draw: bb.Draw) -> AdaRmsHead:
+        return head_tree(self, draw)
+
+    def prepare(self, params: AdaRmsHead, prefix: Prefix, state: jax.Array | None) -> AdaRmsState:
+        return prepare(params, self, prefix, state)
+
+    def velocity(self, params: AdaRmsHead, st: AdaRmsState, x_t: jax.Array, t: jax.Array) -> jax.Array:
+        return velocity(params, self, st, x_t, t)
+
+    def denoise(self, params: AdaRmsHead, st: AdaRmsState, noise: jax.Array) -> jax.Array:
+        return denoise(params, self, st, noise)
 
 
 @_pytree
@@ -54,6 +128,14 @@ class AdaRmsHead:
     layers: DecoderLayers | Unstacked  # any tree with DecoderLayers' fields (π0.5's ExpertLayers); norms AdaRMSNorm
     final_norm: AdaRMSNorm  # modulation kernel [Da, 3 Da], bias [3 Da]
 
+    def unstack(self) -> AdaRmsHead:
+        """The layer stack as `nn.layers.Unstacked` (the fast form on XLA's CPU backend)."""
+        return dataclasses.replace(self, layers=unstack_layers(self.layers))
+
+    def stack(self) -> AdaRmsHead:
+        """Inverse of `unstack`."""
+        return dataclasses.replace(self, layers=stack_layers(self.layers))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +143,7 @@ class AdaRmsState:
     """What every denoise step reads, taken from the prefix once per frame (never written).
 
     Attributes:
-      k, v: [L, B, P, K, H] the K/V of the backbone layers `HeadSpec.kv_layers` (every layer).
+      k, v: [L, B, P, K, H] the K/V of the backbone layers `AdaRmsSpec.kv_layers` (every layer).
       mask: bool [B, P] prefix validity.
       next_position: int32 [B] where the chunk's RoPE positions start.
       rope: static, the prefix's rotary embedding (continued by the chunk).
@@ -74,7 +156,7 @@ class AdaRmsState:
     rope: RopeSpec = dataclasses.field(metadata=_STATIC)
 
 
-def stack_spec(spec: HeadSpec, rope: RopeSpec) -> BackboneSpec:
+def stack_spec(spec: AdaRmsSpec, rope: RopeSpec) -> BackboneSpec:
     """The head's own stack as a `BackboneSpec`: Gemma maths at its dims, continuing `rope`.
 
     It has no embedder or LM head (`vocab_size` is a placeholder the stack never reads).
@@ -86,7 +168,7 @@ def stack_spec(spec: HeadSpec, rope: RopeSpec) -> BackboneSpec:
     )
 
 
-def head_tree(spec: HeadSpec, draw: bb.Draw) -> AdaRmsHead:
+def head_tree(spec: AdaRmsSpec, draw: bb.Draw) -> AdaRmsHead:
     """The parameters of `spec` with every leaf from `draw` (fan-in scaled; adaRMS gates open around 1)."""
     da, n, k, h, f, ad, L = spec.width, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.mlp_dim, spec.action_dim, spec.depth
 
@@ -104,14 +186,6 @@ def head_tree(spec: HeadSpec, draw: bb.Draw) -> AdaRmsHead:
     )
     return AdaRmsHead(action_in=lin(ad, da), time_mlp_in=lin(da, da), time_mlp_out=lin(da, da), action_out=lin(da, ad),
                       layers=layers, final_norm=ada())
-
-
-def unstack(params: AdaRmsHead) -> AdaRmsHead:
-    return dataclasses.replace(params, layers=unstack_layers(params.layers))
-
-
-def stack(params: AdaRmsHead) -> AdaRmsHead:
-    return dataclasses.replace(params, layers=stack_layers(params.layers))
 
 
 def compute_dtype(params: AdaRmsHead) -> jnp.dtype:
@@ -139,7 +213,7 @@ def time_condition(params: AdaRmsHead, t: jax.Array) -> jax.Array:
     return jax.nn.swish(dense(params.time_mlp_out, jax.nn.swish(dense(params.time_mlp_in, emb))))
 
 
-def prepare(params: AdaRmsHead, spec: HeadSpec, prefix: Prefix, state: jax.Array | None = None) -> AdaRmsState:
+def prepare(params: AdaRmsHead, spec: AdaRmsSpec, prefix: Prefix, state: jax.Array | None = None) -> AdaRmsState:
     """The K/V of every backbone layer the head reads, the prefix mask and where the chunk's positions start."""
     if state is not None:
         raise ValueError(f"head {spec.name!r} ({spec.kind}) reads no robot state (π0.5 reads it as prompt tokens); pass None")
@@ -152,7 +226,7 @@ def prepare(params: AdaRmsHead, spec: HeadSpec, prefix: Prefix, state: jax.Array
     return AdaRmsState(k=k, v=v, mask=prefix.mask, next_position=prefix.next_position, rope=prefix.rope)
 
 
-def velocity(params: AdaRmsHead, spec: HeadSpec, st: AdaRmsState, x_t: jax.Array, t: jax.Array) -> jax.Array:
+def velocity(params: AdaRmsHead, spec: AdaRmsSpec, st: AdaRmsState, x_t: jax.Array, t: jax.Array) -> jax.Array:
     """Flow-matching velocity v(x_t, t) float32 [B, Ha, Ad].
 
     Args:
@@ -175,7 +249,7 @@ def velocity(params: AdaRmsHead, spec: HeadSpec, st: AdaRmsState, x_t: jax.Array
     return dense(params.action_out, h).astype(jnp.float32)
 
 
-def denoise(params: AdaRmsHead, spec: HeadSpec, st: AdaRmsState, noise: jax.Array) -> jax.Array:
+def denoise(params: AdaRmsHead, spec: AdaRmsSpec, st: AdaRmsState, noise: jax.Array) -> jax.Array:
     """`spec.num_steps` Euler steps from t = 1 (noise [B, Ha, Ad]) to t = 0 on the accumulated float32 clock.
 
     Returns normalised, padded actions float32 [B, Ha, Ad].
@@ -186,12 +260,8 @@ def denoise(params: AdaRmsHead, spec: HeadSpec, st: AdaRmsState, noise: jax.Arra
 
 
 def head_spec(name: str, *, width: int, depth: int, num_heads: int, num_kv_heads: int, head_dim: int, mlp_dim: int,
-              action_dim: int, num_steps: int = 10, horizon: int = 0) -> HeadSpec:
-    """An adarms_joint `HeadSpec` reading every one of the backbone's `depth` layers (π0.5's action expert:
+              action_dim: int, num_steps: int = 10, horizon: int = 0) -> AdaRmsSpec:
+    """An `AdaRmsSpec` reading every one of the backbone's `depth` layers (π0.5's action expert:
     `models.pi05.model.head_spec`). `horizon` 0: the chunk length is the caller's (the noise's)."""
-    return HeadSpec(
-        name=name, kind="adarms_joint", width=width, depth=depth, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, mlp_dim=mlp_dim, action_dim=action_dim, horizon=horizon, num_steps=num_steps,
-        t_direction="1_to_0", time_cond="adarms", time_input="continuous", time_scale=1, time_embed_dim=width,
-        kv_layers=tuple(range(depth)), suffix_mask="bidirectional",
-    )
+    return AdaRmsSpec(name=name, width=width, depth=depth, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                      head_dim=head_dim, mlp_dim=mlp_dim, action_dim=action_dim, horizon=horizon, num_steps=num_steps)

@@ -1,11 +1,11 @@
 """The joint-KV head kind (XR0): a DiT whose layers attend to some backbone layers' K/V ‖ their own.
 
 What Xiaomi-Robotics-0's released runtime computes (`MiBoTForActionGeneration` in `modeling_mibot.py`,
-the remote code shipped inside every released checkpoint; measured in ../shared/fixtures/xr0_tiny,
-which this head matches to 1e-4, see docs/model_families.md):
+the remote code shipped inside every released checkpoint; measured against its reference outputs, which
+this head matches to 1e-4, see docs/model_families.md and `eval/parity/xr0.py`):
 
 * tokens [sink, state MLP, action MLP(x * action_mask)]: the noisy action is multiplied by the robot's
-  per-dimension `action_mask` [Ha, Ad] at every step (`HeadSpec.action_mask`, or a per-row mask given
+  per-dimension `action_mask` [Ha, Ad] at every step (`JointKvSpec.action_mask`, or a per-row mask given
   to `prepare`); the masked dims are still returned (they evolve from their noise);
 * per layer: `x = x + g1 * Attn(mod(RMS(x)))`, `x = RMS(x)`, `x = x + g2 * SwiGLU(mod(RMS(x)))`,
   `x = RMS(x)` with plain-w RMSNorms; (shift, scale, gate) x 2 = per-layer table [6, Da] + a shared
@@ -33,13 +33,90 @@ import math
 import jax
 import jax.numpy as jnp
 
+from typing import ClassVar, Literal
+
 from oxygen_jax.models import backbone as bb
+from oxygen_jax.models.backbone import BackboneSpec
 from oxygen_jax.models.heads.parts import (
     HeadState, Linear, Mlp, compute_dtype, extra_tokens, gelu, lin, linear_tree, mlp, mlp_tree, sinusoid, time_input,
 )
-from oxygen_jax.models.heads.spec import HeadSpec
+from oxygen_jax.models.heads.spec import DitSpec, require
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import Unstacked, _pytree, apply_rope, attention, scan_layers, stack_layers, unstack_layers
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JointKvSpec(DitSpec):
+    """An XR0 head: layer l attends to the K/V of backbone layer `kv_layers[l]` ‖ its own tokens'.
+
+    Its tokens are [sink, state, actions] (`extra_tokens`, from `sink` and `state_dim`) at the positions
+    that continue the prefix's RoPE; its time is XR0's adaLN-single table.
+    """
+
+    kind: ClassVar[str] = "joint_kv"
+
+    num_kv_heads: int  # K: the backbone cache's KV heads, repeated to the N heads (the DiT's own K/V have N)
+    kv_layers: tuple[int, ...]  # backbone layer read by each head layer
+    sink: bool = True  # a learned sink token first
+    suffix_mask: Literal["causal", "bidirectional"] = "causal"  # attention among the head's tokens
+    suffix_window: int | None = None  # action j also sees only actions j - window .. j
+    action_position_offset: int = 0  # RoPE gap between the extra tokens and the actions
+    action_mask: tuple[tuple[int, ...], ...] | None = None  # [Ha][Ad] 0/1, multiplies the noisy action at
+    #   every step (XR0 `modeling_mibot.py`: the robot's `processor.get_action_mask`); None = all ones
+
+    def _check(self, name: str) -> None:
+        super()._check(name)
+        require(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+                f"{name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        require(self.head_dim % 2 == 0, f"{name}: head_dim must be even for RoPE, got {self.head_dim}")
+        require(len(self.kv_layers) == self.depth,
+                f"{name}: kv_layers must name one backbone layer per head layer ({self.depth}), got {len(self.kv_layers)}")
+        require(self.suffix_mask in ("causal", "bidirectional"), f"{name}: suffix_mask must be 'causal' or 'bidirectional'")
+        require(self.suffix_window is None or self.suffix_window >= 0, f"{name}: suffix_window must be None or >= 0")
+        require(self.action_position_offset >= 0, f"{name}: action_position_offset must be >= 0")
+        if self.action_mask is not None:
+            rows = self.action_mask
+            require(len(rows) == self.horizon and all(len(r) == self.action_dim for r in rows)
+                    and all(v in (0, 1) for r in rows for v in r),
+                    f"{name}: action_mask must be {self.horizon} rows (horizon) of {self.action_dim} entries (action_dim), "
+                    f"each 0 or 1; build it with tuple(tuple(int(v) for v in row) for row in mask)")
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def extra_tokens(self) -> tuple[str, ...]:
+        """The tokens before the actions, in order: "sink", "state"."""
+        return (("sink",) if self.sink else ()) + (("state",) if self.state_dim else ())
+
+    @property
+    def num_extra(self) -> int:
+        """Ne: tokens before the actions."""
+        return len(self.extra_tokens)
+
+    def check_backbone(self, spec: BackboneSpec) -> None:
+        name = f"head {self.name!r}"
+        require(self.head_dim == spec.head_dim,
+                f"{name}: head_dim {self.head_dim} must equal the backbone's {spec.head_dim} (it attends to the backbone's K/V)")
+        require(self.num_kv_heads == spec.num_kv_heads,
+                f"{name}: num_kv_heads {self.num_kv_heads} must equal the backbone's {spec.num_kv_heads} (its K/V are "
+                "concatenated to the backbone's)")
+        require(all(0 <= l < spec.depth for l in self.kv_layers),
+                f"{name}: kv_layers {self.kv_layers} must be backbone layers in [0, {spec.depth})")
+
+    def params_type(self) -> type:
+        return JointHead
+
+    def head_tree(self, draw: bb.Draw) -> JointHead:
+        return head_tree(self, draw)
+
+    def prepare(self, params: JointHead, prefix: Prefix, state: jax.Array | None) -> JointState:
+        return prepare(params, self, prefix, state)
+
+    def velocity(self, params: JointHead, st: HeadState, x_t: jax.Array, step: jax.Array) -> jax.Array:
+        return velocity(params, self, st, x_t, step)
 
 
 @_pytree
@@ -67,6 +144,14 @@ class JointHead:
     action_out: Mlp  # [Da, Ad], [Ad, Ad], no biases
     layers: JointLayers | Unstacked
 
+    def unstack(self) -> JointHead:
+        """The layer stack as `nn.layers.Unstacked` (the fast form on XLA's CPU backend)."""
+        return dataclasses.replace(self, layers=unstack_layers(self.layers))
+
+    def stack(self) -> JointHead:
+        """Inverse of `unstack`."""
+        return dataclasses.replace(self, layers=stack_layers(self.layers))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +165,7 @@ class JointState(HeadState):
     action_mask: jax.Array | None = None
 
 
-def head_tree(spec: HeadSpec, draw: bb.Draw) -> JointHead:
+def head_tree(spec: JointKvSpec, draw: bb.Draw) -> JointHead:
     """The parameters of `spec` with every leaf from `draw` (fan-in scaled; norm scales around 1)."""
     da, n, h, f, ad = spec.width, spec.num_heads, spec.head_dim, spec.mlp_dim, spec.action_dim
     lin_, mlp_ = functools.partial(linear_tree, draw), functools.partial(mlp_tree, draw)
@@ -99,14 +184,6 @@ def head_tree(spec: HeadSpec, draw: bb.Draw) -> JointHead:
     )
 
 
-def unstack(params: JointHead) -> JointHead:
-    return dataclasses.replace(params, layers=unstack_layers(params.layers))
-
-
-def stack(params: JointHead) -> JointHead:
-    return dataclasses.replace(params, layers=stack_layers(params.layers))
-
-
 def _rms(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
     """Qwen's RMSNorm: normalise in float32, cast back, multiply by w."""
     xf = x.astype(jnp.float32)
@@ -114,7 +191,7 @@ def _rms(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
     return normed * scale.astype(x.dtype)
 
 
-def _suffix_mask(spec: HeadSpec) -> jax.Array:
+def _suffix_mask(spec: JointKvSpec) -> jax.Array:
     """bool [T, T] among the head's own tokens.
 
     causal: token i sees tokens <= i; with `suffix_window` w, action j additionally sees only
@@ -133,7 +210,7 @@ def _suffix_mask(spec: HeadSpec) -> jax.Array:
     return mask
 
 
-def head_positions(spec: HeadSpec, prefix: Prefix) -> jax.Array:
+def head_positions(spec: JointKvSpec, prefix: Prefix) -> jax.Array:
     """int32 [Mr, B, T] (M-RoPE prefix) or [B, T]: the head tokens' RoPE positions.
 
     Token j sits at max(valid prefix positions) + 1 + j on each M-RoPE axis separately (modeling_mibot:
@@ -148,7 +225,7 @@ def head_positions(spec: HeadSpec, prefix: Prefix) -> jax.Array:
     return (start[..., None] + offsets).astype(jnp.int32)
 
 
-def _action_mask(spec: HeadSpec, b: int, action_mask: jax.Array | None, dtype) -> jax.Array | None:
+def _action_mask(spec: JointKvSpec, b: int, action_mask: jax.Array | None, dtype) -> jax.Array | None:
     want = (spec.horizon, spec.action_dim)
     if action_mask is None:
         if spec.action_mask is None:
@@ -160,7 +237,7 @@ def _action_mask(spec: HeadSpec, b: int, action_mask: jax.Array | None, dtype) -
     return jnp.broadcast_to(action_mask.astype(dtype), (b,) + want)
 
 
-def prepare(params: JointHead, spec: HeadSpec, prefix: Prefix, state: jax.Array | None,
+def prepare(params: JointHead, spec: JointKvSpec, prefix: Prefix, state: jax.Array | None,
             action_mask: jax.Array | None = None) -> JointState:
     """The mapped layers' K/V (repeated to N heads), the extra tokens, RoPE tables, the mask and the action mask.
 
@@ -186,7 +263,7 @@ def prepare(params: JointHead, spec: HeadSpec, prefix: Prefix, state: jax.Array 
                       cos=jnp.cos(radians), action_mask=_action_mask(spec, b, action_mask, dtype))
 
 
-def _layer(spec: HeadSpec, lp: JointLayers, x, mod, ck, cv, st: HeadState) -> jax.Array:
+def _layer(spec: JointKvSpec, lp: JointLayers, x, mod, ck, cv, st: HeadState) -> jax.Array:
     shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(mod + lp.adaln.astype(x.dtype)[None], 6, axis=1)  # [B, 1, Da] each
     h = _rms(x, lp.norms[0]) * (1 + scale1) + shift1
     q = lin("BTD,DNH->BTNH", h, lp.q)
@@ -201,7 +278,7 @@ def _layer(spec: HeadSpec, lp: JointLayers, x, mod, ck, cv, st: HeadState) -> ja
     return _rms(x + gate2 * ((jax.nn.silu(gate) * up) @ lp.linear.astype(h.dtype)), lp.norms[3])
 
 
-def time_mod(params: JointHead, spec: HeadSpec, t_in: jax.Array) -> jax.Array:
+def time_mod(params: JointHead, spec: JointKvSpec, t_in: jax.Array) -> jax.Array:
     """[B, 6, Da] `t_projector(t_embedder(t_in))` for the network time input t_in float32 [B] (t * 1000):
     cos-first sinusoid (Dt), Linear / SiLU / Linear, then Linear(Da, 6 Da) with no activation before it."""
     dtype = compute_dtype(params)
@@ -209,7 +286,7 @@ def time_mod(params: JointHead, spec: HeadSpec, t_in: jax.Array) -> jax.Array:
     return lin("BD,D6E->B6E", mlp(params.time_mlp, feats, jax.nn.silu), params.time_proj)
 
 
-def _velocity(params: JointHead, spec: HeadSpec, st: HeadState, x_t: jax.Array, t_in: jax.Array,
+def _velocity(params: JointHead, spec: JointKvSpec, st: HeadState, x_t: jax.Array, t_in: jax.Array,
               return_layers: bool = False):
     dtype = compute_dtype(params)
     mod = time_mod(params, spec, t_in)
@@ -228,13 +305,13 @@ def _velocity(params: JointHead, spec: HeadSpec, st: HeadState, x_t: jax.Array, 
     return (v, outs) if return_layers else v
 
 
-def velocity(params: JointHead, spec: HeadSpec, st: HeadState, x_t: jax.Array, step: jax.Array) -> jax.Array:
+def velocity(params: JointHead, spec: JointKvSpec, st: HeadState, x_t: jax.Array, step: jax.Array) -> jax.Array:
     """v(x_t, t) float32 [B, Ha, Ad] at Euler step `step` (int32): t = step / S, fed as t * 1000."""
     _, t_in = time_input(spec, step)
     return _velocity(params, spec, st, x_t, jnp.broadcast_to(t_in, (x_t.shape[0],)))
 
 
-def velocity_at(params: JointHead, spec: HeadSpec, st: HeadState, x_t: jax.Array, t: jax.Array,
+def velocity_at(params: JointHead, spec: JointKvSpec, st: HeadState, x_t: jax.Array, t: jax.Array,
                 return_layers: bool = False):
     """v(x_t, t) float32 [B, Ha, Ad] at per-row times t float32 [B] in [0, 1] (training; any t).
 
@@ -244,7 +321,7 @@ def velocity_at(params: JointHead, spec: HeadSpec, st: HeadState, x_t: jax.Array
     return _velocity(params, spec, st, x_t, jnp.broadcast_to(t_in, (x_t.shape[0],)), return_layers)
 
 
-def loss(params: JointHead, spec: HeadSpec, st: HeadState, actions: jax.Array, noise: jax.Array,
+def loss(params: JointHead, spec: JointKvSpec, st: HeadState, actions: jax.Array, noise: jax.Array,
          t: jax.Array) -> jax.Array:
     """float32 []: XR0's flow-matching loss (Xiaomi's training code `XR0.compute_loss`).
 

@@ -1,4 +1,4 @@
-"""What both head kinds are built from: affine and MLP parameter pieces, the per-frame `HeadState`, the
+"""What the DiT head kinds are built from: affine and MLP parameter pieces, the per-frame `HeadState`, the
 time input of an Euler step, sinusoidal features and the extra tokens before the actions.
 
 Axes (`oxygen_jax.axes`, plus the heads' own of `models.heads`): B batch, P prefix tokens, T head
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from oxygen_jax.models.backbone import Draw
-from oxygen_jax.models.heads.spec import HeadSpec
+from oxygen_jax.models.heads.spec import DitSpec
 from oxygen_jax.nn.layers import _pytree
 
 
@@ -99,7 +99,7 @@ def sinusoid(t: jax.Array, dim: int, *, cos_first: bool, freq_shift: int = 0) ->
     return jnp.concatenate(parts, axis=-1)
 
 
-def time_input(spec: HeadSpec, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+def time_input(spec: DitSpec, step: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(t float32 [], the network's time input float32 []) at Euler step `step` (int32, traced).
 
     0_to_1: t = step / S; 1_to_0: t = 1 - step / S. A bucketed input is StarVLA's
@@ -117,7 +117,7 @@ def time_input(spec: HeadSpec, step: jax.Array) -> tuple[jax.Array, jax.Array]:
     return t, t * spec.time_scale
 
 
-def extra_tokens(spec: HeadSpec, params, b: int, state: jax.Array | None, dtype, state_act) -> jax.Array:
+def extra_tokens(spec: DitSpec, params, b: int, state: jax.Array | None, dtype, state_act) -> jax.Array:
     """[B, Ne, Da]: the extra tokens of `spec.extra_tokens` in order (sink, state MLP with `state_act`, future)."""
     if "state" in spec.extra_tokens:
         if state is None or state.shape != (b, spec.state_dim):

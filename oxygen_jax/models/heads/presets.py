@@ -1,43 +1,42 @@
 """Named heads: the published XR0, StarVLA QwenPI_v3 and QwenGR00T heads on Qwen3-VL-4B, with the public
 code each was read from and what stayed ambiguous, plus their `_bench` and `_tiny` scales.
 
-Axes: none (specs only; the dims are `HeadSpec`'s fields).
+Axes: none (specs only; the dims are the spec types' fields).
 """
 
 from __future__ import annotations
 
+from oxygen_jax.models.heads.cross import CrossHiddenSpec, CrossLastSpec
+from oxygen_jax.models.heads.joint import JointKvSpec
 from oxygen_jax.models.heads.spec import HeadSpec
 
 
 def _xr0(name, *, width, depth, heads, kv_heads, head_dim, mlp, kv_layers, horizon=30, action_dim=32, state_dim=32, steps=5):
-    return HeadSpec(
-        name=name, kind="joint_kv", width=width, depth=depth, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        mlp_dim=mlp, action_dim=action_dim, horizon=horizon, num_steps=steps, t_direction="0_to_1",
-        time_cond="adaln_table", time_input="continuous", kv_layers=tuple(kv_layers), block_pattern="joint",
-        extra_tokens=("sink", "state"), state_dim=state_dim, positions="continue_rope", suffix_mask="causal",
+    return JointKvSpec(
+        name=name, width=width, depth=depth, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        mlp_dim=mlp, action_dim=action_dim, horizon=horizon, num_steps=steps, time_input="continuous",
+        kv_layers=tuple(kv_layers), state_dim=state_dim,
     )
 
 
 def _starvla(name, *, width, depth, heads, head_dim, vlm_width, proj, vlm_depth, future=32, horizon=16, action_dim=7,
              steps=4, io_hidden=1024, max_positions=1024, hidden_states=None):
-    return HeadSpec(
-        name=name, kind="cross_hidden", width=width, depth=depth, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
-        mlp_dim=4 * width, action_dim=action_dim, horizon=horizon, num_steps=steps, t_direction="0_to_1",
-        time_cond="adaln_scale_shift", time_input="bucket", hidden_layers=tuple(range(vlm_depth - depth + 1, vlm_depth + 1)),
-        vlm_width=vlm_width, hidden_proj=proj, block_pattern="all_cross", extra_tokens=("future",), num_future_tokens=future,
-        positions="learned", max_positions=max_positions, io_hidden=io_hidden, hidden_states=hidden_states,
+    return CrossHiddenSpec(
+        name=name, width=width, depth=depth, num_heads=heads, head_dim=head_dim, mlp_dim=4 * width,
+        action_dim=action_dim, horizon=horizon, num_steps=steps, time_input="bucket",
+        hidden_layers=tuple(range(vlm_depth - depth + 1, vlm_depth + 1)), vlm_width=vlm_width, hidden_proj=proj,
+        block_pattern="all_cross", num_future_tokens=future, max_positions=max_positions, io_hidden=io_hidden,
+        hidden_states=hidden_states,
     )
 
 
 def _gr00t(name, *, width, depth, heads, head_dim, vlm_width, vlm_depth, out_dim, future=32, horizon=8, action_dim=7,
            state_dim=7, steps=4, io_hidden=1024, max_positions=1024, hidden_states=None):
-    return HeadSpec(
-        name=name, kind="cross_last", width=width, depth=depth, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
-        mlp_dim=4 * width, action_dim=action_dim, horizon=horizon, num_steps=steps, t_direction="0_to_1",
-        time_cond="adaln_scale_shift", time_input="bucket", hidden_layers=(vlm_depth,) * (depth // 2), vlm_width=vlm_width,
-        block_pattern="cross_self", extra_tokens=("state", "future"), state_dim=state_dim, num_future_tokens=future,
-        positions="learned", max_positions=max_positions, dit_output_dim=out_dim, io_hidden=io_hidden,
-        hidden_states=hidden_states,
+    return CrossLastSpec(
+        name=name, width=width, depth=depth, num_heads=heads, head_dim=head_dim, mlp_dim=4 * width,
+        action_dim=action_dim, horizon=horizon, num_steps=steps, time_input="bucket", hidden_layer=vlm_depth,
+        vlm_width=vlm_width, block_pattern="cross_self", state_dim=state_dim, num_future_tokens=future,
+        max_positions=max_positions, dit_output_dim=out_dim, io_hidden=io_hidden, hidden_states=hidden_states,
     )
 
 
@@ -84,8 +83,8 @@ def starvla_qwenpi_v3() -> HeadSpec:
 
     Hidden states: StarVLA pins transformers 4.57.0, whose `hidden_states` entries after DeepStack
     layers are post-DeepStack and whose last entry is the last layer's output before the final norm
-    (`hidden_states="transformers_4_57"`, `models.hidden_states`; measured in
-    ../shared/fixtures/starvla_qwenpi_v3_tiny, which this head matches to 1e-4). So blocks 0..2 read
+    (`hidden_states="transformers_4_57"`, `models.hidden_states`; measured against
+    StarVLA's reference outputs, which this head matches to 1e-4: `eval/parity/starvla.py`). So blocks 0..2 read
     post-DeepStack residuals and block 35 the un-normed last layer. The per-step times are k / S
     (buckets int(k / S * 1000) = 0, 250, 500, 750); the head is never evaluated at t = 1.
 
@@ -107,9 +106,9 @@ def gr00t() -> HeadSpec:
 
     Read from starVLA/starVLA @ 0ed0aad: `QwenGR00T.py` (`hidden_states[-1]`: under transformers
     4.57.0, StarVLA's pin, the last layer's output BEFORE the final norm (`hidden_states=
-    "transformers_4_57"`, `models.hidden_states`; measured in ../shared/fixtures/starvla_gr00t_tiny,
+    "transformers_4_57"`, `models.hidden_states`; measured against StarVLA's reference outputs,
     which this head matches to 1e-4), with the backbone attention mask; DiT-B: 16 blocks x 768, 12 heads x 64; cross dim =
-    VLM width 2560; interleaved: even blocks cross-attend, odd blocks self-attend; output_dim 1024;
+    VLM width 2560; interleaved: even blocks cross-attend, odd blocks self-attend (any depth: 5 blocks are cross 0, 2, 4); output_dim 1024;
     horizon 8 x 7; state_dim 7; 4 steps) and `GR00T_ActionHeader.py` (state MLP token, 32 future
     tokens, learned positions, DiT output block (LayerNorm modulated by proj_out_1, then proj_out_2
     to 1024; `shift, scale = proj_out_1(silu(temb)).chunk(2)`, the reverse of the blocks' AdaLayerNorm
