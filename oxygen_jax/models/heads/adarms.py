@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import flow
 from oxygen_jax.models.backbone import BackboneSpec, DecoderLayers, RopeSpec
-from oxygen_jax.models.heads.spec import HeadSpec, require
+from oxygen_jax.models.heads.spec import HeadSpec, check_kv_heads, check_reads_kv, require
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import AdaRMSNorm, Dense, Unstacked, _pytree, dense, stack_layers, unstack_layers
 from oxygen_jax.nn.masks import make_attn_mask
@@ -59,8 +59,7 @@ class AdaRmsSpec(HeadSpec):
 
     def _check(self, name: str) -> None:
         super()._check(name)
-        require(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
-                f"{name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        check_kv_heads(name, self.num_heads, self.num_kv_heads)
         require(self.width % 2 == 0 and self.head_dim % 2 == 0,
                 f"{name}: width ({self.width}, sincos time features) and head_dim ({self.head_dim}, RoPE) must be even")
 
@@ -95,11 +94,7 @@ class AdaRmsSpec(HeadSpec):
         name = f"head {self.name!r}"
         require(self.depth == spec.depth, f"{name}: an adarms_joint head has one layer per backbone layer: depth "
                                           f"{self.depth} must equal the backbone's {spec.depth}")
-        require(self.head_dim == spec.head_dim,
-                f"{name}: head_dim {self.head_dim} must equal the backbone's {spec.head_dim} (it attends to the backbone's K/V)")
-        require(self.num_kv_heads == spec.num_kv_heads,
-                f"{name}: num_kv_heads {self.num_kv_heads} must equal the backbone's {spec.num_kv_heads} (its K/V are "
-                "concatenated to the backbone's)")
+        check_reads_kv(self, spec)
 
     def params_type(self) -> type:
         return AdaRmsHead

@@ -40,7 +40,7 @@ from oxygen_jax.models.backbone import BackboneSpec
 from oxygen_jax.models.heads.parts import (
     HeadState, Linear, Mlp, compute_dtype, extra_tokens, gelu, lin, linear_tree, mlp, mlp_tree, sinusoid, time_input,
 )
-from oxygen_jax.models.heads.spec import DitSpec, require
+from oxygen_jax.models.heads.spec import DitSpec, check_kv_heads, check_reads_kv, require
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import Unstacked, _pytree, apply_rope, attention, scan_layers, stack_layers, unstack_layers
 
@@ -67,8 +67,7 @@ class JointKvSpec(DitSpec):
 
     def _check(self, name: str) -> None:
         super()._check(name)
-        require(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
-                f"{name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        check_kv_heads(name, self.num_heads, self.num_kv_heads)
         require(self.head_dim % 2 == 0, f"{name}: head_dim must be even for RoPE, got {self.head_dim}")
         require(len(self.kv_layers) == self.depth,
                 f"{name}: kv_layers must name one backbone layer per head layer ({self.depth}), got {len(self.kv_layers)}")
@@ -97,14 +96,7 @@ class JointKvSpec(DitSpec):
         return len(self.extra_tokens)
 
     def check_backbone(self, spec: BackboneSpec) -> None:
-        name = f"head {self.name!r}"
-        require(self.head_dim == spec.head_dim,
-                f"{name}: head_dim {self.head_dim} must equal the backbone's {spec.head_dim} (it attends to the backbone's K/V)")
-        require(self.num_kv_heads == spec.num_kv_heads,
-                f"{name}: num_kv_heads {self.num_kv_heads} must equal the backbone's {spec.num_kv_heads} (its K/V are "
-                "concatenated to the backbone's)")
-        require(all(0 <= l < spec.depth for l in self.kv_layers),
-                f"{name}: kv_layers {self.kv_layers} must be backbone layers in [0, {spec.depth})")
+        check_reads_kv(self, spec)
 
     def params_type(self) -> type:
         return JointHead

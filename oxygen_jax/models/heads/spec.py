@@ -38,6 +38,24 @@ def require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def check_kv_heads(name: str, num_heads: int, num_kv_heads: int) -> None:
+    """A head that reads the backbone's K/V: its N query heads share the K heads, N / K each."""
+    require(num_kv_heads > 0 and num_heads % num_kv_heads == 0,
+            f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+
+
+def check_reads_kv(head: HeadSpec, spec: BackboneSpec) -> None:
+    """A head whose attention reads the backbone's K/V: same head dim and KV head count; kv_layers exist."""
+    name = f"head {head.name!r}"
+    require(head.head_dim == spec.head_dim,
+            f"{name}: head_dim {head.head_dim} must equal the backbone's {spec.head_dim} (it attends to the backbone's K/V)")
+    require(head.num_kv_heads == spec.num_kv_heads,
+            f"{name}: num_kv_heads {head.num_kv_heads} must equal the backbone's {spec.num_kv_heads} (its K/V are "
+            "concatenated to the backbone's)")
+    require(all(0 <= l < spec.depth for l in head.kv_layers),
+            f"{name}: kv_layers {head.kv_layers} must be backbone layers in [0, {spec.depth})")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HeadSpec(abc.ABC):
     """One action head: its dims and flow, and what it reads from the prefix. Hashable and static.
