@@ -22,7 +22,10 @@ and the returned actions are checked (shape, dtype, finite values).
 
 Several robots (streams) can share one engine: `step(observation, rows=[...])` names the stream of
 each batch row, and a request submitted with `row=stream` is admitted in a frame where that stream
-has a row, continuing that robot's observation.
+has a row, continuing that robot's observation. Streams are isolated from each other: a row whose
+actions come back non-finite is reported in `StepResult.row_errors` (the other rows are served as
+usual, and that row's requests admitted in the frame are dropped), `validate` finds the row whose
+inputs `step` would refuse, and a state is bounded by `MAX_STATE_ABS`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ from oxygen_jax.runtime.vla import Vla, as_vla
 
 MAX_SEED = 2**32 - 1
 MAX_STREAM = 2**31 - 1  # stream ids (rows) are int32 on the device side; -1 marks a padding row
+MAX_STATE_ABS = 1e4
+"""Bound on |state| a head's state token reads (the normalised state: trained states lie within a few units).
+
+A state projector multiplies the state into the residual stream, where a float32-finite 3e38 becomes inf;
+1e4 is far beyond any trained range and far below where a projector or a norm's square overflows."""
 
 
 class RequestError(ValueError):
@@ -103,6 +111,7 @@ class StepResult:
     queued: int  # requests still waiting for a slot after this frame
     errors: list[FailedRequest] = dataclasses.field(default_factory=list)  # dropped this frame
     head_actions: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # every head: name -> [B, Ha, Ad]
+    row_errors: dict[int, str] = dataclasses.field(default_factory=dict)  # batch row -> why its actions are unusable
 
 
 def _is_int(x) -> bool:
@@ -130,6 +139,17 @@ def _float32_finite(x) -> bool:
     """Every value finite once cast to float32 (a float64 1e300 is finite, but inf on the device)."""
     with np.errstate(over="ignore", invalid="ignore"):
         return bool(np.isfinite(np.asarray(x, np.float32)).all())
+
+
+def _nonfinite_rows(actions: dict[str, np.ndarray], rows: Sequence[int]) -> dict[int, str]:
+    """Batch row -> reason, for every non-padding row (rows[i] >= 0) with a non-finite action of any head."""
+    bad = {}
+    for name, a in actions.items():
+        finite = np.isfinite(np.asarray(a)).reshape(len(rows), -1).all(axis=1)
+        for i in np.flatnonzero(~finite):
+            if rows[i] >= 0 and i not in bad:
+                bad[int(i)] = f"the model returned non-finite actions (NaN/inf) of head {name!r} for this row"
+    return bad
 
 
 def _check_rows(rows, b: int) -> list[int]:
@@ -331,6 +351,9 @@ class Engine:
             if not isinstance(x, jax.core.Tracer) and not _float32_finite(x):
                 raise ValueError(f"states[{n!r}] holds NaN, inf or values beyond float32 (|x| > 3.4e38); "
                                  "send the robot's normalised state")
+            if not isinstance(x, jax.core.Tracer) and np.abs(np.asarray(x, np.float32)).max(initial=0) > MAX_STATE_ABS:
+                raise ValueError(f"states[{n!r}] holds values beyond +-{MAX_STATE_ABS:g} (engine.MAX_STATE_ABS); "
+                                 "send the robot's normalised state")
         return got or None
 
     def _ensure_pool(self, inputs) -> None:
@@ -390,6 +413,26 @@ class Engine:
                                             t.owner))
         return errors
 
+    def validate(self, observation, noise=None, *, rows: Sequence[int] | None = None, states: dict | None = None,
+                 rtc=None) -> None:
+        """Raises ValueError naming what `step` would refuse in these inputs; runs nothing and changes nothing.
+
+        A server that batches several robots calls it on one robot's row alone to find the row at fault
+        when `step` refused a whole batch. Arguments as `step` (noise None is not drawn, only allowed).
+        """
+        self._checked(observation, noise, rows, states, rtc, draw=False)
+
+    def _checked(self, observation, noise, rows, states, rtc, *, draw: bool = True):
+        """(B, rows, noise, states, rtc) as `step` runs them: every input check, nothing changed."""
+        self.vla.check_inputs(observation)
+        b = self.vla.batch_size(observation)
+        if rows is not None:
+            rows = _check_rows(rows, b)
+        noise = self._check_noise(noise, b) if draw or noise is not None else None
+        states = self._check_states(states, b)
+        rtc = rtc_mod.for_heads(self.vla, rtc, noise) if noise is not None else rtc
+        return b, rows, noise, states, rtc
+
     def step(self, observation, noise=None, *, rows: Sequence[int] | None = None,
              states: dict | None = None, rtc=None) -> StepResult:
         """Runs one control frame with this frame's observation; returns actions and finished texts.
@@ -398,18 +441,15 @@ class Engine:
           observation: B rows (robots): an `Observation` (π0.5) or `mot.PrefixInputs` (a ModelSpec).
           noise: float [B, Ha, Ad] (one-head models) or head name -> [B, Ha, Ad], finite; default drawn
             from the engine's seed and frame index.
-          rows: stream id of each batch row (-1 = padding); default rows 0..B-1.
-          states: head name -> robot state [B, Ds] for the heads with a state token.
+          rows: stream id of each batch row (-1 = padding); default rows 0..B-1. With `rows`, rows are
+            isolated: a row whose actions are not finite is named in `StepResult.row_errors` (its requests
+            admitted this frame are dropped, into `errors`) and the other rows are served; without `rows`,
+            non-finite actions raise FloatingPointError.
+          states: head name -> robot state [B, Ds] for the heads with a state token (|x| <= MAX_STATE_ABS).
           rtc: optional real-time chunking per row: a `runtime.rtc.RtcInputs` for the primary head, or head
             name -> `RtcInputs` (previous chunk, d, s, schedule, β, mode as arrays: no recompile when they change).
         """
-        self.vla.check_inputs(observation)
-        b = self.vla.batch_size(observation)
-        if rows is not None:
-            rows = _check_rows(rows, b)
-        noise = self._check_noise(noise, b)
-        states = self._check_states(states, b)
-        rtc = rtc_mod.for_heads(self.vla, rtc, noise)
+        b, rows, noise, states, rtc = self._checked(observation, noise, rows, states, rtc)
         rtc_kw = {} if rtc is None else {"rtc": rtc}  # omitted when off: the same compiled program as before
         self._ensure_pool(observation)
         errors = self._drop_unservable(rows, b)
@@ -430,11 +470,29 @@ class Engine:
             out = jax.device_get(out)
         self._pool = pool
         end = time.perf_counter()
-        if not all(np.isfinite(a).all() for a in out.actions.values()):
+        bad = _nonfinite_rows(out.actions, range(b) if rows is None else rows)
+        if bad and rows is None:  # one caller's frame: nothing to isolate
             raise FloatingPointError(
-                f"frame {self._frame}: the model returned non-finite actions (NaN/inf); check the parameters "
-                "and the observation (images in [-1, 1], normalised state)")
-        return self._absorb(out, start, end, errors)
+                f"frame {self._frame}: the model returned non-finite actions (NaN/inf) in rows {sorted(bad)}; check "
+                "the parameters and the observation (images in [-1, 1], normalised state)")
+        offered = self._sched.offered()
+        result = self._absorb(out, start, end, errors)
+        return self._isolate(result, bad, rows, offered) if bad else result
+
+    def _isolate(self, result: StepResult, bad: dict[int, str], rows: list[int],
+                 offered: list[Ticket]) -> StepResult:
+        """`result` with rows `bad` (batch row -> reason) named in `row_errors`, and the requests admitted
+        this frame on those rows (they continued a non-finite prefix) dropped into `errors`."""
+        streams = {rows[i]: why for i, why in bad.items()}
+        dropped = {t.request_id: t for t in offered if t.admit_frame == result.frame and t.row in streams}
+        for rid, t in dropped.items():
+            self.cancel(rid)
+        errors = result.errors + [FailedRequest(rid, f"dropped with its robot's frame: {streams[t.row]}", t.owner)
+                                  for rid, t in dropped.items()]
+        return dataclasses.replace(
+            result, finished=[f for f in result.finished if f.request_id not in dropped],
+            new_text={rid: x for rid, x in result.new_text.items() if rid not in dropped}, errors=errors,
+            row_errors=dict(bad))
 
     def _retry_without_requests(self, error: Exception) -> list[FailedRequest]:
         """Drops the offered requests after a failed frame; rebuilds the pool if donation consumed it."""

@@ -23,6 +23,10 @@ Da the robot's action dim.
   head), so a client (or a test) can reproduce a served action chunk with `Engine.step(observation, noise)`.
 * Model specifics (rows, stacking, noise shapes, the output transform) are the `codec`'s: any model family
   an `Engine` runs is served by this code.
+* No robot can fail another's step (`EngineWorker.step`): a frame whose row the codec or the Engine
+  refuses, or whose actions come back non-finite (`StepResult.row_errors`), is answered with a BadRequest
+  and its requests are withdrawn; the others get their actions. Only a failure no single row explains
+  fails every frame of the step.
 * The event loop never runs model code: only `EngineWorker` methods touch the Engine, on its thread.
 """
 
@@ -313,8 +317,10 @@ class EngineWorker:
     def step(self, frames: Sequence[Frame], bucket: int) -> StepOutput:
         """Submits the frames' language requests, then runs one step of `bucket` rows.
 
-        A frame whose language request the Engine refuses gets a BadRequest result and no row (its other
-        requests are withdrawn); the remaining frames still step.
+        No frame can fail another: a frame whose language request the Engine refuses, whose row the
+        Engine refuses (`_refused_rows`: the step is then run again without it), whose actions come back
+        non-finite (`StepResult.row_errors`) or whose reply cannot be made gets a BadRequest result, and its
+        requests are withdrawn; the remaining frames get their step's results.
         """
         accepted, errors = {}, {}
         for f in frames:
@@ -323,30 +329,74 @@ class EngineWorker:
             except RequestError as e:
                 errors[id(f)] = f"BadRequest: {e}"
         live = [f for f in frames if id(f) not in errors]
-        actions, out_rows, step_ms, res = {}, len(live), 0.0, None
-        if live:
-            bucket = max(bucket, len(live))
-            inputs, states = self.codec.batch([f.observation for f in live], bucket)
-            noise = self.codec.noise(self.seed, [f.stream.id for f in live], [f.index for f in live], bucket)
-            obs, noise, states = self._place((inputs, noise, states), bucket)
-            start = time.perf_counter()
-            res = self.engine.step(obs, noise, rows=[f.stream.id for f in live] + [-1] * (bucket - len(live)),
-                                   states=states)
-            step_ms = (time.perf_counter() - start) * 1e3
-            for i, f in enumerate(live):
-                actions[id(f)] = self.codec.outputs(res.head_actions, i, f.state)
+        res, step_ms = None, 0.0
+        while live and res is None:
+            try:
+                res, step_ms = self._step_rows(live, max(bucket, len(live)))
+            except Exception:  # noqa: BLE001 - one row's inputs are that row's error; anything else fails the step
+                refused = self._refused_rows(live)
+                if not refused:
+                    raise
+                errors.update(refused)
+                live = [f for f in live if id(f) not in refused]
+        actions, out_rows = {}, len(live)
+        for i, f in enumerate(live):
+            why = res.row_errors.get(i)
+            if why is None:
+                try:
+                    actions[id(f)] = _finite_reply(*self.codec.outputs(res.head_actions, i, f.state))
+                except ValueError as e:
+                    why = str(e)
+            if why is not None:
+                errors[id(f)] = f"BadRequest: {_cut(why)}; check {self.codec.state_field} and the images"
+        withdrawn = self._withdraw([rid for f in frames if id(f) in errors for rid in accepted.get(id(f), [])])
         now = time.perf_counter()
         results = [FrameResult(
             actions=actions[id(f)][0] if id(f) in actions else None, error=errors.get(id(f)), index=f.index,
             extras=actions[id(f)][1] if id(f) in actions else {},
-            accepted=[{"id": rid, "tag": req.tag} for rid, req in zip(accepted.get(id(f), []), f.language)],
+            accepted=[] if id(f) in errors else [{"id": rid, "tag": req.tag}
+                                                 for rid, req in zip(accepted.get(id(f), []), f.language)],
             rows=out_rows, bucket=bucket if live else 0, step_ms=step_ms,
             queue_ms=(now - f.arrival) * 1e3 - step_ms,
         ) for f in frames]
         return StepOutput(
-            results=results, finished=res.finished if res else [], failed=res.errors if res else [], rows=out_rows,
+            results=results, finished=[d for d in res.finished if d.request_id not in withdrawn] if res else [],
+            failed=[d for d in res.errors if d.request_id not in withdrawn] if res else [], rows=out_rows,
             bucket=bucket if live else 0, step_ms=step_ms, language_active=self.engine.num_active,
             language_queued=self.engine.num_queued)
+
+    def _step_rows(self, live: Sequence[Frame], bucket: int):
+        """(StepResult, step ms) of one Engine step of the live frames' rows, padded to `bucket`."""
+        inputs, states = self.codec.batch([f.observation for f in live], bucket)
+        noise = self.codec.noise(self.seed, [f.stream.id for f in live], [f.index for f in live], bucket)
+        obs, noise, states = self._place((inputs, noise, states), bucket)
+        start = time.perf_counter()
+        res = self.engine.step(obs, noise, rows=[f.stream.id for f in live] + [-1] * (bucket - len(live)),
+                               states=states)
+        return res, (time.perf_counter() - start) * 1e3
+
+    def _refused_rows(self, live: Sequence[Frame]) -> dict[int, str]:
+        """id(frame) -> BadRequest text, for each frame whose row alone the codec or the Engine refuses.
+
+        Called when a step of all of them raised: each row is batched alone and checked
+        (`Engine.validate`), so one robot's unusable row is its own error, not its neighbours'.
+        """
+        validate = getattr(self.engine, "validate", None)
+        refused = {}
+        for f in live:
+            try:
+                inputs, states = self.codec.batch([f.observation], 1)
+                if validate is not None:
+                    validate(inputs, states=states)
+            except Exception as e:  # noqa: BLE001 - whatever this row alone raises is this row's refusal
+                refused[id(f)] = f"BadRequest: {_cut(str(e) or type(e).__name__)}"
+        return refused
+
+    def _withdraw(self, request_ids: Sequence[int]) -> set[int]:
+        """Cancels requests of frames that were refused (their robot never learns the ids); returns the ids."""
+        for rid in request_ids:
+            self.engine.cancel(rid)
+        return set(request_ids)
 
     def cancel_owner(self, owner: object) -> int:
         """Cancels every queued and running request of `owner`; returns how many."""
@@ -390,6 +440,22 @@ def fire_delay(pending: Sequence[Frame], expected: Sequence[Stream], now: float,
     fire_at = min(f.arrival + f.stream.deadline_s for f in pending) - predicted_s
     still_expected = min(s.last_reply + s.deadline_s for s in expected)
     return max(0.0, min(fire_at, still_expected) - now)
+
+
+def _cut(text: str) -> str:
+    """An engine reason quoted back to a client: at most `_MAX_REASON` characters."""
+    return text if len(text) <= _MAX_REASON else f"{text[:_MAX_REASON]}…"
+
+
+def _finite_reply(actions: np.ndarray, extras: dict) -> tuple[np.ndarray, dict]:
+    """A row's reply (`codec.outputs`), or ValueError when a value in it is not finite (e.g. a state added
+    to a delta action beyond float32)."""
+    arrays = [actions, *extras.get("heads", {}).values()]
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = all(np.isfinite(np.asarray(a, np.float32)).all() for a in arrays)
+    if not finite:
+        raise ValueError("the reply's actions are not finite (NaN/inf) once mapped to robot units")
+    return actions, extras
 
 
 class Busy(Exception):

@@ -19,6 +19,12 @@ with several heads are served by the same code:
 
 Noise is deterministic per (seed, stream, frame, head): `frame_noise`.
 
+Every row is bounded before it is batched (`prepare`, on a prep thread): images are uint8 pixels, prompt
+ids the tokenizer's (client text is plain text: `native_prompts`), and a state that a head's state token
+reads (XR0, GR00T) lies within +-`runtime.engine.MAX_STATE_ABS` as the model reads it (normalised); a
+row beyond it is refused naming the client's state field (`state_field`). π0.5 and QwenPI_v3 read the
+state as 256 prompt bins, so any finite state is bounded there by construction.
+
 Axes: B rows of a step, Ha horizon, Ad model (head) action dim, Da robot action dim.
 """
 
@@ -32,7 +38,11 @@ import numpy as np
 from oxygen_jax.models.pi05.config import RobotConfig
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.robots import native_prompts, prompt_rows, transforms
+from oxygen_jax.runtime.engine import MAX_STATE_ABS
 from oxygen_jax.runtime.vla import MultiHead
+
+STATE_FIELDS = {"libero": "observation/state", "droid": "observation/joint_position and observation/gripper_position",
+                "aloha": "state"}  # the client fields that make up the state, per robot format
 
 
 def frame_noise(seed: int, stream: int, frame: int, horizon: int, action_dim: int, head: int = 0) -> np.ndarray:
@@ -70,6 +80,21 @@ class _Codec:
     @property
     def primary(self) -> str:
         return self.vla.primary
+
+    @property
+    def state_field(self) -> str:
+        """The client's state field(s), for refusals."""
+        return STATE_FIELDS.get(self.robot.name, "the state")
+
+    def _bound_state(self, state) -> None:
+        """ValueError naming the state field when a head's state token would read |x| > MAX_STATE_ABS."""
+        dims = self.vla.state_dims()
+        if not dims:
+            return
+        peak = float(np.abs(np.asarray(state, np.float64)[..., : max(dims.values())]).max(initial=0.0))
+        if peak > MAX_STATE_ABS:
+            raise ValueError(f"{self.state_field}: the state as the model reads it reaches {peak:.3g}, beyond "
+                             f"+-{MAX_STATE_ABS:g} (engine.MAX_STATE_ABS); send the robot's normalised state")
 
     def example(self):
         """A row from a synthetic sample (warm-up compiles every bucket with it)."""
@@ -142,11 +167,14 @@ class HeadsCodec(_Codec):
                                                      default_prompt=self.default_prompt)
             built = native_prompts.build_rows(self.native, self.spec, self.tokenizer, rows, prompt_len=self.prompt_len,
                                               views=views)
-            return prompt_rows.PromptRows(ids=built.ids, mask=built.mask, images=np.stack(built.images)[None],
-                                          state=built.state)
-        return prompt_rows.make_rows(self.robot, self.spec, self.tokenizer, [sample], self.norm_stats,
-                                     image_size=self.image_size, prompt_len=self.prompt_len,
-                                     default_prompt=self.default_prompt)
+            row = prompt_rows.PromptRows(ids=built.ids, mask=built.mask, images=np.stack(built.images)[None],
+                                         state=built.state)
+        else:
+            row = prompt_rows.make_rows(self.robot, self.spec, self.tokenizer, [sample], self.norm_stats,
+                                        image_size=self.image_size, prompt_len=self.prompt_len,
+                                        default_prompt=self.default_prompt)
+        self._bound_state(row.state)
+        return row
 
     def batch(self, rows: Sequence[prompt_rows.PromptRows], bucket: int):
         inputs, states = prompt_rows.model_inputs(self.spec, prompt_rows.stack_rows(rows, bucket))

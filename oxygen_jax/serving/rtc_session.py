@@ -197,34 +197,47 @@ class RtcSessions:
         return plan
 
     def inputs(self, rows: Sequence[int], batch: int) -> tuple[rtc_mod.RtcInputs | None, list[dict | None]]:
-        """The step's RTC inputs for rows (stream ids, -1 padding), None when every row is off; and each row's plan."""
+        """The step's RTC inputs for rows (stream ids, -1 padding), None when every row is off; and each row's plan.
+
+        One lock section: a connection closing meanwhile (`forget`, on the event loop) either happens
+        before (its row is planned as absent: off) or after (its plan stands; `record` skips it).
+        """
         with self._lock:
             plans = []
             for r in rows:
                 s = self._sessions.get(r) if r >= 0 else None
-                plans.append(self._plan(s) if s is not None and s.pending is not None else None)
+                plan = self._plan(s) if s is not None and s.pending is not None else None
+                if plan is not None and plan["mode"] != "off":
+                    plan.update(schedule=s.schedule, max_guidance=s.max_guidance)
+                plans.append(plan)
         if all(p is None or p["mode"] == "off" for p in plans):
             return None, plans
         prev = np.zeros((batch, self.horizon, self.action_dim), np.float32)
         d, s, mode, sched = (np.zeros(batch, np.int32) for _ in range(4))
         beta = np.zeros(batch, np.float32)
-        with self._lock:
-            for i, (r, p) in enumerate(zip(rows, plans)):
-                if p is None or p["mode"] == "off":
-                    continue
-                sess = self._sessions[r]
-                prev[i], d[i], s[i] = p["prev"], p["delay"], p["executed"]
-                mode[i], sched[i] = rtc_mod.MODES.index(p["mode"]), rtc_mod.SCHEDULES.index(sess.schedule)
-                beta[i] = sess.max_guidance
+        for i, p in enumerate(plans):
+            if p is None or p["mode"] == "off":
+                continue
+            prev[i], d[i], s[i] = p["prev"], p["delay"], p["executed"]
+            mode[i], sched[i] = rtc_mod.MODES.index(p["mode"]), rtc_mod.SCHEDULES.index(p["schedule"])
+            beta[i] = p["max_guidance"]
         return rtc_mod.RtcInputs(prev_chunk=prev, delay=d, horizon=s, schedule=sched, max_guidance=beta,
                                  mode=mode), plans
 
-    def record(self, rows: Sequence[int], chunks: np.ndarray, plans: Sequence[dict | None]) -> None:
-        """Keeps each RTC row's new chunk (model space) under a fresh id and files its reply."""
+    def record(self, rows: Sequence[int], chunks: np.ndarray, plans: Sequence[dict | None],
+               refused: Sequence[int] = ()) -> None:
+        """Keeps each RTC row's new chunk (model space) under a fresh id and files its reply.
+
+        Rows in `refused` (batch rows whose frame was refused, e.g. non-finite actions) keep nothing: their
+        chunk is never continued. A session closed since `inputs` is skipped.
+        """
         with self._lock:
             for i, (r, p) in enumerate(zip(rows, plans)):
                 s = self._sessions.get(r) if p is not None else None
                 if s is None:
+                    continue
+                if i in refused:
+                    s.pending = None
                     continue
                 cid = s.next_chunk
                 s.next_chunk += 1
@@ -274,5 +287,5 @@ class RtcEngine:
         rows = list(range(b)) if rows is None else list(rows)
         inputs, plans = self.sessions.inputs(rows, b)
         res = self.engine.step(observation, noise, rows=rows, states=states, rtc=inputs)
-        self.sessions.record(rows, res.head_actions[self.engine.vla.primary], plans)
+        self.sessions.record(rows, res.head_actions[self.engine.vla.primary], plans, refused=res.row_errors)
         return res
