@@ -7,6 +7,13 @@ here is a list of pieces, ("text", str) | ("special", name) | ("image", n), enco
 Hugging Face tokenizer splits on its added (special) tokens before it runs BPE, so encoding the text
 between them separately gives the ids of the whole string.
 
+Client text is text: only the template's own ("special", name) and ("image", n) pieces become special
+ids. A "text" piece (the instruction with the template's words around it) is encoded as plain text
+(`ChatTokenizer.encode_text`): "open <|image_pad|> drawer" is the characters "<|image_pad|>", never an
+image token, so a client cannot add images, end a turn or open a vision block. `encode` refuses, in
+one line naming it, a text piece that a tokenizer still maps to one of the template's special ids (a
+word-level vocabulary that holds "<|im_end|>" as a word).
+
 Per family (what the native code writes; the instruction is the client's "prompt"):
 
 * **XR0** (the released README / deploy server; the chat text is written out, not templated):
@@ -63,13 +70,19 @@ TOKENIZER_FILE = "tokenizer.json"
 class ChatTokenizer(Protocol):
     pad_id: int
 
-    def encode_text(self, text: str) -> list[int]: ...
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of `text` as plain text: a special token's string is its characters, never its id."""
 
     def special_id(self, name: str) -> int: ...
 
 
 class QwenTokenizer:
-    """A Hugging Face `tokenizer.json` (Qwen3-VL's) through the `tokenizers` package."""
+    """A Hugging Face `tokenizer.json` (Qwen3-VL's) through the `tokenizers` package.
+
+    Text (`encode_text`, `encode`: instructions and language prompts) is encoded with the file's added
+    tokens removed, so their strings are plain text (BPE pieces of "<", "|", ...); the template's special
+    tokens come from `special_id`. Ids of text without an added token's string are the file's own.
+    """
 
     def __init__(self, path: str | Path):
         try:
@@ -78,6 +91,10 @@ class QwenTokenizer:
             raise ImportError("reading tokenizer.json needs the tokenizers package: pip install tokenizers") from None
         self.path = Path(path)
         self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        plain = json.loads(self._tok.to_str())
+        self.added = {t["id"]: t["content"] for t in plain.get("added_tokens", [])}  # id -> string, never from text
+        plain["added_tokens"] = []
+        self._plain = tokenizers.Tokenizer.from_str(json.dumps(plain))
         pad = _configured_pad(self.path.parent / "tokenizer_config.json")
         self.pad_id = self._id(pad) if pad else self.special_id("pad")
 
@@ -95,7 +112,18 @@ class QwenTokenizer:
         return self._id(SPECIAL_TOKENS[name])
 
     def encode_text(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """Ids of `text` as plain text (added tokens' strings are characters). ValueError if the vocabulary
+        still maps some of it to an added token (a model vocabulary that holds one as a word)."""
+        ids = list(self._plain.encode(text, add_special_tokens=False).ids)
+        hit = next((i for i in ids if i in self.added), None)
+        if hit is not None:
+            raise ValueError(f"the text holds {self.added[hit]!r}, a special token of {self.path.name}, which its "
+                             "vocabulary cannot spell as plain text; remove it")
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """A language request's prompt ids: `encode_text` (plain text, no BOS)."""
+        return self.encode_text(text)
 
 
 def _configured_pad(path: Path) -> str | None:
@@ -173,12 +201,30 @@ def pieces(family: str, instruction: str, image_tokens: Sequence[int], *, views:
     return out + [("text", text), ("special", "im_end"), ("text", "\n"), ("special", "im_start"), ("text", "assistant\n")]
 
 
+def _special_ids(tok: ChatTokenizer) -> dict[int, str]:
+    """id -> string of the template's special tokens (`SPECIAL_TOKENS`) this tokenizer has."""
+    out = {}
+    for name, text in SPECIAL_TOKENS.items():
+        try:
+            out[int(tok.special_id(name))] = text
+        except (KeyError, ValueError):  # a tokenizer without this token: nothing to guard
+            continue
+    return out
+
+
 def encode(tok: ChatTokenizer, row: Sequence[tuple[str, object]]) -> list[int]:
-    """Token ids of one row's pieces."""
+    """Token ids of one row's pieces; ValueError when a "text" piece encodes to a special id (module docstring)."""
     ids: list[int] = []
+    special = None
     for kind, value in row:
         if kind == "text":
-            ids += tok.encode_text(value)
+            text = tok.encode_text(value)
+            special = _special_ids(tok) if special is None else special
+            hit = next((i for i in text if i in special), None)
+            if hit is not None:
+                raise ValueError(f"the prompt text encodes to {special[hit]!r} (id {hit}), a special token of the "
+                                 "template; client text must be plain text: remove it")
+            ids += text
         elif kind == "special":
             ids.append(tok.special_id(value))
         else:

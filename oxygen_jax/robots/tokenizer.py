@@ -103,7 +103,14 @@ class Tokenizer:
         return self._sp.unk_id()
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`, optionally preceded by BOS. Never appends EOS."""
+        """Token ids of `text`, optionally preceded by BOS. Never appends EOS.
+
+        Text is plain text: SentencePiece never matches a control piece (pad, eos, bos, the model's other
+        control symbols) in text, so "<s>", "</s>" or "<pad>" in a client's prompt are their characters
+        (byte-fallback pieces at worst) and BOS/EOS come only from `add_bos` and the model. Pieces the model
+        defines as user symbols (PaliGemma's "<loc0000>") are its ordinary vocabulary, matched as openpi's
+        tokenizer matches them.
+        """
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         ids = self._sp.encode(text)
