@@ -24,10 +24,12 @@ Connections (`ServeConfig`): a connection takes a robot slot (`max_robots`) with
 open handshakes lock nobody out; a connection that sends no frame for `first_frame_timeout_s` (before
 its first) or `idle_timeout_s` (after) is closed with 1008; at most `max_connections` connections in
 all and `max_connections_per_peer` per client address (HTTP 503 beyond); frames are read one at a
-time (websockets `max_queue=1`: a client that sends without reading is back-pressured by TCP, not
-buffered; the kernel's send buffer is fixed at `send_buffer_bytes`), a reply that cannot be written
-within `send_timeout_s` drops the connection, and a connection whose frames keep being refused is
-read at most `max_refusals_per_s` frames per second.
+time (websockets `max_queue=1`: reading pauses once 2 frames wait, and the kernel's receive buffer is
+fixed at `recv_buffer_bytes`, under one LIBERO frame, instead of growing to megabytes, so a client
+that sends without reading is back-pressured by TCP with at most about 2 frames held for it; the
+kernel's send buffer is fixed at `send_buffer_bytes`), a reply that cannot be written within
+`send_timeout_s` drops the connection, and a connection whose frames keep being refused is read at
+most `max_refusals_per_s` frames per second.
 
 Extensions, ignored by clients that do not use them (openpi's client passes extra keys through):
 
@@ -102,7 +104,8 @@ class ServeConfig:
     first_frame_timeout_s: float | None = 30.0  # close a connection that sends no first frame in this time
     idle_timeout_s: float | None = 600.0  # close a robot that sends no frame for this long
     send_timeout_s: float = 10.0  # drop a connection whose reply cannot be written in this time
-    max_queue: int = 1  # frames websockets buffers per connection (the protocol is lock-step)
+    max_queue: int = 1  # websockets pauses reading a connection once more frames than this wait (1 or 2: lock-step)
+    recv_buffer_bytes: int = 256 << 10  # the kernel's receive buffer per connection (SO_RCVBUF; not autotuned to MBs)
     write_limit: int = 64 << 10  # bytes websockets buffers for writing before send() waits
     send_buffer_bytes: int = 64 << 10  # the kernel's send buffer per connection (SO_SNDBUF; replies are a few kB)
     max_requests_per_robot: int = 8  # live language requests per connection
@@ -120,10 +123,12 @@ class ServeConfig:
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
             raise ValueError(f"ServeConfig.buckets must be increasing positive sizes, got {list(self.buckets)}")
         for f in ("max_pending", "max_robots", "max_connections", "max_connections_per_peer", "max_queue",
-                  "write_limit", "send_buffer_bytes", "max_requests_per_robot", "max_message_bytes",
-                  "max_prompt_chars"):
+                  "write_limit", "send_buffer_bytes", "recv_buffer_bytes", "max_requests_per_robot",
+                  "max_message_bytes", "max_prompt_chars"):
             if getattr(self, f) < 1:
                 raise ValueError(f"ServeConfig.{f} must be >= 1, got {getattr(self, f)}")
+        if self.max_queue > 2:
+            raise ValueError(f"ServeConfig.max_queue must be 1 or 2 frames (the protocol is lock-step), got {self.max_queue}")
         if not self.max_refusals_per_s > 0:
             raise ValueError(f"ServeConfig.max_refusals_per_s must be > 0, got {self.max_refusals_per_s}")
         if not 0 < self.max_deadline_ms <= 3.6e6:
@@ -246,6 +251,8 @@ class PolicyServer:
             self._handle, **where, process_request=self._http, max_size=c.max_message_bytes,
             max_queue=c.max_queue, write_limit=c.write_limit, compression=None, ping_interval=c.ping_interval,
             ping_timeout=c.ping_timeout)
+        for listening in self._ws.sockets:  # accepted sockets inherit it (and the window they advertise)
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, c.recv_buffer_bytes)
         self._warm_task = asyncio.create_task(self._warm(), name="oxygen-warmup")
 
     async def _warm(self) -> None:
@@ -362,6 +369,7 @@ class PolicyServer:
         sock = ws.transport.get_extra_info("socket")
         if sock is not None:  # fixed, not autotuned to megabytes: a client that never reads pins this much there
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.send_buffer_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.config.recv_buffer_bytes)
         try:
             if not await self._send(ws, stream, wire.pack(self.metadata(stream))):
                 return
