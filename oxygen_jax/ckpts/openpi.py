@@ -428,7 +428,8 @@ def load_openpi_norm_stats(checkpoint_dir: PathLike, asset_id: str | None = None
 
     Raises:
       FileNotFoundError: `checkpoint_dir` does not exist, or `asset_id` was given and not found.
-      ValueError: several asset ids are present and none was chosen.
+      ValueError: several asset ids are present and none was chosen, or the file's statistics are not
+        finite and bounded with std >= 0 and q01 <= q99 (`normalize.check_statistics`, one line).
     """
     root = Path(checkpoint_dir).expanduser().resolve()
     if not root.exists():

@@ -18,6 +18,10 @@ q01/q99 may be null in old (π0) files; π0.5 needs them.
     zscore_unnormalize(y)   = y * (std + 1e-6) + mean                    on y[..., :len(mean)]; the rest passes
 
 Example: q01 = [0], q99 = [2] maps x = [0, 1, 2] to ≈ [-1, 0, 1]; a padded y = [[0, 7]] unnormalises to [[1, 7]].
+
+A statistics file is checked before use (`check_statistics`): every value finite and within
+±`STATS_MAX_ABS`, std >= 0, q01 <= q99 per dim. q01 == q99 (a dim that never moved) is valid: the
+quantile rules stay finite through their + 1e-6 and un-normalise it to q01.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import numpy as np
 
 _EPS = 1e-6
 _FIELDS = ("mean", "std", "q01", "q99")
+STATS_MAX_ABS = 1e6  # cap on |mean|, std, |q01|, |q99| in a statistics file (robot units: rad, m, mm, gripper)
+_MAX_FILE_BYTES = 16 << 20  # a norm_stats.json is a few kB
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,6 +79,31 @@ class NormStats:
         return self.mean.shape[0]
 
 
+def check_statistics(where: str, **fields) -> None:
+    """Raises a one-line ValueError naming `where`, the field and the dim unless every given vector is finite
+    and within ±`STATS_MAX_ABS`, `std` (if given) is >= 0 and q01 <= q99 (if both are given). None is skipped.
+
+    Example: check_statistics("f.json: actions", q01=[0, 1], q99=[2, 1]) passes (a constant dim is fine);
+    q01=[0, 3], q99=[2, 1] raises "f.json: actions: q01[1] = 3.0 is above q99[1] = 1.0 ...".
+    """
+    arrays = {k: np.asarray(v, np.float64).reshape(-1) for k, v in fields.items() if v is not None}
+    for name, a in arrays.items():
+        bad = ~np.isfinite(a) | (np.abs(np.nan_to_num(a, nan=0.0)) > STATS_MAX_ABS)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{where}: {name}[{i}] = {float(a[i])!r}: statistics must be finite and within ±{STATS_MAX_ABS:g}; "
+                             "the file is damaged")
+    if "std" in arrays and (arrays["std"] < 0).any():
+        i = int(np.argmax(arrays["std"] < 0))
+        raise ValueError(f"{where}: std[{i}] = {float(arrays['std'][i])!r} is negative; the file is damaged")
+    if "q01" in arrays and "q99" in arrays and arrays["q01"].shape == arrays["q99"].shape:
+        above = arrays["q01"] > arrays["q99"]
+        if above.any():
+            i = int(np.argmax(above))
+            raise ValueError(f"{where}: q01[{i}] = {float(arrays['q01'][i])!r} is above q99[{i}] = {float(arrays['q99'][i])!r}; "
+                             "quantiles need q01 <= q99 (the file is damaged)")
+
+
 # -------------------------------------------------------------------------------------------------
 # File I/O
 # -------------------------------------------------------------------------------------------------
@@ -89,17 +120,21 @@ def load_norm_stats(path: str | os.PathLike) -> dict[str, NormStats]:
     Returns:
       {"state": NormStats, "actions": NormStats, ...} — every key of the file's "norm_stats" object.
     Raises:
-      FileNotFoundError for a missing file, ValueError naming the file and key for malformed content.
+      FileNotFoundError for a missing file (or one that is not a regular file), ValueError naming the file
+      and key for malformed content or statistics `check_statistics` refuses (non-finite, beyond
+      ±STATS_MAX_ABS, std < 0, q01 > q99).
     """
     path = _resolve(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"norm stats file {path!r} not found (expected openpi's assets/<asset_id>/norm_stats.json)"
         )
+    if os.path.getsize(path) > _MAX_FILE_BYTES:
+        raise ValueError(f"{path}: larger than {_MAX_FILE_BYTES} bytes; a norm_stats.json holds a few vectors")
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(_MAX_FILE_BYTES + 1).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(data, dict) or not isinstance(data.get("norm_stats"), dict):
         raise ValueError(f'{path}: expected a top-level object {{"norm_stats": {{"state": ..., "actions": ...}}}}')
@@ -114,6 +149,7 @@ def load_norm_stats(path: str | os.PathLike) -> dict[str, NormStats]:
             out[key] = NormStats.create(**{f: entry.get(f) for f in _FIELDS})
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: norm_stats[{key!r}] is malformed: {e}") from e
+        check_statistics(f"{path}: norm_stats[{key!r}]", **{f: getattr(out[key], f) for f in _FIELDS})
     return out
 
 
