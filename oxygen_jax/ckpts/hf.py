@@ -15,7 +15,6 @@ every missing, unexpected and mis-shaped tensor (layer indices collapsed to `{0.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oxygen_jax.ckpts import limits
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
 from oxygen_jax.models import backbone
 from oxygen_jax.models import qwen3_vl
@@ -135,6 +135,112 @@ def spec_from_config(config: Mapping, names=()) -> BackboneSpec:
         embed_scale=False, tie_embeddings=tie, prefix_attention="causal", norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         vision=vision,
     )
+
+
+def _indices(shapes: Mapping[str, Any], prefix: str) -> list[int]:
+    """The distinct integers i of the names `prefix` + "{i}." + ..., sorted."""
+    found = {int(m.group(1)) for k in shapes if k.startswith(prefix) and (m := re.match(r"(\d+)\.", k[len(prefix):]))}
+    return sorted(found)
+
+
+def _against(where: str, field: str, value: int, shapes: Mapping[str, Any], name: str, axis: int) -> None:
+    if name in shapes and len(shapes[name]) > axis and int(shapes[name][axis]) != value:
+        raise ValueError(f"{where}: {field} is {value} but the weights' {name} has {shapes[name][axis]} there "
+                         f"(shape {tuple(shapes[name])}); the config is not this checkpoint's")
+
+
+def _count_against(where: str, field: str, value: int, shapes: Mapping[str, Any], prefix: str) -> None:
+    got = _indices(shapes, prefix)
+    if len(got) != value:
+        held = f"{len(got)} ({prefix}{_braced(got)}.*)" if got else f"none ({prefix}*)"
+        raise ValueError(f"{where}: {field} is {value} but the weights hold {held}; the config is not this checkpoint's")
+
+
+def _braced(values: list[int]) -> str:
+    """{0..3} for 0, 1, 2, 3; {0,2} for 0, 2; {5} for 5 (the collapsed form of `name_mismatches`)."""
+    return "{" + _span(values).strip("{}") + "}"
+
+
+def check_config(config: Mapping, shapes: Mapping[str, Any], where: str, *, fields: str = "") -> None:
+    """Checks an HF Qwen3 / Qwen3-VL / Qwen3.5 config.json against the weights' header before a spec is built.
+
+    Every size field the spec reads must be an integer within its cap (`ckpts.limits`), and the layer and
+    block counts and the main widths must be what the tensor names and shapes say, so a config that claims a
+    million layers costs microseconds, not a million-layer table of names.
+
+    Args:
+      config: the config.json dict (`text_config` / `vision_config`, or a flat text config).
+      shapes: {HF tensor name: shape} (a safetensors header; `read_checkpoint_tensors` views nothing yet).
+      where: the config file, for messages; `fields`: where `config` sits inside it (e.g. "vlm_config.").
+    Raises:
+      ValueError: one line naming the file, the field, its value and what the weights hold.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{where}: {fields or 'the config'} must be a JSON object, got {type(config).__name__}")
+    text_key = "text_config" if isinstance(config.get("text_config"), Mapping) else None
+    text = config[text_key] if text_key else config
+    tf = f"{fields}{text_key}." if text_key else fields
+    names = list(shapes)
+    tp = next((p for p in ("model.language_model.", "model.") if any(n.startswith(p + "layers.") for n in names)), "model.")
+
+    caps: list[tuple[int, str, int]] = []  # applied after the comparisons, which name both sides
+
+    def need(d, key, f, cap):
+        if d.get(key) is None:
+            raise ValueError(f"{where}: {f}{key} is missing (a Qwen config needs it)")
+        value = limits.int_field(d[key], f + key, where, cap=None)
+        caps.append((value, f + key, cap))
+        return value
+
+    depth = need(text, "num_hidden_layers", tf, limits.MAX_LAYERS)
+    _count_against(where, f"{tf}num_hidden_layers", depth, shapes, tp + "layers.")
+    width, vocab = need(text, "hidden_size", tf, limits.MAX_WIDTH), need(text, "vocab_size", tf, limits.MAX_VOCAB)
+    _against(where, f"{tf}hidden_size", width, shapes, tp + "embed_tokens.weight", 1)
+    _against(where, f"{tf}vocab_size", vocab, shapes, tp + "embed_tokens.weight", 0)
+    _against(where, f"{tf}intermediate_size", need(text, "intermediate_size", tf, limits.MAX_WIDTH), shapes,
+             tp + "layers.0.mlp.gate_proj.weight", 0)
+    for key in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads"):
+        if text.get(key) is not None or key == "num_attention_heads":
+            need(text, key, tf, limits.MAX_HEADS)
+    for key in ("head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
+        if text.get(key) is not None:
+            need(text, key, tf, limits.MAX_WIDTH)
+    vision = config.get("vision_config")
+    if vision:
+        _check_vision(vision, shapes, where, fields, need)
+    for value, field, cap in caps:
+        limits.int_field(value, field, where, cap=cap)
+
+
+def _check_vision(vision, shapes: Mapping[str, Any], where: str, fields: str, need: Callable) -> None:
+    names = list(shapes)
+    vf, vp = f"{fields}vision_config.", "model.visual."
+    if not isinstance(vision, Mapping):
+        raise ValueError(f"{where}: {vf[:-1]} must be a JSON object, got {type(vision).__name__}")
+    vdepth = need(vision, "depth", vf, limits.MAX_LAYERS)
+    _count_against(where, f"{vf}depth", vdepth, shapes, vp + "blocks.")
+    _against(where, f"{vf}hidden_size", need(vision, "hidden_size", vf, limits.MAX_WIDTH), shapes,
+             vp + "blocks.0.norm1.weight", 0)
+    _against(where, f"{vf}intermediate_size", need(vision, "intermediate_size", vf, limits.MAX_WIDTH), shapes,
+             vp + "blocks.0.mlp.linear_fc1.weight", 0)
+    need(vision, "num_heads", vf, limits.MAX_HEADS)
+    _against(where, f"{vf}out_hidden_size", need(vision, "out_hidden_size", vf, limits.MAX_WIDTH), shapes,
+             vp + "merger.linear_fc2.weight", 0)
+    _against(where, f"{vf}num_position_embeddings", need(vision, "num_position_embeddings", vf, limits.MAX_WIDTH),
+             shapes, vp + "pos_embed.weight", 0)
+    patch = vp + "patch_embed.proj.weight"
+    for key, axis in (("in_channels", 1), ("temporal_patch_size", 2), ("patch_size", 3)):
+        if vision.get(key) is not None:
+            _against(where, f"{vf}{key}", need(vision, key, vf, limits.MAX_WIDTH), shapes, patch, axis)
+    if vision.get("spatial_merge_size") is not None:
+        need(vision, "spatial_merge_size", vf, limits.MAX_WIDTH)
+    deep = vision.get("deepstack_visual_indexes") or []
+    if not isinstance(deep, list) or len(deep) > limits.MAX_LAYERS:
+        raise ValueError(f"{where}: {vf}deepstack_visual_indexes must be a list of at most {limits.MAX_LAYERS} block indices")
+    for i in deep:
+        limits.int_field(i, f"{vf}deepstack_visual_indexes entry", where, cap=min(vdepth, limits.MAX_LAYERS) - 1, low=0)
+    if any(n.startswith(vp) for n in names):
+        _count_against(where, f"{vf}deepstack_visual_indexes (length)", len(deep), shapes, vp + "deepstack_merger_list.")
 
 
 def config_from_spec(spec: BackboneSpec, **extra) -> dict:
@@ -431,13 +537,19 @@ class HFCheckpoint(NamedTuple):
 def load(directory: str | Path, dtype: str = "float32", spec: BackboneSpec | None = None) -> HFCheckpoint:
     """Reads config.json and the safetensors of an HF Qwen3 / Qwen3-VL directory.
 
-    `spec` defaults to `spec_from_config`; passing another family's spec raises `check_names`' error.
+    `spec` defaults to `spec_from_config`, after `check_config` has held config.json against the weights'
+    header; passing another family's spec raises `check_names`' error. Non-finite weights are refused
+    naming the tensor (`limits.check_finite`).
     """
     directory = Path(directory)
     cfg_path = directory / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    config = limits.read_json(cfg_path) if cfg_path.exists() else {}
     tensors = read_checkpoint_tensors(directory)
-    spec = spec or spec_from_config(config, tensors.keys())
+    if spec is None:
+        detect_family(config, tensors.keys())  # another family is named as such, before its fields are read
+        check_config(config, {k: v.shape for k, v in tensors.items()}, str(cfg_path))
+        spec = spec_from_config(config, tensors.keys())
+    limits.check_finite(tensors, str(directory))
     decoder, vision = from_hf(spec, tensors, dtype)
     return HFCheckpoint(spec=spec, decoder=decoder, vision=vision, config=config)
 

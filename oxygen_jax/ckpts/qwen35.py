@@ -17,7 +17,6 @@ fails with one line naming every missing, unexpected and mis-shaped tensor.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.ckpts import hf
+from oxygen_jax.ckpts import hf, limits
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
 from oxygen_jax.models import qwen3_vl, qwen35
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
@@ -40,6 +39,19 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 def _unsupported(cond: bool, what: str) -> None:
     if cond:
         raise ValueError(f"unsupported Qwen3.5 checkpoint: {what}")
+
+
+def check_config(config: Mapping, shapes: Mapping[str, Any], where: str, *, fields: str = "") -> None:
+    """`hf.check_config` (every size within its cap, layer / block counts and widths as the weights' header
+    says) plus Qwen3.5's `layer_types`: one entry per layer. One-line ValueError naming `where` and the field."""
+    hf.check_config(config, shapes, where, fields=fields)
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    types = text.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != int(text["num_hidden_layers"])):
+        raise ValueError(f"{where}: layer_types must list one kind per layer ({int(text['num_hidden_layers'])}), "
+                         f"got {len(types) if isinstance(types, list) else type(types).__name__}")
+    if text.get("full_attention_interval") is not None:
+        limits.int_field(text["full_attention_interval"], "full_attention_interval", where, cap=limits.MAX_LAYERS)
 
 
 def spec_from_config(config: Mapping, names=()) -> Qwen35Spec:
@@ -239,12 +251,20 @@ class Qwen35Checkpoint(NamedTuple):
 
 
 def load(directory: str | Path, dtype: str = "float32", spec: Qwen35Spec | None = None) -> Qwen35Checkpoint:
-    """Reads config.json and the safetensors of an HF Qwen3.5 directory (spec from config.json by default)."""
+    """Reads config.json and the safetensors of an HF Qwen3.5 directory (spec from config.json by default).
+
+    config.json is held against the weights' header first (`check_config`), non-finite weights are refused
+    naming the tensor (`limits.check_finite`); both raise one-line ValueErrors.
+    """
     directory = Path(directory)
     cfg_path = directory / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    config = limits.read_json(cfg_path) if cfg_path.exists() else {}
     tensors = read_checkpoint_tensors(directory)
-    spec = spec or spec_from_config(config, tensors.keys())
+    if spec is None:
+        _unsupported(config.get("model_type") not in MODEL_TYPES, f"model_type {config.get('model_type')!r} (expected {MODEL_TYPES})")
+        check_config(config, {k: v.shape for k, v in tensors.items()}, str(cfg_path))
+        spec = spec_from_config(config, tensors.keys())
+    limits.check_finite(tensors, str(directory))
     decoder, vision = from_hf(spec, tensors, dtype)
     return Qwen35Checkpoint(spec=spec, decoder=decoder, vision=vision, config=config)
 
@@ -256,6 +276,6 @@ def is_qwen35_dir(directory: str | Path) -> bool:
     if not (cfg.is_file() and any((directory / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))):
         return False
     try:
-        return hf.is_qwen35(json.loads(cfg.read_text()))
+        return hf.is_qwen35(limits.read_json(cfg))
     except (ValueError, OSError):
         return False

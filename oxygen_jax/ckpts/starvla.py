@@ -38,7 +38,6 @@ checkpoint), a framework other than the one asked for, or missing / unexpected /
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.ckpts import hf
+from oxygen_jax.ckpts import hf, limits
 from oxygen_jax.ckpts.safetensors import _header, read_safetensors
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models.heads.cross import (
@@ -57,6 +56,7 @@ from oxygen_jax.models.heads.cross import (
 from oxygen_jax.models.heads.parts import Linear, Mlp
 from oxygen_jax.models.mot import ModelParams, ModelSpec
 from oxygen_jax.nn.layers import LayerNorm
+from oxygen_jax.robots.normalize import check_statistics
 
 FRAMEWORKS = ("QwenPI_v3", "QwenGR00T")
 HEAD_NAMES = {"QwenPI_v3": "starvla_qwenpi_v3", "QwenGR00T": "gr00t"}
@@ -116,11 +116,20 @@ def _run_files(path: Path) -> tuple[Path, Path]:
                 "checkpoints/steps_<N>_model.safetensors")
 
 
+def statistics_file(path) -> Path:
+    """Where `load` reads a StarVLA checkpoint path's dataset_statistics.json (beside its config.yaml; it may
+    not exist). Raises what `load` raises for a path that is not a StarVLA checkpoint."""
+    return _run_files(Path(path))[1].parent / "dataset_statistics.json"
+
+
 def read_yaml(path: Path) -> dict:
+    """config.yaml as a dict: a regular file of at most `limits.MAX_CONFIG_BYTES`; one-line errors."""
     import yaml  # PyYAML (installed with flax / orbax-checkpoint)
 
-    with open(path) as f:
-        out = yaml.safe_load(f)
+    try:
+        out = yaml.safe_load(limits.read_text(path))
+    except yaml.YAMLError as e:
+        _fail(path, f"config.yaml is not valid YAML ({str(e).splitlines()[0]})")
     if not isinstance(out, dict):
         _fail(path, "config.yaml is not a mapping")
     return out
@@ -140,11 +149,11 @@ def is_starvla(path) -> bool:
 
 def _vlm_config(path: Path, cfg: Mapping) -> tuple[dict, Path]:
     local = path.parent / "vlm_config.json"
-    if local.is_file():
-        return json.loads(local.read_text()), local
-    base = Path(str((cfg.get("framework", {}).get("qwenvl") or {}).get("base_vlm", ""))).expanduser()
+    if local.exists():
+        return limits.read_json(local), local
+    base = Path(str(((cfg.get("framework") or {}).get("qwenvl") or {}).get("base_vlm", ""))).expanduser()
     if base.is_dir() and (base / "config.json").is_file():
-        return json.loads((base / "config.json").read_text()), base / "config.json"
+        return limits.read_json(base / "config.json"), base / "config.json"
     _fail(path.parent, f"the base VLM's config is needed: put its HF config.json beside config.yaml as vlm_config.json, "
                        f"or make framework.qwenvl.base_vlm ({str(base)!r}) a directory with config.json")
 
@@ -184,7 +193,7 @@ def _dit_heads(framework, am, dit, width: int, path) -> tuple[int, int]:
     entry = DIT_CONFIG.get(kind)
     meta = path.parent / "meta.json"
     if entry is None and meta.is_file():  # a DiTConfig entry added next to StarVLA's table (the tiny fixtures)
-        injected = (json.loads(meta.read_text()).get("injected") or {}).get("dit_config_entry") or {}
+        injected = (limits.read_json(meta).get("injected") or {}).get("dit_config_entry") or {}
         entry = injected.get(f"DiTConfig_{str(kind).replace('-', '_')}")
     merged = {**(entry or {}), **{k: v for k, v in dit.items() if v is not None}}
     if not (merged.get("num_attention_heads") and merged.get("attention_head_dim")):
@@ -199,6 +208,39 @@ def _interleaved(framework: str, dit: Mapping) -> bool:
     if dit.get("use_canonical_forward") is not None:
         return bool(dit["use_canonical_forward"])
     return bool(dit.get("interleave_self_attention", framework == "QwenGR00T"))
+
+
+def check_config(framework: str, cfg: Mapping, shapes: Mapping[str, Any], path) -> None:
+    """Holds config.yaml's head fields against the weights' header before anything is built: every size an
+    integer within its cap (`ckpts.limits`), the DiT blocks (and QwenPI_v3's project_layers) numbered 0..n-1
+    with n <= `limits.MAX_LAYERS`, `action_dim` the action encoder's input width, `action_horizon` at most
+    the position table's rows. One-line ValueError naming the file and the field.
+    """
+    am = ((cfg.get("framework") or {}).get("action_model")) or {}
+    dit = am.get("diffusion_model_cfg") or {}
+    if not isinstance(am, Mapping) or not isinstance(dit, Mapping):
+        _fail(path, "config.yaml framework.action_model (and its diffusion_model_cfg) must be mappings")
+    where, f = str(path), "framework.action_model."
+    for prefix in (_AM + "model.transformer_blocks.", "project_layers."):
+        found = hf._indices(shapes, prefix)  # noqa: SLF001
+        if len(found) > limits.MAX_LAYERS or found != list(range(len(found))):
+            _fail(path, f"the weights number their {prefix}* {hf._braced(found[:8])}{'...' if len(found) > 8 else ''} "  # noqa: SLF001
+                        f"({len(found)} blocks): expected 0..n-1 with n <= {limits.MAX_LAYERS}")
+    action_dim = limits.int_field(_cfg(am, "action_dim", "framework.action_model", path), f + "action_dim", where, cap=None)
+    hf._against(where, f + "action_dim", action_dim, shapes, _AM + "action_encoder.layer1.weight", 1)  # noqa: SLF001
+    limits.int_field(action_dim, f + "action_dim", where, cap=limits.MAX_ACTION_DIM)
+    horizon = limits.int_field(_cfg(am, "action_horizon", "framework.action_model", path), f + "action_horizon", where,
+                               cap=limits.MAX_HORIZON)
+    rows = shapes.get(_AM + "position_embedding.weight")
+    if rows is not None and len(rows) and horizon > int(rows[0]):
+        _fail(path, f"{f}action_horizon {horizon} is longer than the weights' position table "
+                    f"({_AM}position_embedding.weight has {rows[0]} rows)")
+    for key, cap in (("num_inference_timesteps", limits.MAX_STEPS), ("num_timestep_buckets", limits.MAX_TIME_BUCKETS)):
+        if am.get(key) is not None:
+            limits.int_field(am[key], f + key, where, cap=cap)
+    for key, cap in (("num_attention_heads", limits.MAX_HEADS), ("attention_head_dim", limits.MAX_WIDTH)):
+        if dit.get(key):
+            limits.int_field(dit[key], f"{f}diffusion_model_cfg.{key}", where, cap=cap)
 
 
 def head_spec(framework: str, cfg: Mapping, tensors: Mapping[str, Any], vlm_depth: int, vlm_width: int, path="") -> CrossSpec:
@@ -425,6 +467,11 @@ def load(path, dtype: str = "float32", *, framework: str | None = None, language
         _fail(weights, "config.yaml says QwenGR00T but the weights hold QwenPI_v3's project_layers.*")
     vlm_cfg, vlm_path = _vlm_config(weights, cfg)
     vlm_tensors = {k[len(VLM):]: v for k, v in tensors.items() if k.startswith(VLM)}
+    hf.check_config(vlm_cfg, {k: v.shape for k, v in vlm_tensors.items()}, str(vlm_path))
+    check_config(name, cfg, {k: v.shape for k, v in tensors.items()}, cfg_path)
+    stats_path = cfg_path.parent / "dataset_statistics.json"
+    stats = read_dataset_statistics(stats_path) if stats_path.exists() else None
+    limits.check_finite(tensors, str(weights))
     bspec = hf.spec_from_config(vlm_cfg, vlm_tensors.keys()).replace(hidden_states=HIDDEN_STATES)
     try:
         decoder, vision = hf.from_hf(bspec, vlm_tensors, dtype)
@@ -436,8 +483,6 @@ def load(path, dtype: str = "float32", *, framework: str | None = None, language
     spec = ModelSpec(backbone=bspec, heads=(head,), language=language,
                      image_token_id=None if image_id is None else int(image_id))
     params = ModelParams(decoder=decoder, vision=vision, heads={head.name: head_params(head, tensors, dtype)})
-    stats_path = cfg_path.parent / "dataset_statistics.json"
-    stats = json.loads(stats_path.read_text()) if stats_path.is_file() else None
     return StarVLACheckpoint(spec=spec, params=params, framework=name, config=cfg, vlm_config=vlm_cfg,
                              dataset_statistics=stats, unused=tuple(hf._collapse(unused)),
                              files={"weights": weights, "config": cfg_path, "vlm_config": vlm_path,
@@ -448,19 +493,55 @@ def load(path, dtype: str = "float32", *, framework: str | None = None, language
 # Action (un)normalisation with dataset_statistics.json
 
 
+def _entry_stats(action: Any, where: str) -> dict[str, np.ndarray]:
+    """{"q01", "q99", "mask"} of one dataset's `action` entry, checked (`read_dataset_statistics`)."""
+    if not isinstance(action, Mapping) or action.get("q01") is None or action.get("q99") is None:
+        raise ValueError(f"{where}: needs 'q01' and 'q99' lists (StarVLA un-normalises with them)")
+    try:
+        q01, q99 = np.asarray(action["q01"], np.float64), np.asarray(action["q99"], np.float64)
+        mask = np.asarray(action["mask"] if action.get("mask") is not None else np.ones(q01.shape, bool))
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: q01 / q99 / mask must be flat lists of numbers") from None
+    if q01.ndim != 1 or q01.shape != q99.shape or mask.shape != q01.shape:
+        raise ValueError(f"{where}: q01, q99 and mask must be lists of one length, got {q01.shape}, {q99.shape}, {mask.shape}")
+    if mask.dtype != bool and not (np.issubdtype(mask.dtype, np.number) and np.isin(mask, (0, 1)).all()):
+        raise ValueError(f"{where}: mask must hold booleans (or 0 / 1)")
+    check_statistics(where, q01=q01, q99=q99)
+    return {"q01": q01.astype(np.float32), "q99": q99.astype(np.float32), "mask": mask.astype(bool)}
+
+
+def read_dataset_statistics(path: str | Path) -> dict:
+    """StarVLA's `dataset_statistics.json` ({dataset: {"action": {q01, q99, mask?}, ...}}), checked before use.
+
+    Every dataset's action statistics must be finite, within ±`normalize.STATS_MAX_ABS`, with q01 <= q99 per
+    dim and a mask of the same length. q01 == q99 is accepted: StarVLA's rule maps such a constant dim to
+    q01 (0.5 (a + 1)(q99 - q01) + q01 = q01 for any a), a well-defined value, and its training normalisation
+    of that dim is finite too. Raises a one-line ValueError naming the file, the dataset and the field.
+    """
+    path = Path(path)
+    stats = limits.read_json(path)
+    if not isinstance(stats, dict) or not stats:
+        _fail(path, "expected a non-empty object {dataset: {\"action\": {\"q01\": [...], \"q99\": [...]}}}")
+    for key, entry in stats.items():
+        if isinstance(entry, Mapping) and "action" in entry:
+            _entry_stats(entry["action"], f"{path}: {key}.action")
+    return stats
+
+
 def action_stats(stats: Mapping | None, key: str | None = None) -> dict[str, np.ndarray]:
-    """{"q01", "q99", "mask"} float32 / bool [Ad] of one dataset's actions (`key` None: the only one)."""
+    """{"q01", "q99", "mask"} float32 / bool [Ad] of one dataset's actions (`key` None: the only one).
+
+    The entry is checked as `read_dataset_statistics` checks a file: finite, bounded, q01 <= q99.
+    """
     if not stats:
         raise ValueError("no dataset_statistics.json with this checkpoint: StarVLA's actions stay normalised")
     if key is None:
         if len(stats) != 1:
             raise ValueError(f"dataset_statistics.json has {sorted(stats)}: pass the dataset key to un-normalise with")
         key = next(iter(stats))
-    if key not in stats or "action" not in stats[key]:
+    if key not in stats or not isinstance(stats[key], Mapping) or "action" not in stats[key]:
         raise ValueError(f"dataset_statistics.json has no {key!r} entry with 'action' statistics; it has {sorted(stats)}")
-    a = stats[key]["action"]
-    q01, q99 = np.asarray(a["q01"], np.float32), np.asarray(a["q99"], np.float32)
-    return {"q01": q01, "q99": q99, "mask": np.asarray(a.get("mask", np.ones_like(q01, bool)), bool)}
+    return _entry_stats(stats[key]["action"], f"dataset_statistics.json: {key}.action")
 
 
 def unnormalize_actions(actions, stats: Mapping[str, np.ndarray], gripper_dim: int | None = 6) -> np.ndarray:

@@ -34,7 +34,6 @@ F MLP, Ha horizon, Ad action dim, Ds state dim, Dt time features, L layers.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.ckpts import hf
+from oxygen_jax.ckpts import hf, limits
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models.heads.joint import JointHead, JointKvSpec, JointLayers
@@ -71,15 +70,59 @@ def read_config(directory: str | Path) -> dict:
         found = "config.yaml (a StarVLA checkpoint?)" if (d / "config.yaml").is_file() else "no config.json"
         raise ValueError(f"{d} is not an XR0 checkpoint: it has {found}; XR0 ships config.json with model_type "
                          f"{MODEL_TYPE!r} beside its safetensors")
-    config = json.loads(cfg_path.read_text())
-    if not is_xr0_config(config):
+    config = limits.read_json(cfg_path)
+    if not isinstance(config, dict) or not is_xr0_config(config):
+        config = config if isinstance(config, dict) else {}
         raise ValueError(f"{d} is not an XR0 checkpoint: config.json has model_type {config.get('model_type')!r} and "
                          f"architectures {config.get('architectures')} (XR0: {MODEL_TYPE!r}, {ARCHITECTURE}); "
                          "a Qwen3 / Qwen3-VL directory loads with ckpts.hf.load")
     for key in ("vlm_config", "dit_config", "state_dim", "action_dim"):
         if key not in config:
             raise ValueError(f"{d}/config.json: an XR0 config needs {key!r} (has {sorted(config)})")
+    _check_sizes(config, str(cfg_path), caps=False)
     return config
+
+
+def _check_sizes(config: Mapping, where: str, *, caps: bool = True) -> None:
+    """Every size field of an XR0 config.json is an integer (within its cap, `ckpts.limits`, with `caps`:
+    the fields `check_config` holds against the weights are capped after that comparison); one line naming it."""
+    for key in ("vlm_config", "dit_config"):
+        if not isinstance(config[key], Mapping):
+            raise ValueError(f"{where}: {key} must be a JSON object, got {type(config[key]).__name__}")
+    dit = config["dit_config"]
+    fields = [("state_dim", config["state_dim"], limits.MAX_STATE_DIM, True),
+              ("action_dim", config["action_dim"], limits.MAX_ACTION_DIM, True),
+              ("action_length", config.get("action_length"), limits.MAX_HORIZON, False),
+              ("state_length", config.get("state_length"), limits.MAX_HORIZON, False)]
+    fields += [(f"dit_config.{key}", dit.get(key), cap, True) for key, cap in (
+        ("hidden_size", limits.MAX_WIDTH), ("num_hidden_layers", limits.MAX_LAYERS), ("head_dim", limits.MAX_WIDTH),
+        ("num_key_value_heads", limits.MAX_HEADS), ("intermediate_size", limits.MAX_WIDTH))]
+    required = {"state_dim", "action_dim", "dit_config.hidden_size", "dit_config.num_hidden_layers", "dit_config.head_dim"}
+    for field, value, cap, compared in fields:
+        if value is not None or field in required:
+            limits.int_field(value, field, where, cap=cap if caps or not compared else None)
+
+
+def check_config(config: Mapping, shapes: Mapping[str, Any], where: str) -> None:
+    """Holds an XR0 config.json against the weights' header before anything is built (`hf.check_config` for
+    `vlm_config`; the DiT's depth, width, head dim, MLP width, state and action dims against its tensors).
+
+    Raises:
+      ValueError: one line naming `where`, the field, its value and what the weights hold.
+    """
+    hf.check_config(config["vlm_config"], {k[len(_VLM):]: v for k, v in shapes.items() if k.startswith(_VLM)}, where,
+                    fields="vlm_config.")
+    dit = config["dit_config"]
+    hf._count_against(where, "dit_config.num_hidden_layers", int(dit["num_hidden_layers"]), shapes, "dit.layers.")  # noqa: SLF001
+    rows = (("dit_config.hidden_size", dit.get("hidden_size"), "sink.weight", 1),
+            ("dit_config.head_dim", dit.get("head_dim"), "dit.layers.0.attn.q_norm.weight", 0),
+            ("dit_config.intermediate_size", dit.get("intermediate_size"), "dit.layers.0.mlp.gate_proj.weight", 0),
+            ("state_dim", config["state_dim"], "state_projector.layers.0.weight", 1),
+            ("action_dim", config["action_dim"], "action_projector.layers.0.weight", 1))
+    for field, value, name, axis in rows:
+        if value is not None:
+            hf._against(where, field, int(value), shapes, name, axis)  # noqa: SLF001
+    _check_sizes(config, where)  # the caps, after the comparisons that name both sides
 
 
 def is_xr0_config(config: Mapping) -> bool:
@@ -91,13 +134,16 @@ def is_xr0_dir(path: str | Path) -> bool:
     """True for a directory holding an XR0 config.json (the tensors are checked when loading)."""
     p = Path(path) / "config.json"
     try:
-        return p.is_file() and is_xr0_config(json.loads(p.read_text()))
-    except (OSError, ValueError):
+        return p.is_file() and is_xr0_config(limits.read_json(p))
+    except (OSError, ValueError, AttributeError):
         return False
 
 
 def _mask_rows(action_mask) -> tuple[tuple[int, ...], ...]:
     m = np.asarray(action_mask)
+    if m.ndim == 2 and (m.shape[0] > limits.MAX_HORIZON or m.shape[1] > limits.MAX_ACTION_DIM):
+        raise ValueError(f"action_mask of shape {m.shape} is above the caps of {limits.MAX_HORIZON} steps x "
+                         f"{limits.MAX_ACTION_DIM} dims (oxygen_jax.ckpts.limits)")
     if m.ndim != 2 or not np.all((m == 0) | (m == 1)):
         raise ValueError(f"action_mask must be [Ha, Ad] of 0 / 1 (the processor's get_action_mask for one robot), "
                          f"got shape {m.shape}")
@@ -108,7 +154,10 @@ def config_action_mask(config: Mapping) -> np.ndarray | None:
     """float32 [Ha, Ad] of config.json's `action_mask` (one robot's mask), or None when it has none."""
     if config.get("action_mask") is None:
         return None
-    m = np.asarray(config["action_mask"], np.float32)
+    try:
+        m = np.asarray(config["action_mask"], np.float32)
+    except (TypeError, ValueError):
+        raise ValueError("config.json action_mask must be [Ha, action_dim] of 0 / 1 (a list of equal rows)") from None
     if m.ndim != 2 or m.shape[1] != int(config["action_dim"]):
         raise ValueError(f"config.json action_mask must be [Ha, action_dim = {config['action_dim']}] of 0 / 1, "
                          f"got shape {m.shape}")
@@ -268,7 +317,9 @@ def load(directory: str | Path, dtype: str = "float32", *, name: str = "xr0", ho
       num_steps: Euler steps (native default 5).
       language: keep every backbone layer's K/V for a language decoder on the same prefix.
     Raises:
-      ValueError: not an XR0 directory, or tensors that do not fit its config.json (one line each).
+      ValueError: not an XR0 directory, a size above its cap (`ckpts.limits`), a config.json the weights'
+        header contradicts (checked before anything is built), tensors that do not fit it, or non-finite
+        weights (one line each, naming the file and the field or tensor).
     """
     d = Path(directory)
     config = read_config(d)
@@ -277,9 +328,14 @@ def load(directory: str | Path, dtype: str = "float32", *, name: str = "xr0", ho
             action_mask = config_action_mask(config)
         except ValueError as e:
             raise ValueError(f"{d}: {e}") from None
+    if horizon is not None:
+        limits.int_field(horizon, "horizon", str(d), cap=limits.MAX_HORIZON)
+    limits.int_field(num_steps, "num_steps", str(d), cap=limits.MAX_STEPS)
     tensors = read_checkpoint_tensors(d)
+    check_config(config, {k: v.shape for k, v in tensors.items()}, str(d / "config.json"))
     spec = model_spec(config, tensors, name=name, horizon=horizon, action_mask=action_mask, num_steps=num_steps,
                       language=language)
+    limits.check_finite(tensors, str(d))
     return XR0Checkpoint(spec=spec, params=from_native(spec, tensors, dtype, where=str(d)), config=config)
 
 
