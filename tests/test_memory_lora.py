@@ -167,25 +167,26 @@ def test_cli_kill_and_resume_is_bit_identical_to_a_straight_run(params, dataset,
 
 def test_saved_adapters_that_do_not_fit_fail_naming_every_leaf(params, tmp_path):
     bank = _trained_looking_bank(params)
-    path = save_adapter(tmp_path / "a", bank.adapter(1), name="memory", prompt="Memory: ")
-    loaded, names = load_bank([path], params.config)
+    base = own.save_params(tmp_path / "base", params)
+    path = save_adapter(tmp_path / "a", bank.adapter(1), name="memory", prompt="Memory: ", base=base)
+    loaded, names = load_bank([path], params.config, base=base)
     assert names == ("memory",) and _tree_equal(loaded, bank)
 
     wide = params.config.replace(vlm=dataclasses.replace(params.config.vlm, width=96))
     with pytest.raises(ValueError, match=r"(?s)q_einsum/lora_a.*expected.*96") as err:
-        load_adapter(path, wide)
+        load_adapter(path, wide, base=base)
     assert "kv_einsum/lora_a" in str(err.value) and "gating_einsum_lora_a" in str(err.value)
 
     other = save_adapter(tmp_path / "b", pi05_lora.init_bank(params.config, 1, rank=8).adapter(1), name="narrate",
-                         prompt="Narrate: ")
+                         prompt="Narrate: ", base=base)
     with pytest.raises(ValueError, match=r"(?s)adapter 1 \(id 2\) does not match.*q\.a: expected"):
-        load_bank([path, other], params.config)
+        load_bank([path, other], params.config, base=base)
 
     meta = json.loads((path / "adapter.json").read_text())
     meta["leaves"]["PaliGemma/llm/layers/mlp/linear_lora_b"]["sha256"] = "0" * 64
     (path / "adapter.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="linear_lora_b.*does not match its SHA-256"):
-        load_adapter(path, params.config)
+        load_adapter(path, params.config, base=base)
 
 
 def test_base_fingerprint_mismatch_is_an_error(params, tmp_path):

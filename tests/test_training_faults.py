@@ -276,7 +276,7 @@ def test_a_suffix_len_too_short_for_the_heldout_split_is_refused_in_one_line(dat
     assert f"--suffix-len {train_need} is too short: split 'heldout' needs" in err
 
 
-def test_the_default_suffix_len_holds_every_split_so_the_final_evaluation_runs(dataset, run, tiny_params, tmp_path):
+def test_the_default_suffix_len_holds_every_split_so_the_final_evaluation_runs(dataset, run, base, tiny_params, tmp_path):
     """T read from both splits (the held-out labels are longer), then the run finishes: evaluation on the held-out
     split, a finite adapter saved and loadable."""
     config = json.loads((run / "run.json").read_text())["config"]
@@ -284,7 +284,7 @@ def test_the_default_suffix_len_holds_every_split_so_the_final_evaluation_runs(d
     out = _copy(run, tmp_path)
     assert main(_resume_flags(run, out)) == 0
     assert [e["step"] for e in _events(out, "eval")] == [STEPS]
-    adapter, _ = load_adapter(out / "adapter", tiny_params.config)
+    adapter, _ = load_adapter(out / "adapter", tiny_params.config, base=base)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(adapter))
 
 

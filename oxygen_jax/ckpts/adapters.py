@@ -12,13 +12,21 @@ Axes (`oxygen_jax.axes`): L layers (every adapter leaf is stacked [L, ...]), E s
 `load_bank` gives what an engine needs: `Engine(params, cfg, tok, bank=bank, adapter_names=names)`. The base
 fingerprint (`base_fingerprint`, a hash of an `own.save_params` directory's checksums) lets a load
 refuse a base the adapter was not trained on.
+
+A load checks the files before the arrays become weights, each failure one line naming the file and the
+field: adapter.json's `base_fingerprint` is required and must equal the base's (an adapter is only ever
+served on the base it was trained on); `alpha` is a finite number in (0, `MAX_ALPHA`]; `leaves` lists
+exactly the leaves in lora/, each matching its SHA-256; every leaf is finite with |x| <= `MAX_LEAF_ABS`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,13 +37,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from oxygen_jax.ckpts import openpi_lora
+from oxygen_jax.ckpts import limits, openpi_lora
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.config import ModelConfig
 
 ADAPTER_FORMAT = 1
 DEFAULT_ADAPTER_NAME = "memory"  # the textual-memory adapter (the one the embedded demo serves)
+MAX_ALPHA = 4096.0  # LoRA alpha cap (trained adapters use alpha = rank .. 2 rank, ranks <= 256)
+MAX_LEAF_ABS = 1e4  # |A|, |B| cap (trained LoRA factors are O(1); 1e4 already scales a layer by 1e8 r)
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
 
 def _sha256(x) -> str:
@@ -65,7 +76,7 @@ def save_adapter(
     *,
     prompt: str,
     name: str = DEFAULT_ADAPTER_NAME,
-    base: str | os.PathLike | None = None,
+    base: str | os.PathLike,
     extra: Mapping | None = None,
     overwrite: bool = False,
 ) -> Path:
@@ -73,9 +84,14 @@ def save_adapter(
 
     Args:
       prompt: the request prompt the adapter was trained to answer (e.g. "Memory: ").
-      base: the base checkpoint it was trained on (its path and fingerprint are recorded).
+      base: the base checkpoint it was trained on, an `own.save_params` directory (its path and fingerprint
+        are recorded; `load_adapter` serves the adapter on that base only).
       extra: JSON-able run details stored under "extra" (e.g. label key, suffix and prompt lengths).
     """
+    fingerprint = base_fingerprint(base)
+    if fingerprint is None:
+        raise ValueError(f"base {Path(base).resolve()} has no checksums item (not an own.save_params checkpoint): an "
+                         "adapter records the fingerprint of the base it was trained on")
     dest = Path(path).expanduser().resolve()
     if dest.exists():
         if not overwrite:
@@ -86,8 +102,7 @@ def save_adapter(
         "format": ADAPTER_FORMAT, "name": name, "prompt": prompt, "expert": "vlm",
         "rank": adapter.attn_rank or adapter.ffn_rank, "alpha": adapter.alpha, "rslora": adapter.rslora,
         "targets": list(adapter.pairs()),
-        "base": None if base is None else str(Path(base).expanduser().resolve()),
-        "base_fingerprint": None if base is None else base_fingerprint(base),
+        "base": str(Path(base).expanduser().resolve()), "base_fingerprint": fingerprint,
         "leaves": {k: {"shape": list(v.shape), "dtype": v.dtype.name, "sha256": _sha256(v)} for k, v in flat.items()},
         **({"extra": dict(extra)} if extra else {}),
     }
@@ -97,13 +112,49 @@ def save_adapter(
     return dest
 
 
+def _check_meta(meta, meta_file: Path, base: str | os.PathLike | None) -> None:
+    """adapter.json's fields before any array is read (module docstring); one line naming the file and field."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
+    if meta.get("format") != ADAPTER_FORMAT:
+        raise ValueError(f"{meta_file}: unknown adapter format {meta.get('format')!r} (this code reads {ADAPTER_FORMAT})")
+    alpha = meta.get("alpha")
+    if (not isinstance(alpha, numbers.Real) or isinstance(alpha, bool) or not math.isfinite(alpha)
+            or not 0 < alpha <= MAX_ALPHA):
+        raise ValueError(f"{meta_file}: alpha must be a finite number in (0, {MAX_ALPHA:g}], got {alpha!r}; "
+                         "the adapter.json is damaged")
+    if not isinstance(meta.get("rslora", False), bool):
+        raise ValueError(f"{meta_file}: rslora must be true or false, got {meta['rslora']!r}")
+    if not isinstance(meta.get("name"), str) or not meta["name"]:
+        raise ValueError(f"{meta_file}: name must be a non-empty string, got {meta.get('name')!r}")
+    leaves = meta.get("leaves")
+    if not isinstance(leaves, dict) or not all(isinstance(e, dict) and isinstance(e.get("sha256"), str)
+                                               for e in leaves.values()):
+        raise ValueError(f"{meta_file}: leaves must map every leaf path to its shape, dtype and sha256")
+    recorded = meta.get("base_fingerprint")
+    if not isinstance(recorded, str) or not _FINGERPRINT.fullmatch(recorded):
+        raise ValueError(f"{meta_file}: base_fingerprint is {'missing' if recorded is None else repr(recorded)}; an "
+                         "adapter is served only on the base it was trained on (save_adapter(..., base=BASE) records it)")
+    if base is None:
+        raise ValueError(f"{meta_file}: pass the base checkpoint the adapter will run on (base=, serve --ckpt) so its "
+                         "base_fingerprint can be checked")
+    got = base_fingerprint(base)
+    if got is None:
+        raise ValueError(f"{Path(base).resolve()} has no checksums item (not an own.save_params checkpoint), so the "
+                         f"adapter's base_fingerprint in {meta_file} cannot be checked; serve it on the base it was trained on")
+    if got != recorded:
+        raise ValueError(f"adapter {meta_file.parent} was trained on base {meta.get('base')} but {Path(base).resolve()} "
+                         "holds other weights (checksums differ); use the base it was trained on")
+
+
 def load_adapter(path: str | os.PathLike, config: ModelConfig, *, base: str | os.PathLike | None = None
                  ) -> tuple[lora.ExpertLora, dict]:
-    """Reads a `save_adapter` directory for the model `config` (its VLM expert).
+    """Reads a `save_adapter` directory for the model `config` (its VLM expert), checked first (module docstring).
 
     Args:
-      base: the base checkpoint the adapter will run on; when given and the adapter recorded a fingerprint,
-        a different base is an error (an adapter trained on other weights produces garbage).
+      base: the base checkpoint the adapter will run on (an `own.save_params` directory); required: its
+        fingerprint must equal the one adapter.json records (an adapter trained on other weights produces
+        garbage).
     Returns:
       (adapter with leaves [L, ...] float32, its adapter.json dict).
     Raises:
@@ -111,30 +162,30 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, *, base: str | os
     """
     src = Path(path).expanduser().resolve()
     meta_file = src / "adapter.json"
-    if not meta_file.is_file():
+    if not meta_file.exists():
         raise FileNotFoundError(f"{src} is not an adapter directory (no adapter.json); write one with save_adapter")
     try:
-        meta = json.loads(meta_file.read_text())
+        meta = limits.read_json(meta_file)
     except ValueError as e:
-        raise ValueError(f"{meta_file} is not valid JSON ({e}); the adapter directory is damaged") from e
-    if meta.get("format") != ADAPTER_FORMAT:
-        raise ValueError(f"{meta_file}: unknown adapter format {meta.get('format')!r} (this code reads {ADAPTER_FORMAT})")
-    if base is not None and meta.get("base_fingerprint"):
-        got = base_fingerprint(base)
-        if got is not None and got != meta["base_fingerprint"]:
-            raise ValueError(f"adapter {src} was trained on base {meta.get('base')} but {Path(base).resolve()} holds "
-                             "other weights (checksums differ); use the base it was trained on")
+        raise ValueError(f"{str(e).splitlines()[0]}; the adapter directory is damaged") from e
+    _check_meta(meta, meta_file, base)
     try:
         nested = ocp.PyTreeCheckpointer().restore(src / "lora")
     except Exception as e:  # noqa: BLE001 - orbax raises many types; report one line
         raise ValueError(f"{src / 'lora'}: cannot read the adapter arrays ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
     flat = {k: np.asarray(v) for k, v in flatten_dict(nested, sep="/").items()}
-    for k, entry in meta.get("leaves", {}).items():
+    unlisted = sorted(set(flat) - set(meta["leaves"]))
+    if unlisted:
+        raise ValueError(f"{src}: leaf {unlisted[0]!r} in lora/ is not listed (with its SHA-256) in adapter.json; "
+                         "the adapter is damaged")
+    for k, entry in meta["leaves"].items():
         if k not in flat:
             raise ValueError(f"{src}: leaf {k!r} listed in adapter.json is missing from lora/")
         if _sha256(flat[k]) != entry["sha256"]:
             raise ValueError(f"{src}: leaf {k!r} does not match its SHA-256 in adapter.json; the adapter is damaged")
-    model_lora = openpi_lora.from_openpi(flat, config, alpha={"vlm": meta["alpha"]}, rslora=bool(meta.get("rslora", False)))
+    limits.check_finite(flat, str(src / "lora"), max_abs=MAX_LEAF_ABS)
+    model_lora = openpi_lora.from_openpi(flat, config, alpha={"vlm": float(meta["alpha"])},
+                                         rslora=meta.get("rslora", False))
     if model_lora is None or model_lora.vlm is None:
         raise ValueError(f"{src}: no VLM-expert LoRA leaves found")
     adapter = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), model_lora.vlm)
