@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import socket
@@ -250,17 +249,61 @@ def build(args: argparse.Namespace):
 
 
 def _action_mask(args) -> np.ndarray | None:
-    """--action-mask read from .npy or .json (None without the flag); one-line errors for unreadable files."""
+    """--action-mask read from .npy or .json (None without the flag).
+
+    The file must be a regular file (a device or a link to one is refused unopened) of at most
+    `limits.MAX_CONFIG_BYTES`, holding a [Ha, Ad] array of 0 / 1 with Ha <= `limits.MAX_HORIZON` (the cap a
+    config.json's horizon has too) and Ad <= `limits.MAX_ACTION_DIM`. Errors are one line naming the file.
+    """
+    from oxygen_jax.ckpts import limits
+
     if not args.action_mask:
         return None
     path = Path(args.action_mask)
     try:
-        mask = np.load(path) if path.suffix == ".npy" else np.asarray(json.loads(path.read_text()))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--action-mask {path}: cannot read a [Ha, Ad] array of 0 / 1 from it ({e})") from None
+        if path.suffix == ".npy":
+            if not path.is_file():
+                raise ValueError("not a regular file" if path.exists() else "no such file")
+            if path.stat().st_size > limits.MAX_CONFIG_BYTES:
+                raise ValueError(f"larger than {limits.MAX_CONFIG_BYTES} bytes")
+            mask = np.load(path, allow_pickle=False)
+        else:
+            mask = limits.read_json(path)
+        mask = np.asarray(mask, np.float64)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"--action-mask {path}: cannot read a [Ha, Ad] array of 0 / 1 from it "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if mask.ndim != 2 or not np.isin(mask, (0, 1)).all():
         raise ValueError(f"--action-mask {path}: expected a [Ha, Ad] array of 0 / 1, got shape {mask.shape}")
+    if mask.shape[0] > limits.MAX_HORIZON or mask.shape[1] > limits.MAX_ACTION_DIM:
+        raise ValueError(f"--action-mask {path}: shape {mask.shape} is above the caps of {limits.MAX_HORIZON} steps x "
+                         f"{limits.MAX_ACTION_DIM} dims (oxygen_jax.ckpts.limits)")
     return mask.astype(np.float32)
+
+
+def _check_dataset_key(args) -> None:
+    """--dataset-key picks the entry of a StarVLA checkpoint's dataset_statistics.json; any other model has no
+    statistics to pick from (it would silently ignore the flag), so it is refused in one line."""
+    if args.dataset_key is None:
+        return
+    what = "the demo is a π0.5 model" if args.demo is not None else "the --heads model has random heads"
+    if args.ckpt and args.demo is None and not args.heads:
+        from oxygen_jax.ckpts import starvla
+        from oxygen_jax.ckpts.load import source_kind
+
+        try:
+            kind = source_kind(args.ckpt)
+        except (OSError, ValueError):
+            return  # the loader names what is wrong with the directory
+        if kind == "starvla" and starvla.statistics_file(args.ckpt).exists():
+            return
+        what = ({"starvla": "this StarVLA run has no dataset_statistics.json",
+                 "xr0": "a Xiaomi-Robotics-0 checkpoint has no dataset statistics"}.get(kind)
+                or f"a {kind} checkpoint has no dataset statistics (π0.5 reads norm_stats.json from its assets)")
+    elif not args.ckpt and args.demo is None and not args.heads:
+        what = "a preset has no dataset statistics"
+    raise ValueError(f"argument --dataset-key: only a StarVLA checkpoint with a dataset_statistics.json takes it (the "
+                     f"entry to un-normalise actions with); {what}: drop the flag")
 
 
 def _warn_without_action_mask(model) -> None:
@@ -379,6 +422,10 @@ def main(argv=None) -> int:
         return _fail(f"argument --seed: expected an integer >= 0, got {args.seed}", 2)
     if args.tokenizer and not Path(args.tokenizer).is_file():
         return _fail(f"argument --tokenizer: no such file {args.tokenizer!r}", 2)
+    try:
+        _check_dataset_key(args)
+    except ValueError as e:
+        return _fail(str(e), 2)
     configure_logging(args.log_level)
     try:
         config = serve_config(args)
