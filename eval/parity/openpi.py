@@ -12,8 +12,15 @@ The adapters are merged on restore (`ckpts.openpi.load_openpi_params`), with the
 that config.json's "lora" entry (or the README's "expert N LoRA | ... alpha X" rows) gives per
 expert, alpha = rank otherwise. On top of the usual quantities they add: the merged weights
 against `merged_params.npz`; `merged_*` outputs of openpi's LoRA-free model run with those merged
-weights; `nolora/*` (base weights only, and a check that the LoRA result differs from it); and
-`trainlayout/*` for training-layout checkpoints, whose frozen leaves are stored as bfloat16.
+weights; and `nolora/*` (base weights only, and a check that the LoRA result differs from it).
+
+A training layout stores the frozen VLM leaves as bfloat16, and openpi's arithmetic on them differs from its
+arithmetic on the released float32 leaves wherever sqrt(D) is not a bfloat16 number (its embedder scales by
+sqrt(D) rounded to the table's dtype: 6.9375 for D = 48, not 6.9282). So each reference is compared with the
+restore that reproduces the computation that made it: the `trainlayout/*` references (openpi run on the
+training layout as stored) with the default restore (`embed_scale="stored"`, openpi's training-layout
+arithmetic), every other reference (openpi run on float32 leaves) with the float32 upcast
+(`embed_scale="restored"`). Where sqrt(D) is a bfloat16 number (D = 64) the two restores compute the same.
 
 A quantity passes when max|ours - ref| <= atol + rtol * max|ref| (`eval.parity.checks`). Tolerances come
 from config.json `suggested_tolerances_float32_cpu` (float32 on CPU) where it names the quantity, else
@@ -241,15 +248,15 @@ def _check_merged_reference(chk: Checker, base, merged_npz, ref, obs: Observatio
         chk.close("merged_loss/loss_explicit", loss, ref["merged_loss/loss_explicit"], "loss")
 
 
-def _check_lora(chk: Checker, path: Path, params, ref, obs: Observation, merged_npz, train_layout: bool):
-    """LoRA-specific quantities of one layout (`params` has the adapters merged)."""
+def _check_lora(chk: Checker, path: Path, params, ref, obs: Observation, merged_npz, **load_kwargs):
+    """LoRA-specific quantities of one layout (`params` has the adapters merged; `load_kwargs` restore the base)."""
     noise = jnp.asarray(ref["noise"], jnp.float32)
     flat = to_openpi_dict(params)
     for key in sorted(merged_npz):
         chk.close(f"lora/merged_weights/{key}", flat[key], merged_npz[key], "weights")
     actions = _actions(params, obs, noise, 10)
     if "nolora/actions/num_steps_10" in ref:
-        _, base = load_openpi_params(path, lora="ignore")
+        _, base = load_openpi_params(path, lora="ignore", **load_kwargs)
         chk.close("nolora/actions/num_steps_10 (base weights only)", _actions(base, obs, noise, 10),
                   ref["nolora/actions/num_steps_10"], "actions", like="actions/num_steps_10")
         # A loader that dropped the adapters would match nolora/ instead: ours must be far closer to
@@ -260,13 +267,29 @@ def _check_lora(chk: Checker, path: Path, params, ref, obs: Observation, merged_
         atol, _ = chk.tolerance("actions/num_steps_10", "actions")
         chk.add("lora changes actions/num_steps_10 (vs nolora/)", effect, 0.0,
                 f"> max(atol, 10 * err vs actions/) = {max(atol, 10 * err):.3g}", effect > max(atol, 10 * err))
-    if train_layout:
-        if "trainlayout/actions/num_steps_10" in ref:
-            chk.close("trainlayout/actions/num_steps_10", actions, ref["trainlayout/actions/num_steps_10"], "actions",
-                      like="actions/num_steps_10")
-        if "trainlayout/prefix/tokens" in ref:
-            chk.close("trainlayout/prefix/tokens", jax.jit(model.embed_prefix)(params, obs)[0],
-                      ref["trainlayout/prefix/tokens"], "prefix_tokens", like="prefix/tokens")
+
+
+def _check_trainlayout(chk: Checker, params, ref, obs: Observation):
+    """`trainlayout/*`: openpi run on the training layout as stored, against our default (stored) restore."""
+    keys = sorted(k for k in ref if k.startswith("trainlayout/"))
+    if not keys:
+        return
+    out = jax.jit(model.prefix_forward)(params, obs)
+    valid = np.asarray(ref["prefix/input_mask"])
+    ours = {"prefix/tokens": out["tokens"], "prefix/out_final_norm": model.final_norm(params, out["hidden"]),
+            "prefix/kv_cache_k": np.transpose(np.asarray(out["k"]), (1, 2, 0, 3, 4)),
+            "prefix/kv_cache_v": np.transpose(np.asarray(out["v"]), (1, 2, 0, 3, 4))}
+    noise, cache = jnp.asarray(ref["noise"], jnp.float32), None
+    for key in keys:
+        name = key.removeprefix("trainlayout/")
+        if name == "prefix/tokens":
+            chk.close(key, ours[name], ref[key], "prefix_tokens", like=name)
+        elif name in ours:  # [L, B, P, K, H] caches compared per (row, position), as in `_check_model`
+            want = np.transpose(ref[key], (1, 2, 0, 3, 4)) if "kv_cache" in name else ref[key]
+            chk.close(f"{key} (valid rows)", ours[name], want, "prefix_out", valid, like=name)
+        elif name.startswith("actions/num_steps_"):
+            cache = model.prefill(params, obs) if cache is None else cache
+            chk.close(key, model.denoise(params, cache, noise, int(name.rsplit("_", 1)[1])), ref[key], "actions", like=name)
 
 
 def greedy_text(params, obs: Observation, num_tokens: int):
@@ -349,7 +372,11 @@ def run_fixture(fixture: Path) -> list[Row]:
     for index, (layout, path) in enumerate(_layouts(fixture)):
         adapters = load_openpi_lora(path, alpha=settings["lora_alpha"], rslora=settings["lora_rslora"])
         load_kwargs = settings if adapters is not None else {}  # None: no LoRA leaves in this checkpoint
-        cfg, params = load_openpi_params(path, **load_kwargs)
+        cfg, stored = load_openpi_params(path, **load_kwargs)
+        # openpi's float32 references were computed from float32 leaves: compare them with the float32 upcast
+        # (module docstring); the training layout as stored is compared with `trainlayout/*` below.
+        upcast = {} if cfg.embed_scale_dtype is None else {"embed_scale": "restored"}
+        params = load_openpi_params(path, **load_kwargs, **upcast)[1] if upcast else stored
         chk = Checker(tol.get, layout)
         flat = {k: np.asarray(v) for k, v in to_openpi_dict(params).items()}
         if flat_first is None:
@@ -359,7 +386,9 @@ def run_fixture(fixture: Path) -> list[Row]:
             chk.add("params identical to released layout", 0.0 if same else math.inf, 0.0, "exact", same)
         _check_model(chk, params, ref, obs)
         if adapters is not None:
-            _check_lora(chk, path, params, ref, obs, merged_npz, train_layout=layout != "released")
+            _check_lora(chk, path, params, ref, obs, merged_npz, **upcast)
+        if layout != "released":
+            _check_trainlayout(chk, stored, ref, obs)
         if text is not None:
             _check_text(chk, params, text, obs, ref["noise"])
         if any(k.startswith("bf16/") for k in ref):
@@ -369,11 +398,14 @@ def run_fixture(fixture: Path) -> list[Row]:
             f"{field} rank {a.attn_rank}/{a.ffn_rank} (attn/ffn) alpha {a.alpha:g}{' rslora' if a.rslora else ''}"
             for field, _ in EXPERTS if (a := getattr(adapters, field)) is not None
         )
+        if upcast:
+            note += (f"; sqrt({cfg.vlm.width}) rounded to {cfg.embed_scale_dtype} as stored for trainlayout/*, "
+                     "to float32 for the float32 references")
         print(f"[{layout}] {path}: vlm {cfg.vlm}, action expert {cfg.action_expert}, siglip {cfg.siglip}, "
               f"vocab {cfg.vocab_size}{note}", file=sys.stderr)
         if adapters is not None and merged_npz and index == 0:  # layout-independent: once
             chk = Checker(tol.get, "merged_params.npz")
-            _, base = load_openpi_params(path, lora="ignore")
+            _, base = load_openpi_params(path, lora="ignore", **upcast)
             _check_merged_reference(chk, base, merged_npz, ref, obs)
             rows += chk.rows
     return rows

@@ -16,7 +16,10 @@ only when sqrt(D) is a bfloat16 number, e.g. D = 64), so a float32 restore of a 
 keeps that factor (`ModelConfig.embed_scale_dtype`; `embed_scale="restored"` switches it off). Its
 RMSNorm's `1 + scale` with a bfloat16 scale is, under `jit`, computed in float32 (XLA elides the
 bfloat16 round trip; only op-by-op execution rounds it), which is what our norm computes from the
-upcast scale (tests/test_openpi_arithmetic.py checks both against openpi's formulas under jit).
+upcast scale (tests/test_openpi_arithmetic.py checks both against openpi's formulas under jit, and
+tests/test_openpi_widths.py the whole VLM expert against openpi's own outputs at D = 48 and 72). Where sqrt(D)
+is not a bfloat16 number, openpi's training layout therefore computes other numbers than its released layout
+holding the same values; `embed_scale="restored"` gives the latter.
 
 The model dimensions are not stored anywhere: `infer_model_config` reads them off the shapes.
 LoRA leaves (`lora_a` / `lora_b`, 20 for π0.5 with LoRA on both experts) are merged into the

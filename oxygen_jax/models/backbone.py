@@ -75,11 +75,18 @@ class RopeSpec:
     Interleaved M-RoPE (Qwen3-VL): frequency i of the H/2 rotates by the position of axis
     h if i % 3 == 1 and i < 3 * section[1], of axis w if i % 3 == 2 and i < 3 * section[2], else of
     axis t. With all three axes equal it is exactly 1-D RoPE.
+
+    `exact_division`: the angle position / timescale is the correctly rounded float32 quotient, as openpi's
+    Gemma computes it (and as XLA compiled it for openpi's references). Otherwise XLA is free to compile
+    the division as position times the rounded reciprocal (recent XLA rewrites a division by a broadcast
+    that way), which is also HF's `inv_freq` product; at positions in the hundreds the two differ by up to
+    an ulp of the angle (3e-5 rad), i.e. ~2e-5 relative in K.
     """
 
     theta: float = 10_000.0  # base wavelength
     kind: Literal["1d", "mrope_interleaved"] = "1d"
     mrope_section: tuple[int, ...] = ()  # (t, h, w) frequency counts, summing to H/2; M-RoPE only
+    exact_division: bool = False  # correctly rounded position / timescale (openpi's Gemma); see above
 
     def __post_init__(self):
         _require(self.theta > 0, f"RopeSpec.theta must be positive, got {self.theta}")
@@ -383,13 +390,22 @@ def rope_angles(rope: RopeSpec, positions: jax.Array, head_dim: int) -> jax.Arra
     if rope.kind == "1d":
         if positions.ndim != 2:
             raise ValueError(f"1-D RoPE needs positions [B, T], got shape {positions.shape}")
-        return positions[..., None].astype(jnp.float32) / timescale
+        return _angles(positions[..., None].astype(jnp.float32), timescale, rope.exact_division)
     if positions.ndim == 2:
         positions = jnp.broadcast_to(positions, (3,) + positions.shape)
     if positions.ndim != 3 or positions.shape[0] != 3:
         raise ValueError(f"M-RoPE needs positions [3, B, T] (or [B, T]), got shape {positions.shape}")
     per_freq = jnp.take(positions, jnp.asarray(_mrope_axis_map(rope.mrope_section, head_dim)), axis=0)  # [H/2, B, T]
-    return jnp.moveaxis(per_freq, 0, -1).astype(jnp.float32) / timescale
+    return _angles(jnp.moveaxis(per_freq, 0, -1).astype(jnp.float32), timescale, rope.exact_division)
+
+
+def _angles(positions: jax.Array, timescale: jax.Array, exact: bool) -> jax.Array:
+    """positions [..., 1 or H/2] / timescale [H/2]. `exact`: the divisor is materialised at the full shape behind
+    an optimisation barrier, so XLA cannot turn the division into a product with the rounded reciprocal."""
+    if not exact:
+        return positions / timescale
+    shape = jnp.broadcast_shapes(positions.shape, timescale.shape)
+    return positions / jax.lax.optimization_barrier(jnp.broadcast_to(timescale, shape))
 
 
 def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array, lora: LayerRows | None = None):

@@ -21,13 +21,14 @@ def gemma_spec(expert: ExpertConfig, *, vocab_size: int, prefix_attention: Promp
                vision: SiglipConfig | None = None, embed_scale_dtype: str | None = None) -> BackboneSpec:
     """π0.5's Gemma maths at `expert`'s dims.
 
-    geglu-tanh MLP, `(1 + w)` RMSNorms, 1-D RoPE (theta 1e4), sqrt(D)-scaled embeddings, tied head.
+    geglu-tanh MLP, `(1 + w)` RMSNorms, 1-D RoPE (theta 1e4, angles divided exactly as openpi does),
+    sqrt(D)-scaled embeddings, tied head.
     """
     e = expert
     return BackboneSpec(
         family="gemma", width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
         head_dim=e.head_dim, mlp_dim=e.mlp_dim, vocab_size=vocab_size, mlp="geglu_tanh",
-        norm_plus_one=True, qk_norm=False, rope=RopeSpec(theta=10_000.0), embed_scale=True, tie_embeddings=True,
+        norm_plus_one=True, qk_norm=False, rope=RopeSpec(theta=10_000.0, exact_division=True), embed_scale=True, tie_embeddings=True,
         prefix_attention=prefix_attention, vision=vision, embed_scale_dtype=embed_scale_dtype,
     )
 
