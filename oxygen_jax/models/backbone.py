@@ -75,18 +75,12 @@ class RopeSpec:
     Interleaved M-RoPE (Qwen3-VL): frequency i of the H/2 rotates by the position of axis
     h if i % 3 == 1 and i < 3 * section[1], of axis w if i % 3 == 2 and i < 3 * section[2], else of
     axis t. With all three axes equal it is exactly 1-D RoPE.
-
-    `exact_division`: the angle position / timescale is the correctly rounded float32 quotient, as openpi's
-    Gemma computes it (and as XLA compiled it for openpi's references). Otherwise XLA is free to compile
-    the division as position times the rounded reciprocal (recent XLA rewrites a division by a broadcast
-    that way), which is also HF's `inv_freq` product; at positions in the hundreds the two differ by up to
-    an ulp of the angle (3e-5 rad), i.e. ~2e-5 relative in K.
     """
 
     theta: float = 10_000.0  # base wavelength
     kind: Literal["1d", "mrope_interleaved"] = "1d"
     mrope_section: tuple[int, ...] = ()  # (t, h, w) frequency counts, summing to H/2; M-RoPE only
-    exact_division: bool = False  # correctly rounded position / timescale (openpi's Gemma); see above
+    exact_division: bool = False  # angle = rounded position / timescale (openpi); else XLA may use the rounded reciprocal
 
     def __post_init__(self):
         _require(self.theta > 0, f"RopeSpec.theta must be positive, got {self.theta}")
@@ -400,12 +394,10 @@ def rope_angles(rope: RopeSpec, positions: jax.Array, head_dim: int) -> jax.Arra
 
 
 def _angles(positions: jax.Array, timescale: jax.Array, exact: bool) -> jax.Array:
-    """positions [..., 1 or H/2] / timescale [H/2]. `exact`: the divisor is materialised at the full shape behind
-    an optimisation barrier, so XLA cannot turn the division into a product with the rounded reciprocal."""
-    if not exact:
-        return positions / timescale
-    shape = jnp.broadcast_shapes(positions.shape, timescale.shape)
-    return positions / jax.lax.optimization_barrier(jnp.broadcast_to(timescale, shape))
+    """positions [..., 1 or H/2] / timescale [H/2]; `exact`: the divisor at full shape behind a barrier XLA cannot rewrite."""
+    if exact:
+        timescale = jax.lax.optimization_barrier(jnp.broadcast_to(timescale, jnp.broadcast_shapes(positions.shape, timescale.shape)))
+    return positions / timescale
 
 
 def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array, lora: LayerRows | None = None):
