@@ -46,6 +46,23 @@ _chunked = jax.jit(gdn.delta_rule_chunked, static_argnames=("chunk_size",))
 _recurrent = jax.jit(gdn.delta_rule_recurrent)
 
 
+def _delta_rule_float64(q, k, v, g, beta, s0):
+    """The gated delta rule token by token in float64 numpy (the module docstring's recurrence)."""
+    q, k, v, g, beta, s = (np.asarray(a, np.float64) for a in (q, k, v, g, beta, s0))
+    out = np.zeros(v.shape)
+    for t in range(q.shape[1]):
+        s = s * np.exp(g[:, t])[..., None, None]
+        delta = (v[:, t] - np.einsum("bhkv,bhk->bhv", s, k[:, t])) * beta[:, t][..., None]
+        s = s + k[:, t][..., :, None] * delta[..., None, :]
+        out[:, t] = np.einsum("bhkv,bhk->bhv", s, q[:, t])
+    return out, s
+
+
+# Float32 rounding of the chunked form: γ - γ' and γ_last - γ come from prefix sums of the log decays that
+# reach -48 here (ulp 3.8e-6), so the state carries a few 1e-6 (2.5e-6 at T = 64; the recurrent form 2.4e-7).
+_CHUNK_STATE_ATOL = 4e-6
+
+
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
 def test_chunked_and_recurrent_delta_rule_agree_for_any_length(t):
     q, k, v, g, beta, s0 = _random_rule_inputs(np.random.default_rng(t), 2, t, 4, 16, 8)
@@ -53,8 +70,22 @@ def test_chunked_and_recurrent_delta_rule_agree_for_any_length(t):
     o_c, s_c = _chunked(q, k, v, g, beta, s0, chunk_size=64)
     assert o_c.shape == (2, t, 4, 8) and s_c.shape == (2, 4, 16, 8)
     np.testing.assert_allclose(o_c, o_r, atol=2e-6, rtol=0)
-    np.testing.assert_allclose(s_c, s_r, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(s_c, s_r, atol=_CHUNK_STATE_ATOL, rtol=0)
     assert float(jnp.max(jnp.abs(s_r - s0))) > 1e-2  # the state moved: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("t, chunk", [(70, 64), (150, 16)])
+def test_both_forms_are_the_float64_delta_rule_to_float32_rounding(t, chunk):
+    """A regression check without transformers: each form within float32 rounding of the exact rule
+    (recurrent: a few ulps; chunked: the prefix-sum rounding above)."""
+    q, k, v, g, beta, s0 = _random_rule_inputs(np.random.default_rng(100 + t), 2, t, 4, 16, 8)
+    o64, s64 = _delta_rule_float64(q, k, v, g, beta, s0)
+    o_r, s_r = _recurrent(q, k, v, g, beta, s0)
+    o_c, s_c = _chunked(q, k, v, g, beta, s0, chunk_size=chunk)
+    np.testing.assert_allclose(o_r, o64, atol=3e-7, rtol=0)
+    np.testing.assert_allclose(s_r, s64, atol=3e-7, rtol=0)
+    np.testing.assert_allclose(o_c, o64, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(s_c, s64, atol=_CHUNK_STATE_ATOL, rtol=0)
 
 
 def test_invalid_tokens_are_identity_steps_in_both_forms():
@@ -179,26 +210,8 @@ def parity_rows():
     return parity.run_fixture(_fixture(), pool=False)[1]  # the slot-pool rows: tests/test_qwen35_runtime.py
 
 
-# The suite runs XLA's CPU backend at optimisation level 0 (tests/conftest.py), which changes float32 rounding:
-# text logits 2.21e-4 here against 1.73e-4 from `python -m eval.parity` at the default level (tolerance 2e-4);
-# our float32 program is 1.2e-4 from our float64 one at level 0, HF's float32 output 1.2e-4 from it. So the
-# logits and final-normed hidden rows get 1.25x their tolerance here; every other row its own.
-_LEVEL0_SLACK = {"text logits (valid tokens)", "text hidden_states[8] (valid tokens)"}
-
-
-def _passes(row) -> bool:
-    if row.ok:
-        return True
-    if row.quantity not in _LEVEL0_SLACK:
-        return False
-    tol = float(row.tol.split()[1]) if row.tol.startswith("atol 0 rtol") is False else None
-    if tol is not None:
-        return row.max_abs <= 1.25 * tol
-    return row.max_rel <= 1.25 * float(row.tol.split()[-1])
-
-
 def test_logits_states_kv_and_greedy_decode_match_hf_for_text_and_images(parity_rows):
-    failed = [f"{r.quantity}: {r.max_abs:.3g} ({r.tol})" for r in parity_rows if not _passes(r)]
+    failed = [f"{r.quantity}: {r.max_abs:.3g} ({r.tol})" for r in parity_rows if not r.ok]  # the stated tolerances
     assert not failed, failed
     names = {r.quantity for r in parity_rows}
     for tag in ("text", "vl"):

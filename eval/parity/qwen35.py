@@ -2,8 +2,9 @@
 
     python -m eval.parity.qwen35 FIXTURE_DIR     # `python -m eval.parity FIXTURE_DIR` picks it for such a fixture
 
-FIXTURE_DIR holds an HF Qwen3.5 checkpoint (config.json with model_type 'qwen3_5', model.safetensors) and
-`reference.npz` made by transformers' own `Qwen3_5ForConditionalGeneration` (its README lists the arrays).
+FIXTURE_DIR holds an HF Qwen3.5 checkpoint (config.json with model_type 'qwen3_5' or 'qwen3_5_text',
+model.safetensors) and `reference.npz` made by transformers' own Qwen3.5 (the fixture's README lists the arrays;
+`eval/qwen35_refs.py` writes the same layout at any dims, without images; arrays it leaves out are skipped).
 The spec comes from config.json and every shape from the arrays; nothing about the fixture is hard-wired.
 
 Compared, for the text batch and (when present) the image batch:
@@ -24,8 +25,10 @@ Tolerances (absolute unless marked; float32 on CPU): HF's own float32 result is 
 float64 run of the same maths on logits (measured with this module's float64 mode), so logits, K/V and
 projections use 2e-4; hidden states grow to |h| ~ 45 and use 2e-5 relative to each index's max |ref|;
 recurrent states and the delta-rule output 2e-5; conv windows (projections, |c| ~ 5) 5e-5. HF's own
-left-pad spread is 3.6e-5 (logits), 1.0e-5 (conv), 2.2e-6 (state): every tolerance is at least that.
-Exit status 1 on any FAIL.
+left-pad spread is 3.6e-5 (logits), 1.0e-5 (conv), 2.2e-6 (state): every tolerance is at least that. On
+some dims HF's own float32 error exceeds them (up to 2.8x on a 20-layer model's states); our float32 program
+rounds as transformers' torch code does (`nn.torch_order`, docs/qwen35.md "Float32 order"), which is what
+keeps it inside. Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
@@ -148,9 +151,9 @@ def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, ids, po
         theirs = np.transpose(ref[f"{p}{name}_cache"], (1, 3, 0, 2, 4))
         chk.close(f"{tag} {name}_cache, full layers (valid tokens)", np.transpose(np.asarray(out[name]), (1, 2, 0, 3, 4)), theirs,
                   "kv", valid=am)
-    if not p and "gdn_qkv" in ref:
-        for ours, theirs, fam in (("qkv", "gdn_qkv", "proj"), ("z", "gdn_z", "proj"), ("a", "gdn_a", "proj"), ("b", "gdn_b", "proj"),
-                                  ("core", "gdn_core", "core")):
+    for ours, theirs, fam in (("qkv", "gdn_qkv", "proj"), ("z", "gdn_z", "proj"), ("a", "gdn_a", "proj"), ("b", "gdn_b", "proj"),
+                              ("core", "gdn_core", "core")):
+        if not p and theirs in ref:
             chk.close(f"{tag} linear layers' {theirs} (valid tokens)", np.moveaxis(np.asarray(out["taps"][ours]), 0, 2),
                       np.moveaxis(ref[theirs], 0, 2), fam, valid=am)
     window, state = np.asarray(out["window"]), np.asarray(out["state"])

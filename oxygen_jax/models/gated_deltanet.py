@@ -23,6 +23,14 @@ cumulative log-decay inside the chunk, Γ_ij = exp(γ_i - γ_j) (j <= i), A = st
 U = (I + A)⁻¹ [β v | β e^γ k̂] (one unit-lower triangular solve), V' = U_v - U_k S,
 o = (e^γ q̂) S + (lower(q̂ k̂ᵀ) ⊙ Γ) V', S <- e^{γ_last} S + (e^{γ_last - γ} k̂)ᵀ V'.
 
+Float32 order: every step rounds as transformers' torch reference (`torch_chunk_gated_delta_rule`,
+`torch_recurrent_gated_delta_rule`, `F.conv1d`, `Qwen3_5RMSNormGated`) does on CPU, through
+`nn.torch_order`: projections and chunk matmuls summed in order, the conv a multiply-add chain from its
+oldest tap, γ a correctly rounded cumulative sum, l2 and RMS norms with torch's reduction order and
+1 / sqrt, q scaled by Dk^-1/2 (chunked) or divided by sqrt(Dk) (recurrent), and the products HF rounds
+on their own kept out of fused multiply-adds. The triangular solve is XLA's (LAPACK's order is not
+reproducible here).
+
 Invalid tokens (padding) are identity steps: g = 0 and β = 0 leave S bit for bit unchanged, and their conv
 inputs are zeroed (a select, not a multiply, so a non-finite pad cannot leak). The window after a call ends
 at the last valid token. This is exact when the valid tokens of a row are contiguous: left padding before
@@ -40,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from oxygen_jax.models.lora import LayerRows
+from oxygen_jax.nn import torch_order as to
 from oxygen_jax.nn.layers import RMSNorm
 
 
@@ -125,8 +134,11 @@ def causal_conv(window: jax.Array, columns: jax.Array, weight: jax.Array, valid:
         columns = jnp.where(valid[..., None], columns, jnp.zeros((), columns.dtype))
     full = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(columns.dtype), columns], axis=1)  # [B, Kc + T, Cc]
     w = weight.astype(jnp.float32)
-    acc = sum(full[:, i + 1:i + 1 + t].astype(jnp.float32) * w[:, i] for i in range(kc))
-    out = jax.nn.silu(acc).astype(columns.dtype)
+    taps = [full[:, i + 1:i + 1 + t].astype(jnp.float32) * w[:, i] for i in range(kc)]
+    acc = to.separate(taps[0])  # oldest tap first, then one multiply-add per tap (F.conv1d's order)
+    for tap in taps[1:]:
+        acc = acc + tap
+    out = to.silu(acc).astype(columns.dtype)
     if valid is None:
         new = full[:, t:]
     else:  # the Kc inputs ending at the last valid column: full[last + 1 : last + 1 + Kc]
@@ -142,8 +154,7 @@ def causal_conv(window: jax.Array, columns: jax.Array, weight: jax.Array, valid:
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x * rsqrt(sum(x²) + eps) over the last axis, in float32 (HF's `l2norm`: eps inside the rsqrt)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return to.l2_normalize(x, eps)
 
 
 def _identity_steps(k, v, g, beta, valid):
@@ -158,7 +169,7 @@ def delta_rule_recurrent(q, k, v, g, beta, state, valid=None):
     """The gated delta rule token by token (decode, and the reference for the chunked form).
 
     Args:
-      q, k: float32 [B, T, Hv, Dk], already l2-normalised (q also scaled by Dk^-1/2) and repeated to Hv
+      q, k: float32 [B, T, Hv, Dk], already l2-normalised (q also scaled by 1 / sqrt(Dk)) and repeated to Hv
         heads; v: float32 [B, T, Hv, Dv]; g: float32 [B, T, Hv] log decay (<= 0); beta: float32 [B, T, Hv].
       state: float32 [B, Hv, Dk, Dv]; valid: bool [B, T] or None (invalid tokens are identity steps).
     Returns:
@@ -169,9 +180,9 @@ def delta_rule_recurrent(q, k, v, g, beta, state, valid=None):
     def step(s, xs):
         qt, kt, vt, gt, bt = xs  # [B, Hv, ...]
         s = s * jnp.exp(gt)[..., None, None]
-        delta = bt[..., None] * (vt - jnp.einsum("BAXZ,BAX->BAZ", s, kt))
-        s = s + kt[..., :, None] * delta[..., None, :]
-        return s, jnp.einsum("BAXZ,BAX->BAZ", s, qt)
+        delta = (vt - to.inner_sum(to.separate(s * kt[..., :, None]))) * bt[..., None]
+        s = s + to.separate(kt[..., :, None] * delta[..., None, :])
+        return s, to.inner_sum(to.separate(s * qt[..., :, None]))
 
     xs = tuple(jnp.swapaxes(a.astype(jnp.float32), 0, 1) for a in (q, k, v, g, beta))
     state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)
@@ -197,24 +208,24 @@ def delta_rule_chunked(q, k, v, g, beta, state, valid=None, chunk_size: int = 64
     qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, g, beta))
     lower = jnp.tril(jnp.ones((tc, tc), bool))
     strict = jnp.tril(jnp.ones((tc, tc), bool), -1)
+    eye = jnp.eye(tc, dtype=jnp.float32)
+    dv = vc.shape[-1]
 
     def step(s, xs):
-        qi, ki, vi, gi, bi = xs
-        gam = jnp.cumsum(gi, axis=-1)  # [B, Hv, Tc]
-        diff = gam[..., :, None] - gam[..., None, :]
-        decay = jnp.exp(jnp.where(lower, diff, -jnp.inf))  # Γ, zero above the diagonal
+        qi, ki, vi, gi, bi = xs  # [B, Hv, Tc (, Dk | Dv)]
+        gam = to.cumsum(gi)  # [B, Hv, Tc]
+        decay = jnp.exp(jnp.where(lower, gam[..., :, None] - gam[..., None, :], -jnp.inf))  # Γ, zero above the diagonal
         kb = ki * bi[..., None]
-        amat = jnp.where(strict, jnp.einsum("BAIX,BAJX->BAIJ", kb, ki) * decay, 0.0)
-        eye = jnp.eye(tc, dtype=jnp.float32)
+        kt = jnp.swapaxes(ki, -1, -2)
+        amat = to.matmul(kb, kt) * decay
+        attn = to.matmul(qi, kt) * decay
         rhs = jnp.concatenate([vi * bi[..., None], kb * jnp.exp(gam)[..., None]], axis=-1)
-        sol = jax.scipy.linalg.solve_triangular(eye + amat, rhs, lower=True, unit_diagonal=True)
-        u, w = sol[..., :vi.shape[-1]], sol[..., vi.shape[-1]:]
-        vp = u - jnp.einsum("BAIX,BAXZ->BAIZ", w, s)
-        o = (jnp.einsum("BAIX,BAXZ->BAIZ", qi * jnp.exp(gam)[..., None], s)
-             + jnp.einsum("BAIJ,BAJZ->BAIZ", jnp.einsum("BAIX,BAJX->BAIJ", qi, ki) * decay, vp))
-        g_last = gam[..., -1:]
-        s = (s * jnp.exp(g_last)[..., None]
-             + jnp.einsum("BAIX,BAIZ->BAXZ", ki * jnp.exp(g_last - gam)[..., None], vp))
+        sol = jax.scipy.linalg.solve_triangular(eye + jnp.where(strict, amat, 0.0), rhs, lower=True, unit_diagonal=True)
+        u, w = sol[..., :dv], sol[..., dv:]
+        vp = u - to.matmul(w, s)
+        o = to.matmul(qi * jnp.exp(gam)[..., None], s) + to.matmul(attn, vp)
+        kd = ki * jnp.exp(gam[..., -1:] - gam)[..., None]
+        s = to.separate(s * jnp.exp(gam[..., -1])[..., None, None]) + to.matmul(jnp.swapaxes(kd, -1, -2), vp)
         return s, o
 
     state, o = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, vc, gc, bc))  # o [Nt, B, Hv, Tc, Dv]
@@ -231,8 +242,8 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, eps: float) 
     """w ⊙ RMS(x) ⊙ silu(gate) over the last axis (Dv), plain w, HF's cast order (RMS in float32, cast,
     × w, × silu(gate in float32), cast)."""
     xf = x.astype(jnp.float32)
-    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    return ((scale.astype(x.dtype) * normed).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+    normed = (xf * to.rsqrt(to.row_mean(to.separate(xf * xf))[..., None] + eps)).astype(x.dtype)
+    return ((scale.astype(x.dtype) * normed).astype(jnp.float32) * to.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
 def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, window: jax.Array, state: jax.Array,
@@ -256,20 +267,22 @@ def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, windo
     b, t, _ = x.shape
     if valid is not None:  # HF zeroes pad inputs (x * mask); a select also stops non-finite pads
         x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
-    columns = x @ lp.qkv.astype(x.dtype)  # [B, T, Cc]
-    z = jnp.einsum("BTD,DAZ->BTAZ", x, lp.z.astype(x.dtype))
+    columns = to.dense(x, lp.qkv)  # [B, T, Cc]
+    z = to.dense(x, lp.z.reshape(lp.z.shape[0], hv * dv)).reshape(b, t, hv, dv)
     if lora is not None:  # before the conv: an adapter changes what the window stores
         columns, z = lora.add("qkv", columns, x), lora.add("z", z, x)
-    b_logit = x @ lp.b.astype(x.dtype)
-    a_in = x @ lp.a.astype(x.dtype)
+    b_logit = to.dense(x, lp.b)
+    a_in = to.dense(x, lp.a)
     u, window = causal_conv(window, columns, lp.conv, valid)
     q, k, v = jnp.split(u, [hk * dk, 2 * hk * dk], axis=-1)
     r = hv // hk  # key head j serves the consecutive value heads j r .. j r + r - 1
-    q = jnp.repeat(l2norm(q.reshape(b, t, hk, dk)) * (dk ** -0.5), r, axis=2)
+    q = l2norm(q.reshape(b, t, hk, dk))
+    # HF's chunked rule multiplies by Dk^-1/2, its recurrent rule divides by sqrt(Dk)
+    q = jnp.repeat(q * (dk ** -0.5) if form == "chunked" else to.divide(q, dk ** 0.5), r, axis=2)
     k = jnp.repeat(l2norm(k.reshape(b, t, hk, dk)), r, axis=2)
     v = v.reshape(b, t, hv, dv).astype(jnp.float32)
-    beta = jax.nn.sigmoid(b_logit.astype(jnp.float32))
-    g = -jnp.exp(lp.a_log.astype(jnp.float32)) * jax.nn.softplus(a_in.astype(jnp.float32) + lp.dt_bias.astype(jnp.float32))
+    beta = to.sigmoid(b_logit.astype(jnp.float32))
+    g = -jnp.exp(lp.a_log.astype(jnp.float32)) * to.softplus(a_in.astype(jnp.float32) + lp.dt_bias.astype(jnp.float32))
     if form == "chunked":
         core, state = delta_rule_chunked(q, k, v, g, beta, state, valid, gspec.chunk_size)
     else:
@@ -278,5 +291,5 @@ def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, windo
     if taps is not None:
         taps.update(qkv=columns, z=z, a=a_in, b=b_logit, core=core)
     y = gated_rms_norm(core, z, lp.norm, gspec.norm_eps)
-    out = jnp.einsum("BTAZ,AZD->BTD", y, lp.out.astype(y.dtype))
+    out = to.dense(y.reshape(b, t, hv * dv), lp.out.reshape(hv * dv, lp.out.shape[-1]))
     return (out if lora is None else lora.add("out", out, y)), window, state

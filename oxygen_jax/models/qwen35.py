@@ -7,10 +7,11 @@ full layers.
 
 `layer_types` repeats one group (the released checkpoints: 3 linear + 1 full), so the weights are stacked
 [G, Pl, ...] and [G, Pf, ...] and the stack is one `lax.scan` over groups: a full-size model compiles one
-group, not L layers. The full-attention layers are the one transformer layer (`backbone.decoder_block`)
-with Qwen3.5's spec fields: (1 + w) norms, q/k-norm, partial rotary (`rotary_dim` = H / 4), interleaved
-M-RoPE, and the output gate (`FullLayers.q_gate`); the linear layers share the norms and the MLP and
-replace attention by `gated_deltanet.mixer`.
+group, not L layers. The layers are `models/qwen35_layers.py`'s: the full-attention layer is the
+transformer layer of `backbone.decoder_block` with Qwen3.5's spec fields ((1 + w) norms, q/k-norm,
+partial rotary (`rotary_dim` = H / 4), interleaved M-RoPE, the output gate `FullLayers.q_gate`); the
+linear layers share the norms and the MLP and replace attention by `gated_deltanet.mixer`. Both round
+in transformers' float32 order (`nn.torch_order`), the parity references' arithmetic.
 
 What a prefix pass leaves (`prefill`), per row, as of its last valid token:
 
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models import backbone
-from oxygen_jax.models import gated_deltanet as gdn
+from oxygen_jax.models import qwen35_layers as layers_lib
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Draw, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.models import lora as lora_lib
 from oxygen_jax.models.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec
@@ -184,8 +185,8 @@ def _pytree(cls):
 
 @_pytree
 class FullLayers:
-    """Gated full-attention layers: `backbone.DecoderLayers`' fields (read by name by `decoder_block`) plus
-    the output gate. Leading stacking axes `...` first."""
+    """Gated full-attention layers: `backbone.DecoderLayers`' fields plus the output gate (read by name by
+    `qwen35_layers.full_layer`). Leading stacking axes `...` first."""
 
     q: jax.Array  # [..., N, D, H] (HF q_proj rows 0..H-1 of each head)
     kv: jax.Array  # [..., 2, K, D, H]
@@ -379,18 +380,6 @@ def _grouped(x, spec: Qwen35Spec, kind: str):
     return x.reshape((spec.num_groups, spec.group.count(kind)) + x.shape[1:])
 
 
-def _linear_layer(spec: Qwen35Spec, lp: GatedDeltaNetLayers, x, window, state, valid, form, taps=None,
-                  lora: LayerRows | None = None):
-    """One Gated DeltaNet decoder layer: (1 + w) norm, mixer, residual, norm, SwiGLU, residual (`lora`:
-    this layer's `DeltaNetLora` slice and the row ids)."""
-    bspec = spec.backbone
-    h, _ = backbone.rms_norm(bspec, x, lp.attn_norm)
-    o, window, state = gdn.mixer(spec.gdn, lp, h, window, state, valid, form, taps, lora)
-    x = x + o
-    h, _ = backbone.rms_norm(bspec, x, lp.ffw_norm)
-    return x + backbone.gated_mlp(bspec, h, lp.gating, lp.linear, lora), window, state
-
-
 def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, form, cache, window, state, kv_fn_for,
                 collect_hidden=False, collect_taps=False, lora: RowAdapters | None = None):
     """The scan over groups shared by `forward_prefill` and `forward_step`.
@@ -414,14 +403,14 @@ def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, fo
             if kind == LINEAR:
                 lp = jax.tree.map(lambda a, i=il: a[i], lin)
                 tap = {} if collect_taps else None
-                x, w_i, s_i = _linear_layer(spec, lp, x, win[il], st[il], valid, form, tap,
-                                            rows(bank, "linear", il))
+                x, w_i, s_i = layers_lib.linear_layer(spec, lp, x, win[il], st[il], valid, form, tap,
+                                                      rows(bank, "linear", il))
                 wins.append(w_i), sts.append(s_i), taps.append(tap)
                 il += 1
             else:
                 fp = jax.tree.map(lambda a, j=jf: a[j], full)
                 kv_fn, get_cache = kv_fn_for(cache, g * pf + jf)
-                x = backbone.decoder_block(spec.backbone, fp, x, None, rope, mask, kv_fn, rows(bank, "full", jf))
+                x = layers_lib.full_layer(spec.backbone, fp, x, rope, mask, kv_fn, rows(bank, "full", jf))
                 cache = get_cache()
                 jf += 1
             hids.append(x if collect_hidden else None)
@@ -459,7 +448,7 @@ def forward_prefill(spec: Qwen35Spec, layers: HybridLayers, x, positions, input_
       state [Lg, B, Hv, Dk, Dv] (+ layer_outputs, taps).
     """
     mask = make_attn_mask(input_mask, jnp.ones(input_mask.shape[-1:], bool)) if mask is None else mask
-    rope = backbone.rope_tables(spec.backbone, positions)
+    rope = layers_lib.rope_tables(spec.backbone, positions)
     b, t = x.shape[:2]
     bs = spec.backbone
     kv0 = jnp.zeros((len(spec.full_layers), b, t, bs.num_kv_heads, bs.head_dim), x.dtype)
@@ -491,7 +480,7 @@ def prefill(spec: Qwen35Spec, decoder: Decoder, x, positions, input_mask, *, ret
       as HF reports them (input embeddings, outputs of layers 0..L-2, final-normed output).
     """
     out = forward_prefill(spec, decoder.layers, x, positions, input_mask, return_hidden=return_hidden, return_taps=return_taps)
-    out["normed"] = backbone.final_norm(spec.backbone, decoder, out["hidden"])
+    out["normed"] = layers_lib.norm(spec.backbone, out["hidden"], decoder.final_norm)
     if return_hidden:
         out["hidden_states"] = jnp.concatenate([x[None], out.pop("layer_outputs")[:-1], out["normed"][None]], axis=0)
     return out
@@ -547,7 +536,7 @@ def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, ma
     if lora is not None:
         check_bank(spec, lora.bank)
         _require(lora.ids.shape == (x.shape[0],), f"RowAdapters.ids must be [B] = ({x.shape[0]},), got {lora.ids.shape}")
-    rope = backbone.rope_tables(spec.backbone, positions)
+    rope = layers_lib.rope_tables(spec.backbone, positions)
     rows = jnp.arange(x.shape[0])[:, None]
 
     def kv_fn_for(cache, layer):
