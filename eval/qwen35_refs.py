@@ -31,51 +31,39 @@ from pathlib import Path
 
 import numpy as np
 
-# name -> (text config fields, T, seed). Dims chosen to differ from ../shared/fixtures/qwen35_tiny in every
-# axis the hybrid stack has: width, head counts and KV ratio, head dim, rotary fraction and M-RoPE sections,
-# GDN key / value heads and dims (Dk != Dv both ways), conv kernel, group pattern and count, tied or untied.
+def _shape(d, f, heads, head_dim, rotary, sections, gdn, kernel, vocab, group, groups, tie, t, seed, init=0.2):
+    """(text config fields, T, seed) of one shape. heads = (N, K); gdn = (Hk, Hv, Dk, Dv); group: 'l' linear,
+    'f' full, one letter per layer of the group that repeats `groups` times."""
+    hk, hv, dk, dv = gdn
+    return (dict(hidden_size=d, intermediate_size=f, num_attention_heads=heads[0], num_key_value_heads=heads[1],
+                 head_dim=head_dim, partial_rotary_factor=rotary, mrope_section=list(sections), linear_num_key_heads=hk,
+                 linear_num_value_heads=hv, linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=kernel,
+                 vocab_size=vocab, initializer_range=init,
+                 layer_types=["linear_attention" if c == "l" else "full_attention" for c in group], groups=groups,
+                 tie_word_embeddings=tie), t, seed)
+
+
+# Dims chosen to differ from the public qwen35_tiny fixture in every axis the hybrid stack has: width, head
+# counts and KV ratio, head dim, rotary fraction and M-RoPE sections, GDN key / value heads and dims (Dk != Dv
+# both ways), conv kernel, group pattern and count, tied or untied.
 SHAPES: dict[str, tuple[dict, int, int]] = {
     # the public fixture's text dims (a sanity row: our errors here track the fixture's)
-    "fixture_dims": (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                          partial_rotary_factor=0.25, mrope_section=[2, 1, 1], linear_num_key_heads=2, linear_num_value_heads=4,
-                          linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, vocab_size=512,
-                          layer_types=["linear_attention"] * 3 + ["full_attention"], groups=2, tie_word_embeddings=True), 80, 0),
+    "fixture_dims": _shape(64, 128, (4, 2), 32, 0.25, (2, 1, 1), (2, 4, 16, 8), 4, 512, "lllf", 2, True, 80, 0),
     # untied head, 3 groups of (linear, linear, full), KV ratio 3, rotary 1/2, Dk > Dv, kernel 3
-    "untied_g3": (dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=24,
-                       partial_rotary_factor=0.5, mrope_section=[2, 2, 2], linear_num_key_heads=3, linear_num_value_heads=6,
-                       linear_key_head_dim=24, linear_value_head_dim=16, linear_conv_kernel_dim=3, vocab_size=384,
-                       layer_types=["linear_attention"] * 2 + ["full_attention"], groups=3, tie_word_embeddings=False), 80, 1),
+    "untied_g3": _shape(96, 160, (6, 2), 24, 0.5, (2, 2, 2), (3, 6, 24, 16), 3, 384, "llf", 3, False, 80, 1),
     # wide: 5 groups of (linear x3, full), one KV head, Hv = 4 Hk, Dk < Dv, kernel 4, untied
-    "wide_g5": (dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=1, head_dim=32,
-                     partial_rotary_factor=0.25, mrope_section=[2, 1, 1], linear_num_key_heads=2, linear_num_value_heads=8,
-                     linear_key_head_dim=16, linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=640,
-                     layer_types=["linear_attention"] * 3 + ["full_attention"], groups=5, tie_word_embeddings=False), 96, 2),
-    # one group of (linear, full) x 7 = odd count 7, full rotary, no GQA, Hv = Hk, kernel 5, tied
-    "full_rope_g7": (dict(hidden_size=48, intermediate_size=144, num_attention_heads=3, num_key_value_heads=3, head_dim=16,
-                          partial_rotary_factor=1.0, mrope_section=[4, 2, 2], linear_num_key_heads=3, linear_num_value_heads=3,
-                          linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=5, vocab_size=256,
-                          layer_types=["linear_attention", "full_attention"], groups=7, tie_word_embeddings=True), 72, 3),
+    "wide_g5": _shape(128, 256, (8, 1), 32, 0.25, (2, 1, 1), (2, 8, 16, 32), 4, 640, "lllf", 5, False, 96, 2),
+    # (linear, full) x 7 = odd count 7, full rotary, no GQA, Hv = Hk, kernel 5, tied
+    "full_rope_g7": _shape(48, 144, (3, 3), 16, 1.0, (4, 2, 2), (3, 3, 8, 12), 5, 256, "lf", 7, True, 72, 3),
     # the released head dims (256, rotary 64, sections (11, 11, 10); Dk = Dv = 128) at a small width, untied
-    "release_heads": (dict(hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
-                           partial_rotary_factor=0.25, mrope_section=[11, 11, 10], linear_num_key_heads=1,
-                           linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
-                           linear_conv_kernel_dim=4, vocab_size=320,
-                           layer_types=["linear_attention"] * 3 + ["full_attention"], groups=3, tie_word_embeddings=False), 80, 4),
+    "release_heads": _shape(128, 192, (2, 1), 256, 0.25, (11, 11, 10), (1, 2, 128, 128), 4, 320, "lllf", 3, False, 80, 4),
 }
 # CI's copies (tests/data/qwen35_refs): width 32, a small vocabulary and T just over one chunk keep each
 # directory near 0.5 MB; they still differ from the fixture in every axis above. initializer_range 0.3 (not
 # 0.2) makes such a narrow model amplify rounding about as much as a 64-wide one does.
 COMPACT = {
-    "ci_untied_g2": (dict(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                          partial_rotary_factor=0.5, mrope_section=[2, 1, 1], linear_num_key_heads=1, linear_num_value_heads=2,
-                          linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=3, vocab_size=80,
-                          initializer_range=0.3, layer_types=["linear_attention"] * 2 + ["full_attention"], groups=2,
-                          tie_word_embeddings=False), 66, 11),
-    "ci_tied_g3": (dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        partial_rotary_factor=1.0, mrope_section=[2, 1, 1], linear_num_key_heads=2, linear_num_value_heads=2,
-                        linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=5, vocab_size=96,
-                        initializer_range=0.3, layer_types=["linear_attention", "full_attention"], groups=3,
-                        tie_word_embeddings=True), 66, 12),
+    "ci_untied_g2": _shape(32, 48, (2, 1), 16, 0.5, (2, 1, 1), (1, 2, 16, 8), 3, 80, "llf", 2, False, 66, 11, init=0.3),
+    "ci_tied_g3": _shape(32, 48, (4, 2), 8, 1.0, (2, 1, 1), (2, 2, 8, 12), 5, 96, "lf", 3, True, 66, 12, init=0.3),
 }
 GEN_STEPS, COMPACT_GEN_STEPS = 10, 6
 
@@ -88,7 +76,6 @@ def text_config(fields: dict, dtype: str = "float32"):
     types = f.pop("layer_types") * groups
     rope = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=f.pop("partial_rotary_factor"),
                 mrope_section=f.pop("mrope_section"), mrope_interleaved=True)
-    f.setdefault("initializer_range", 0.2)
     return Qwen3_5TextConfig(num_hidden_layers=len(types), layer_types=types, rope_parameters=rope, rms_norm_eps=1e-6,
                              max_position_embeddings=4096, pad_token_id=0, bos_token_id=None,
                              eos_token_id=None, hidden_act="silu", attention_bias=False, dtype=dtype, **f)
