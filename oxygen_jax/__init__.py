@@ -30,15 +30,15 @@ from oxygen_jax.models.pi05.lora import ModelLora, init_bank, merge, stack_adapt
 # The model: prefill once, denoise from the cache
 from oxygen_jax.models.pi05.observation import Observation, trim_prompt_padding
 from oxygen_jax.models.prefix import Prefix
-from oxygen_jax.models.pi05.model import compute_loss, denoise, prefill, sample_actions
+from oxygen_jax.models.pi05.model import as_vla, compute_loss, denoise, prefill, sample_actions
 
 # Language decoding and the unified-KV runtime
-from oxygen_jax.models.backbone import LanguageModel
+from oxygen_jax.models.decoder import LanguageDecoder
+from oxygen_jax.models.vla import MultiHead
 from oxygen_jax.runtime.decode import (
     DecodePool, Requests, admit, decode_burst, init_pool, make_requests, release_finished,
 )
 from oxygen_jax.runtime.frame import frame_step, rollout
-from oxygen_jax.runtime.vla import MultiHead, Pi05, Vla
 from oxygen_jax.runtime.scheduler import Scheduler, Ticket
 from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
 
@@ -48,7 +48,7 @@ __all__ = [
     "load_openpi_params", "load_openpi_lora", "load_openpi_norm_stats", "save_params", "restore_params",
     "CheckpointError", "load_model", "LoadedModel",
     "BackboneSpec", "pi05_spec", "HeadSpec", "ModelSpec", "ModelParams", "init_model", "make_inputs", "prefix_pass",
-    "sample_all", "language_model", "LanguageModel", "Vla", "Pi05", "MultiHead",
+    "sample_all", "language_model", "LanguageDecoder", "MultiHead", "as_vla",
     "ExpertLora", "ModelLora", "LoraBank", "RowAdapters", "init_bank", "merge", "stack_adapters",
     "Observation", "trim_prompt_padding", "Prefix", "prefill", "denoise", "sample_actions", "compute_loss",
     "DecodePool", "Requests", "init_pool", "make_requests", "admit", "decode_burst", "release_finished",

@@ -273,20 +273,6 @@ class Decoder:
     lm_head: jax.Array | None = None  # [V, D]; None when the head is tied to `embedding`
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LanguageModel:
-    """A backbone as a language model (what the decode pool serves): its weights and its (static) spec.
-
-    Attributes:
-      decoder: `backbone.Decoder` (embedder, layers, final norm, head).
-      spec: `BackboneSpec`, static (a `qwen35.Qwen35Spec` for Qwen3.5: `qwen35.language_model`).
-    """
-
-    decoder: Decoder
-    spec: BackboneSpec = dataclasses.field(metadata=dict(static=True))
-
-
 Draw = Callable[[tuple[int, ...], float, float], jax.Array]  # (shape, std, mean) -> leaf
 
 

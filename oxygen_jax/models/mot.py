@@ -24,10 +24,10 @@ Two input kinds, chosen by the backbone's vision encoder (`ModelSpec.input_kind`
 π0.5 is one instance: `models.pi05.model.as_model(params)` = its Gemma + SigLIP backbone and one
 `adarms_joint` head "actions" (the action expert), the same arrays as its `Params`.
 
-Language: `language_model(spec, params)` is the backbone as a `backbone.LanguageModel`; the decode slot
+Language: `language_model(spec, params)` is the backbone as a `decoder.LanguageDecoder`; the decode slot
 pool admits requests from the `Prefix` of a model with `language=True`. The whole fan-out frame
 (prefix pass, every head, admission and a k-token burst on the donated pool) is `runtime.frame.frame_step`
-of a `runtime.vla.MultiHead(params, spec)`; `runtime.frame` also has the isolated / parallel / shared_kv settings.
+of a `models.vla.MultiHead(params, spec)`; `runtime.frame` also has the isolated / parallel / shared_kv settings.
 
 Axes (`oxygen_jax.axes`, plus those of `heads`): B batch, P prefix tokens, D VLM width, L layers,
 K KV heads, H head dim, Ha horizon, Ad action dim, Ds state dim; Np image patches, Pd flattened
@@ -45,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models import backbone as bb
+from oxygen_jax.models import decoder as dec
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models import qwen3_vl, qwen35, siglip_prefix
+from oxygen_jax.models import qwen3_vl, qwen35, qwen35_decoder, siglip_prefix
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.models.heads import HeadParams, HeadSpec
 from oxygen_jax.models.observation import Observation
@@ -83,6 +84,8 @@ class ModelSpec:
     language: bool = True  # keep every layer's K/V and the last hidden for text decoding
     image_token_id: int | None = None  # placeholder id of image tokens (Qwen3-VL backbones)
     hybrid: Qwen35Spec | None = None  # Qwen3.5: the hybrid stack, whose `.backbone` is `backbone`
+    stop_ids: tuple[int, ...] = ()  # the language decoder's default stop set (a checkpoint's `eos_token_id`s;
+    #   π0.5: its tokenizer's EOS); () = none: requests decode to their budget unless they name stops
 
     def __post_init__(self):
         _require(isinstance(self.backbone, BackboneSpec), f"ModelSpec.backbone must be a BackboneSpec, got {type(self.backbone).__name__}")
@@ -92,6 +95,8 @@ class ModelSpec:
             _require(not kv, f"heads {kv} read K/V, which Qwen3.5's linear-attention layers do not have: use heads that "
                              f"read hidden states (QwenPI_v3, GR00T)")
         _require(bool(self.heads) or self.language, "ModelSpec needs at least one head or language=True")
+        _require(self.stop_ids == dec.check_stop_ids(self.stop_ids, self.backbone.vocab_size),
+                 f"ModelSpec.stop_ids must be a sorted tuple of distinct token ids, got {self.stop_ids}")
         names = [h.name for h in self.heads]
         _require(len(set(names)) == len(names), f"ModelSpec.heads must have distinct names, got {names}")
         for h in self.heads:
@@ -326,13 +331,16 @@ def check_inputs(spec: ModelSpec, inputs) -> None:
     _require(ids.ndim == 2 and mask.shape == ids.shape, f"input_ids and input_mask must both be [B, P], got {ids.shape} and {mask.shape}")
 
 
-def language_model(spec: ModelSpec, params: ModelParams) -> bb.LanguageModel:
-    """The model's language decoder (its backbone: embedder, layers, final norm, head) for the decode pool.
+def language_model(spec: ModelSpec, params: ModelParams) -> dec.LanguageDecoder:
+    """The model's language decoder (its backbone: embedder, layers, final norm, head) for the decode pool,
+    with the spec's default stop ids: a `qwen35_decoder.HybridDecoder` for Qwen3.5, else an attention one.
 
-    `decode.init_pool` / `admit` / `decode_burst` take it in place of π0.5's `Params`; they admit from
-    the `Prefix` of a `prefix_pass` with `spec.language` (every layer's K/V and the last hidden).
+    `decode.init_pool` / `admit` / `decode_burst` take it; they admit from the `Prefix` of a `prefix_pass`
+    with `spec.language` (the K/V the decoder continues and the last hidden).
     """
-    return bb.LanguageModel(decoder=params.decoder, spec=spec.hybrid or spec.backbone)
+    if spec.hybrid is not None:
+        return qwen35_decoder.language_model(spec.hybrid, params.decoder, spec.stop_ids)
+    return dec.AttentionDecoder(decoder=params.decoder, spec=spec.backbone, stop_ids=spec.stop_ids)
 
 
 def run_heads(spec: ModelSpec, params: ModelParams, prefix: Prefix, noises: dict[str, jax.Array],

@@ -512,12 +512,6 @@ def prefix_pass(spec: Qwen35Spec, decoder: Decoder, x, positions, input_mask, ne
                   rope=spec.backbone.rope, **kept)
 
 
-def language_model(spec: Qwen35Spec, decoder: Decoder) -> backbone.LanguageModel:
-    """The decoder as what `runtime.decode` serves: a `backbone.LanguageModel` whose static spec is the
-    `Qwen35Spec` (the pool then keeps per-slot windows and states beside the full layers' K/V)."""
-    return backbone.LanguageModel(decoder=decoder, spec=spec)
-
-
 def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, mask, cache_k, cache_v, write_index,
                  window, state, form: str = "recurrent", lora: RowAdapters | None = None):
     """Continues cached sequences by T tokens: full layers write their K/V into the cache and attend to it;

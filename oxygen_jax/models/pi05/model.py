@@ -35,13 +35,15 @@ import jax.numpy as jnp
 from oxygen_jax.models import backbone, mot, siglip_prefix
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models.backbone import Decoder
+from oxygen_jax.models.decoder import AttentionDecoder
 from oxygen_jax.models.heads import AdaRmsHead, HeadSpec, adarms
 from oxygen_jax.models.mot import ModelParams, ModelSpec
-from oxygen_jax.models.pi05.config import ModelConfig
+from oxygen_jax.models.pi05.config import EOS_ID, ModelConfig
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.models.pi05.params import Params
 from oxygen_jax.models.pi05.spec import pi05_spec
 from oxygen_jax.models.prefix import Prefix
+from oxygen_jax.models.vla import MultiHead
 
 HEAD = "actions"
 """The name of π0.5's one head (in `as_model`, the runtime and the server)."""
@@ -77,18 +79,32 @@ def head_params(params: Params) -> AdaRmsHead:
 def model_spec(config: ModelConfig, num_steps: int = 10, *, language: bool = True, horizon: int = 0) -> ModelSpec:
     """π0.5 as a `ModelSpec`: `pi05_spec(config)` (Gemma + SigLIP) + the head "actions" (+ the VLM expert
     as the language decoder)."""
-    return ModelSpec(backbone=pi05_spec(config), heads=(head_spec(config, num_steps, horizon),), language=language)
+    return ModelSpec(backbone=pi05_spec(config), heads=(head_spec(config, num_steps, horizon),), language=language,
+                     stop_ids=(EOS_ID,))
 
 
 def as_model(params: Params, num_steps: int = 10, *, language: bool = True) -> tuple[ModelSpec, ModelParams]:
     """π0.5 as the general model: (spec, weights) with the arrays of `params` (no copies).
 
-    `mot.sample_all(*reversed(as_model(params)), ...)` and `runtime.vla.MultiHead` run it like any
+    `mot.sample_all(*reversed(as_model(params)), ...)` and `models.vla.MultiHead` (`as_vla`) run it like any
     other model; inputs are `Observation`s. Layer layout (stacked / unstacked) is that of `params`.
     """
     heads = {HEAD: head_params(params)}
     return (model_spec(params.config, num_steps, language=language),
             ModelParams(decoder=vlm_decoder(params), vision=params.siglip, heads=heads))
+
+
+def as_vla(params: Params, num_steps: int = 10) -> MultiHead:
+    """π0.5 as the model the runtime drives (`Engine`, frame programs, the server): `MultiHead` of
+    `as_model(params, num_steps)`, over the same arrays."""
+    spec, weights = as_model(params, num_steps)
+    return MultiHead(weights, spec)
+
+
+def language_model(params: Params) -> AttentionDecoder:
+    """The VLM expert as the decode pool's language decoder (`decoder.AttentionDecoder`; stops at EOS by
+    default): the same arrays, no copy."""
+    return AttentionDecoder(decoder=vlm_decoder(params), spec=pi05_spec(params.config), stop_ids=(EOS_ID,))
 
 
 def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:

@@ -1,0 +1,217 @@
+"""The language-decoder interface: what a decode slot pool needs of a language model, and its attention-only kind.
+
+Axes (`oxygen_jax.axes`): Lk layers with K/V, J rows (requests), P prefix tokens, Q request-prompt tokens,
+T tokens in one pass, Ns slots, C slot capacity, K KV heads, H head dim, D width, V vocabulary.
+
+A `LanguageDecoder` is a registered pytree (weights as leaves, spec and stop ids static) that continues the
+rows of a `prefix.Prefix`. The pool (`runtime.decode`) keeps slot bookkeeping only and calls:
+
+    kv_layers, num_kv_heads, head_dim, dtype   the shape of a slot's K/V [Lk, Ns, C, K, H]
+    init_carry(Ns) / carry_bytes()             per-slot state beside the K/V (a dict of leaves whose slot
+                                               axis is 1: [layers, Ns, ...]), or None / {} when there is none
+    rows(prefix, rows)                         what admission copies from the prefix rows (`PrefixRows`)
+    extend(...)                                T tokens after cached ones (the request prompt, in the
+                                               form that runs many tokens at once)
+    step(...)                                  one token per slot (the decode step)
+    embed, final_norm, logits_vocab_major      token embedding, the final norm, the head
+    check_bank(bank)                           the kind of per-row adapter bank this decoder serves
+    stop_ids, vocab_size                       the default stop set and the vocabulary
+
+Two kinds implement it: `AttentionDecoder` here (Gemma as π0.5's VLM expert, Qwen3, Qwen3-VL: every layer
+has K/V and no other state) and `models.qwen35_decoder.HybridDecoder` (Qwen3.5: K/V of the full-attention
+layers, plus each linear layer's conv window and recurrent state as the carry). A family supplies its view
+(`pi05.model.language_model`, `mot.language_model`); nothing above the models floor asks which kind it holds.
+
+`extend` and `step` take `valid` (bool [B, T]: entries that advance the sequence) beside the cache mask:
+attention layers need only the mask (a padding entry is computed but never attended to), recurrent layers
+run invalid entries as identity steps so the carry ends at the last valid token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from oxygen_jax.models import backbone
+from oxygen_jax.models.backbone import BackboneSpec, Decoder
+from oxygen_jax.models.lora import LoraBank, RowAdapters
+from oxygen_jax.models.prefix import Prefix
+
+_STATIC = dict(static=True)
+
+MAX_STOP_IDS = 8
+"""The most stop ids one request carries (a static width: `runtime.decode.Sampling.stop_ids` is [n, 8])."""
+
+
+class PrefixRows(NamedTuple):
+    """What admission reads from J prefix rows (gathered: row j is the request's own prefix row).
+
+    k, v [Lk, J, P, K, H]; mask bool [J, P]; next_position int32 [J] (RoPE position of the first entry after
+    the prefix); last_hidden [J, D] (final-normed, the first token's logits); carry: the decoder's state
+    beyond K/V at the last valid prefix token (leaves [layers, J, ...]), or None.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+    next_position: jax.Array
+    last_hidden: jax.Array
+    carry: dict[str, jax.Array] | None
+
+
+def check_stop_ids(stop_ids, vocab_size: int) -> tuple[int, ...]:
+    """The stop ids as a sorted tuple of distinct ints in [0, V); one-line ValueError otherwise."""
+    ids = tuple(sorted({int(i) for i in stop_ids}))
+    if len(ids) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(ids)}")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"stop id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+class LanguageDecoder:
+    """The interface (see the module docstring). Subclasses are registered dataclasses with the fields
+    `decoder` (weights), `spec` (static) and `stop_ids` (static tuple)."""
+
+    decoder: Decoder
+    stop_ids: tuple[int, ...]
+
+    # -- shape facts ---------------------------------------------------------------------------
+
+    @property
+    def backbone(self) -> BackboneSpec:
+        """The spec of the embedder, norms and head (and of the attention layers)."""
+        raise NotImplementedError
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.backbone.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.backbone.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.vocab_size
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.decoder.embedding.dtype
+
+    def init_carry(self, num_slots: int) -> dict[str, jax.Array] | None:
+        """Zeroed per-slot state beyond K/V, leaves [layers, Ns, ...]; None when the decoder has none."""
+        return None
+
+    def carry_bytes(self) -> dict[str, int]:
+        """One slot's bytes of each carry leaf (fixed: independent of the sequence length)."""
+        return {}
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def rows(self, prefix: Prefix, rows: jax.Array) -> PrefixRows:
+        """The prefix rows `rows` (int32 [J]) as admission copies them; one-line ValueError when the
+        prefix did not keep what this decoder continues from."""
+        if prefix.kv_layers != self.kv_layers or prefix.last_hidden is None:
+            raise ValueError(f"language decoding needs the K/V of layers {self.kv_layers} and the last hidden state, "
+                             f"but the prefix kept K/V of layers {prefix.kv_layers}: build it with a ModelSpec that "
+                             "has language=True")
+        return PrefixRows(prefix.k[:, rows], prefix.v[:, rows], prefix.mask[rows], prefix.next_position[rows],
+                          prefix.last_hidden[rows], self._carry_rows(prefix, rows))
+
+    def _carry_rows(self, prefix: Prefix, rows: jax.Array) -> dict[str, jax.Array] | None:
+        return None
+
+    # -- the forward passes --------------------------------------------------------------------
+
+    def extend(self, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora: RowAdapters | None):
+        """T tokens after cached entries, all at once (a request prompt).
+
+        Args:
+          x: [B, T, D] embeddings; positions int [B, T]; valid bool [B, T]; mask bool [B, T, S] over the
+            cache entries; cache_k, cache_v [Lk, B, S, K, H]; write_index int [B, T] (>= S: no write);
+          carry: the rows' carry or None; lora: per-row adapters or None.
+        Returns:
+          (hidden [B, T, D] before the final norm, (cache_k, cache_v), carry).
+        """
+        raise NotImplementedError
+
+    def step(self, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora: RowAdapters | None):
+        """One token per row ([B, 1, ...] arguments as `extend`); rows with `valid` False leave their carry
+        unchanged, bit for bit."""
+        raise NotImplementedError
+
+    # -- embedder, norm, head ------------------------------------------------------------------
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """int32 [...] -> [..., D] in the decoder's dtype."""
+        return backbone.embed_tokens(self.backbone, self.decoder, tokens).astype(self.dtype)
+
+    def final_norm(self, hidden: jax.Array) -> jax.Array:
+        return backbone.final_norm(self.backbone, self.decoder, hidden)
+
+    def logits_vocab_major(self, hidden: jax.Array) -> jax.Array:
+        """Final-normed [B, D] -> float32 [V, B]."""
+        return backbone.lm_logits_vocab_major(self.backbone, self.decoder, hidden)
+
+    def check_bank(self, bank) -> None:
+        """One-line ValueError when `bank` is not the kind of adapter bank this decoder serves (None: fine)."""
+        raise NotImplementedError
+
+    def with_stop_ids(self, stop_ids) -> LanguageDecoder:
+        """The same decoder with another default stop set (checked against the vocabulary)."""
+        return dataclasses.replace(self, stop_ids=check_stop_ids(stop_ids, self.vocab_size))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionDecoder(LanguageDecoder):
+    """A transformer whose every layer attends (Gemma, Qwen3, Qwen3-VL): the carry is empty.
+
+    Attributes:
+      decoder: `backbone.Decoder` (embedder, layers, final norm, optional untied head).
+      spec: its `BackboneSpec` (static).
+      stop_ids: the default stop set (static; e.g. π0.5's EOS, a Qwen checkpoint's `eos_token_id` list).
+    """
+
+    decoder: Decoder
+    spec: BackboneSpec = dataclasses.field(metadata=_STATIC)
+    stop_ids: tuple[int, ...] = dataclasses.field(default=(), metadata=_STATIC)
+
+    @property
+    def backbone(self) -> BackboneSpec:
+        return self.spec
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.spec.depth))
+
+    def extend(self, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora):
+        h, kv = backbone.forward_write(self.spec, self.decoder.layers, x, positions, mask, cache_k, cache_v, write_index,
+                                       lora=lora)
+        return h, kv, carry
+
+    step = extend
+
+    def check_bank(self, bank) -> None:
+        if bank is not None and not isinstance(bank, LoraBank):
+            raise ValueError(f"this attention decoder serves a lora.LoraBank, got {type(bank).__name__} "
+                             "(a qwen35.HybridBank serves Qwen3.5 language models only)")
+
+
+def row_adapters(bank, ids: jax.Array) -> RowAdapters | None:
+    """The per-row adapter argument of `extend` / `step`, or None (the adapter-free program) without a bank."""
+    return None if bank is None else RowAdapters(bank, ids)
+
+
+def carry_rows(carry: dict[str, jax.Array] | None, rows: jax.Array) -> dict[str, jax.Array] | None:
+    """Rows of a carry (leaves [layers, B, ...] -> [layers, J, ...])."""
+    return None if carry is None else {name: leaf[:, rows] for name, leaf in carry.items()}

@@ -1,0 +1,84 @@
+"""Qwen3.5 as a `decoder.LanguageDecoder`: K/V for the full-attention layers, a carry for the linear ones.
+
+Axes (`oxygen_jax.axes`): Lf full-attention layers, Lg linear (Gated DeltaNet) layers, B rows, T tokens,
+Cc conv channels, Kc conv kernel, Hv value heads, Dk / Dv key / value head dims.
+
+    carry = {"window": [Lg, B, Cc, Kc] activation dtype,   the last Kc conv inputs of each linear layer
+             "state":  float32 [Lg, B, Hv, Dk, Dv]}         its recurrent (delta-rule) state
+
+The carry's size does not depend on the sequence length. Admission copies a prefix row's carry into the slot
+(which is also the reset of a reused slot); a request prompt runs in the chunked form, a decode step in the
+recurrent form, and entries with `valid` False are identity steps of the linear layers (padding, inactive
+slots): their carry comes back bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from oxygen_jax.models import qwen35
+from oxygen_jax.models.backbone import BackboneSpec, Decoder
+from oxygen_jax.models.decoder import LanguageDecoder
+from oxygen_jax.models.prefix import Prefix
+from oxygen_jax.models.qwen35 import Qwen35Spec
+
+_STATIC = dict(static=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridDecoder(LanguageDecoder):
+    """Qwen3.5's decoder (`qwen35.decoder_tree` weights) with its static `Qwen35Spec` and default stop ids.
+
+    Per-row adapters: a `qwen35.HybridBank` (both layer kinds).
+    """
+
+    decoder: Decoder
+    spec: Qwen35Spec = dataclasses.field(metadata=_STATIC)
+    stop_ids: tuple[int, ...] = dataclasses.field(default=(), metadata=_STATIC)
+
+    @property
+    def backbone(self) -> BackboneSpec:
+        return self.spec.backbone
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        return self.spec.full_layers
+
+    def init_carry(self, num_slots: int) -> dict[str, jax.Array]:
+        window, state = qwen35.empty_state(self.spec, num_slots, self.dtype)
+        return dict(window=window, state=state)
+
+    def carry_bytes(self) -> dict[str, int]:
+        parts = self.spec.state_bytes(conv_itemsize=jnp.dtype(self.dtype).itemsize)
+        return dict(window=parts["window"], state=parts["state"])
+
+    def _carry_rows(self, prefix: Prefix, rows: jax.Array) -> dict[str, jax.Array]:
+        if prefix.window is None or prefix.state is None:
+            raise ValueError("a Qwen3.5 language model decodes from a prefix with its linear layers' window and state: "
+                             "build it with models.qwen35.prefix_pass(..., language=True)")
+        return dict(window=prefix.window[:, rows], state=prefix.state[:, rows])
+
+    def _forward(self, form, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora):
+        h, kv, (window, state) = qwen35.forward_step(self.spec, self.decoder.layers, x, positions, valid, mask, cache_k,
+                                                     cache_v, write_index, carry["window"], carry["state"], form=form,
+                                                     lora=lora)
+        return h, kv, dict(window=window, state=state)
+
+    def extend(self, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora):
+        return self._forward("chunked", x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora)
+
+    def step(self, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora):
+        return self._forward("recurrent", x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora)
+
+    def check_bank(self, bank) -> None:
+        if bank is not None:
+            qwen35.check_bank(self.spec, bank)
+
+
+def language_model(spec: Qwen35Spec, decoder: Decoder, stop_ids: tuple[int, ...] = ()) -> HybridDecoder:
+    """The decoder as what `runtime.decode` serves."""
+    return HybridDecoder(decoder=decoder, spec=spec, stop_ids=tuple(stop_ids))
