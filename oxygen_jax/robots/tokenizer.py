@@ -133,6 +133,10 @@ class Tokenizer:
     def _is_byte(self, token_id: int) -> bool:
         return bool(self._sp.is_byte(token_id))
 
+    def stream(self) -> "StreamDetokenizer":
+        """An incremental detokenizer of this model (`StreamDetokenizer`)."""
+        return StreamDetokenizer(self)
+
 
 # -------------------------------------------------------------------------------------------------
 # Trained tokenizers: the built-in demo one (tests, demos without the real model file) and one trained on

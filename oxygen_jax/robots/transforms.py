@@ -34,6 +34,7 @@ import numpy as np
 from PIL import Image
 
 from oxygen_jax.models.pi05.config import CAMERA_SLOTS, ModelConfig, RobotConfig
+from oxygen_jax.models.backbone import BackboneSpec
 from oxygen_jax.robots.normalize import (
     NormStats, quantile_normalize, quantile_unnormalize, zscore_normalize, zscore_unnormalize,
 )
@@ -360,7 +361,7 @@ def normalize_state(state: np.ndarray, norm_stats: Mapping[str, NormStats] | Non
 
 def make_observation(
     robot: RobotConfig,
-    model_config: ModelConfig,
+    model_config: ModelConfig | BackboneSpec,
     tokenizer: Tokenizer,
     samples: Sequence[Mapping],
     norm_stats: Mapping[str, NormStats] | None = None,
@@ -370,7 +371,8 @@ def make_observation(
 ) -> Observation:
     """Batches client samples into the model's `Observation` (numpy arrays; the caller places them on device).
 
-    Per sample: `robot_inputs`; each real camera slot resized with pad to Px = model_config.siglip.image_size
+    `model_config`: π0.5's `ModelConfig` or a SigLIP backbone's `BackboneSpec` (its image size and vocabulary).
+    Per sample: `robot_inputs`; each real camera slot resized with pad to Px = the SigLIP image size
     and mapped uint8 → x/255·2−1; the state normalised with norm_stats["state"] (quantile, or z-score with
     `quantile=False`) when `norm_stats` is given; the prompt tokenized to `robot.max_token_len`, in the π0.5
     format with the discretised state if `robot.discrete_state_input`, else the π0 format.
@@ -382,7 +384,8 @@ def make_observation(
     """
     if isinstance(samples, Mapping) or len(samples) == 0:
         raise ValueError("make_observation expects a non-empty list of client sample dicts")
-    s, b_size, c_size, t = model_config.siglip.image_size, len(samples), robot.num_cameras, robot.max_token_len
+    vision = model_config.siglip if isinstance(model_config, ModelConfig) else model_config.vision
+    s, b_size, c_size, t = vision.image_size, len(samples), robot.num_cameras, robot.max_token_len
     images = np.empty((b_size, c_size, s, s, 3), np.float32)
     image_masks = np.empty((b_size, c_size), bool)
     tokens = np.empty((b_size, t), np.int32)

@@ -1,15 +1,17 @@
 """Host-side engine for online use: a robot loop or a server steps it once per control frame.
 
-    engine = Engine(params, EngineConfig(num_slots=8, max_new_tokens=30, tokens_per_frame=5))
+    engine = Engine(vla, EngineConfig(num_slots=8, max_new_tokens=30, tokens_per_frame=5))
     rid = engine.submit(prompt_tokens=[...], max_tokens=20)       # any time, from the host
     result = engine.step(observation)                            # one compiled frame
     result.actions          # [B, Ha, Ad] this frame's chunk of the primary head (never waits for text)
     result.head_actions     # head name -> [B, Ha, Ad], every head of the model
     result.finished         # list of FinishedRequest (tokens, text, latency in frames and ms)
 
-Any model: `params` is π0.5 `Params` (one head, "actions", with `EngineConfig.num_steps` denoising steps)
-or a `runtime.vla.MultiHead(spec, params)` (a backbone with several heads, e.g. XR0 + StarVLA + language on
-Qwen3-VL; observations are then `mot.PrefixInputs`, and heads with a state token take `states`).
+Any model: `vla` is a `models.vla.MultiHead(params, spec)`: π0.5 (`pi05.model.as_vla(params, num_steps)`,
+one head "actions" on `Observation`s), or a backbone with several heads, e.g. XR0 + StarVLA + language on
+Qwen3-VL (`ckpts.load_model(...).vla`; observations are then `mot.PrefixInputs`, and heads with a state
+token take `states`). A request stops at the model's stop ids (`MultiHead.stop_ids`: a checkpoint's
+`eos_token_id`s) unless it names its own.
 
 Requests wait in a FIFO queue (`scheduler.Scheduler`) while every slot is busy; none is dropped, and
 memory is bounded by the pool. One device→host transfer per frame brings back actions, new tokens and
@@ -39,13 +41,14 @@ import jax
 import numpy as np
 
 from oxygen_jax.runtime import decode
-from oxygen_jax.models.pi05.config import EOS_ID
+from oxygen_jax.models.decoder import MAX_STOP_IDS
 from oxygen_jax.models.lora import LoraBank
+from oxygen_jax.models.vla import MultiHead
 from oxygen_jax.nn.sampling import check_temperature, check_top_p
+from oxygen_jax.robots.text_tokenizers import stream_detokenizer
 from oxygen_jax.runtime import rtc as rtc_mod
 from oxygen_jax.runtime.frame import FrameOutput, frame_step
 from oxygen_jax.runtime.scheduler import Scheduler, Ticket
-from oxygen_jax.runtime.vla import Vla, as_vla
 
 MAX_SEED = 2**32 - 1
 MAX_STREAM = 2**31 - 1  # stream ids (rows) are int32 on the device side; -1 marks a padding row
@@ -67,12 +70,11 @@ class EngineConfig:
     prompt_capacity: int = 0  # Q: max request-prompt tokens written after the shared prefix
     admissions_per_frame: int = 4  # J: requests admitted per frame at most
     tokens_per_frame: int = 5  # k
-    num_steps: int = 10  # π0.5's denoising steps per action chunk (a ModelSpec's heads carry their own)
     action_horizon: int = 10  # π0.5's Ha, for the noise the engine draws when step() gets none
     seed: int = 0  # noise seed (frame f uses fold_in(seed, f))
 
     def __post_init__(self):
-        for f in ("num_slots", "max_new_tokens", "admissions_per_frame", "tokens_per_frame", "num_steps", "action_horizon"):
+        for f in ("num_slots", "max_new_tokens", "admissions_per_frame", "tokens_per_frame", "action_horizon"):
             if getattr(self, f) < 1:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
         if self.prompt_capacity < 0:
@@ -174,10 +176,11 @@ def _check_rows(rows, b: int) -> list[int]:
 class Engine:
     """Continuous-batching engine over `runtime.frame.frame_step` (one compiled program per frame shape)."""
 
-    def __init__(self, params, config: EngineConfig = EngineConfig(), tokenizer=None, *,
+    def __init__(self, vla: MultiHead, config: EngineConfig = EngineConfig(), tokenizer=None, *,
                  bank: LoraBank | None = None, adapter_names: Sequence[str] = ()):
         """Args:
-          params: π0.5 `Params` or a `runtime.vla.Vla` (`MultiHead(spec, params)`); `for_backend` form recommended.
+          vla: a `models.vla.MultiHead` with a language decoder (π0.5 `Params`: `pi05.model.as_vla(params,
+            num_steps)`); `for_backend` weights recommended.
           config: pool and frame sizes.
           tokenizer: for text prompts and detokenised results (optional).
           bank: language adapters of the VLM expert (`lora.LoraBank`; `qwen35.HybridBank` for a Qwen3.5
@@ -185,11 +188,14 @@ class Engine:
             prefix cache never see them.
           adapter_names: names of the bank's adapters 1..E (id 0 is "base", the model's own weights).
         """
-        self.vla: Vla = as_vla(params, config.num_steps)
-        self.params, self.config, self.tokenizer, self.bank = params, config, tokenizer, bank
+        if not isinstance(vla, MultiHead):
+            raise ValueError(f"Engine runs a models.vla.MultiHead, got {type(vla).__name__} (π0.5 Params: pass "
+                             "pi05.model.as_vla(params, num_steps); a checkpoint: load_model(...).vla)")
+        self.vla: MultiHead = vla
+        self.config, self.tokenizer, self.bank = config, tokenizer, bank
         if not self.vla.has_language:
             raise ValueError("Engine decodes language from the shared prefix: build the ModelSpec with language=True")
-        self._unk = 3 if tokenizer is None else tokenizer.unk_id
+        self._unk = None if tokenizer is None else tokenizer.unk_id
         stored = 0 if bank is None else bank.num_adapters
         if len(adapter_names) != stored:
             raise ValueError(f"adapter_names names {len(adapter_names)} adapters but the bank stores {stored}")
@@ -214,7 +220,7 @@ class Engine:
         max_tokens: int,
         temperature: float = 0.0,
         top_p: float = 1.0,
-        stop_token: int | None = EOS_ID,
+        stop_ids: Sequence[int] | int | None = None,
         seed: int | None = None,
         row: int = 0,
         adapter: str | int | None = None,
@@ -224,7 +230,8 @@ class Engine:
 
         The request continues the prefix of that stream's observation in the frame that admits it.
         Its own prompt (`prompt_tokens`, or `prompt` text with a tokenizer) is written after that
-        prefix. `stop_token=None` decodes exactly `max_tokens` tokens. `adapter` is a name given to
+        prefix. It stops at any of `stop_ids` (None: the model's own, `MultiHead.stop_ids`; () decodes exactly
+        `max_tokens` tokens; at most 8 ids). `adapter` is a name given to
         the engine, "base", an adapter id, or None (the base weights).
 
         Raises:
@@ -237,7 +244,8 @@ class Engine:
             if not isinstance(prompt, str):
                 raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
-                raise RequestError("a text prompt needs a tokenizer; pass prompt_tokens or Engine(..., tokenizer=...)")
+                raise RequestError("this model has no tokenizer, so prompts are token ids: send prompt_tokens "
+                                   "(a list of ints), or give the engine the checkpoint's tokenizer")
             prompt_tokens = self.tokenizer.encode(prompt)
         if prompt_tokens is None:
             prompt_tokens = []
@@ -260,8 +268,7 @@ class Engine:
             temperature, top_p = check_temperature(temperature), check_top_p(top_p)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        if stop_token is not None and (not _is_int(stop_token) or not -1 <= stop_token < vocab):
-            raise RequestError(f"stop_token must be None, -1 or a token id in [0, {vocab}), got {_show(stop_token)}")
+        stop_ids = self._stop_ids(stop_ids, vocab)
         if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
             raise RequestError(f"seed must be None or an integer in [0, {MAX_SEED}], got {_show(seed)}")
         if not _is_int(row) or not 0 <= row <= MAX_STREAM:
@@ -271,11 +278,22 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         self._sched.enqueue(Ticket.make(
-            rid, budget=int(max_tokens), row=int(row), prompt=prompt_tokens, stop_token=stop_token,
+            rid, budget=int(max_tokens), row=int(row), prompt=prompt_tokens, stop_ids=stop_ids,
             temperature=float(temperature), top_p=float(top_p), seed=seed, adapter=adapter_id,
             arrival_frame=self._frame, owner=owner,
         ))
         return rid
+
+    def _stop_ids(self, stop_ids, vocab: int) -> tuple[int, ...]:
+        if stop_ids is None:
+            return self.vla.stop_ids
+        if _is_int(stop_ids):
+            stop_ids = [stop_ids]
+        if (not isinstance(stop_ids, (list, tuple)) or len(stop_ids) > MAX_STOP_IDS
+                or not all(_is_int(t) and 0 <= t < vocab for t in stop_ids)):
+            raise RequestError(f"stop_ids must be None (the model's), or a list of at most {MAX_STOP_IDS} token ids in "
+                               f"[0, {vocab}), got {_show(stop_ids)}")
+        return tuple(sorted({int(t) for t in stop_ids}))
 
     def adapter_id(self, adapter: str | int | None) -> int:
         """The id of an adapter name or id (None = the base weights); RequestError for unknown ones."""
@@ -514,12 +532,12 @@ class Engine:
             return ""
         detok = self._detok.get(ticket.request_id)
         if detok is None:
-            from oxygen_jax.robots.tokenizer import StreamDetokenizer
-
-            detok = self._detok[ticket.request_id] = StreamDetokenizer(self.tokenizer)
+            detok = self._detok[ticket.request_id] = stream_detokenizer(self.tokenizer)
         # A model whose vocabulary exceeds the tokenizer's can emit ids the tokenizer cannot decode: show
-        # them as unknown pieces rather than fail the frame (the raw ids stay in FinishedRequest.tokens).
+        # them as unknown pieces (or nothing) rather than fail the frame (the raw ids stay in FinishedRequest.tokens).
         vocab = self.tokenizer.vocab_size
+        if self._unk is None:
+            return detok.push([t for t in tokens if 0 <= t < vocab])
         return detok.push([t if 0 <= t < vocab else self._unk for t in tokens])
 
     def _absorb(self, out: FrameOutput, start: float, end: float, errors: list[FailedRequest]) -> StepResult:

@@ -1,4 +1,4 @@
-"""Per-frame programs and the four execution settings, one family for every model (`runtime.vla.Vla`).
+"""Per-frame programs and the four execution settings, one family for every model (`models.vla.MultiHead`).
 
 Axes (`oxygen_jax.axes`): Fr frames, B observation rows (robots), Ha action horizon, Ad action dim,
 Ns decode slots, Rq requests in a rollout table, J admissions per frame, M max new tokens;
@@ -37,7 +37,7 @@ import numpy as np
 from oxygen_jax.models.lora import LoraBank
 from oxygen_jax.runtime import compile_cache, decode, rtc as rtc_mod
 from oxygen_jax.runtime.decode import DecodePool, Requests
-from oxygen_jax.runtime.vla import Vla
+from oxygen_jax.models.vla import MultiHead as Vla
 
 SETTINGS = ("isolated", "parallel", "shared_kv", "continuous")
 """The four execution settings, baselines first (the one list every module uses)."""
@@ -104,7 +104,7 @@ def frame_step(
     """One control frame of continuous batching: one prefix pass, every head, admissions, a k-token burst.
 
     Args:
-      vla: the model (`runtime.vla.Pi05(params, num_steps)` or `MultiHead(spec, params)`).
+      vla: the model, a `models.vla.MultiHead` (π0.5: `pi05.model.as_vla(params, num_steps)`).
       pool: a `decode.init_pool(vla.language(), ...)` pool; donated.
       inputs: this frame's observation (`Observation` for π0.5, `mot.PrefixInputs` for a `ModelSpec`).
       noises: head name -> noise [B, Ha, Ad]; exactly the model's heads.
@@ -138,7 +138,7 @@ class RequestTable:
 def make_request_table(arrival_frames, budgets, prompt_capacity: int = 0, **fields) -> RequestTable:
     """Host helper: a table with request ids 0..Rq-1 (seeds default to the ids).
 
-    `fields` are forwarded to `decode.make_requests` (rows, prompts, stop_tokens, temperatures, ...).
+    `fields` are forwarded to `decode.make_requests` (rows, prompts, stop_ids, temperatures, ...).
     """
     arrival = np.asarray(arrival_frames, np.int32)
     if arrival.size and np.any(np.diff(arrival) < 0):

@@ -43,7 +43,6 @@ takes a per-token time [B, Ha] (π0.5: per-token adaRMS conditioning); other row
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 
@@ -53,8 +52,6 @@ import numpy as np
 
 from oxygen_jax.models import flow
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models.pi05 import model as pi05_model
-from oxygen_jax.runtime.vla import MultiHead, Pi05
 
 MODES = ("off", "guided", "stop_gradient", "trained")
 """Per-row RTC modes; the row's `mode` is an index into this tuple."""
@@ -269,24 +266,6 @@ def _with_inpainting(update: flow.Update, token_velocity: TokenVelocity, rtc: Rt
 # π0.5 and the heads
 
 
-@functools.partial(jax.jit, static_argnames=("num_steps", "trace"))
-def denoise_pi05(params, cache, noise: jax.Array, rtc: RtcInputs, num_steps: int = 10, trace: bool = False):
-    """π0.5's `denoise` with per-row RTC (off rows bit-identical to `models.pi05.model.denoise`).
-
-    The VJP runs through the action expert only: `cache` (the prefix K/V) is closed over, never
-    differentiated. Rows in mode "trained" use per-token adaRMS time (`pi05_model.velocity` with t [B, Ha]).
-
-    Args:
-      cache: read-only prefix cache (`prefill`); noise: [B, Ha, Ad]; rtc: per-row inputs.
-    Returns:
-      actions float32 [B, Ha, Ad] (and the per-step dict with `trace`).
-    """
-    b = noise.shape[0]
-    v = lambda x, t: pi05_model.velocity(params, cache, x, jnp.broadcast_to(t, (b,)))  # noqa: E731
-    tv = lambda x, t_tok: pi05_model.velocity(params, cache, x, t_tok)  # noqa: E731
-    return integrate(v, noise, num_steps, -1.0, rtc, t0=1.0, token_velocity=tv, trace=trace)
-
-
 def denoise_head(params: hd.HeadParams, spec: hd.HeadSpec, st, noise: jax.Array, rtc: RtcInputs, trace: bool = False):
     """A head's `heads.denoise` with per-row RTC (off rows bit-identical to it).
 
@@ -310,24 +289,13 @@ def denoise_head(params: hd.HeadParams, spec: hd.HeadSpec, st, noise: jax.Array,
 
 def vla_actions(vla, prefix, noises: dict[str, jax.Array], states: dict[str, jax.Array] | None,
                 rtc: dict[str, RtcInputs]) -> dict[str, jax.Array]:
-    """`vla.actions(prefix, noises, states)` (a `runtime.vla.Vla`) with RTC on the heads named in `rtc`.
+    """`vla.actions(prefix, noises, states)` (a `models.vla.MultiHead`) with RTC on the heads named in `rtc`.
 
     Heads not in `rtc` run their plain denoise; so do rows whose mode is off. Returns head name -> [B, Ha, Ad].
     """
     unknown = sorted(set(rtc) - set(vla.heads))
     if unknown:
         raise ValueError(f"rtc inputs given for heads {unknown}; the model's heads are {vla.heads}")
-    if isinstance(vla, Pi05):
-        if not rtc:
-            return vla.actions(prefix, noises, states)
-        name = vla.HEAD
-        b = noises[name].shape[0]
-        params = vla.params
-        v = lambda x, t: pi05_model.velocity(params, prefix, x, jnp.broadcast_to(t, (b,)))  # noqa: E731
-        tv = lambda x, t_tok: pi05_model.velocity(params, prefix, x, t_tok)  # noqa: E731
-        return {name: integrate(v, noises[name], vla.num_steps, -1.0, rtc[name], t0=1.0, token_velocity=tv)}
-    if not isinstance(vla, MultiHead):
-        raise ValueError(f"rtc needs a runtime.vla.Pi05 or MultiHead, got {type(vla).__name__}")
     states = states or {}
     out = {}
     for h in vla.spec.heads:

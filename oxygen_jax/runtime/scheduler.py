@@ -27,7 +27,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from oxygen_jax.runtime import decode
-from oxygen_jax.models.pi05.config import EOS_ID
 
 
 @dataclasses.dataclass(eq=False)  # identity: tickets sit in queues and are removed by identity
@@ -38,7 +37,7 @@ class Ticket:
     row: int  # stream id (robot) whose observation the request continues
     prompt: np.ndarray  # int32 [q]
     budget: int
-    stop_token: int  # -1 = none
+    stop_ids: np.ndarray  # int32 [S] (`decode.stop_row`: -1 padding; all -1 = none)
     temperature: float
     top_p: float
     key: np.ndarray  # uint32 raw PRNG key data
@@ -51,14 +50,15 @@ class Ticket:
 
     @classmethod
     def make(
-        cls, request_id: int, *, budget: int, row: int = 0, prompt=(), stop_token: int | None = EOS_ID,
+        cls, request_id: int, *, budget: int, row: int = 0, prompt=(), stop_ids=(),
         temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, adapter: int = 0,
         arrival_frame: int = 0, owner: object = None,
     ) -> "Ticket":
-        """A ticket with the PRNG key of `seed` (default: the request id). Values are not validated here."""
+        """A ticket with the PRNG key of `seed` (default: the request id). `stop_ids`: a sequence of ids (() =
+        none: decode exactly `budget` tokens). Values are not validated here."""
         return cls(
             request_id=request_id, row=row, prompt=np.asarray(prompt, np.int32).reshape(-1), budget=budget,
-            stop_token=-1 if stop_token is None else stop_token, temperature=temperature, top_p=top_p,
+            stop_ids=decode.stop_row(stop_ids), temperature=temperature, top_p=top_p,
             key=decode.key_data(request_id if seed is None else seed), adapter=adapter,
             arrival_frame=arrival_frame, arrival_time=time.perf_counter(), owner=owner,
         )
@@ -180,7 +180,7 @@ class Scheduler:
 
         sampling = decode.Sampling(
             budget=col([t.budget for t in take], pad.sampling.budget),
-            stop_token=col([t.stop_token for t in take], pad.sampling.stop_token),
+            stop_ids=col(np.stack([t.stop_ids for t in take]) if take else None, pad.sampling.stop_ids),
             temperature=col([t.temperature for t in take], pad.sampling.temperature),
             top_p=col([t.top_p for t in take], pad.sampling.top_p),
             key=col(np.stack([t.key for t in take]) if take else None, pad.sampling.key),
