@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     from oxygen_jax.ckpts.load import load_model
     from oxygen_jax.runtime import compile_cache
     from oxygen_jax.robots import transforms
-    from oxygen_jax.models.pi05.config import EOS_ID, robot_config
+    from oxygen_jax.models.pi05.config import robot_config
+    from oxygen_jax.models.pi05.model import as_vla
     from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
     from oxygen_jax.nn.layers import param_count
     from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
@@ -154,9 +155,9 @@ def main(argv=None) -> int:
           f"({robot.num_cameras} cameras, {robot.action_horizon} actions per chunk); "
           f"backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
 
-    eng = Engine(params, EngineConfig(
+    eng = Engine(as_vla(params, args.steps), EngineConfig(
         num_slots=args.slots, max_new_tokens=max_new, prompt_capacity=max(len(tok.encode(prompt)), 1),
-        tokens_per_frame=args.tokens_per_frame, num_steps=args.steps, action_horizon=robot.action_horizon,
+        tokens_per_frame=args.tokens_per_frame, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=tok, bank=bank, adapter_names=adapter_names)
 
     def observation(f: int):
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
         if args.request_every and f % args.request_every == 0:
             try:
                 rid = eng.submit(prompt=prompt, max_tokens=max_new, temperature=args.temperature, adapter=adapter,
-                                 stop_token=None if args.preset else EOS_ID)
+                                 stop_ids=() if args.preset else None)
             except RequestError as e:
                 return _fail(f"--prompt: {e}")
             source[rid] = f

@@ -165,6 +165,9 @@ def build(args: argparse.Namespace):
 
     from oxygen_jax.ckpts.load import load_model
     from oxygen_jax.models.pi05.config import robot_config
+    from oxygen_jax.models.pi05.model import as_vla
+    from oxygen_jax.models.vla import MultiHead
+    from oxygen_jax.robots.text_tokenizers import QwenTextTokenizer
     from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
     from oxygen_jax.runtime.engine import Engine, EngineConfig
 
@@ -187,7 +190,6 @@ def build(args: argparse.Namespace):
             raise ValueError("give --heads or --preset, not both (--heads names the model with several heads)")
         from oxygen_jax.models import mot
         from oxygen_jax.robots.prompt_rows import image_tokens
-        from oxygen_jax.runtime.vla import MultiHead
 
         if native:
             model = load_model(args.ckpt, family="multihead", dtype=args.dtype, action_mask=_action_mask(args))
@@ -204,7 +206,7 @@ def build(args: argparse.Namespace):
         if native and (chat_file := _chat_tokenizer(args)):  # the native prompts of the checkpoint's tokenizer
             from oxygen_jax.robots import native_prompts as npr
 
-            chat, tok_file = npr.QwenTokenizer(chat_file), None
+            chat, tok_file = QwenTextTokenizer(chat_file), None
             if chat.vocab_size > cfg.backbone.vocab_size:
                 raise ValueError(f"{chat_file} has {chat.vocab_size} ids but the model's vocabulary is "
                                  f"{cfg.backbone.vocab_size}: not this checkpoint's tokenizer")
@@ -239,12 +241,13 @@ def build(args: argparse.Namespace):
 
         mesh = Mesh(np.array(jax.devices()), ("robots",))
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    engine = Engine(params, EngineConfig(
+    vla = params if isinstance(params, MultiHead) else as_vla(params, args.steps)
+    engine = Engine(vla, EngineConfig(
         num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=args.prompt_capacity,
-        tokens_per_frame=args.tokens_per_frame, num_steps=args.steps, action_horizon=robot.action_horizon,
-        seed=args.seed), tokenizer=tok, bank=bank, adapter_names=names)
-    # With a tokenizer.json the rows are native prompts; the engine then returns token ids (its streaming
-    # detokeniser reads SentencePiece models only) and takes language-request prompts as ids.
+        tokens_per_frame=args.tokens_per_frame, action_horizon=robot.action_horizon,
+        seed=args.seed), tokenizer=chat or tok, bank=bank, adapter_names=names)
+    # With a tokenizer.json the rows are native prompts, and language requests are text in that tokenizer
+    # (or token ids); their answers come back as text and ids.
     return engine, chat or tok, robot, norm_stats, mesh, rows
 
 

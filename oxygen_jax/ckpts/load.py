@@ -17,7 +17,10 @@ caller needs beside them (`LoadedModel`). Sources:
 
 A directory that is none of these, or a model of another family than the caller drives (`family=`), is
 a one-line ValueError naming the directory and what was expected. The tokenizer is looked for beside
-the checkpoint (`find_tokenizer`), the one place that does it.
+the checkpoint (`find_tokenizer`: π0.5's `tokenizer.model`; a Qwen-vocabulary checkpoint's `tokenizer.json`),
+the one place that does it, and a Qwen-vocabulary model's default stop ids are read from its files
+(`ckpts.stop_ids`: `generation_config.json`, `config.json`, `tokenizer_config.json`) into `ModelSpec.stop_ids`.
+`LoadedModel.vla(num_steps)` is what the runtime drives, for every source.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax
 
 from oxygen_jax.ckpts import hf
 from oxygen_jax.ckpts import qwen35, starvla, xr0
+from oxygen_jax.ckpts.stop_ids import read_stop_ids
 from oxygen_jax.ckpts.openpi import load_openpi_norm_stats, load_openpi_params
 from oxygen_jax.ckpts.orbax_io import PathLike, is_pytree_item
 from oxygen_jax.ckpts.own import restore_params, stored_config
@@ -37,9 +41,12 @@ from oxygen_jax.models import heads as hd
 from oxygen_jax.models import mot
 from oxygen_jax.models.heads import HeadSpec
 from oxygen_jax.models.mot import ModelParams, ModelSpec
+from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05 import params as pi05_params
-from oxygen_jax.models.pi05.config import DType, ModelConfig, PromptAttention, model_config
+from oxygen_jax.models.vla import MultiHead
+from oxygen_jax.models.pi05.config import EOS_ID, DType, ModelConfig, PromptAttention, model_config
 from oxygen_jax.robots.native_prompts import find_beside
+from oxygen_jax.robots.text_tokenizers import load_tokenizer
 from oxygen_jax.robots.normalize import NormStats
 
 Family = Literal["pi05", "multihead"]
@@ -62,7 +69,8 @@ class LoadedModel:
       source: "preset", "checkpoint" (ours), "openpi", "hf", "xr0" or "starvla".
       what: one line for messages, e.g. "random 'tiny' weights" or "openpi checkpoint /ckpts/pi05_libero".
       norm_stats: {"state", "actions": NormStats} from the checkpoint's `assets/`, or None.
-      tokenizer: a `tokenizer.model` found with the checkpoint, or None (the caller picks its default).
+      tokenizer: the checkpoint's tokenizer file (π0.5: `tokenizer.model`; Qwen vocabularies: `tokenizer.json`),
+        or None (`text_tokenizer()` loads it).
       dataset_statistics: StarVLA's `dataset_statistics.json` as read (`starvla.action_stats` turns one
         entry into its q01 / q99 un-normalisation), or None.
     """
@@ -76,6 +84,22 @@ class LoadedModel:
     tokenizer: Path | None = None
     dataset_statistics: dict | None = None
 
+    def vla(self, num_steps: int = 10) -> MultiHead:
+        """The model as the runtime drives it (`Engine`, frame programs, the server). `num_steps`: π0.5's
+        denoising steps (other heads carry their own, read from the checkpoint)."""
+        if self.family == "pi05":
+            return pi05_model.as_vla(self.params, num_steps)
+        return MultiHead(self.params, self.config)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where its language requests stop by default (π0.5: EOS; others: the checkpoint's `eos_token_id`s)."""
+        return (EOS_ID,) if self.family == "pi05" else self.config.stop_ids
+
+    def text_tokenizer(self):
+        """The tokenizer object of `tokenizer` (`text_tokenizers.load_tokenizer`), or None without one."""
+        return None if self.tokenizer is None else load_tokenizer(self.tokenizer)
+
 
 def find_tokenizer(*checkpoints: PathLike | None) -> Path | None:
     """The first `tokenizer.model` in or beside (in the parent of) each directory, in order; None if none.
@@ -83,6 +107,13 @@ def find_tokenizer(*checkpoints: PathLike | None) -> Path | None:
     Our training runs and the demo keep it beside the base checkpoint (`out/base`, `out/tokenizer.model`).
     """
     return find_beside(TOKENIZER_FILE, *checkpoints)
+
+
+def _text_dirs(path: Path, vlm_dir: Path | None) -> list[Path]:
+    """Where a Qwen-vocabulary checkpoint's text files may be: its folder (a file's folder for a flat StarVLA
+    checkpoint), then the base VLM's folder."""
+    own = path if path.is_dir() else path.parent
+    return [own] + ([vlm_dir] if vlm_dir is not None and vlm_dir != own else [])
 
 
 def source_kind(path: PathLike) -> Source:
@@ -236,7 +267,13 @@ def load_model(
             what = f"openpi checkpoint {path}"
         if source not in ("hf", "xr0", "starvla"):  # StarVLA's q01/q99 stats: ckpts.starvla.action_stats
             norm_stats = load_openpi_norm_stats(path)
-        tokenizer = find_tokenizer(path)
+            tokenizer = find_tokenizer(path)
+        else:
+            dirs = _text_dirs(path, ck.files["vlm_config"].parent if source == "starvla" else None)
+            tokenizer = find_beside("tokenizer.json", *dirs)
+            vocab = config.backbone.vocab_size
+            stops = read_stop_ids(dirs, vocab, None if tokenizer is None else load_tokenizer(tokenizer))
+            config = config.replace(stop_ids=stops)
     lay_out = mot.for_backend if have == "multihead" else pi05_params.for_backend
     return LoadedModel(config=config, params=lay_out(params, backend), family=have, source=source, what=what,
                        norm_stats=norm_stats, tokenizer=tokenizer, dataset_statistics=stats)

@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from oxygen_jax.models.pi05.config import EOS_ID
 from oxygen_jax.runtime import compile_cache
 from oxygen_jax.runtime.engine import FailedRequest, FinishedRequest, RequestError
 
@@ -127,7 +126,8 @@ class LanguageRequest:
     top_p: float = 1.0
     seed: int | None = None
     adapter: str | int = "base"
-    stop_at_eos: bool = True
+    stop_at_eos: bool = True  # stop at the model's stop ids (its checkpoint's `eos_token_id`s)
+    stop_ids: tuple[int, ...] = ()  # more stop ids the client named ("stop")
     tag: str | int | None = None  # the client's id for it, echoed back
     tokens: tuple[int, ...] | None = None  # the prompt's ids, tokenized on a prep thread (None: the engine does)
 
@@ -298,6 +298,9 @@ class EngineWorker:
             times[b] = padding_step(b)
         return times
 
+    def _stops(self, req: LanguageRequest) -> tuple[int, ...]:
+        return tuple(sorted(set(self.engine.vla.stop_ids if req.stop_at_eos else ()) | set(req.stop_ids)))
+
     def _submit(self, frame: Frame) -> list[int]:
         ids = []
         try:
@@ -305,7 +308,7 @@ class EngineWorker:
                 text = {"prompt": req.prompt} if req.tokens is None else {"prompt_tokens": list(req.tokens)}
                 ids.append(self.engine.submit(
                     **text, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    seed=req.seed, adapter=req.adapter, stop_token=EOS_ID if req.stop_at_eos else None,
+                    seed=req.seed, adapter=req.adapter, stop_ids=self._stops(req),
                     row=frame.stream.id, owner=frame.stream))
         except RequestError as e:
             for rid in ids:

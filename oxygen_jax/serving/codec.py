@@ -39,7 +39,6 @@ from oxygen_jax.models.pi05.config import RobotConfig
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.robots import native_prompts, prompt_rows, transforms
 from oxygen_jax.runtime.engine import MAX_STATE_ABS
-from oxygen_jax.runtime.vla import MultiHead
 
 STATE_FIELDS = {"libero": "observation/state", "droid": "observation/joint_position and observation/gripper_position",
                 "aloha": "state"}  # the client fields that make up the state, per robot format
@@ -132,7 +131,7 @@ class Pi05Codec(_Codec):
     """π0.5: rows are `Observation`s; the response is openpi's ("actions" only)."""
 
     def prepare(self, sample: Mapping) -> Observation:
-        return transforms.make_observation(self.robot, self.vla.params.config, self.tokenizer, [sample],
+        return transforms.make_observation(self.robot, self.vla.spec.backbone, self.tokenizer, [sample],
                                            self.norm_stats, default_prompt=self.default_prompt)
 
     def batch(self, rows: Sequence[Observation], bucket: int):
@@ -193,9 +192,10 @@ class HeadsCodec(_Codec):
 
 def make_codec(engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None, *,
                image_size: int | None = None, prompt_len: int | None = None, outputs=None) -> _Codec:
-    """The codec of the engine's model: π0.5 rows, or prompt rows of `image_size` px images and `prompt_len`
-    tokens (`outputs`: head name -> its own chunk-to-robot transform)."""
-    if not isinstance(engine.vla, MultiHead):
+    """The codec of the engine's model, by its input kind: `Observation` rows for a SigLIP backbone (π0.5), or
+    prompt rows of `image_size` px images and `prompt_len` tokens (`outputs`: head name -> its own
+    chunk-to-robot transform)."""
+    if engine.vla.spec.input_kind == "observation":
         if outputs:
             raise ValueError("outputs= maps the chunks of a model with heads; π0.5 un-normalises with norm_stats")
         return Pi05Codec(engine, robot, tokenizer, norm_stats, default_prompt)

@@ -28,7 +28,9 @@ import numpy as np
 from oxygen_jax.serving.batcher import LanguageRequest
 from oxygen_jax.serving.wire import short
 
-LANGUAGE_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "seed", "adapter", "stop_at_eos", "id")
+LANGUAGE_FIELDS = ("prompt", "prompt_tokens", "max_tokens", "temperature", "top_p", "seed", "adapter", "stop_at_eos",
+                   "stop", "id")
+MAX_STOP_IDS = 8  # a request's explicit "stop" ids (the decode pool's static width, `models.decoder.MAX_STOP_IDS`)
 MAX_NAME_CHARS = 128  # a language request's "id" tag and "adapter" name
 
 
@@ -134,11 +136,7 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
             more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
             raise BadRequest(f"{where}: unknown fields {[short(k, 40) for k in unknown[:3]]}{more}; "
                              f"known: {list(LANGUAGE_FIELDS)}")
-        prompt = req.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadRequest(f"{where}.prompt must be a string (e.g. 'Subtask: '), got {type(prompt).__name__}")
-        if len(prompt) > max_prompt_chars:
-            raise BadRequest(f"{where}.prompt has {len(prompt)} characters; at most {max_prompt_chars} are accepted")
+        prompt, tokens = _prompt(req, where, max_prompt_chars)
         max_tokens = req.get("max_tokens", default_max_tokens)
         if not _is_int(max_tokens):
             raise BadRequest(f"{where}.max_tokens must be an integer, got {short(max_tokens)}")
@@ -155,14 +153,45 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
         stop = req.get("stop_at_eos", True)
         if not isinstance(stop, (bool, np.bool_)):
             raise BadRequest(f"{where}.stop_at_eos must be true or false, got {short(stop)}")
+        stop_ids = _ids(req.get("stop", []), f"{where}.stop", MAX_STOP_IDS)
         tag = req.get("id")
         if tag is not None:
             tag = _name(tag, f"{where}.id", "a string or an integer")
         out.append(LanguageRequest(
             prompt=prompt, max_tokens=int(max_tokens), temperature=float(req.get("temperature", 0.0)),
             top_p=float(req.get("top_p", 1.0)), seed=None if seed is None else int(seed), adapter=adapter,
-            stop_at_eos=bool(stop), tag=tag))
+            stop_at_eos=bool(stop), stop_ids=stop_ids, tag=tag, tokens=tokens))
     return out
+
+
+def _ids(value, where: str, limit: int) -> tuple[int, ...]:
+    """A list of at most `limit` non-negative token ids (range against the vocabulary: the engine's)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist() if value.ndim == 1 and len(value) <= limit else value
+    if not isinstance(value, (list, tuple)):
+        raise BadRequest(f"{where} must be a list of token ids, got {short(value)}")
+    if len(value) > limit:
+        raise BadRequest(f"{where} has {len(value)} entries; at most {limit}")
+    if not all(_is_int(t) and 0 <= t < 2**31 for t in value):
+        raise BadRequest(f"{where} must hold token ids (integers >= 0), got {short(value)}")
+    return tuple(int(t) for t in value)
+
+
+def _prompt(req: Mapping, where: str, max_chars: int) -> tuple[str, tuple[int, ...] | None]:
+    """(text, None) for a text prompt, ("", ids) for token ids given as "prompt_tokens" or as a "prompt" list."""
+    prompt, tokens = req.get("prompt"), req.get("prompt_tokens")
+    if isinstance(prompt, (list, tuple, np.ndarray)):
+        prompt, tokens = (None, prompt) if tokens is None else (prompt, tokens)
+    if prompt is not None and tokens is not None:
+        raise BadRequest(f"{where}: give either prompt (text) or prompt_tokens (token ids), not both")
+    if tokens is not None:
+        return "", _ids(tokens, f"{where}.prompt_tokens", max_chars)
+    if not isinstance(prompt, str):
+        raise BadRequest(f"{where}.prompt must be a string (e.g. 'Subtask: ') or a list of token ids "
+                         f"(or give prompt_tokens), got {type(prompt).__name__}")
+    if len(prompt) > max_chars:
+        raise BadRequest(f"{where}.prompt has {len(prompt)} characters; at most {max_chars} are accepted")
+    return prompt, None
 
 
 def tokenize_requests(requests: Sequence[LanguageRequest], tokenizer, *, prompt_capacity: int) -> list[LanguageRequest]:
@@ -170,17 +199,22 @@ def tokenize_requests(requests: Sequence[LanguageRequest], tokenizer, *, prompt_
 
     Runs on a prep thread: a costly prompt is paid for there, never on the thread that steps the
     engine, and a prompt that cannot fit `prompt_capacity` is refused before the engine sees it.
-    The requests come back with `tokens` set (the engine is handed ids, not text). `tokenizer=None`
-    (an engine without one) leaves them as they are.
+    The requests come back with `tokens` set (the engine is handed ids, not text). Requests that came
+    as token ids keep them (checked against `prompt_capacity` too); without a tokenizer a text prompt is
+    left for the engine, which refuses it naming prompt_tokens.
 
     Raises:
       BadRequest when a prompt has more tokens than `prompt_capacity`.
     """
-    if tokenizer is None:
-        return list(requests)
     out = []
     for i, req in enumerate(requests):
-        ids = [int(t) for t in tokenizer.encode(req.prompt)] if req.prompt else []
+        if req.tokens is not None:
+            ids = list(req.tokens)
+        elif tokenizer is None:  # the engine refuses text in one line (it has no tokenizer either)
+            out.append(req)
+            continue
+        else:
+            ids = [int(t) for t in tokenizer.encode(req.prompt)] if req.prompt else []
         if len(ids) > prompt_capacity:
             raise BadRequest(f"language_requests[{i}].prompt has {len(ids)} tokens; the engine's prompt_capacity "
                              f"is {prompt_capacity}")

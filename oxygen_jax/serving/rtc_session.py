@@ -41,7 +41,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from oxygen_jax.runtime import rtc as rtc_mod
-from oxygen_jax.runtime.vla import MultiHead
 from oxygen_jax.serving.requests import BadRequest
 from oxygen_jax.serving.wire import short
 
@@ -134,7 +133,7 @@ class RtcSessions:
                              "kept chunk would need re-anchoring; RTC is served for libero and droid formats only")
         vla = engine.vla
         ha, ad = vla.action_shape(vla.primary, engine.config.action_horizon)
-        trained = not isinstance(vla, MultiHead) or vla.spec.head(vla.primary).per_token_time
+        trained = vla.spec.head(vla.primary).per_token_time
         return cls(ha, ad, trained_ok=trained)
 
     def parse(self, sample: Mapping) -> RtcRequest | None:

@@ -34,8 +34,10 @@ most `max_refusals_per_s` frames per second.
 Extensions, ignored by clients that do not use them (openpi's client passes extra keys through):
 
 * Observation fields: "language_requests": [{"prompt": str, "max_tokens": int, "temperature": float,
-  "top_p": float, "seed": int, "adapter": str, "stop_at_eos": bool, "id": <client tag>}, ...] (only
-  "prompt" is required) and "deadline_ms": the robot's round-trip budget, kept for the connection
+  "top_p": float, "seed": int, "adapter": str, "stop_at_eos": bool, "stop": [int], "id": <client tag>}, ...]
+  ("prompt" text with the model's tokenizer, or token ids as "prompt_tokens": [int]; "stop_at_eos" (default
+  true) stops at the model's own stop ids, its checkpoint's `eos_token_id`s, and "stop" adds up to 8 more;
+  the metadata's "language" says which prompts and stop ids this server takes) and "deadline_ms": the robot's round-trip budget, kept for the connection
   (capped at `ServeConfig.max_deadline_ms`; the effective value is `server_timing.deadline_ms`).
 * Response fields: "stream", "frame" (see the noise rule), and "language": {"accepted": [{"id", "tag"}],
   "finished": [{"id", "tag", "text", "tokens", "latency_frames", "latency_ms"}], "failed": [{"id", "tag",
@@ -224,7 +226,9 @@ class PolicyServer:
             "deadline_ms": self.config.deadline_ms, "max_message_bytes": self.config.max_message_bytes,
             "language": {"field": "language_requests", "max_tokens": e.max_new_tokens,
                          "prompt_capacity": e.prompt_capacity, "max_requests": self.config.max_requests_per_robot,
-                         "adapters": sorted(getattr(self.engine, "adapters", {"base": 0}))},
+                         "adapters": sorted(getattr(self.engine, "adapters", {"base": 0})),
+                         "text_prompts": getattr(self.engine, "tokenizer", None) is not None,
+                         "stop_ids": list(self.engine.vla.stop_ids)},
         }
         codec = self.codec.metadata()
         codec["noise"] = {"seed": self.config.seed, **codec["noise"]}
