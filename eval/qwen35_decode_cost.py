@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oxygen_jax.models import qwen35_decoder
+from oxygen_jax.models.decoder import AttentionDecoder, LanguageDecoder
 from oxygen_jax.models import backbone, mot, qwen35
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.runtime import decode
@@ -36,12 +38,12 @@ VOCAB = 16_384
 NEW = 8  # generated-token room per slot
 
 
-def models() -> dict[str, backbone.LanguageModel]:
+def models() -> dict[str, LanguageDecoder]:
     q = qwen35.preset("qwen35_bench")
     q = dataclasses.replace(q, backbone=q.backbone.replace(vocab_size=VOCAB, vision=None))
     a = mot.bench_backbone().replace(vocab_size=VOCAB, vision=None)
-    return {"qwen35_hybrid": qwen35.language_model(q, qwen35.init_decoder(q, 0)),
-            "attention_only": backbone.LanguageModel(decoder=_for_backend(backbone.init_decoder(a, 0)), spec=a)}
+    return {"qwen35_hybrid": qwen35_decoder.language_model(q, qwen35.init_decoder(q, 0)),
+            "attention_only": AttentionDecoder(decoder=_for_backend(backbone.init_decoder(a, 0)), spec=a)}
 
 
 def _for_backend(dec: backbone.Decoder) -> backbone.Decoder:
@@ -50,7 +52,7 @@ def _for_backend(dec: backbone.Decoder) -> backbone.Decoder:
     return dataclasses.replace(dec, layers=mot.for_backend(mot.ModelParams(decoder=dec, vision=None, heads={})).decoder.layers)
 
 
-def _prefix(lm: backbone.LanguageModel, batch: int, length: int) -> Prefix:
+def _prefix(lm: LanguageDecoder, batch: int, length: int) -> Prefix:
     """An all-valid prefix of `length` tokens with zero K/V (and zero window / state for the hybrid)."""
     hybrid = isinstance(lm.spec, qwen35.Qwen35Spec)
     bspec = lm.spec.backbone if hybrid else lm.spec
@@ -66,7 +68,7 @@ def _prefix(lm: backbone.LanguageModel, batch: int, length: int) -> Prefix:
 def _ready_pool(lm, batch: int, capacity: int):
     p = capacity - NEW
     pool = decode.init_pool(lm, batch, p, NEW)
-    req = decode.make_requests(batch, 0, list(range(batch)), budgets=[NEW] * batch, stop_tokens=[-1] * batch,
+    req = decode.make_requests(batch, 0, list(range(batch)), budgets=[NEW] * batch, stop_ids=[-1] * batch,
                                rows=list(range(batch)))
     pool, _, _ = decode.admit(lm, pool, _prefix(lm, batch, p), req)
     return pool
@@ -99,7 +101,7 @@ def measure(batches, capacities, reps: int) -> list[dict]:
         size = decode.slot_bytes(lms[name], c - NEW, NEW)
         out.append(dict(model=name, capacity=c, batch=b, step_ms_median=1e3 * float(np.median(steps[cfg])),
                         step_ms_min=1e3 * float(np.min(steps[cfg])), compile_s=compile_s[cfg], reps=reps,
-                        slot_bytes=size["total"], state_bytes=size["state"] + size["window"], kv_bytes=size["kv"]))
+                        slot_bytes=size["total"], state_bytes=size.get("state", 0) + size.get("window", 0), kv_bytes=size["kv"]))
     return out
 
 

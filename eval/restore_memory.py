@@ -162,14 +162,14 @@ def _run_frames(config, params, frames: int) -> dict:
     import jax
     import numpy as np
 
-    from oxygen_jax import Engine, EngineConfig, robot_config
+    from oxygen_jax import Engine, EngineConfig, as_vla, robot_config
     from oxygen_jax.robots import transforms
     from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 
     tokenizer = train_demo_tokenizer()  # ids below any π0.5 vocabulary; the PaliGemma model is not shipped
     robot = robot_config("libero")
     sample = transforms.synthetic_sample(robot, np.random.default_rng(0), image_size=224)
-    engine = Engine(params, EngineConfig(num_slots=4, max_new_tokens=20, prompt_capacity=8,
+    engine = Engine(as_vla(params), EngineConfig(num_slots=4, max_new_tokens=20, prompt_capacity=8,
                                          action_horizon=robot.action_horizon), tokenizer=tokenizer)
     observation = transforms.make_observation(robot, config, tokenizer, [sample])
     engine.submit(prompt="Subtask: ", max_tokens=20)

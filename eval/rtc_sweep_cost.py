@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     loaded = load.load_model(None, preset=args.preset, family="pi05", dtype=args.dtype)
     tok = train_demo_tokenizer()
     ha = robot.action_horizon
-    engine = Engine(loaded.params, EngineConfig(num_slots=1, max_new_tokens=1, admissions_per_frame=1, tokens_per_frame=1,
-                                                num_steps=args.steps, action_horizon=ha), tokenizer=tok)
+    engine = Engine(loaded.vla(args.steps), EngineConfig(num_slots=1, max_new_tokens=1, admissions_per_frame=1,
+                                                         tokens_per_frame=1, action_horizon=ha), tokenizer=tok)
     rng = np.random.default_rng(0)
     setups, compile_s = {}, {}
     for b in args.robots:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from helpers import diverse_text_params, make_obs
+from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.runtime import decode
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.runtime import frame as schedule
-from oxygen_jax.runtime.vla import Pi05
 from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
 
 HA, N, PROMPT = 4, 5, [7, 8, 9]
@@ -52,13 +52,13 @@ def obs(params):
 def _pool_decode(params, cache, rows, adapters, bank, steps=N - 1):
     """Admits one request per slot (the same prompt), then `steps` decode steps; (tokens, logits [steps, Ns, V])."""
     n = len(rows)
-    pool = decode.init_pool(params, n, cache.length, N, len(PROMPT))
+    pool = decode.init_pool(model.language_model(params), n, cache.length, N, len(PROMPT))
     req = decode.make_requests(n, len(PROMPT), list(range(n)), rows=rows, prompts=[PROMPT] * n, budgets=[N] * n,
-                               stop_tokens=[-1] * n, adapters=adapters)
-    pool, _, _ = decode.admit(params, pool, cache, req, bank)
+                               stop_ids=[-1] * n, adapters=adapters)
+    pool, _, _ = decode.admit(model.language_model(params), pool, cache, req, bank)
     logits = []
     for _ in range(steps):
-        pool, _, lg = decode.decode_step(params, pool, bank)
+        pool, _, lg = decode.decode_step(model.language_model(params), pool, bank)
         logits.append(np.asarray(lg))
     return np.asarray(pool.tokens), np.stack(logits)
 
@@ -92,13 +92,13 @@ def test_mixed_pool_slots_each_match_their_adapter_merged_into_the_weights(param
 
 def test_actions_and_prefix_never_depend_on_the_bank_in_any_setting(params, banks, obs):
     noise = jax.random.normal(jax.random.key(3), (2, HA, 32))
-    vla, noises = Pi05(params, 2), {"actions": noise}
+    vla, noises = model.as_vla(params, 2), {"actions": noise}
     q = len(PROMPT)
     results = {}
     for name, bank in banks.items():
-        r = decode.make_requests(2, q, [0, 1], rows=[0, 1], prompts=[PROMPT] * 2, budgets=[N, N], stop_tokens=[-1, -1],
+        r = decode.make_requests(2, q, [0, 1], rows=[0, 1], prompts=[PROMPT] * 2, budgets=[N, N], stop_ids=[-1, -1],
                                  adapters=[0, 0] if bank is None else [1, 2])
-        pool = decode.init_pool(params, 2, model.prefix_length(params, obs), N, q)
+        pool = decode.init_pool(model.language_model(params), 2, model.prefix_length(params, obs), N, q)
         _, out = schedule.frame_step(vla, pool, obs, noises, r, np.zeros(2, bool), bank, tokens_per_frame=2)
         sh_actions, sh_tokens, _ = schedule.shared_kv_program(vla, obs, noises, r, bank, max_new_tokens=N)
         par_actions, par_tokens, _ = schedule.run_parallel(vla, obs, noises, r, bank, max_new_tokens=N)
@@ -125,10 +125,10 @@ def test_a_twenty_frame_rollout_has_the_same_actions_with_and_without_adapters(p
     actions, tokens = {}, {}
     for name, bank in banks.items():
         adapters = [0] * len(arrivals) if bank is None else [i % 3 for i in range(len(arrivals))]
-        table = schedule.make_request_table(arrivals, [N] * len(arrivals), stop_tokens=[-1] * len(arrivals),
+        table = schedule.make_request_table(arrivals, [N] * len(arrivals), stop_ids=[-1] * len(arrivals),
                                             adapters=adapters)
-        pool = decode.init_pool(params, 3, model.prefix_length(params, jax.tree.map(lambda x: x[0], obs)), N)
-        _, out = schedule.rollout(Pi05(params, 2), pool, obs, {"actions": noise}, table, bank, tokens_per_frame=2,
+        pool = decode.init_pool(model.language_model(params), 3, model.prefix_length(params, jax.tree.map(lambda x: x[0], obs)), N)
+        _, out = schedule.rollout(model.as_vla(params, 2), pool, obs, {"actions": noise}, table, bank, tokens_per_frame=2,
                                   admissions_per_frame=1)
         actions[name], tokens[name] = np.asarray(out.frames.actions["actions"]), np.asarray(out.frames.new_tokens)
     np.testing.assert_array_equal(actions["random"], actions["none"])
@@ -140,11 +140,11 @@ def test_a_twenty_frame_rollout_has_the_same_actions_with_and_without_adapters(p
 def test_engine_serves_adapters_by_name_and_refuses_unknown_ones(params, banks, obs):
     # The shapes of the settings test above: the engine reuses its compiled frame program.
     cfg = EngineConfig(num_slots=2, max_new_tokens=N, prompt_capacity=len(PROMPT), admissions_per_frame=2,
-                       tokens_per_frame=2, num_steps=2, action_horizon=HA)
+                       tokens_per_frame=2, action_horizon=HA)
     with pytest.raises(ValueError, match="bank stores 2"):
-        Engine(params, cfg, bank=banks["random"], adapter_names=("memory",))
-    eng = Engine(params, cfg, bank=banks["random"], adapter_names=("memory", "narration"))
-    good = eng.submit(PROMPT, max_tokens=N, stop_token=None, adapter="memory")
+        Engine(as_vla(params, 2), cfg, bank=banks["random"], adapter_names=("memory",))
+    eng = Engine(as_vla(params, 2), cfg, bank=banks["random"], adapter_names=("memory", "narration"))
+    good = eng.submit(PROMPT, max_tokens=N, stop_ids=(), adapter="memory")
     with pytest.raises(RequestError, match="unknown adapter 'subtask'"):
         eng.submit(max_tokens=N, adapter="subtask")
     done = []

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import REPO
+from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.client import AsyncChunkClient
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
@@ -181,8 +182,8 @@ def test_against_oxygen_jax_server_each_chunk_continues_the_executed_actions(tin
     _, wcp = _openpi()
     robot_cfg = robot_config("libero", max_token_len=16)
     tok = train_demo_tokenizer()
-    engine = Engine(tiny_params, EngineConfig(num_slots=1, max_new_tokens=1, admissions_per_frame=1, tokens_per_frame=1,
-                                              num_steps=2, action_horizon=robot_cfg.action_horizon), tokenizer=tok)
+    engine = Engine(as_vla(tiny_params, 2), EngineConfig(num_slots=1, max_new_tokens=1, admissions_per_frame=1, tokens_per_frame=1,
+                                              action_horizon=robot_cfg.action_horizon), tokenizer=tok)
     handle = ServerThread(PolicyServer(engine, tok, robot_cfg, ServeConfig(port=0, buckets=(1,), rtc=True))).start()
     handle.wait_ready(timeout=600)
     replies = []

@@ -13,7 +13,6 @@ from oxygen_jax.ckpts import hf as hf_checkpoint
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models import mot
 from oxygen_jax.runtime import frame as schedule
-from oxygen_jax.runtime.vla import Pi05
 from oxygen_jax.models.pi05.observation import Observation
 
 HA = 4  # action horizon used throughout (tiny)
@@ -27,11 +26,11 @@ def params(tiny_params):
 def _decode_alone(params, obs, row, budget, prompt=(), stop=-1, temperature=0.0, top_p=1.0, rid=0, q_cap=None):
     cache = model.prefill(params, obs)
     q_cap = len(prompt) if q_cap is None else q_cap
-    pool = decode.init_pool(params, 1, cache.length, budget, q_cap)
+    pool = decode.init_pool(model.language_model(params), 1, cache.length, budget, q_cap)
     req = decode.make_requests(1, q_cap, [rid], rows=[row], prompts=[list(prompt)], budgets=[budget],
-                               stop_tokens=[stop], temperatures=[temperature], top_ps=[top_p])
-    pool, _, _ = decode.admit(params, pool, cache, req)
-    pool = decode.decode_to_completion(params, pool)
+                               stop_ids=[stop], temperatures=[temperature], top_ps=[top_p])
+    pool, _, _ = decode.admit(model.language_model(params), pool, cache, req)
+    pool = decode.decode_to_completion(model.language_model(params), pool)
     return [int(t) for t in np.asarray(pool.tokens[0]) if t >= 0]
 
 
@@ -43,12 +42,12 @@ def test_cached_greedy_decode_equals_full_forward_recompute(params, prompt_atten
     p = params.with_config(prompt_attention=prompt_attention)
     obs = make_obs(p.config, batch=2, cameras=2, lengths=[5, 9], image_masks=[[True, False], [True, True]])
     cache = model.prefill(p, obs)
-    pool = decode.init_pool(p, 2, cache.length, 6)
-    req = decode.make_requests(2, 0, [0, 1], rows=[0, 1], budgets=[6, 6], stop_tokens=[-1, -1])
-    pool, _, _ = decode.admit(p, pool, cache, req)
+    pool = decode.init_pool(model.language_model(p), 2, cache.length, 6)
+    req = decode.make_requests(2, 0, [0, 1], rows=[0, 1], budgets=[6, 6], stop_ids=[-1, -1])
+    pool, _, _ = decode.admit(model.language_model(p), pool, cache, req)
     logits = []
     for _ in range(5):
-        pool, _, lg = decode.decode_step(p, pool)
+        pool, _, lg = decode.decode_step(model.language_model(p), pool)
         logits.append(np.asarray(lg))
     for row in range(2):
         ref_tokens, ref_logits = recompute_greedy(p, obs, 6, row=row)
@@ -61,10 +60,10 @@ def test_request_prompts_continue_the_shared_prefix_causally(params):
     obs = make_obs(params.config, batch=1, cameras=2, lengths=[7], image_masks=[[True, False]])
     cache = model.prefill(params, obs)
     prompts = [[11, 12, 13], [40], []]
-    pool = decode.init_pool(params, 3, cache.length, 5, prompt_len=4)
-    req = decode.make_requests(3, 4, [0, 1, 2], prompts=prompts, budgets=[5, 5, 5], stop_tokens=[-1] * 3)
-    pool, _, _ = decode.admit(params, pool, cache, req)
-    pool = decode.decode_to_completion(params, pool)
+    pool = decode.init_pool(model.language_model(params), 3, cache.length, 5, prompt_len=4)
+    req = decode.make_requests(3, 4, [0, 1, 2], prompts=prompts, budgets=[5, 5, 5], stop_ids=[-1] * 3)
+    pool, _, _ = decode.admit(model.language_model(params), pool, cache, req)
+    pool = decode.decode_to_completion(model.language_model(params), pool)
     for slot, prompt in enumerate(prompts):  # three language tasks share one observation prefix
         assert np.asarray(pool.tokens[slot]).tolist() == recompute_greedy(params, obs, 5, prompt=prompt)[0]
 
@@ -82,11 +81,11 @@ def test_sampled_tokens_depend_on_the_request_not_on_its_batch(params):
     obs = make_obs(params.config, batch=2, cameras=2)
     alone = _decode_alone(params, obs, 1, 6, temperature=1.5, rid=7)
     cache = model.prefill(params, obs)
-    pool = decode.init_pool(params, 3, cache.length, 6)
-    req = decode.make_requests(3, 0, [3, 7, 9], rows=[0, 1, 0], budgets=[6] * 3, stop_tokens=[-1] * 3,
+    pool = decode.init_pool(model.language_model(params), 3, cache.length, 6)
+    req = decode.make_requests(3, 0, [3, 7, 9], rows=[0, 1, 0], budgets=[6] * 3, stop_ids=[-1] * 3,
                                temperatures=[0.0, 1.5, 0.7])
-    pool, _, _ = decode.admit(params, pool, cache, req)
-    pool = decode.decode_to_completion(params, pool)
+    pool, _, _ = decode.admit(model.language_model(params), pool, cache, req)
+    pool = decode.decode_to_completion(model.language_model(params), pool)
     assert np.asarray(pool.tokens[1]).tolist() == alone
     assert alone != _decode_alone(params, obs, 1, 6)  # temperature 1.5 is not greedy here
 
@@ -115,10 +114,10 @@ def test_continuous_batching_gives_each_request_its_single_request_tokens(params
     obs = _frame_obs(params.config, frames)
     noise = jax.random.normal(jax.random.key(0), (frames, 1, HA, 32))
     arrivals = [0, 0, 1, 2, 2, 2, 3, 5]  # 3 slots and 2 admissions per frame: some requests queue
-    table = schedule.make_request_table(arrivals, [budget] * len(arrivals), stop_tokens=[-1] * len(arrivals))
-    pool = decode.init_pool(params, 3, model.prefix_length(params, obs[0]), budget)
+    table = schedule.make_request_table(arrivals, [budget] * len(arrivals), stop_ids=[-1] * len(arrivals))
+    pool = decode.init_pool(model.language_model(params), 3, model.prefix_length(params, obs[0]), budget)
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *obs)
-    _, out = schedule.rollout(Pi05(params, 2), pool, stacked, {"actions": noise}, table, tokens_per_frame=k,
+    _, out = schedule.rollout(model.as_vla(params, 2), pool, stacked, {"actions": noise}, table, tokens_per_frame=k,
                               admissions_per_frame=2)
     fr = jax.device_get(out.frames)
     tokens, admit_frame = {}, {}
@@ -141,13 +140,13 @@ def test_actions_and_greedy_tokens_identical_in_all_four_settings(params):
     obs = make_obs(params.config, batch=1, cameras=2, image_masks=[[True, False]])
     noise = jax.random.normal(jax.random.key(5), (1, HA, 32))
     n, steps = 6, 3
-    req = decode.make_requests(1, 0, [0], budgets=[n], stop_tokens=[-1])
-    vla, noises = Pi05(params, steps), {"actions": noise}
+    req = decode.make_requests(1, 0, [0], budgets=[n], stop_ids=[-1])
+    vla, noises = model.as_vla(params, steps), {"actions": noise}
     iso_a = schedule.head_program(vla, "actions", obs, noises)
     iso_t, _ = schedule.text_program(vla, obs, req, max_new_tokens=n)
     sh_a, sh_t, _ = schedule.shared_kv_program(vla, obs, noises, req, max_new_tokens=n)
     par_a, par_t, _ = schedule.run_parallel(vla, obs, noises, req, max_new_tokens=n)
-    pool = decode.init_pool(params, 2, model.prefill(params, obs).length, n)
+    pool = decode.init_pool(model.language_model(params), 2, model.prefill(params, obs).length, n)
     cb_tokens, cb_a = [], None
     for f in range(3):
         r = req if f == 0 else decode.make_requests(1, 0, [], budgets=[])
@@ -182,7 +181,7 @@ def test_pool_greedy_tokens_on_hf_qwen_prefixes_equal_transformers_generate(fixt
     lm = mot.language_model(spec, params)
     n = ref["gen_tokens"].shape[1]
     pool = decode.init_pool(lm, 3, decode.prefix_length(prefix), n)
-    req = decode.make_requests(2, 0, [0, 1], rows=[0, 1], budgets=[n, n], stop_tokens=[-1, -1])
+    req = decode.make_requests(2, 0, [0, 1], rows=[0, 1], budgets=[n, n], stop_ids=[-1, -1])
     pool, _, first = decode.admit(lm, pool, prefix, req)
     pool, burst = decode.decode_burst(lm, pool, n - 1)
     got = np.concatenate([np.asarray(first)[:2, None], np.asarray(burst)[:2]], axis=1)

@@ -19,7 +19,7 @@ from oxygen_jax.models import mot
 from oxygen_jax.runtime import decode
 from oxygen_jax.runtime import frame
 from oxygen_jax.runtime.engine import Engine, EngineConfig
-from oxygen_jax.runtime.vla import MultiHead
+from oxygen_jax.models.vla import MultiHead
 
 _ROWS, _MASK = mot_prompt_rows()
 N = 5  # tokens per request
@@ -51,7 +51,7 @@ def _noises(vla: MultiHead, seed: int) -> dict[str, np.ndarray]:
 
 def test_every_heads_chunk_equals_that_head_alone_and_requests_equal_their_single_decode(model):
     eng = Engine(model, CFG)
-    rid = eng.submit(max_tokens=N, stop_token=None, row=1)
+    rid = eng.submit(max_tokens=N, stop_ids=(), row=1)
     finished, first = [], None
     for f in range(3):
         inputs = mot.make_inputs(model.spec, _ROWS, _MASK, _images(f))
@@ -68,7 +68,7 @@ def test_every_heads_chunk_equals_that_head_alone_and_requests_equal_their_singl
             assert res.batch == 1  # the request was decoding in this frame
     (done,) = finished
     assert done.request_id == rid and done.admit_frame == 0
-    req = decode.make_requests(1, 0, [0], rows=[1], budgets=[N], stop_tokens=[-1])
+    req = decode.make_requests(1, 0, [0], rows=[1], budgets=[N], stop_ids=[-1])
     tokens, _ = frame.text_program(model, first, req, max_new_tokens=N)
     assert done.tokens == np.asarray(tokens[0]).tolist()
 

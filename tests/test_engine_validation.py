@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from helpers import make_obs
+from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.nn import sampling
 from oxygen_jax.models.pi05.config import robot_config
 from oxygen_jax.robots.normalize import NormStats
@@ -25,7 +26,7 @@ from oxygen_jax.robots.transforms import normalize_state, robot_inputs
 from oxygen_jax.runtime.engine import MAX_STREAM, Engine, EngineConfig, RequestError
 
 CFG = EngineConfig(num_slots=2, max_new_tokens=4, prompt_capacity=2, admissions_per_frame=2, tokens_per_frame=2,
-                   num_steps=1, action_horizon=4)
+                   action_horizon=4)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def obs2(tiny_params):
 
 @pytest.fixture()
 def eng(tiny_params):
-    return Engine(tiny_params, CFG)
+    return Engine(as_vla(tiny_params, 1), CFG)
 
 
 @pytest.mark.parametrize("rows", [["a", 0], [0, -5], [0, 10**30], [0, 0.5], [True, 0], "ab", [3, 3], [0], 7])
@@ -49,8 +50,8 @@ def test_bad_rows_are_one_line_errors_that_say_what_to_pass(eng, obs2, rows):
 
 def test_an_integer_numpy_vector_of_rows_runs_like_the_list(tiny_params, obs2):
     noise = np.asarray(jax.random.normal(jax.random.key(1), (2, CFG.action_horizon, tiny_params.config.action_dim)))
-    a = Engine(tiny_params, CFG).step(obs2, noise, rows=np.array([4, -1]))
-    b = Engine(tiny_params, CFG).step(obs2, noise, rows=[4, -1])
+    a = Engine(as_vla(tiny_params, 1), CFG).step(obs2, noise, rows=np.array([4, -1]))
+    b = Engine(as_vla(tiny_params, 1), CFG).step(obs2, noise, rows=[4, -1])
     np.testing.assert_array_equal(a.actions, b.actions)
 
 
@@ -104,7 +105,7 @@ def test_top_p_at_its_minimum_keeps_the_most_likely_token_where_its_float32_unde
 
 @pytest.mark.parametrize("kw", [dict(max_tokens="x" * 3 * 2**20), dict(max_tokens=2, temperature="t" * 2**20),
                                 dict(max_tokens=2, seed=10**5000), dict(max_tokens=2, adapter="a" * 2**20),
-                                dict(max_tokens=2, stop_token=[0] * 2**20), dict(max_tokens=2, row=["r"] * 10**5)])
+                                dict(max_tokens=2, stop_ids=[0] * 2**20), dict(max_tokens=2, row=["r"] * 10**5)])
 def test_error_messages_never_echo_a_huge_value(eng, kw):
     with pytest.raises(RequestError) as info:
         eng.submit(**kw)

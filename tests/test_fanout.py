@@ -25,7 +25,7 @@ from oxygen_jax.models import backbone as bb
 from oxygen_jax.runtime import decode
 from oxygen_jax.models import mot
 from oxygen_jax.runtime import frame as schedule
-from oxygen_jax.runtime.vla import MultiHead
+from oxygen_jax.models.vla import MultiHead
 
 _ROWS, _MASK = mot_prompt_rows()  # same shapes in test_mot and test_fanout: compiled programs are shared
 N, K, SLOTS = 6, 2, 3  # tokens per request, tokens per frame, decode slots
@@ -51,7 +51,7 @@ def tiny():
     frames = []
     for f in range(4):
         req = decode.make_requests(2, 0, [0, 1] if f == 0 else [], rows=[0, 1] if f == 0 else None,
-                                   budgets=[N, N] if f == 0 else [], stop_tokens=[-1, -1] if f == 0 else None)
+                                   budgets=[N, N] if f == 0 else [], stop_ids=[-1, -1] if f == 0 else None)
         pool, out = schedule.frame_step(MultiHead(params, spec), pool, inputs, noises, req, np.zeros(SLOTS, bool),
                                         None, states, tokens_per_frame=K)
         frames.append(jax.device_get(out))
@@ -66,7 +66,7 @@ def tiny():
 
 def _one_request(row: int) -> decode.Requests:
     """Request `row` alone (id = row), greedy, exactly N tokens."""
-    return decode.make_requests(1, 0, [row], rows=[row], budgets=[N], stop_tokens=[-1])
+    return decode.make_requests(1, 0, [row], rows=[row], budgets=[N], stop_ids=[-1])
 
 
 def test_each_heads_actions_are_bit_identical_to_that_head_alone_with_and_without_language(tiny):

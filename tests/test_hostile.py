@@ -22,6 +22,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax import serve
 from oxygen_jax.robots import transforms
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
@@ -69,7 +70,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def server(tiny_params, tok):
-    handle = ServerThread(PolicyServer(Engine(tiny_params, ENGINE_CONFIG, tokenizer=tok), tok, ROBOT, LIMITS)).start()
+    handle = ServerThread(PolicyServer(Engine(as_vla(tiny_params, 2), ENGINE_CONFIG, tokenizer=tok), tok, ROBOT, LIMITS)).start()
     handle.wait_ready(timeout=600)
     yield handle
     handle.stop()
@@ -78,7 +79,7 @@ def server(tiny_params, tok):
 @pytest.fixture(scope="module")
 def reference(tiny_params, tok, server):
     """An engine with the served config (its steps reuse the server's compiled programs)."""
-    return Engine(tiny_params, ENGINE_CONFIG, tokenizer=tok._tok)
+    return Engine(as_vla(tiny_params, 2), ENGINE_CONFIG, tokenizer=tok._tok)
 
 
 @pytest.fixture
@@ -133,7 +134,7 @@ def _good_robot(port: int, frames: int = 3, robot: int = 0) -> list[tuple]:
 def _assert_engine_actions(reference: Engine, tok, got: list[tuple]) -> None:
     """Each served chunk equals `Engine.step` on its observation with the served noise rule."""
     for sample, stream, frame, actions in got:
-        obs = transforms.make_observation(ROBOT, reference.params.config, tok, [sample])
+        obs = transforms.make_observation(ROBOT, reference.vla.spec.backbone, tok, [sample])
         chunk = reference.step(obs, frame_noise(SEED, stream, frame, HA, AD)[None]).actions[0]
         expected = transforms.robot_outputs(ROBOT, chunk, transforms.client_state(ROBOT, sample))
         chex.assert_trees_all_close(actions, expected, atol=1e-5)

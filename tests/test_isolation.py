@@ -45,6 +45,7 @@ from websockets.sync.client import connect
 from websockets.uri import parse_uri
 
 from helpers import fixture
+from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax import serve
 from oxygen_jax.models.pi05.config import robot_config
 from oxygen_jax.robots import native_prompts as npr
@@ -98,7 +99,7 @@ def family(request, tmp_path_factory):
     name = request.param
     if name == "pi05":
         robot, tok = robot_config("libero", max_token_len=32), train_demo_tokenizer()
-        engine = Engine(request.getfixturevalue("tiny_params"), ENGINE_CONFIG, tokenizer=tok)
+        engine = Engine(as_vla(request.getfixturevalue("tiny_params"), 2), ENGINE_CONFIG, tokenizer=tok)
         server = PolicyServer(engine, tok, robot, ServeConfig(buckets=(BUCKET,), seed=SEED))
         sample = lambda i, **kw: transforms.synthetic_sample(robot, np.random.default_rng(200 + i), **kw)  # noqa: E731
     else:

@@ -3,6 +3,7 @@ and the one compile-cache directory `run` and `serve` share."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -96,7 +97,9 @@ def test_hugging_face_qwen3_directory_is_a_language_model():
     m = load_model(path)
     ck = hf.load(path)
     assert m.source == "hf" and m.family == "multihead" and m.what == f"Hugging Face qwen3 checkpoint {path}"
-    assert m.config == mot.ModelSpec(backbone=ck.spec, heads=(), language=True)
+    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]  # where its text stops
+    assert m.config == mot.ModelSpec(backbone=ck.spec, heads=(), language=True, stop_ids=(eos,))
+    assert m.stop_ids == m.vla().stop_ids == (eos,)
     assert m.params.vision is None and m.params.heads == {}
     assert leaves_equal(m.params.decoder, mot.for_backend(mot.ModelParams(ck.decoder, None, {})).decoder)
     assert m.tokenizer is None and m.norm_stats is None

@@ -93,7 +93,8 @@ def test_teacher_forced_logits_equal_the_slot_pools_prompt_pass_bit_for_bit(para
 
     @jax.jit
     def admission_logits(params, prefix, requests, bank):  # what decode._admit samples token 0 from
-        _, _, seed, _ = decode._extend_with_prompts(params, prefix, requests, SUFFIX_LEN, bank)
+        lm = model.language_model(params)
+        _, _, seed, _ = decode._extend_with_prompts(lm, lm.rows(prefix, requests.row), requests, SUFFIX_LEN, bank)
         return model.lm_logits_vocab_major(params, seed)
 
     n_ans = int(batch.suffix_mask.sum(1).max())

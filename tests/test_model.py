@@ -355,9 +355,9 @@ def test_unstacked_layer_loop_gives_the_same_outputs_and_checkpoint_tree(tiny_pa
     tokens = []
     for p in (tiny_params, unstacked):
         cache = model.prefill(p, obs)
-        pool = decode.init_pool(p, 1, cache.length, 5)
-        pool, _, _ = decode.admit(p, pool, cache, decode.make_requests(1, 0, [0], budgets=[5], stop_tokens=[-1]))
-        tokens.append(np.asarray(decode.decode_to_completion(p, pool).tokens).tolist())
+        pool = decode.init_pool(model.language_model(p), 1, cache.length, 5)
+        pool, _, _ = decode.admit(model.language_model(p), pool, cache, decode.make_requests(1, 0, [0], budgets=[5], stop_ids=[-1]))
+        tokens.append(np.asarray(decode.decode_to_completion(model.language_model(p), pool).tokens).tolist())
     assert tokens[0] == tokens[1]
     chex.assert_trees_all_equal(to_openpi_dict(unstacked), to_openpi_dict(tiny_params))
     chex.assert_trees_all_equal_structs(stack_layers(unstacked), tiny_params)

@@ -134,7 +134,7 @@ def test_language_decoding_needs_a_prefix_with_every_layers_kv(tiny):
     req = decode.make_requests(1, 0, [0], budgets=[4])
     with pytest.raises(ValueError, match=r"prefix kept K/V of layers \(1, 2\): build it with a ModelSpec that has language=True"):
         decode.admit(lm, pool, xr0_only, req)
-    with pytest.raises(ValueError, match="serves π0.5 Params or a decode.LanguageModel, got ModelParams"):
+    with pytest.raises(ValueError, match="serves a models.decoder.LanguageDecoder .*got ModelParams"):
         decode.init_pool(params, 1, 12, 4)
 
 

@@ -14,6 +14,7 @@ from helpers import make_obs
 from oxygen_jax.models import backbone, mot, siglip
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models.pi05 import model
+from oxygen_jax.models.pi05.config import EOS_ID
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import abstract_params, init_params, unstack_layers
 from oxygen_jax.models.pi05.spec import pi05_spec
@@ -21,7 +22,7 @@ from oxygen_jax.nn.layers import dense
 from oxygen_jax.nn.masks import make_attn_mask, positions_from_mask
 from oxygen_jax.runtime import decode
 from oxygen_jax.runtime import frame as schedule
-from oxygen_jax.runtime.vla import MultiHead, Pi05
+from oxygen_jax.models.vla import MultiHead
 
 STEPS, HA = 3, 5
 
@@ -120,27 +121,29 @@ def test_init_model_matches_pi05_parameter_table():
     assert 0.5 < gate.mean() < 1.5  # adaRMS gates open around 1
 
 
-def test_pi05_vla_is_multihead_of_as_model(tiny):
-    """The runtime's `Pi05` runs the general model: its head program and frame step give what
-    `MultiHead(as_model)` gives (actions and tokens), and the frame's actions are π0.5's."""
+def test_pi05_as_vla_is_multihead_of_as_model_and_its_decoder_is_language_model(tiny):
+    """π0.5 in the runtime is `MultiHead(as_model(params))` over the same arrays: its frame step's actions are
+    π0.5's own, and its language decoder is `language_model(params)` (the same greedy tokens, EOS by default)."""
     params, obs, noise = tiny["unstacked"], tiny["obs"], tiny["noise"]
-    pi05, general = Pi05(params, STEPS), MultiHead(*reversed(model.as_model(params, STEPS)))
-    assert isinstance(pi05.model, MultiHead) and pi05.model.spec == general.spec
-    assert pi05.action_shape("actions", HA) == general.action_shape("actions", HA) == (HA, tiny["cfg"].action_dim)
-    assert pi05.shape_key(obs) == general.shape_key(obs) == (2, 9) and general.batch_size(obs) == 2
+    vla, general = model.as_vla(params, STEPS), MultiHead(*reversed(model.as_model(params, STEPS)))
+    assert isinstance(vla, MultiHead) and vla.spec == general.spec and vla.stop_ids == (EOS_ID,)
+    assert vla.params.decoder.embedding is params.embedding  # no copy
+    assert vla.action_shape("actions", HA) == (HA, tiny["cfg"].action_dim)
+    assert vla.shape_key(obs) == (2, 9) and vla.batch_size(obs) == 2
     noises = {"actions": noise}
     want = np.asarray(model.sample_actions(params, obs, noise, num_steps=STEPS))
-    np.testing.assert_array_equal(np.asarray(schedule.head_program(general, "actions", obs, noises)), want)
-    req = decode.make_requests(2, 0, [0, 1], rows=[0, 1], budgets=[4, 4], stop_tokens=[-1, -1])
-    outs = []
-    for vla in (pi05, general):
-        pool = decode.init_pool(vla.language(), 2, model.prefix_length(params, obs), 4, 0)
-        _, out = schedule.frame_step(vla, pool, obs, noises, req, np.zeros(2, bool), tokens_per_frame=2)
-        outs.append(out)
-    np.testing.assert_array_equal(np.asarray(outs[0].actions["actions"]), want)
-    np.testing.assert_array_equal(np.asarray(outs[1].actions["actions"]), want)
-    np.testing.assert_array_equal(np.asarray(outs[0].new_tokens), np.asarray(outs[1].new_tokens))
-    assert np.all(np.asarray(outs[0].new_tokens)[:, :3] >= 0)
+    np.testing.assert_array_equal(np.asarray(schedule.head_program(vla, "actions", obs, noises)), want)
+    req = decode.make_requests(2, 0, [0, 1], rows=[0, 1], budgets=[4, 4], stop_ids=[-1, -1])
+    pool = decode.init_pool(vla.language(), 2, model.prefix_length(params, obs), 4, 0)
+    _, out = schedule.frame_step(vla, pool, obs, noises, req, np.zeros(2, bool), tokens_per_frame=3)
+    np.testing.assert_array_equal(np.asarray(out.actions["actions"]), want)
+    lm = model.language_model(params)
+    assert lm.stop_ids == (EOS_ID,)
+    alone = decode.init_pool(lm, 2, model.prefix_length(params, obs), 4, 0)
+    alone, _, first = decode.admit(lm, alone, model.prefill(params, obs), req)
+    alone = decode.decode_to_completion(lm, alone)
+    np.testing.assert_array_equal(np.asarray(out.new_tokens)[:, :4], np.asarray(alone.tokens))
+    assert np.all(np.asarray(out.new_tokens)[:, :4] >= 0)
 
 
 def test_adarms_spec_and_inputs_fail_with_one_line_messages(tiny):

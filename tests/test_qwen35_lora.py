@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from helpers import FAST_CODEGEN
+from oxygen_jax.models import qwen35_decoder
+from oxygen_jax.models.decoder import AttentionDecoder
 from oxygen_jax.models import backbone, lora, qwen35
 from oxygen_jax.models.lora import RowAdapters
 from oxygen_jax.runtime import decode
@@ -82,7 +84,7 @@ def test_a_row_on_adapter_n_equals_the_merged_weights_and_id_0_the_bank_free_pro
 def _requests(rids, adapters):
     prompts = {0: [5, 6], 1: [], 2: [7], 3: [9, 10, 11]}
     return decode.make_requests(SLOTS, Q, list(rids), rows=[r % 2 for r in rids], prompts=[prompts[r] for r in rids],
-                                budgets=[M] * len(rids), stop_tokens=[-1] * len(rids), adapters=list(adapters))
+                                budgets=[M] * len(rids), stop_ids=[-1] * len(rids), adapters=list(adapters))
 
 
 def _decode(lm, prefix, rids, adapters, bank):
@@ -105,13 +107,13 @@ def test_requests_on_different_adapters_decode_in_one_pool_what_each_decodes_alo
     pos = np.where(mask, np.cumsum(mask, -1) - 1, 0).astype(np.int32)
     x = backbone.embed_tokens(spec.backbone, dec, jnp.asarray(ids))
     prefix = qwen35.prefix_pass(spec, dec, x, jnp.asarray(pos), jnp.asarray(mask))  # the shared base prefix
-    lm = qwen35.language_model(spec, dec)
+    lm = qwen35_decoder.language_model(spec, dec)
     together = _decode(lm, prefix, [0, 1, 2], [1, 0, 2], bank)  # + request 3 on adapter 2, two tokens later
     assert sorted(together) == [0, 1, 2, 3] and all(len(t) == M for t in together.values())
     alone = {}
     for rid, adapter in ((0, 1), (1, 0), (2, 2), (3, 2)):
         weights = dec if adapter == 0 else qwen35.merge_adapter(spec, dec, bank, adapter)
-        alone[rid] = _decode(qwen35.language_model(spec, weights), prefix, [rid], [0], None)[rid]
+        alone[rid] = _decode(qwen35_decoder.language_model(spec, weights), prefix, [rid], [0], None)[rid]
     assert together == alone
     base_0 = _decode(lm, prefix, [0], [0], None)[0]
     assert base_0 != together[0]  # adapter 1 changes request 0's text
@@ -128,7 +130,7 @@ def test_wrong_banks_and_unstored_adapter_ids_are_refused_with_one_line(tiny):
         qwen35.check_bank(spec, lora.LoraBank(adapters=bank.full))
     with pytest.raises(ValueError, match="need num_adapters >= 1, rank >= 1"):
         qwen35.init_bank(spec, 1, 2, linear_targets=("q",))
-    lm = qwen35.language_model(spec, dec)
+    lm = qwen35_decoder.language_model(spec, dec)
     pool = decode.init_pool(lm, SLOTS, P, M, Q)
     prefix = jax.eval_shape(lambda: None)  # never reached: the ids are checked on the host first
     with pytest.raises(ValueError, match=r"request adapter id 5 is out of range: the bank serves ids 0..2"):
@@ -136,7 +138,7 @@ def test_wrong_banks_and_unstored_adapter_ids_are_refused_with_one_line(tiny):
     with pytest.raises(ValueError, match=r"adapter id 1 is out of range: the bank serves no bank: only id 0"):
         decode.admit(lm, pool, prefix, _requests([0], [1]), None)
     qwen3 = backbone.preset("qwen3_tiny")
-    qwen3_lm = backbone.LanguageModel(decoder=backbone.init_decoder(qwen3, seed=0), spec=qwen3)
+    qwen3_lm = AttentionDecoder(decoder=backbone.init_decoder(qwen3, seed=0), spec=qwen3)
     qwen3_pool = decode.init_pool(qwen3_lm, SLOTS, P, M, Q)
     with pytest.raises(ValueError, match="HybridBank serves Qwen3.5 language models only"):
         decode.step_logits(qwen3_lm, qwen3_pool, bank)
@@ -166,7 +168,7 @@ def test_the_engine_serves_a_hybrid_bank_by_adapter_name_beside_the_base_model()
     from helpers import mot_prompt_rows
     from oxygen_jax.models import mot
     from oxygen_jax.runtime.engine import Engine, EngineConfig
-    from oxygen_jax.runtime.vla import MultiHead
+    from oxygen_jax.models.vla import MultiHead
 
     spec = mot.preset("qwen35_tiny")
     model = MultiHead(mot.init_model(spec, seed=0), spec)
@@ -177,7 +179,7 @@ def test_the_engine_serves_a_hybrid_bank_by_adapter_name_beside_the_base_model()
                  bank=bank, adapter_names=["a"])
     with pytest.raises(ValueError, match="unknown adapter 'b'"):
         eng.submit(max_tokens=4, row=1, adapter="b")
-    ids = {eng.submit(max_tokens=4, stop_token=None, row=1, adapter=name): name for name in ("a", "base")}
+    ids = {eng.submit(max_tokens=4, stop_ids=(), row=1, adapter=name): name for name in ("a", "base")}
     finished = {}
     for f in range(3):
         rng = np.random.default_rng(f)

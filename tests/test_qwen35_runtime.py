@@ -20,10 +20,12 @@ from eval.bench import harness
 from eval.parity import qwen35 as parity
 from helpers import FAST_CODEGEN, mot_prompt_rows, shared_dir
 from oxygen_jax.ckpts.load import load_model
+from oxygen_jax.models import qwen35_decoder
+from oxygen_jax.models.decoder import AttentionDecoder
 from oxygen_jax.models import backbone, mot, qwen35
 from oxygen_jax.runtime import decode, frame
 from oxygen_jax.runtime.engine import Engine, EngineConfig
-from oxygen_jax.runtime.vla import MultiHead
+from oxygen_jax.models.vla import MultiHead
 
 P, Q, M, SLOTS = 12, 3, 8, 4  # prefix length, request-prompt capacity, max new tokens, slots
 
@@ -61,7 +63,7 @@ _SCHEDULE = {0: [0, 1], 1: [2, 3], 2: [4]}  # frame -> requests arriving; reques
 def _requests(rids, garbage=0):
     rows, prompts, budgets = zip(*(_REQUESTS[r] for r in rids)) if rids else ((), (), ())
     req = decode.make_requests(SLOTS, Q, list(rids), rows=list(rows), prompts=[list(p) for p in prompts], budgets=list(budgets),
-                               stop_tokens=[-1] * len(rids))
+                               stop_ids=[-1] * len(rids))
     if garbage:  # fill the padding entries of every prompt: they must not matter
         pad = np.arange(Q)[None] >= req.prompt_len[:, None]
         req = type(req)(**{**vars(req), "prompt": np.where(pad, garbage, req.prompt).astype(np.int32)})
@@ -93,7 +95,7 @@ def _run(lm, prefix, schedule):
 
 def test_a_request_decodes_the_same_alone_as_in_a_full_pool_of_mixed_age_requests(tiny, prefix):
     spec, dec, _, _ = tiny
-    lm = qwen35.language_model(spec, dec)
+    lm = qwen35_decoder.language_model(spec, dec)
     together, slots = _run(lm, prefix, _SCHEDULE)
     assert sorted(together) == sorted(_REQUESTS)
     assert slots[2] == slots[1]  # request 2 runs in the slot request 1 was released from
@@ -106,15 +108,15 @@ def test_a_request_decodes_the_same_alone_as_in_a_full_pool_of_mixed_age_request
 
 def test_inactive_and_free_slots_keep_their_state_bit_for_bit(tiny, prefix):
     spec, dec, _, _ = tiny
-    lm = qwen35.language_model(spec, dec)
+    lm = qwen35_decoder.language_model(spec, dec)
     pool = decode.init_pool(lm, SLOTS, P, M, Q)
     pool, _, _ = decode.admit(lm, pool, prefix, _requests([0, 1]))  # request 1 (slot 1) stops after 2 tokens
     pool, _ = decode.decode_burst(lm, pool, 2)
     pool, _ = decode.release_finished(pool)
-    assert not bool(pool.occupied[1]) and float(jnp.max(jnp.abs(pool.state[:, 1]))) > 0  # free, holding a stale state
-    before = jax.tree.map(np.asarray, (pool.window, pool.state))
+    assert not bool(pool.occupied[1]) and float(jnp.max(jnp.abs(pool.carry["state"][:, 1]))) > 0  # free, holding a stale state
+    before = jax.tree.map(np.asarray, (pool.carry["window"], pool.carry["state"]))
     pool, _ = decode.decode_burst(lm, pool, 2)
-    for old, new in zip(before, (pool.window, pool.state)):
+    for old, new in zip(before, (pool.carry["window"], pool.carry["state"])):
         np.testing.assert_array_equal(np.asarray(new)[:, 1:], old[:, 1:])  # free slots: unchanged
         assert np.max(np.abs(np.asarray(new)[:, 0] - old[:, 0])) > 0  # the active slot advanced
 
@@ -123,12 +125,12 @@ def test_request_prompt_padding_is_identity_and_a_prompt_continues_the_prefix(ti
     """The prompt's padding entries (any token ids) leave window and state bit-identical; the state after
     a request prompt equals one prefill over [prefix row | prompt]."""
     spec, dec, ids, mask = tiny
-    lm = qwen35.language_model(spec, dec)
+    lm = qwen35_decoder.language_model(spec, dec)
     states = []
     for garbage in (0, 77):
         pool = decode.init_pool(lm, SLOTS, P, M, Q)
         pool, _, _ = decode.admit(lm, pool, prefix, _requests([0, 2, 3], garbage))
-        states.append(jax.tree.map(np.asarray, (pool.window, pool.state)))
+        states.append(jax.tree.map(np.asarray, (pool.carry["window"], pool.carry["state"])))
     for a, b in zip(*states):
         np.testing.assert_array_equal(a, b)
     row, prompt, _ = _REQUESTS[0]  # prefix row 0 (12 real tokens) + a 2-token prompt
@@ -166,7 +168,7 @@ def test_engine_steps_starvla_heads_on_a_qwen35_prefix_with_language_and_each_he
     rows = np.where(rows == mot.preset("tiny").image_token_id, 11, rows)  # text only: the heads read hidden states
     n = 3
     eng = Engine(model, EngineConfig(num_slots=2, max_new_tokens=n, admissions_per_frame=2, tokens_per_frame=2))
-    rid = eng.submit(max_tokens=n, stop_token=None, row=1)
+    rid = eng.submit(max_tokens=n, stop_ids=(), row=1)
     finished = []
     for f in range(2):
         rng = np.random.default_rng(f)
@@ -190,19 +192,21 @@ def test_engine_steps_starvla_heads_on_a_qwen35_prefix_with_language_and_each_he
 
 def test_slot_bytes_is_the_pools_size_and_the_fixed_state_is_about_1600_tokens_of_kv(tiny):
     spec, dec, _, _ = tiny
-    qwen3 = backbone.LanguageModel(decoder=backbone.abstract_decoder(backbone.preset("qwen3_tiny")), spec=backbone.preset("qwen3_tiny"))
-    for lm in (qwen35.language_model(spec, dec), qwen3):
+    qwen3 = AttentionDecoder(decoder=backbone.abstract_decoder(backbone.preset("qwen3_tiny")), spec=backbone.preset("qwen3_tiny"))
+    for lm in (qwen35_decoder.language_model(spec, dec), qwen3):
         pool = decode.init_pool(lm, SLOTS, P, M, Q)
         size = decode.slot_bytes(lm, P, M, Q)
         per_slot = lambda *xs: sum(x.nbytes for x in xs if x is not None) // SLOTS  # noqa: E731
         assert size["kv"] == per_slot(pool.k, pool.v)
-        assert size["window"] == per_slot(pool.window) and size["state"] == per_slot(pool.state)
+        carry = pool.carry or {}  # Qwen3.5: window and state; none for the attention decoder
+        assert set(carry) == ({"window", "state"} if lm is not qwen3 else set())
+        assert {k: size[k] for k in carry} == {k: per_slot(x) for k, x in carry.items()}
         assert size["total"] == per_slot(*jax.tree.leaves(pool))
-        assert harness.pool_slot_bytes(pool) == {k: size[k] for k in ("kv", "window", "state", "total")}  # the bench's
+        assert harness.pool_slot_bytes(pool) == {k: size[k] for k in ("kv", *carry, "total")}  # the bench's
     # full size (shapes only): ../shared/docs/qwen35.md §5.2's table, bfloat16 activations
     for name, state, window, kv in (("qwen3_5_0.8b", 18_874_368, 884_736, 12_288), ("qwen3_5_4b", 50_331_648, 1_572_864, 32_768)):
         big = qwen35.preset(name)
-        lm = qwen35.language_model(big, qwen35.abstract_decoder(big, "bfloat16"))
+        lm = qwen35_decoder.language_model(big, qwen35.abstract_decoder(big, "bfloat16"))
         size = decode.slot_bytes(lm, 100, 30, 8)
         assert (size["state"], size["window"], size["kv_per_token"]) == (state, window, kv)
         assert 1500 < size["state_tokens"] < 1700

@@ -151,6 +151,15 @@ def _prefix_error(actions, prev, d):
     return float(np.sqrt(np.mean((np.asarray(actions)[:d] - prev[:d]) ** 2)))
 
 
+@functools.partial(jax.jit, static_argnames=("num_steps",))
+def _denoise_pi05(params, cache, noise, inputs, num_steps=10):
+    """π0.5's denoise with per-row RTC: its action expert as the adarms_joint head of `as_model` (`rtc.denoise_head`)."""
+    spec, weights = model.as_model(params, num_steps)
+    head = spec.heads[0]
+    st = hd.prepare(weights.heads[head.name], head, cache, None)
+    return rtc.denoise_head(weights.heads[head.name], head, st, noise, inputs)
+
+
 def test_pi05_rtc_off_rows_are_bit_identical_to_plain_denoise_beside_guided_rows(pi05):
     """Row 0 off, row 1 exact guidance, row 2 stop-gradient in one batch: row 0 equals `model.denoise` bit for bit;
     the guided rows differ from it and start closer to their previous chunk."""
@@ -158,25 +167,25 @@ def test_pi05_rtc_off_rows_are_bit_identical_to_plain_denoise_beside_guided_rows
     plain = np.asarray(model.denoise(params, cache, noise, 10))
     inputs = rtc.make_inputs(prev, [2, 2, 2], [3, 3, 3], schedule="exp", max_guidance=5.0,
                              mode=["off", "guided", "stop_gradient"])
-    got = np.asarray(rtc.denoise_pi05(params, cache, noise, inputs, 10))
+    got = np.asarray(_denoise_pi05(params, cache, noise, inputs, 10))
     np.testing.assert_array_equal(got[0], plain[0])
     for row in (1, 2):
         assert np.max(np.abs(got[row] - plain[row])) > 1e-2
         assert _prefix_error(got[row], prev[row], 2) < _prefix_error(plain[row], prev[row], 2)
     assert np.max(np.abs(got[1] - got[2])) > 1e-4  # the action expert's Jacobian is used
-    all_off = np.asarray(rtc.denoise_pi05(params, cache, noise, rtc.off(3, *noise.shape[1:]), 10))
+    all_off = np.asarray(_denoise_pi05(params, cache, noise, rtc.off(3, *noise.shape[1:]), 10))
     np.testing.assert_array_equal(all_off, plain)
 
 
 def test_pi05_one_compile_over_changing_delay_horizon_previous_chunk_and_modes(pi05):
     params, cache, noise, prev = pi05
     rng = np.random.default_rng(0)
-    before = rtc.denoise_pi05._cache_size()
+    before = _denoise_pi05._cache_size()
     for d, s, mode in [(0, 2, "guided"), (1, 3, "stop_gradient"), ([2, 0, 4], [4, 1, 2], ["off", "guided", "trained"])]:
         inputs = rtc.make_inputs(prev + rng.standard_normal(prev.shape).astype(np.float32), d, s,
                                  schedule=["exp", "linear", "ones"], max_guidance=[1.0, 5.0, 10.0], mode=mode)
-        jax.block_until_ready(rtc.denoise_pi05(params, cache, noise, inputs, 10))
-    assert rtc.denoise_pi05._cache_size() - before <= 1
+        jax.block_until_ready(_denoise_pi05(params, cache, noise, inputs, 10))
+    assert _denoise_pi05._cache_size() - before <= 1
 
 
 def test_pi05_training_time_rtc_reproduces_the_committed_prefix_exactly(pi05):
@@ -185,12 +194,12 @@ def test_pi05_training_time_rtc_reproduces_the_committed_prefix_exactly(pi05):
     params, cache, noise, prev = pi05
     plain = np.asarray(model.denoise(params, cache, noise, 10))
     inputs = rtc.make_inputs(prev, [3, 1, 0], [3, 3, 3], mode=["trained", "trained", "off"])
-    got = np.asarray(rtc.denoise_pi05(params, cache, noise, inputs, 10))
+    got = np.asarray(_denoise_pi05(params, cache, noise, inputs, 10))
     np.testing.assert_array_equal(got[0, :3], prev[0, :3])
     np.testing.assert_array_equal(got[1, :1], prev[1, :1])
     np.testing.assert_array_equal(got[2], plain[2])
     assert np.max(np.abs(got[0, 3:] - prev[0, 3:])) > 1e-2
-    again = np.asarray(rtc.denoise_pi05(params, cache, noise + 0.5, inputs, 10))
+    again = np.asarray(_denoise_pi05(params, cache, noise + 0.5, inputs, 10))
     np.testing.assert_array_equal(again[0, :3], prev[0, :3])
     assert np.max(np.abs(again[0, 3:] - got[0, 3:])) > 1e-3
 

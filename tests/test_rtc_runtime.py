@@ -1,7 +1,7 @@
 """Real-time chunking through `Engine.step` (per-row `rtc=`): RTC-off rows bit-identical to a step without RTC in a
 batch with RTC rows, language tokens unchanged by RTC, one compile over frames whose d, s, previous chunks and
 modes change, and `Engine.warmup(rtc=...)` compiling that program. The denoise-level relations (fixture parity,
-off rows beside guided rows in `denoise_pi05`, heads) are tests/test_rtc.py's."""
+off rows beside guided rows in π0.5's head, other heads) are tests/test_rtc.py's."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from helpers import diverse_text_params, make_obs
+from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.runtime import frame, rtc
 from oxygen_jax.runtime.engine import Engine, EngineConfig
 
 HA, B = 5, 3  # a horizon no other test module uses: the compile counts below are this module's own
 CFG = EngineConfig(num_slots=2, max_new_tokens=4, prompt_capacity=0, admissions_per_frame=2, tokens_per_frame=2,
-                   num_steps=3, action_horizon=HA)
+                   action_horizon=HA)
 FRAMES = 4
 
 
@@ -48,9 +49,9 @@ def runs(params):
     noises = [rng.standard_normal((B, HA, 32)).astype(np.float32) for _ in range(FRAMES)]
     out = {}
     for name in ("plain", "rtc"):
-        eng = Engine(params, CFG)
-        eng.submit(max_tokens=4, stop_token=None, row=1)  # the language rides on a guided robot's prefix
-        eng.submit(max_tokens=3, stop_token=None, row=0)
+        eng = Engine(as_vla(params, 3), CFG)
+        eng.submit(max_tokens=4, stop_ids=(), row=1)  # the language rides on a guided robot's prefix
+        eng.submit(max_tokens=3, stop_ids=(), row=0)
         before = frame.frame_step._cache_size()
         results, inputs, last = [], [], None
         for f in range(FRAMES):
@@ -105,7 +106,7 @@ def test_one_compile_over_frames_with_changing_delay_horizon_previous_chunk_and_
 
 
 def test_warmup_with_rtc_compiles_the_rtc_program_and_bad_rtc_inputs_are_one_line_errors(params):
-    eng = Engine(params, CFG)
+    eng = Engine(as_vla(params, 3), CFG)
     obs = make_obs(params.config, batch=2, cameras=2, seed=5)  # B = 2: a shape the fixture did not compile
     before = frame.frame_step._cache_size()
     eng.warmup(obs, rtc=rtc.off(2, HA, 32))

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import urllib.error
 import urllib.request
 
@@ -28,11 +27,12 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from helpers import REPO
+from oxygen_jax.models.pi05.model import HEAD, as_vla
+from oxygen_jax.models.pi05.params import abstract_params
 from oxygen_jax.robots import transforms
 from oxygen_jax.serving import wire
 from oxygen_jax.serving.batcher import Frame, Stream, bucket_for, expected_streams, fire_delay
 from oxygen_jax.serving.codec import Pi05Codec, frame_noise
-from oxygen_jax.runtime.vla import Pi05
 from oxygen_jax.models.pi05.config import model_config, robot_config
 from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
 from oxygen_jax.serve import _parser, main, serve_config
@@ -44,8 +44,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a 
 ROBOT = robot_config("libero", max_token_len=32)
 HA, AD = ROBOT.action_horizon, 32
 SEED = 7
+STEPS = 2  # denoising steps of the served π0.5
 ENGINE_CONFIG = EngineConfig(num_slots=8, max_new_tokens=6, prompt_capacity=4, admissions_per_frame=4,
-                             tokens_per_frame=2, num_steps=2, action_horizon=HA)
+                             tokens_per_frame=2, action_horizon=HA)
 
 
 def _openpi():
@@ -93,7 +94,7 @@ def _reference(engine: Engine, tok, items, seed: int = SEED, rows: int = 1) -> l
     for i in range(0, len(items), rows):
         chunk = items[i:i + rows]
         samples = [s for s, _, _ in chunk] + [chunk[0][0]] * (rows - len(chunk))
-        obs = transforms.make_observation(ROBOT, engine.params.config, tok, samples)
+        obs = transforms.make_observation(ROBOT, engine.vla.spec.backbone, tok, samples)
         noise = np.zeros((rows, HA, AD), np.float32)
         for j, (_, stream, frame) in enumerate(chunk):
             noise[j] = frame_noise(seed, stream, frame, HA, AD)
@@ -113,8 +114,7 @@ class ScriptedEngine:
 
     def __init__(self, step_s: float = 0.0, per_row_s: float = 0.0):
         self.config = EngineConfig(num_slots=4, max_new_tokens=8, prompt_capacity=8, action_horizon=HA)
-        self.params = types.SimpleNamespace(config=model_config("tiny"))
-        self.vla = Pi05(self.params)
+        self.vla = as_vla(abstract_params(model_config("tiny")))  # shapes only: the codec reads the spec
         self.adapters = {"base": 0}
         self.step_s, self.per_row_s = step_s, per_row_s
         self.gate, self.entered = threading.Event(), threading.Event()
@@ -161,9 +161,9 @@ class ScriptedEngine:
                     admit_frame=self._frame, finish_frame=self._frame, latency_frames=1,
                     latency_ms=(time.perf_counter() - t) * 1e3, row=row, owner=owner))
         self._frame += 1
-        actions = np.asarray(noise[Pi05.HEAD], np.float32)
+        actions = np.asarray(noise[HEAD], np.float32)
         return StepResult(actions=actions, finished=finished, new_text={}, frame=self._frame - 1,
-                          frame_ms=0.0, batch=len(finished), queued=0, head_actions={Pi05.HEAD: actions})
+                          frame_ms=0.0, batch=len(finished), queued=0, head_actions={HEAD: actions})
 
 
 # -------------------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ def cli_server(tmp_path_factory):
     env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"),
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "oxygen_jax.serve", "--preset", "tiny", "--robot", "libero", "--port", str(port),
-           "--host", "127.0.0.1", "--batch-sizes", "2", "--steps", str(ENGINE_CONFIG.num_steps), "--prompt-len",
+           "--host", "127.0.0.1", "--batch-sizes", "2", "--steps", str(STEPS), "--prompt-len",
            str(ROBOT.max_token_len), "--compile-cache", "none", "--log-level", "WARNING"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -202,7 +202,7 @@ def tok():
 @pytest.fixture(scope="module")
 def tiny(tiny_params, tok, cli_server):
     """The shared tiny real-engine server (requests `cli_server` so that subprocess compiles meanwhile)."""
-    server = PolicyServer(Engine(tiny_params, ENGINE_CONFIG, tokenizer=tok), tok, ROBOT, ServeConfig(
+    server = PolicyServer(Engine(as_vla(tiny_params, STEPS), ENGINE_CONFIG, tokenizer=tok), tok, ROBOT, ServeConfig(
         host="127.0.0.1", port=0, buckets=(1, 4), deadline_ms=1000, seed=SEED, max_message_bytes=1 << 20))
     handle = ServerThread(server).start()
     assert _http(handle.port, "/healthz")[0] in (200, 503)  # bound at once, healthy once compiled
@@ -214,7 +214,7 @@ def tiny(tiny_params, tok, cli_server):
 @pytest.fixture(scope="module")
 def reference(tiny_params, tok, tiny):
     """A second engine with the served config: its steps reuse the programs the server compiled."""
-    return Engine(tiny_params, ENGINE_CONFIG, tokenizer=tok)
+    return Engine(as_vla(tiny_params, STEPS), ENGINE_CONFIG, tokenizer=tok)
 
 
 def _scripted_server(engine: ScriptedEngine, **config) -> ServerThread:
@@ -409,7 +409,7 @@ def test_bucketed_multi_robot_step_equals_each_robots_own_step(tiny, reference, 
     frames = []
     for i, stream_id in enumerate((3, 9, 12)):  # 3 robots padded to bucket 4
         sample = _sample(10 + i)
-        obs = transforms.make_observation(ROBOT, reference.params.config, tok, [sample])
+        obs = transforms.make_observation(ROBOT, reference.vla.spec.backbone, tok, [sample])
         frames.append(Frame(stream=Stream(id=stream_id, deadline_s=1.0), observation=obs,
                             state=transforms.client_state(ROBOT, sample), language=[], arrival=time.perf_counter(),
                             future=None, index=5 + i))

@@ -175,7 +175,7 @@ def test_a_tokenizer_json_beside_an_xr0_checkpoint_gives_rows_of_its_deploy_prom
     byte_level_tokenizer_json(d, {"image": vlm["image_token_id"], "vision_start": vlm["vision_start_token_id"],
                                   "vision_end": vlm["vision_end_token_id"], "im_start": 504, "im_end": 505})
     engine, tok, robot, _, _, rows = serve.build(_args(d, prompt_len=None))
-    assert isinstance(tok, npr.QwenTokenizer) and engine.tokenizer is None  # results are token ids
+    assert isinstance(tok, npr.QwenTokenizer) and engine.tokenizer is tok  # language is text in that tokenizer
     server = PolicyServer(engine, tok, robot, ServeConfig(buckets=(1,), seed=SEED), **rows)
     sample = _sample(4)
     row = server.codec.prepare(sample)

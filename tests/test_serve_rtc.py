@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.models.pi05.config import robot_config
 from oxygen_jax.robots import transforms
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
@@ -24,7 +25,7 @@ ROBOT = robot_config("libero", max_token_len=16)
 HA = ROBOT.action_horizon
 SEED = 3
 CFG = EngineConfig(num_slots=2, max_new_tokens=2, prompt_capacity=0, admissions_per_frame=1, tokens_per_frame=1,
-                   num_steps=3, action_horizon=HA)
+                   action_horizon=HA)
 FRAMES = 4
 ROBOTS = {"a": dict(executed=3, delay=1), "b": dict(executed=2, delay=4)}  # (s, d) per robot, training-time RTC
 GUIDED = dict(executed=4, delay=2)  # robot "c", exact guidance
@@ -46,7 +47,7 @@ def _sample(i: int) -> dict:
 def served(tiny_params):
     client = _client()
     tok = train_demo_tokenizer()
-    server = PolicyServer(Engine(tiny_params, CFG, tokenizer=tok), tok, ROBOT, ServeConfig(
+    server = PolicyServer(Engine(as_vla(tiny_params, 3), CFG, tokenizer=tok), tok, ROBOT, ServeConfig(
         port=0, buckets=(2,), deadline_ms=500, seed=SEED, rtc=True))
     handle = ServerThread(server).start()
     handle.wait_ready(timeout=600)
@@ -171,7 +172,7 @@ def test_a_server_on_a_device_mesh_compiles_the_rtc_program_at_warm_up(tiny_para
     mesh = Mesh(np.array(jax.devices()[:1]), ("robots",))
     params = jax.device_put(tiny_params, NamedSharding(mesh, PartitionSpec()))
     tok = train_demo_tokenizer()
-    server = PolicyServer(Engine(params, CFG, tokenizer=tok), tok, ROBOT, ServeConfig(
+    server = PolicyServer(Engine(as_vla(params, 3), CFG, tokenizer=tok), tok, ROBOT, ServeConfig(
         port=0, buckets=(1,), deadline_ms=500, seed=SEED, rtc=True), mesh=mesh)
     handle = ServerThread(server).start()
     try:

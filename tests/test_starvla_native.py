@@ -17,7 +17,7 @@ from oxygen_jax.ckpts import starvla
 from oxygen_jax.ckpts.load import load_model, source_kind
 from oxygen_jax.ckpts.safetensors import read_safetensors, write_safetensors
 from oxygen_jax.runtime.engine import Engine, EngineConfig
-from oxygen_jax.runtime.vla import MultiHead
+from oxygen_jax.models.vla import MultiHead
 
 SHARED = Path(os.environ.get("OXYGEN_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
 FIXTURES = {"QwenPI_v3": SHARED / "fixtures" / "starvla_qwenpi_v3_tiny", "QwenGR00T": SHARED / "fixtures" / "starvla_gr00t_tiny"}
@@ -81,7 +81,7 @@ def test_engine_steps_the_restored_model_with_a_language_request_and_matches_the
     assert bool(states) == (framework == "QwenGR00T")
     cfg = EngineConfig(num_slots=2, max_new_tokens=4, admissions_per_frame=1, tokens_per_frame=2)
     eng = Engine(vla, cfg)
-    eng.submit(max_tokens=4, stop_token=None, row=1)  # decodes on row 1's (left-padded) prefix
+    eng.submit(max_tokens=4, stop_ids=(), row=1)  # decodes on row 1's (left-padded) prefix
     res = eng.step(inputs, noises, states=states or None)
     assert res.batch == 1  # the request decoded in this frame
     tol = parity.ATOL + parity.ATOL * float(np.max(np.abs(ref["actions"])))  # the fixture's atol = rtol = 1e-4

@@ -27,7 +27,7 @@ from oxygen_jax.ckpts.load import load_model, source_kind
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors, write_safetensors
 from oxygen_jax.models import heads as hd
 from oxygen_jax.runtime.engine import Engine, EngineConfig
-from oxygen_jax.runtime.vla import MultiHead
+from oxygen_jax.models.vla import MultiHead
 
 ATOL = 1e-4
 
@@ -86,7 +86,7 @@ def test_load_model_restores_xr0_and_engine_steps_it_with_a_language_request(loa
     states = {n: ref["state"][:, 0] for n in vla.heads}
     cfg = EngineConfig(num_slots=2, max_new_tokens=4, admissions_per_frame=1, tokens_per_frame=2)
     eng = Engine(vla, cfg)
-    eng.submit(max_tokens=4, stop_token=None, row=1)
+    eng.submit(max_tokens=4, stop_ids=(), row=1)
     res = eng.step(inputs, noises, states=states)
     assert res.batch == 1  # the request decoded in this frame
     for r in range(b):

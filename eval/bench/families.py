@@ -127,7 +127,7 @@ def write(out: Path) -> str:
           "one slot KiB: K/V + window + state (largest N) |", "|---|---|---|---|---|"]
     for f, c in comp.items():
         d, m = c["decode_step_ms"], slots.get(f)
-        mem = "–" if m is None else f"{m['kv'] / 1024:,.0f} + {m['window'] / 1024:,.0f} + {m['state'] / 1024:,.0f}"
+        mem = "–" if m is None else f"{m['kv'] / 1024:,.0f} + {m.get('window', 0) / 1024:,.0f} + {m.get('state', 0) / 1024:,.0f}"
         md.append(f"| {f} | {_f(c['prefix_ms'], 1)} | {_f(c['actions_ms'], 1)} | {_f(d.get('1'), 1)} / {_f(d.get('8'), 1)} | {mem} |")
     md.append("(one slot = what the continuous run's pool holds per request; – for runs recorded before the bench "
               "reported it; window + state are Qwen3.5's fixed linear-layer state, the same at any N)")

@@ -107,17 +107,18 @@ class RequestTable:
 
     def __init__(self, budgets: Sequence[int], fixed_length: bool):
         r = len(budgets)
-        stops = [-1] * r if fixed_length else None
+        # --eos: stop at π0.5's EOS id (the bench's random-weight models carry no tokenizer of their own)
+        self._stop = () if fixed_length else (EOS_ID,)
+        stops = [self._stop] * r
         # One extra default row (valid False, id -1) pads batches.
-        table = decode.make_requests(r + 1, 0, list(range(r)), budgets=list(budgets), stop_tokens=stops)
+        table = decode.make_requests(r + 1, 0, list(range(r)), budgets=list(budgets), stop_ids=stops)
         self._fields = {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
         self._pad = r
         self.budgets = list(budgets)
 
     def tickets(self) -> list[Ticket]:
         """Fresh host tickets for every request (one set per continuous runner), keys derived here."""
-        stop = None if self._fields["sampling"].stop_token[0] == -1 else EOS_ID
-        return [Ticket.make(rid, budget=b, stop_token=stop) for rid, b in enumerate(self.budgets)]
+        return [Ticket.make(rid, budget=b, stop_ids=self._stop) for rid, b in enumerate(self.budgets)]
 
     def batch(self, ids: Sequence[int], size: int):
         if len(ids) > size:
@@ -231,14 +232,15 @@ class Runner:
 
 def pool_slot_bytes(pool: decode.DecodePool | None) -> dict[str, int] | None:
     """One slot's bytes in the pool the runner allocated, by part (`decode.slot_bytes`' names): K/V of the
-    attention layers; Qwen3.5's conv window and recurrent state (0 for other models); total with bookkeeping.
+    attention layers; the decoder's carry parts (Qwen3.5's conv window and recurrent state; none for other
+    models); total with bookkeeping.
     From shapes, so a donated pool still answers."""
     if pool is None:
         return None
     nbytes = lambda *xs: sum(math.prod(x.shape) * x.dtype.itemsize for x in xs if x is not None)  # noqa: E731
     slots = pool.k.shape[1]
-    parts = dict(kv=nbytes(pool.k, pool.v), window=nbytes(pool.window), state=nbytes(pool.state),
-                 total=nbytes(*jax.tree.leaves(pool)))
+    carry = {name: nbytes(leaf) for name, leaf in (pool.carry or {}).items()}  # Qwen3.5: window, state
+    parts = dict(kv=nbytes(pool.k, pool.v), **carry, total=nbytes(*jax.tree.leaves(pool)))
     return {name: b // slots for name, b in parts.items()}
 
 
@@ -318,21 +320,21 @@ def median_ms(fn: Callable, repeats: int) -> float:
     return float(np.median(times))
 
 
-def decode_step_ms(params, cache, b: int, g: int, repeats: int, bank=None, adapters=None) -> float:
+def decode_step_ms(lm, cache, b: int, g: int, repeats: int, bank=None, adapters=None) -> float:
     """Median time of one decode step with b active slots, timed inside `BURST`-step bursts.
 
     Every setting runs its decode steps inside one compiled loop, so a per-call dispatch and host
     sync per token would overstate t(B); a burst's time is divided by `BURST`.
     """
-    pool = decode.init_pool(params, b, cache.length, g, 0)
-    req = decode.make_requests(b, 0, list(range(b)), budgets=[g] * b, stop_tokens=[-1] * b, adapters=adapters)
-    pool, _, _ = decode.admit(params, pool, cache, req, bank)
-    pool, toks = decode.decode_burst(params, pool, BURST, bank)  # compile
+    pool = decode.init_pool(lm, b, cache.length, g, 0)
+    req = decode.make_requests(b, 0, list(range(b)), budgets=[g] * b, stop_ids=[-1] * b, adapters=adapters)
+    pool, _, _ = decode.admit(lm, pool, cache, req, bank)
+    pool, toks = decode.decode_burst(lm, pool, BURST, bank)  # compile
     jax.block_until_ready((pool, toks))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        pool, toks = decode.decode_burst(params, pool, BURST, bank)
+        pool, toks = decode.decode_burst(lm, pool, BURST, bank)
         jax.block_until_ready((pool, toks))
         times.append((time.perf_counter() - start) * 1e3 / BURST)
     return float(np.median(times))

@@ -54,7 +54,7 @@ from oxygen_jax.models import heads as hd
 from oxygen_jax.models import mot
 from oxygen_jax.runtime import decode
 from oxygen_jax.runtime import frame as schedule
-from oxygen_jax.runtime.vla import MultiHead
+from oxygen_jax.models.vla import MultiHead
 
 HEADS = {"xr0": "xr0", "starvla": "starvla_qwenpi_v3", "gr00t": "gr00t"}
 """`--heads` names -> head names inside `mot.preset` models (bench and tiny scale alike)."""

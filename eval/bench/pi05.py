@@ -38,7 +38,7 @@ from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 from oxygen_jax.robots.transforms import make_observation, synthetic_sample
 from oxygen_jax.runtime import decode
 from oxygen_jax.runtime import frame as schedule
-from oxygen_jax.runtime.vla import Pi05
+from oxygen_jax.models.pi05.model import HEAD, as_vla, language_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,7 @@ def group_inputs(ctx: harness.RunContext, group: Group, robot) -> harness.GroupI
 
 
 def _noises(noise):
-    return {Pi05.HEAD: noise}
+    return {HEAD: noise}
 
 
 class _ToCompletionRunner(harness.Runner):
@@ -147,12 +147,12 @@ class _ToCompletionRunner(harness.Runner):
         g, x, params = self.x.group, self.x, self.params
         steps, n = g.num_steps, g.decode_len
         obs, noise, req = x.observations[f], _noises(x.noise[f]), x.frame_requests[f]
-        vla = Pi05(params, steps)
+        vla = as_vla(params, steps)
         if req is None or self.setting == "actions_only":
-            return jax.device_get(schedule.head_program(vla, Pi05.HEAD, obs, noise)), None
+            return jax.device_get(schedule.head_program(vla, HEAD, obs, noise)), None
         if self.setting == "isolated":
             # The action task finishes (on the host) before the text task starts.
-            actions = jax.device_get(schedule.head_program(vla, Pi05.HEAD, obs, noise))
+            actions = jax.device_get(schedule.head_program(vla, HEAD, obs, noise))
             _, generated = jax.device_get(schedule.text_program(vla, obs, req, max_new_tokens=n))
             return actions, generated
         run = schedule.shared_kv_program if self.setting == "shared_kv" else schedule.run_parallel
@@ -166,10 +166,10 @@ class _ToCompletionRunner(harness.Runner):
         sizes = sorted({len(a) for a in x.arrivals})
         wl = g.workload
         keys: list[tuple[str, Callable]] = []
-        obs, noise, vla = x.observations[0], _noises(x.noise[0]), Pi05(params, steps)
+        obs, noise, vla = x.observations[0], _noises(x.noise[0]), as_vla(params, steps)
         if 0 in sizes or self.setting in ("isolated", "parallel", "actions_only"):
             keys.append((f"action/{wl}/S={steps}",
-                         lambda: schedule.head_program(vla, Pi05.HEAD, obs, noise)))
+                         lambda: schedule.head_program(vla, HEAD, obs, noise)))
         for j in (s for s in sizes if s > 0 and self.setting != "actions_only"):
             req = x.table.batch([], j)  # shapes are all that matter here
             if self.setting == "shared_kv":
@@ -202,7 +202,7 @@ class _FrameStepRunner(harness.ContinuousRunner):
         self.bank, self.adapter_share = bank, adapter_share
 
     def _new_pool(self):
-        return decode.init_pool(self.params, self.slots, self.x.prefix_len, self.x.group.decode_len, 0)
+        return decode.init_pool(language_model(self.params), self.slots, self.x.prefix_len, self.x.group.decode_len, 0)
 
     def compile(self, log: dict[str, float]) -> None:
         g, x = self.x.group, self.x
@@ -214,7 +214,7 @@ class _FrameStepRunner(harness.ContinuousRunner):
         def thunk():
             # A throwaway pool with one admitted request, so the compiled program also ran its decode path.
             req = x.table.batch([0] if x.table.budgets else [], self.admissions)
-            _, out = schedule.frame_step(Pi05(self.params, g.num_steps), self._new_pool(), x.observations[0],
+            _, out = schedule.frame_step(as_vla(self.params, g.num_steps), self._new_pool(), x.observations[0],
                                          _noises(x.noise[0]), req, np.zeros((self.slots,), bool), self.bank,
                                          tokens_per_frame=self.k)
             return jax.device_get(out)
@@ -229,7 +229,7 @@ class _FrameStepRunner(harness.ContinuousRunner):
     def _step(self, pool, f: int, req, evict):
         """One frame program on `pool` with frame f's inputs (donates the pool)."""
         x = self.x
-        return schedule.frame_step(Pi05(self.params, x.group.num_steps), pool, x.observations[f], _noises(x.noise[f]),
+        return schedule.frame_step(as_vla(self.params, x.group.num_steps), pool, x.observations[f], _noises(x.noise[f]),
                                    req, evict, self.bank, tokens_per_frame=self.k)
 
 
@@ -265,10 +265,10 @@ def measure_components(params, obs, noise, *, steps: Sequence[int], batches: Seq
     g = max(max_new_tokens, (repeats + 2) * harness.BURST + 2)  # room for the compile burst and every timed burst
     decode_ms, adapter_ms, mixed_ms = {}, {}, {}
     for b in sorted(set(batches)):
-        decode_ms[b] = harness.decode_step_ms(params, cache, b, g, repeats)
+        decode_ms[b] = harness.decode_step_ms(language_model(params), cache, b, g, repeats)
         if bank is not None:
-            adapter_ms[b] = harness.decode_step_ms(params, cache, b, g, repeats, bank, [1] * b)
-            mixed_ms[b] = harness.decode_step_ms(params, cache, b, g, repeats, bank, [i % 2 for i in range(b)])
+            adapter_ms[b] = harness.decode_step_ms(language_model(params), cache, b, g, repeats, bank, [1] * b)
+            mixed_ms[b] = harness.decode_step_ms(language_model(params), cache, b, g, repeats, bank, [i % 2 for i in range(b)])
     return metrics.Components(prefill_ms=prefill_ms, denoise_ms=denoise_ms, decode_step_ms=decode_ms,
                               adapter_step_ms=adapter_ms, mixed_step_ms=mixed_ms)
 

@@ -296,12 +296,12 @@ def greedy_text(params, obs: Observation, num_tokens: int):
     """Greedy decode of every row without a stop token; returns (tokens [B, n], logits [B, n, V], cache)."""
     cache = model.prefill(params, obs)
     b = obs.batch_size
-    pool = decode.init_pool(params, b, cache.length, num_tokens)
-    req = decode.make_requests(b, 0, list(range(b)), rows=list(range(b)), budgets=[num_tokens] * b, stop_tokens=[-1] * b)
+    pool = decode.init_pool(model.language_model(params), b, cache.length, num_tokens)
+    req = decode.make_requests(b, 0, list(range(b)), rows=list(range(b)), budgets=[num_tokens] * b, stop_ids=[-1] * b)
     logits = [model.lm_logits(params, cache.last_hidden)]
-    pool, _, _ = decode.admit(params, pool, cache, req)
+    pool, _, _ = decode.admit(model.language_model(params), pool, cache, req)
     for _ in range(num_tokens - 1):
-        pool, _, lg = decode.decode_step(params, pool)
+        pool, _, lg = decode.decode_step(model.language_model(params), pool)
         logits.append(lg)
     return np.asarray(pool.tokens), np.stack([np.asarray(x) for x in logits], 1), cache
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from eval.parity.checks import Checker, Row, report
 from oxygen_jax.ckpts import qwen35 as ckpt
+from oxygen_jax.models import qwen35_decoder
 from oxygen_jax.models import backbone, qwen3_vl, qwen35
 from oxygen_jax.models.backbone import Decoder
 from oxygen_jax.models.qwen35 import Qwen35Spec
@@ -123,10 +124,10 @@ def pool_greedy(spec: Qwen35Spec, decoder: Decoder, x, ids, positions, input_mas
     b, t = input_mask.shape
     cut = t - prompt
     pre = _prefix_pass(spec, decoder, x[:, :cut], jnp.asarray(positions)[..., :cut], jnp.asarray(input_mask[:, :cut]))
-    lm = qwen35.language_model(spec, decoder)
+    lm = qwen35_decoder.language_model(spec, decoder)
     pool = decode.init_pool(lm, b, cut, num_tokens, capacity)
     req = decode.make_requests(b, capacity, list(range(b)), rows=list(range(b)), prompts=[list(r) for r in np.asarray(ids)[:, cut:]],
-                               budgets=[num_tokens] * b, stop_tokens=[-1] * b)
+                               budgets=[num_tokens] * b, stop_ids=[-1] * b)
     pool, _, _ = decode.admit(lm, pool, pre, req)
     return np.asarray(decode.decode_to_completion(lm, pool).tokens)
 

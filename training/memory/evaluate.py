@@ -16,6 +16,7 @@ import numpy as np
 from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME
 from oxygen_jax.demo import normalize_answer
 from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.params import Params
 from oxygen_jax.robots.tokenizer import Tokenizer
 from oxygen_jax.runtime.engine import Engine, EngineConfig
@@ -54,9 +55,9 @@ def engine_answers(
     prompt = task.prompt_ids
     budget = max_new_tokens or max(1, task.suffix_len - len(prompt))
     horizon = task.robot.action_horizon
-    engine = Engine(params, EngineConfig(num_slots=b, max_new_tokens=budget, prompt_capacity=len(prompt),
-                                         admissions_per_frame=b, tokens_per_frame=budget, num_steps=num_steps,
-                                         action_horizon=horizon, seed=noise_seed),
+    engine = Engine(model.as_vla(params, num_steps), EngineConfig(
+        num_slots=b, max_new_tokens=budget, prompt_capacity=len(prompt), admissions_per_frame=b, tokens_per_frame=budget,
+        action_horizon=horizon, seed=noise_seed),
                     None, bank=bank, adapter_names=() if bank is None else (adapter_name,))  # detokenised below
     texts, tokens, actions = [], [], []
     for k, (batch, real) in enumerate(batches):

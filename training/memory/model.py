@@ -98,7 +98,7 @@ def suffix_logits(params: Params, prefix, tokens: jax.Array, bank: lora.LoraBank
       tokens: int32 [B, T]; bank, adapter: optional LoRA bank and int32 [B] adapter ids.
     """
     rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    _, _, h = decode.suffix_forward(params, prefix, rows, tokens, bank, adapter)
+    _, _, h = decode.suffix_forward(model.language_model(params), prefix, rows, tokens, bank, adapter)
 
     def position(h_j):  # [B, D] -> [V, B], as admission computes its seed logits
         normed = model.final_norm(params, h_j[:, None, :])
