@@ -1,11 +1,13 @@
 """Named heads: the published XR0, StarVLA QwenPI_v3 and QwenGR00T heads on Qwen3-VL-4B, with the public
-code each was read from and what stayed ambiguous, plus their `_bench` and `_tiny` scales.
+code each was read from and what stayed ambiguous, plus their `_bench` and `_tiny` scales, and
+`for_backbone`: a head kind at one of those scales sized to any backbone (random weights, for measurement).
 
 Axes: none (specs only; the dims are the spec types' fields).
 """
 
 from __future__ import annotations
 
+from oxygen_jax.models.backbone import BackboneSpec
 from oxygen_jax.models.heads.cross import CrossHiddenSpec, CrossLastSpec
 from oxygen_jax.models.heads.joint import JointKvSpec
 from oxygen_jax.models.heads.spec import HeadSpec
@@ -144,3 +146,65 @@ def preset(name: str) -> HeadSpec:
     if name not in _PRESETS:
         raise ValueError(f"unknown head preset {name!r}; choose one of {sorted(_PRESETS)}")
     return _PRESETS[name]()
+
+
+KINDS = {"xr0": "xr0", "starvla": "starvla_qwenpi_v3", "gr00t": "gr00t"}
+"""Head kinds `for_backbone` builds -> the head's name inside a model (the published heads' names)."""
+
+# The head's own size per scale (what does not depend on the backbone): the `_tiny` / `_bench` presets' values.
+_SCALES = {
+    "tiny": {
+        "xr0": dict(width=32, depth=2, mlp=64, horizon=6, action_dim=8, state_dim=5, steps=3),
+        "starvla": dict(width=32, depth=3, heads=2, head_dim=16, proj=32, future=4, horizon=5, steps=2, io_hidden=24,
+                        max_positions=8),
+        "gr00t": dict(width=32, depth=2, heads=2, head_dim=16, out_dim=16, future=3, horizon=4, state_dim=6, steps=2,
+                      io_hidden=24, max_positions=8),
+    },
+    "bench": {
+        "xr0": dict(width=512, depth=4, mlp=2048),
+        "starvla": dict(width=512, depth=8, heads=8, head_dim=64, proj=512),
+        "gr00t": dict(width=384, depth=4, heads=6, head_dim=64, out_dim=512),
+    },
+}
+
+
+def for_backbone(kind: str, backbone: BackboneSpec, scale: str = "tiny", *, reads_kv: bool = True) -> HeadSpec:
+    """A head of `kind` ('xr0', 'starvla', 'gr00t') at `scale` ('tiny', 'bench') that fits `backbone`.
+
+    What the head reads comes from the backbone; its own width and depth from the scale (the `_tiny` /
+    `_bench` presets' values, the depth capped at the backbone's):
+
+    * xr0: K/V heads and head_dim of the backbone (N = K query heads, as released), `kv_layers` = the last
+      `depth` layers. On a 3-layer backbone at tiny scale (depth 2): kv_layers (1, 2).
+    * starvla (QwenPI_v3): `vlm_width` = D, `hidden_layers` = the last `depth` hidden states (HF indices
+      L - depth + 1 .. L). On 3 layers at tiny scale (depth 3): (1, 2, 3).
+    * gr00t (QwenGR00T): `vlm_width` = D, `hidden_layer` = L (the last hidden state).
+
+    `reads_kv=False`: a backbone whose layers do not all keep K/V (Qwen3.5's linear-attention layers),
+    which takes hidden-state heads only. The result passes `check_backbone(backbone)`.
+
+    Raises:
+      ValueError: an unknown kind or scale, or xr0 on a backbone without K/V (one line naming what fits).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown head kind {kind!r}; choose from {', '.join(KINDS)}")
+    if scale not in _SCALES:
+        raise ValueError(f"unknown head scale {scale!r}; choose from {', '.join(_SCALES)}")
+    if kind == "xr0" and not reads_kv:
+        raise ValueError(f"head kind 'xr0' reads the backbone's K/V, which this {backbone.family} backbone's "
+                         "linear-attention layers do not keep; heads that fit it: starvla, gr00t")
+    s, depth = _SCALES[scale][kind], backbone.depth
+    rest = {k: v for k, v in s.items() if k not in ("width", "depth", "mlp", "heads", "head_dim", "proj", "out_dim")}
+    if kind == "xr0":
+        d = min(s["depth"], depth)
+        k = backbone.num_kv_heads
+        head = _xr0(KINDS[kind], width=s["width"], depth=d, heads=k, kv_heads=k, head_dim=backbone.head_dim,
+                    mlp=s["mlp"], kv_layers=range(depth - d, depth), **rest)
+    elif kind == "starvla":
+        head = _starvla(KINDS[kind], width=s["width"], depth=min(s["depth"], depth), heads=s["heads"],
+                        head_dim=s["head_dim"], vlm_width=backbone.width, proj=s["proj"], vlm_depth=depth, **rest)
+    else:
+        head = _gr00t(KINDS[kind], width=s["width"], depth=s["depth"], heads=s["heads"], head_dim=s["head_dim"],
+                      vlm_width=backbone.width, vlm_depth=depth, out_dim=s["out_dim"], **rest)
+    head.check_backbone(backbone)
+    return head
