@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from oxygen_jax.models import mot
 from oxygen_jax.models.decoder import LanguageDecoder
@@ -51,6 +52,15 @@ class MultiHead:
         if not self.spec.heads:
             raise ValueError("this model has no action head")
         return self.spec.names[0]
+
+    def primary_chunk(self, actions: dict, batch: int) -> np.ndarray:
+        """The primary head's chunk [B, Ha, Ad] of `actions` (head name -> chunk, as `actions()` returns them).
+
+        A model without a head (a language-only backbone) has an empty chunk: float32 [B, 0, 0].
+        """
+        if not self.spec.heads:
+            return np.zeros((batch, 0, 0), np.float32)
+        return np.asarray(actions[self.primary])
 
     @property
     def vocab_size(self) -> int:

@@ -104,7 +104,7 @@ class FailedRequest:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    actions: np.ndarray  # [B, Ha, Ad] of the primary head
+    actions: np.ndarray  # [B, Ha, Ad] of the primary head ([B, 0, 0]: a model without a head)
     finished: list[FinishedRequest]
     new_text: dict[int, str]  # request id -> text completed this frame (with a tokenizer)
     frame: int
@@ -494,7 +494,7 @@ class Engine:
                 f"frame {self._frame}: the model returned non-finite actions (NaN/inf) in rows {sorted(bad)}; check "
                 "the parameters and the observation (images in [-1, 1], normalised state)")
         offered = self._sched.offered()
-        result = self._absorb(out, start, end, errors)
+        result = self._absorb(out, b, start, end, errors)
         return self._isolate(result, bad, rows, offered) if bad else result
 
     def _isolate(self, result: StepResult, bad: dict[int, str], rows: list[int],
@@ -540,7 +540,7 @@ class Engine:
             return detok.push([t for t in tokens if 0 <= t < vocab])
         return detok.push([t if 0 <= t < vocab else self._unk for t in tokens])
 
-    def _absorb(self, out: FrameOutput, start: float, end: float, errors: list[FailedRequest]) -> StepResult:
+    def _absorb(self, out: FrameOutput, b: int, start: float, end: float, errors: list[FailedRequest]) -> StepResult:
         frame = self._frame
         events = self._sched.absorb(out, frame)
         new_text: dict[int, str] = {}
@@ -567,7 +567,7 @@ class Engine:
             ))
         self._frame += 1
         return StepResult(
-            actions=np.asarray(out.actions[self.vla.primary]), finished=finished, new_text=new_text, frame=frame,
+            actions=self.vla.primary_chunk(out.actions, b), finished=finished, new_text=new_text, frame=frame,
             frame_ms=(end - start) * 1e3, batch=events.batch, queued=self._sched.num_queued, errors=errors,
             head_actions={n: np.asarray(a) for n, a in out.actions.items()},
         )
