@@ -44,8 +44,10 @@ class PromptRows:
 
 
 def image_tokens(spec: ModelSpec, image_size: int) -> int:
-    """Image tokens per camera for square images of `image_size` px."""
+    """Image tokens per camera for square images of `image_size` px (0 on a text-only backbone: Qwen3)."""
     vspec = spec.backbone.vision
+    if vspec is None:  # a text-only backbone reads the prompt alone
+        return 0
     if not isinstance(vspec, qwen3_vl.Qwen3VisionSpec):
         raise ValueError("prompt rows with images need a Qwen3-VL vision backbone (ModelSpec.backbone.vision)")
     side = vspec.patch_size * vspec.spatial_merge_size
@@ -104,7 +106,7 @@ def stack_rows(rows: Sequence[PromptRows], batch: int) -> PromptRows:
 
 def model_inputs(spec: ModelSpec, rows: PromptRows) -> tuple[PrefixInputs, dict[str, np.ndarray]]:
     """Patchified `PrefixInputs` and head name -> state [B, Dh] for the heads with a state token."""
-    images = [im for row in rows.images for im in row]
+    images = [im for row in rows.images for im in row] if spec.backbone.vision is not None else []
     inputs = mot.make_inputs(spec, rows.ids, rows.mask, images)
     states = {}
     for h in spec.heads:

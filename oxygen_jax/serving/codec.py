@@ -8,8 +8,10 @@ with several heads are served by the same code:
 
 * `Pi05Codec`: rows are π0.5 `Observation`s (`transforms.make_observation`); one head, so a response is
   exactly openpi's.
-* `HeadsCodec`: rows are `prompt_rows.PromptRows` (image tokens + prompt, left-padded to a fixed length);
-  the primary head's chunk is "actions", and every head's chunk is under "heads": {name: [Ha, Da]} —
+* `HeadsCodec`: rows are `prompt_rows.PromptRows` (image tokens + prompt, left-padded to a fixed length;
+  a text-only backbone's rows are the prompt alone); the primary head's chunk is "actions" (a model without
+  a head, a language-only backbone, answers an empty [0, Da] chunk and metadata "action_horizon": 0, its
+  replies carrying only "language"), and every head's chunk is under "heads": {name: [Ha, Da]} —
   in robot units (unnormalised, sliced to the robot's action dim) when the head has at least the robot's
   action dims, else as the head emits it. A head restored with its own un-normalisation (StarVLA's
   `dataset_statistics.json`) is mapped by that function instead (`outputs=`). With a chat tokenizer (a
@@ -117,6 +119,8 @@ class _Codec:
         return transforms.robot_outputs(self.robot, chunk, state, self.norm_stats)
 
     def metadata(self) -> dict:
+        if not self.heads:  # a language-only model: every reply's "actions" is an empty chunk
+            return {"action_horizon": 0, "primary_head": None, "noise": {"rule": "none: the model has no action head"}}
         ha, ad = self.shapes[self.primary]
         meta = {"action_horizon": ha, "noise": {"rule": "np.random.default_rng([seed, stream, frame]).standard_normal("
                                                         f"({ha}, {ad})).astype(np.float32)"}}
@@ -158,7 +162,7 @@ class HeadsCodec(_Codec):
             raise ValueError(f"outputs names heads {sorted(set(self.transforms) - set(self.heads))} this model does "
                              f"not have (it has {list(self.heads)})")
         prompt_rows.image_tokens(self.spec, image_size)  # fails early on an image size the ViT cannot patch
-        self.native = native_prompts.family_of(self.spec) if hasattr(tokenizer, "special_id") else None
+        self.native = native_family(self.spec, tokenizer)
 
     def prepare(self, sample: Mapping) -> prompt_rows.PromptRows:
         if self.native:
@@ -180,6 +184,8 @@ class HeadsCodec(_Codec):
         return inputs, states or None
 
     def outputs(self, head_actions: Mapping[str, np.ndarray], i: int, state: np.ndarray) -> tuple[np.ndarray, dict]:
+        if not self.heads:
+            return np.zeros((0, self.robot.action_dim), np.float32), {}
         heads = {}
         for name in self.heads:
             chunk = np.asarray(head_actions[name][i], np.float32)
@@ -188,6 +194,15 @@ class HeadsCodec(_Codec):
             else:
                 heads[name] = self._robot_chunk(chunk, state) if chunk.shape[-1] >= self.robot.action_dim else chunk
         return heads[self.primary], {"heads": heads}
+
+
+def native_family(spec, tokenizer) -> str | None:
+    """The native prompt family (`native_prompts.family_of`) the rows of a `HeadsCodec` use, or None: plain
+    prompt rows. Native rows need a chat tokenizer (a `tokenizer.json`), a first head of an XR0 / StarVLA kind
+    and a vision backbone; a language-only model or a text-only backbone gets plain rows."""
+    if not hasattr(tokenizer, "special_id") or not spec.heads or spec.backbone.vision is None:
+        return None
+    return native_prompts.family_of(spec)
 
 
 def make_codec(engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None, *,
