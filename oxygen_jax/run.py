@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from oxygen_jax import command_model as cm
 from oxygen_jax.cli import OneLineParser, existing, float_in, int_at_least
 
 _DEMO_LINE = (
@@ -49,14 +50,30 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--demo", type=existing("dir"), default=None,
                    help="a demo folder (default: checkpoints/demo, the embedded default)")
     m.add_argument("--ckpt", type=existing("dir"),
-                   help="an openpi checkpoint (params dir or its parent) or one saved by oxygen_jax; replaces --preset")
+                   help="any model checkpoint directory: π0.5 (openpi's, params dir or its parent, or one saved by "
+                        "oxygen_jax), Xiaomi-Robotics-0 or StarVLA (its own head), or a bare Hugging Face Qwen3 / "
+                        "Qwen3-VL / Qwen3.5 backbone (language only, or --heads); replaces --preset")
+    m.add_argument("--heads", metavar="KINDS", type=cm.parse_heads,
+                   help="random action heads on a bare backbone --ckpt (without --ckpt: a random Qwen3-VL backbone): "
+                        "comma-separated xr0, starvla, gr00t (Qwen3.5: starvla, gr00t), sized to the backbone; "
+                        "'tiny' / 'bench' = all three at that size")
+    m.add_argument("--head-size", choices=list(cm.SIZES), help="--heads KINDS: the heads' own size (default tiny)")
+    m.add_argument("--image-size", type=int_at_least(1), default=224,
+                   help="Qwen-backbone models: camera images resized to this square size (a multiple of patch x "
+                        "merge px; default: 224)")
+    m.add_argument("--prompt-len", type=int_at_least(1), default=None,
+                   help="Qwen-backbone models: tokens per observation row, image tokens included (default: image "
+                        "tokens + 48)")
+    m.add_argument("--action-mask", metavar="FILE",
+                   help="Xiaomi-Robotics-0: the robot's [Ha, Ad] 0/1 action mask (.npy or .json; see serve --help)")
     m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 on GPUs")
     m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                    help="openpi's bidirectional prompt, or OxyGen's causal variant")
     m.add_argument("--tokenizer", type=existing("file"),
-                   help="PaliGemma SentencePiece model (default: tokenizer.model beside --ckpt, else a tiny demo "
-                        "tokenizer trained offline)")
+                   help="π0.5: a PaliGemma SentencePiece model (default: tokenizer.model beside --ckpt, else a tiny demo "
+                        "tokenizer trained offline); Qwen backbones: a tokenizer.json (default: the one in or beside "
+                        "--ckpt; without one, requests are token ids: --prompt-tokens)")
     r = ap.add_argument_group("loop")
     r.add_argument("--frames", type=int_at_least(1), default=16, help="control frames to run (default: 16)")
     r.add_argument("--steps", type=int_at_least(1), default=10, help="denoising steps per action chunk (default: 10)")
@@ -67,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--prompt", default=None,
                    help="text written after the observation for each language request (default: the demo's "
                         "'Memory: ', or 'Subtask: ' with random weights)")
+    t.add_argument("--prompt-tokens", type=_token_ids, default=None, metavar="IDS",
+                   help="the request's prompt as comma-separated token ids instead of --prompt text (a model without "
+                        "a tokenizer: default none, the request continues the observation)")
     t.add_argument("--request-every", type=int_at_least(0), default=1,
                    help="a new language request every N frames; 0: actions only (default: 1)")
     t.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
@@ -80,6 +100,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="persistent compilation cache (default: $OXYGEN_JAX_CACHE_DIR or ~/.cache/oxygen_jax/xla)")
     ap.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
     return ap
+
+
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 5,17,9, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids are >= 0, got {text!r}")
+    return ids
 
 
 def _fail(message: str) -> int:
@@ -97,109 +127,145 @@ _ACTION_NAMES = {
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.demo is not None and (args.preset or args.ckpt):
-        parser.error("--demo cannot be combined with --preset or --ckpt")
-    if args.preset and args.ckpt:
-        parser.error("give --preset or --ckpt, not both")
-    demo_mode = args.preset is None and args.ckpt is None
+    if args.demo is not None and (args.preset or args.ckpt or args.heads):
+        parser.error("--demo cannot be combined with --preset, --ckpt or --heads")
+    if args.preset and (args.ckpt or args.heads):
+        parser.error(f"give --preset or {'--ckpt' if args.ckpt else '--heads'}, not both")
+    if args.prompt is not None and args.prompt_tokens is not None:
+        parser.error("give --prompt (text) or --prompt-tokens (ids), not both")
+    demo_mode = args.preset is None and args.ckpt is None and args.heads is None
     if demo_mode and args.tokenizer:
-        parser.error("--tokenizer applies to --preset / --ckpt; the demo brings its own")
-    print(_DEMO_LINE if demo_mode else _RANDOM_LINE if args.preset else f"oxygen_jax main job: checkpoint {args.ckpt}",
-          flush=True)
+        parser.error("--tokenizer applies to --preset / --ckpt / --heads; the demo brings its own")
+    print(_DEMO_LINE if demo_mode else _RANDOM_LINE if args.ckpt is None else
+          f"oxygen_jax main job: checkpoint {args.ckpt}", flush=True)
 
     import jax
 
-    from oxygen_jax.ckpts.load import load_model
     from oxygen_jax.runtime import compile_cache
     from oxygen_jax.robots import transforms
     from oxygen_jax.models.pi05.config import robot_config
-    from oxygen_jax.models.pi05.model import as_vla
     from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
     from oxygen_jax.nn.layers import param_count
-    from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
+    from oxygen_jax.serving.codec import make_codec
 
     cache = None if args.no_cache else compile_cache.enable(args.cache_dir)
-    bank, adapter_names, adapter, truths = None, (), 0, None
+    bank, adapter_names, adapter, truths, rows, stops = None, (), 0, None, {}, None
     if demo_mode:
         from oxygen_jax.demo import DEMO_DIR, load_demo, normalize_answer
+        from oxygen_jax.models.pi05.model import as_vla
 
         try:
             demo = load_demo(args.demo or DEMO_DIR)
         except (ValueError, OSError) as e:
             return _fail(f"cannot load the embedded demo ({args.demo or DEMO_DIR}): {str(e).splitlines()[0]}")
-        cfg, params, tok, robot, norm_stats = demo.config, demo.params, demo.tokenizer, demo.robot, None
+        vla, toks, robot, norm_stats = as_vla(demo.params, args.steps), cm.Tokenizers(demo.tokenizer, demo.tokenizer), \
+            demo.robot, None
         bank, adapter_names, adapter = demo.bank, demo.adapter_names, demo.adapter_names[0]
         samples, truths = demo.samples(), [f["memory"] for f in demo.frames]
         prompt, max_new = args.prompt or demo.prompt, args.max_new_tokens or demo.max_new_tokens
-        what = f"embedded demo ({args.demo or DEMO_DIR}), adapter {adapter!r}"
+        what, dtype = f"embedded demo ({args.demo or DEMO_DIR}), adapter {adapter!r}", demo.config.dtype
     else:
-        robot = robot_config(args.robot)
-        try:  # params laid out for the backend: unrolled layer loop on CPU, scanned on accelerators
-            model = load_model(args.ckpt, preset=None if args.ckpt else args.preset, family="pi05", dtype=args.dtype,
-                               prompt_attention=args.prompt_attention, seed=args.seed)
-        except (ValueError, OSError) as e:
-            return _fail(f"--ckpt {args.ckpt}: {str(e).splitlines()[0]}")
-        cfg, params, norm_stats, what = model.config, model.params, model.norm_stats, model.what
-        tok_file = args.tokenizer or model.tokenizer  # else the one found beside the checkpoint
+        robot, samples = robot_config(args.robot), None
         try:
-            tok = Tokenizer.from_file(tok_file) if tok_file else train_demo_tokenizer()
+            cm.check_flags(args.ckpt, heads=args.heads, action_mask=bool(args.action_mask),
+                           prompt_attention=args.prompt_attention)
+            mask = cm.read_action_mask(args.action_mask)
+        except ValueError as e:
+            return _fail(str(e))
+        where = f"--ckpt {args.ckpt}: " if args.ckpt else ""
+        try:  # params laid out for the backend: unrolled layer loop on CPU, scanned on accelerators
+            model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset, dtype=args.dtype,
+                            seed=args.seed, prompt_attention=args.prompt_attention, action_mask=mask)
         except (ValueError, OSError) as e:
-            return _fail(f"--tokenizer {tok_file}: {e}")
-        if tok.vocab_size > cfg.vocab_size:
-            return _fail(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}; "
-                         "pass the tokenizer the model was trained with (--tokenizer)")
+            return _fail(f"{where}{str(e).splitlines()[0]}")
+        try:
+            toks = cm.tokenizers(model, args.tokenizer)
+        except (ValueError, OSError) as e:
+            return _fail(f"--tokenizer {args.tokenizer or model.tokenizer}: {str(e).splitlines()[0]}")
+        vla, norm_stats, what, dtype = model.vla(args.steps), model.norm_stats, model.what, args.dtype
+        try:
+            rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)
+        except ValueError as e:
+            return _fail(str(e).splitlines()[0])
+        if vla.spec.input_kind == "observation" and args.prompt_len:
+            robot = robot.replace(max_token_len=args.prompt_len)
+        stops = () if model.source == "preset" else None  # random weights: decode to the budget
         prompt, max_new = args.prompt if args.prompt is not None else "Subtask: ", args.max_new_tokens or 12
+        if toks.text is None:
+            if args.prompt is not None:
+                return _fail("--prompt is text and this model has no tokenizer: pass --tokenizer tokenizer.json, or "
+                             "--prompt-tokens ids")
+            print(f"note: {toks.note}; requests continue the observation with --prompt-tokens "
+                  f"{list(args.prompt_tokens or ())} and print token ids", flush=True)
         rng = np.random.default_rng(args.seed)
-        samples = None
-    print(f"model: {what}, {param_count(params) / 1e6:.1f} M params, {cfg.dtype}; robot: {robot.name} "
-          f"({robot.num_cameras} cameras, {robot.action_horizon} actions per chunk); "
-          f"backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    ids = args.prompt_tokens if args.prompt_tokens is not None else None if toks.text is not None else ()
+    shown = prompt if ids is None else list(ids)
+    heads = {n: vla.action_shape(n, robot.action_horizon) for n in vla.heads}
+    print(f"model: {what}, {param_count(vla.params) / 1e6:.1f} M params, {dtype}; robot: {robot.name} "
+          f"({robot.num_cameras} cameras); heads: "
+          + (", ".join(f"{n} [{ha} x {ad}]" for n, (ha, ad) in heads.items()) or "none (language only)")
+          + f"; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
 
-    eng = Engine(as_vla(params, args.steps), EngineConfig(
-        num_slots=args.slots, max_new_tokens=max_new, prompt_capacity=max(len(tok.encode(prompt)), 1),
+    eng = Engine(vla, EngineConfig(
+        num_slots=args.slots, max_new_tokens=max_new,
+        prompt_capacity=max(len(ids) if ids is not None else len(toks.text.encode(prompt)), 1),
         tokens_per_frame=args.tokens_per_frame, action_horizon=robot.action_horizon,
-        seed=args.seed), tokenizer=tok, bank=bank, adapter_names=adapter_names)
+        seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names)
+    codec = make_codec(eng, robot, toks.rows, norm_stats, **rows)  # the server's: client sample -> model rows
 
     def observation(f: int):
         if samples is not None:  # the demo's held-out frames, in a loop
             sample = samples[f % len(samples)]
         else:
-            sample = transforms.synthetic_sample(robot, rng, prompt=args.task)
-        return sample, transforms.make_observation(robot, cfg, tok, [sample], norm_stats)
+            sample = transforms.synthetic_sample(robot, rng, prompt=args.task,
+                                                 image_size=rows.get("image_size", 224))
+        return sample, codec.batch([codec.prepare(sample)], 1)
 
-    sample, obs = observation(0)
-    print(f"compiling the frame program (prefill + {args.steps} denoise steps + admission + "
+    sample, (obs, states) = observation(0)
+    denoise = f"{args.steps} denoise steps" if vla.spec.input_kind == "observation" else "each head's denoise steps"
+    print(f"compiling the frame program (prefill + {denoise if heads else 'no head'} + admission + "
           f"{args.tokens_per_frame}-token decode) ...", end=" ", flush=True)
-    compile_s = eng.warmup(obs)
+    compile_s = eng.warmup(obs, states)
     print(f"{compile_s:.1f} s" + (f" (persistent cache: {cache})" if cache else ""), flush=True)
 
+    names = list(heads)
     print("\nlegend: frame = control frame; ms = frame time, observation in -> actions and new tokens on the host;\n"
           "        decoding = language requests that advanced this frame (one batched decode); queued = waiting for a\n"
-          f"        slot; action[0] = first action of the chunk ({_ACTION_NAMES[robot.name]}); a finished request\n"
-          "        prints the frame whose observation it read, its latency in frames (arrival to last token), its text"
+          f"        slot; action[0] = first action of {'each head' if len(names) > 1 else 'the chunk'} "
+          f"({_ACTION_NAMES[robot.name]}, where the head\n        has those dims; '-': no action head); a finished "
+          "request prints the frame whose observation it read,\n        its latency in frames (arrival to last token), its "
+          + ("text" if toks.text is not None else "token ids")
           + (",\n        and the true memory label of that frame." if truths else "."))
     print(f"{'frame':>5} {'ms':>8} {'decoding':>8} {'queued':>6}  action[0]")
     frame_ms, source, correct = [], {}, []
     for f in range(args.frames):
         if f:
-            sample, obs = observation(f)
+            sample, (obs, states) = observation(f)
         if args.request_every and f % args.request_every == 0:
             try:
-                rid = eng.submit(prompt=prompt, max_tokens=max_new, temperature=args.temperature, adapter=adapter,
-                                 stop_ids=() if args.preset else None)
+                text = dict(prompt=prompt) if ids is None else dict(prompt_tokens=list(ids))
+                rid = eng.submit(**text, max_tokens=max_new, temperature=args.temperature, adapter=adapter,
+                                 stop_ids=stops)
             except RequestError as e:
-                return _fail(f"--prompt: {e}")
+                return _fail(f"{'--prompt' if ids is None else '--prompt-tokens'}: {e}")
             source[rid] = f
-        res = eng.step(obs)
-        actions = transforms.robot_outputs(robot, res.actions, transforms.client_state(robot, sample)[None], norm_stats)
+        res = eng.step(obs, states=states)
+        primary, extras = codec.outputs(res.head_actions, 0, transforms.client_state(robot, sample))
+        chunks = extras.get("heads") or ({names[0]: primary} if names else {})
         frame_ms.append(res.frame_ms)
-        head = np.array2string(actions[0, 0], precision=3, suppress_small=True, max_line_width=200)
-        print(f"{f:5d} {res.frame_ms:8.1f} {res.batch:8d} {res.queued:6d}  {head}")
+        firsts = [(n, np.array2string(np.asarray(c)[0], precision=3, suppress_small=True, max_line_width=200))
+                  for n, c in chunks.items()]
+        label = (lambda n: f"{n} ") if len(firsts) > 1 else (lambda n: "")
+        print(f"{f:5d} {res.frame_ms:8.1f} {res.batch:8d} {res.queued:6d}  "
+              + (f"{label(firsts[0][0])}{firsts[0][1]}" if firsts else "-"))
+        for n, head in firsts[1:]:
+            print(f"{'':33s}{n} {head}")
         for done in res.finished:
             # A request continues the observation of the frame that admitted it.
             seen = done.admit_frame
+            said = repr(done.text) if toks.text is not None else f"tokens {list(done.tokens)}"
             line = (f"      request {done.request_id} (observation of frame {seen}) done after {done.latency_frames} "
-                    f"frames ({done.latency_ms:.0f} ms): {prompt!r} -> {done.text!r}")
+                    f"frames ({done.latency_ms:.0f} ms): {shown!r} -> {said}")
             if truths:
                 truth = truths[seen % len(truths)]
                 ok = normalize_answer(done.text or "") == normalize_answer(truth)
@@ -210,9 +276,10 @@ def main(argv=None) -> int:
             print(f"      request {err.request_id} dropped: {err.reason}")
     steady = np.asarray(frame_ms)
     med = float(np.median(steady))
+    horizon = heads[names[0]][0] if names else 0
     print(f"\ncompile (once, before frame 0): {compile_s:.2f} s; {len(steady)} frames: median {med:.1f} ms, "
-          f"p90 {np.percentile(steady, 90):.1f} ms -> {1e3 / med:.1f} action chunks/s, action Hz "
-          f"{robot.action_horizon * 1e3 / med:.0f} (= {robot.action_horizon} actions per chunk / frame time)")
+          f"p90 {np.percentile(steady, 90):.1f} ms -> {1e3 / med:.1f} frames/s, action Hz "
+          f"{horizon * 1e3 / med:.0f} (= {horizon} actions per chunk / frame time)")
     if correct:
         ev = demo.manifest.get("evaluation", {})
         print(f"memory answers matching the true label in this run: {sum(correct)}/{len(correct)}"

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from oxygen_jax import command_model as cm
 from oxygen_jax.cli import OneLineParser, float_in, int_at_least
 from oxygen_jax.runtime import compile_cache
 from oxygen_jax.serving.batcher import BUCKETS
@@ -79,13 +80,16 @@ def _parser() -> argparse.ArgumentParser:
                          "action_mask, else action_length and all ones)")
     model.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR",
                        help="serve the embedded demo (default DIR: checkpoints/demo) with its 'memory' adapter")
-    ap.add_argument("--heads", metavar="PRESET", choices=["tiny", "bench"],
-                    help="serve a Qwen3-VL backbone with XR0-, StarVLA- and GR00T-style heads and a language decoder "
-                         "(models.mot preset; random weights, or the backbone from a Hugging Face --ckpt); the "
-                         "first head's chunk is 'actions', every head's is under 'heads'")
+    ap.add_argument("--heads", metavar="KINDS", type=cm.parse_heads,
+                    help="random action heads on a bare Qwen3 / Qwen3-VL / Qwen3.5 --ckpt (without --ckpt: on a random "
+                         "Qwen3-VL backbone): comma-separated kinds xr0, starvla, gr00t (Qwen3.5: starvla, gr00t), "
+                         "sized to the backbone; 'tiny' / 'bench' = all three at that size. The first head's chunk is "
+                         "'actions', every head's is under 'heads'. Without it a bare backbone serves language only")
+    ap.add_argument("--head-size", choices=list(cm.SIZES),
+                    help="--heads KINDS: the heads' own width and depth (default tiny)")
     ap.add_argument("--image-size", type=_positive_int, default=224,
-                    help="--heads, XR0 / StarVLA: camera images are resized to this square size (a multiple of "
-                         "patch x merge px)")
+                    help="Qwen3-VL / Qwen3.5 backbones (XR0, StarVLA, bare): camera images are resized to this square "
+                         "size (a multiple of patch x merge px)")
     ap.add_argument("--dataset-key", help="StarVLA: the dataset_statistics.json entry to un-normalise with "
                                           "(default: its only entry)")
     ap.add_argument("--adapter", action="append", default=[], metavar="DIR",
@@ -158,130 +162,72 @@ def _fail(message: str, code: int = 1) -> int:
 def build(args: argparse.Namespace):
     """Loads the model and builds (engine, tokenizer, robot, norm_stats, mesh, rows) from CLI arguments.
 
-    `rows` are the `PolicyServer` keywords of a model with heads (image_size, prompt_len); {} for π0.5.
-    Raises ValueError / OSError with a one-line message for an unusable checkpoint or tokenizer.
+    What each kind of --ckpt serves, --heads and the tokenizers: `command_model`. `tokenizer` encodes the
+    observations' prompts; the engine's (`engine.tokenizer`) takes text requests, None when the model has no
+    tokenizer of its own (a log line says so; requests then send prompt_tokens). `rows` are the
+    `PolicyServer` keywords of a Qwen-backbone model (image_size, prompt_len, outputs); {} for π0.5.
+    Raises ValueError / OSError with a one-line message for an unusable checkpoint, tokenizer or flag.
     """
     import jax
 
-    from oxygen_jax.ckpts.load import load_model
     from oxygen_jax.models.pi05.config import robot_config
-    from oxygen_jax.models.pi05.model import as_vla
-    from oxygen_jax.models.vla import MultiHead
-    from oxygen_jax.robots.text_tokenizers import QwenTextTokenizer
-    from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
     from oxygen_jax.runtime.engine import Engine, EngineConfig
 
     robot = robot_config(args.robot)
-    native = not args.heads and args.demo is None and _native(args.ckpt)  # XR0 / StarVLA with its own head
-    if args.prompt_len and not (args.heads or native):
-        robot = robot.replace(max_token_len=args.prompt_len)
-    norm_stats, bank, names, tok, tok_file, rows, chat = None, None, (), None, args.tokenizer, {}, None
+    bank, names, rows, norm_stats = None, (), {}, None
     if args.demo is not None:
         if args.heads:
             raise ValueError("--heads cannot be combined with --demo (the demo is a π0.5 model)")
         from oxygen_jax.demo import DEMO_DIR, load_demo
+        from oxygen_jax.models.pi05.model import as_vla
 
         demo = load_demo(args.demo or DEMO_DIR)  # the repository's demo wherever the server starts
-        cfg, params, tok, bank, names = demo.config, demo.params, demo.tokenizer, demo.bank, demo.adapter_names
+        vla, toks, bank, names = as_vla(demo.params, args.steps), cm.Tokenizers(demo.tokenizer, demo.tokenizer), \
+            demo.bank, demo.adapter_names
         robot = demo.robot.replace(max_token_len=args.prompt_len) if args.prompt_len else demo.robot
-        vocab = cfg.vocab_size
-    elif args.heads or native:
-        if args.preset:
-            raise ValueError("give --heads or --preset, not both (--heads names the model with several heads)")
-        from oxygen_jax.models import mot
-        from oxygen_jax.robots.prompt_rows import image_tokens
-
-        if native:
-            model = load_model(args.ckpt, family="multihead", dtype=args.dtype, action_mask=_action_mask(args))
-            _warn_without_action_mask(model)
-        elif args.ckpt:
-            model = load_model(args.ckpt, heads=mot.preset(args.heads).heads, dtype=args.dtype, seed=args.seed)
-        else:
-            model = load_model(preset=mot.preset(args.heads), dtype=args.dtype, seed=args.seed)
-        cfg, params, norm_stats, tok_file = model.config, model.params, model.norm_stats, tok_file or model.tokenizer
-        if not isinstance(cfg, mot.ModelSpec):
-            raise ValueError(f"--heads needs a Qwen3 / Qwen3-VL backbone, but {model.what} is a π0.5 model")
-        n_img = image_tokens(cfg, args.image_size) * len(robot.cameras)
-        template = n_img
-        if native and (chat_file := _chat_tokenizer(args)):  # the native prompts of the checkpoint's tokenizer
-            from oxygen_jax.robots import native_prompts as npr
-
-            chat, tok_file = QwenTextTokenizer(chat_file), None
-            if chat.vocab_size > cfg.backbone.vocab_size:
-                raise ValueError(f"{chat_file} has {chat.vocab_size} ids but the model's vocabulary is "
-                                 f"{cfg.backbone.vocab_size}: not this checkpoint's tokenizer")
-            template = npr.template_tokens(npr.family_of(cfg), chat, [n_img // len(robot.cameras)] * len(robot.cameras),
-                                           robot.cameras, robot.state_dim)
-        rows = dict(image_size=args.image_size, prompt_len=args.prompt_len or template + 48)
-        if rows["prompt_len"] <= n_img:
-            raise ValueError(f"--prompt-len {rows['prompt_len']} leaves no prompt tokens after {n_img} image tokens")
-        params, vocab = MultiHead(params, cfg), cfg.backbone.vocab_size
-        if model.dataset_statistics:
-            rows["outputs"] = starvla_outputs(cfg, model.dataset_statistics, args.dataset_key)
+        if args.adapter:
+            raise ValueError("--adapter serves π0.5 language adapters: not with --demo (it brings its own)")
     else:
-        model = load_model(args.ckpt or None, preset=None if args.ckpt else args.preset or "tiny", family="pi05",
-                           dtype=args.dtype, prompt_attention=args.prompt_attention, seed=args.seed)
-        cfg, params, norm_stats = model.config, model.params, model.norm_stats
-        tok_file = tok_file or model.tokenizer  # --tokenizer, else the one beside the checkpoint
-        vocab = cfg.vocab_size
-    if args.adapter:
-        if bank is not None or args.heads:
-            raise ValueError("--adapter serves π0.5 language adapters: not with --demo (it brings its own) or --heads")
-        from oxygen_jax.ckpts.adapters import load_bank
+        cm.check_flags(args.ckpt, heads=args.heads, action_mask=bool(args.action_mask), adapters=bool(args.adapter),
+                       prompt_attention=args.prompt_attention)
+        model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset, dtype=args.dtype,
+                        seed=args.seed, prompt_attention=args.prompt_attention, action_mask=_action_mask(args))
+        _warn_without_action_mask(model)
+        toks = cm.tokenizers(model, args.tokenizer)
+        if toks.note:
+            log.warning(toks.note)
+        vla, norm_stats = model.vla(args.steps), model.norm_stats
+        if vla.spec.input_kind == "observation" and args.prompt_len:
+            robot = robot.replace(max_token_len=args.prompt_len)
+        rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len, args.dataset_key)
+        if args.adapter:
+            from oxygen_jax.ckpts.adapters import load_bank
 
-        bank, names = load_bank(args.adapter, cfg, base=args.ckpt)
-    if tok is None and chat is None:
-        tok = Tokenizer.from_file(tok_file) if tok_file else train_demo_tokenizer()
-    if tok is not None and tok.vocab_size > vocab:
-        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {vocab}; "
-                         "pass the checkpoint's tokenizer with --tokenizer")
+            bank, names = load_bank(args.adapter, model.config, base=args.ckpt)
+        if not vla.heads:
+            log.info("%s has no action head: serving language only; every reply's 'actions' is an empty [0, %d] "
+                     "chunk (metadata action_horizon 0)", model.what, robot.action_dim)
+    if args.rtc and not vla.heads:
+        raise ValueError("argument --rtc: real-time chunking blends action chunks, and this model has no action head "
+                         "(language only): drop --rtc")
     mesh = None
     if len(jax.devices()) > 1 and not args.no_shard:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         mesh = Mesh(np.array(jax.devices()), ("robots",))
-        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    vla = params if isinstance(params, MultiHead) else as_vla(params, args.steps)
+        vla = jax.device_put(vla, NamedSharding(mesh, PartitionSpec()))
     engine = Engine(vla, EngineConfig(
         num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=args.prompt_capacity,
         tokens_per_frame=args.tokens_per_frame, action_horizon=robot.action_horizon,
-        seed=args.seed), tokenizer=chat or tok, bank=bank, adapter_names=names)
-    # With a tokenizer.json the rows are native prompts, and language requests are text in that tokenizer
-    # (or token ids); their answers come back as text and ids.
-    return engine, chat or tok, robot, norm_stats, mesh, rows
+        seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=names)
+    # With a tokenizer.json the rows of an XR0 / StarVLA head are its native prompts (`serving.codec`), and
+    # language requests are text in that tokenizer (or token ids); their answers come back as text and ids.
+    return engine, toks.rows, robot, norm_stats, mesh, rows
 
 
 def _action_mask(args) -> np.ndarray | None:
-    """--action-mask read from .npy or .json (None without the flag).
-
-    The file must be a regular file (a device or a link to one is refused unopened) of at most
-    `limits.MAX_CONFIG_BYTES`, holding a [Ha, Ad] array of 0 / 1 with Ha <= `limits.MAX_HORIZON` (the cap a
-    config.json's horizon has too) and Ad <= `limits.MAX_ACTION_DIM`. Errors are one line naming the file.
-    """
-    from oxygen_jax.ckpts import limits
-
-    if not args.action_mask:
-        return None
-    path = Path(args.action_mask)
-    try:
-        if path.suffix == ".npy":
-            if not path.is_file():
-                raise ValueError("not a regular file" if path.exists() else "no such file")
-            if path.stat().st_size > limits.MAX_CONFIG_BYTES:
-                raise ValueError(f"larger than {limits.MAX_CONFIG_BYTES} bytes")
-            mask = np.load(path, allow_pickle=False)
-        else:
-            mask = limits.read_json(path)
-        mask = np.asarray(mask, np.float64)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"--action-mask {path}: cannot read a [Ha, Ad] array of 0 / 1 from it "
-                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    if mask.ndim != 2 or not np.isin(mask, (0, 1)).all():
-        raise ValueError(f"--action-mask {path}: expected a [Ha, Ad] array of 0 / 1, got shape {mask.shape}")
-    if mask.shape[0] > limits.MAX_HORIZON or mask.shape[1] > limits.MAX_ACTION_DIM:
-        raise ValueError(f"--action-mask {path}: shape {mask.shape} is above the caps of {limits.MAX_HORIZON} steps x "
-                         f"{limits.MAX_ACTION_DIM} dims (oxygen_jax.ckpts.limits)")
-    return mask.astype(np.float32)
+    """--action-mask read from .npy or .json (None without the flag): `command_model.read_action_mask`."""
+    return cm.read_action_mask(args.action_mask)
 
 
 def _check_dataset_key(args) -> None:
@@ -311,45 +257,13 @@ def _check_dataset_key(args) -> None:
 
 def _warn_without_action_mask(model) -> None:
     """An XR0 head restored with no robot mask (neither --action-mask nor config.json) runs all ones."""
+    if model.source != "xr0" or model.config.heads[0].action_mask is not None:
+        return
     h = model.config.heads[0]
-    if model.source == "xr0" and h.action_mask is None:
-        log.warning("XR0 checkpoint without an action mask: serving all %d dims over action_length = %d steps. "
-                    "The released runtime multiplies the noisy action by the robot's mask at every step "
-                    "(LIBERO: 7 of 32 dims, horizon 10); pass --action-mask with the processor's "
-                    "get_action_mask(robot_type)", h.action_dim, h.horizon)
-
-
-def _native(ckpt) -> bool:
-    """A Xiaomi-Robotics-0 or StarVLA directory (served with its own head); False for anything else,
-    whose errors the π0.5 loader then reports."""
-    from oxygen_jax.ckpts.load import source_kind
-
-    try:
-        return ckpt is not None and source_kind(ckpt) in ("xr0", "starvla")
-    except (OSError, ValueError):
-        return False
-
-
-def _chat_tokenizer(args):
-    """The tokenizer.json of an XR0 / StarVLA checkpoint: --tokenizer when it is one, else one found in or
-    beside --ckpt (`native_prompts.find_tokenizer_json`); None: the generic prompt rows."""
-    from oxygen_jax.robots.native_prompts import find_tokenizer_json
-
-    if args.tokenizer:
-        return Path(args.tokenizer) if args.tokenizer.endswith(".json") else None
-    return find_tokenizer_json(args.ckpt)
-
-
-def starvla_outputs(spec, dataset_statistics, key: str | None = None) -> dict:
-    """head name -> StarVLA's deployment un-normalisation of one chunk [Ha, Ad] with one dataset's q01 / q99."""
-    from oxygen_jax.ckpts import starvla
-
-    stats = starvla.action_stats(dataset_statistics, key)
-    dims = stats["q01"].shape[0]
-    for h in spec.heads:
-        if h.action_dim < dims:
-            raise ValueError(f"dataset_statistics.json has {dims} action dims but head {h.name!r} emits {h.action_dim}")
-    return {h.name: (lambda chunk: starvla.unnormalize_actions(chunk[..., :dims], stats)) for h in spec.heads}
+    log.warning("XR0 checkpoint without an action mask: serving all %d dims over action_length = %d steps. "
+                "The released runtime multiplies the noisy action by the robot's mask at every step "
+                "(LIBERO: 7 of 32 dims, horizon 10); pass --action-mask with the processor's "
+                "get_action_mask(robot_type)", h.action_dim, h.horizon)
 
 
 def bind(host: str, port: int) -> socket.socket:

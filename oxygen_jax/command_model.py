@@ -1,0 +1,247 @@
+"""The model `run` and `serve` drive, from the flags they share: `--ckpt` of any kind, `--heads`, `--tokenizer`.
+
+What each kind of `--ckpt` runs (`load`; the kind is read from the directory's files, `ckpts.load.source_kind`):
+
+| `--ckpt` holds                              | without `--heads`                        | with `--heads KINDS`                        |
+|---------------------------------------------|------------------------------------------|---------------------------------------------|
+| π0.5 (openpi or oxygen_jax), or no `--ckpt` | π0.5: its action expert + language       | refused (its head is the action expert)     |
+| Xiaomi-Robotics-0 or StarVLA                | its own head + language                  | refused (drop `--heads`)                    |
+| a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone  | language only: no action head, empty     | those heads sized to the backbone, random   |
+|                                             | [0, Da] chunks                           | weights (`heads.presets.for_backbone`)      |
+| nothing, `--heads`                          | —                                        | a random Qwen3-VL tiny / bench backbone     |
+
+`--heads` is a comma list of head kinds (`xr0`, `starvla`, `gr00t`) at `--head-size tiny` or `bench`, or a
+preset name: `tiny` / `bench` is all three kinds at that size (without `--ckpt`: `models.mot.preset`'s
+Qwen3-VL model of that name). A Qwen3.5 backbone keeps no K/V in its linear-attention layers, so it takes
+starvla and gr00t only.
+
+Tokenizers (`tokenizers`): π0.5 reads a SentencePiece `tokenizer.model` (`--tokenizer`, else beside the
+checkpoint, else the offline demo tokenizer). A Qwen-vocabulary model reads `--tokenizer` or the
+`tokenizer.json` found in or beside its checkpoint; a random-weight preset uses the demo tokenizer; a
+checkpoint without one has none: its observation prompts are encoded with the demo tokenizer as stand-in
+ids, and language requests take token ids (`prompt_tokens`) only (`Tokenizers.note` says so in one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from oxygen_jax.models.heads.presets import KINDS
+
+SIZES = ("tiny", "bench")
+_SOURCE = {"checkpoint": "an oxygen_jax π0.5 checkpoint", "openpi": "an openpi π0.5 checkpoint",
+           "xr0": "a Xiaomi-Robotics-0 checkpoint", "starvla": "a StarVLA checkpoint", "hf": "a bare backbone"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """`--heads`: head kinds, and the preset name when it was given as one ('tiny' / 'bench')."""
+
+    kinds: tuple[str, ...]  # in KINDS, distinct, in the order given (the first is the primary head)
+    preset: str | None = None  # 'tiny' / 'bench': every kind at that size (without --ckpt: mot.preset(name))
+
+
+def parse_heads(text: str) -> Heads:
+    """'xr0,starvla' -> Heads(('xr0', 'starvla')); 'tiny' / 'bench' -> every kind at that size (argparse type)."""
+    if text in SIZES:
+        return Heads(tuple(KINDS), preset=text)
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in kinds if k not in KINDS]
+    if not kinds or bad or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(f"expected distinct head kinds from {', '.join(KINDS)} (comma-separated) or a "
+                                         f"preset {' / '.join(SIZES)}, got {text!r}")
+    return Heads(kinds)
+
+
+def head_size(heads: Heads, size: str | None) -> str:
+    """The scale of the heads: the preset's, else --head-size, else 'tiny' (a preset and another size: ValueError)."""
+    if heads.preset and size and size != heads.preset:
+        raise ValueError(f"--heads {heads.preset} is every head kind at size {heads.preset}: drop --head-size {size} or "
+                         f"name the kinds (--heads {','.join(KINDS)} --head-size {size})")
+    return heads.preset or size or "tiny"
+
+
+def ckpt_kind(ckpt) -> str | None:
+    """`source_kind` of --ckpt, or None without one or when the directory is unreadable (the loader names why)."""
+    from oxygen_jax.ckpts.load import source_kind
+
+    if ckpt is None:
+        return None
+    try:
+        return source_kind(ckpt)
+    except (OSError, ValueError):
+        return None
+
+
+def check_flags(ckpt, *, heads: Heads | None, action_mask: bool = False, adapters: bool = False,
+                prompt_attention: str = "bidirectional") -> None:
+    """One-line ValueErrors for flags the model --ckpt holds cannot take, before anything is loaded."""
+    kind = ckpt_kind(ckpt)
+    what = f"{ckpt} is {_SOURCE[kind]}" if kind else ("the model is a π0.5 preset" if not heads else
+                                                       "the --heads model is a Qwen3-VL backbone")
+    pi05 = kind in ("checkpoint", "openpi") or (kind is None and not heads)
+    if prompt_attention != "bidirectional" and not pi05:
+        raise ValueError(f"argument --prompt-attention: π0.5's prompt attention; {what} (a causal Qwen backbone): drop it")
+    if heads and kind in ("checkpoint", "openpi", "xr0", "starvla"):
+        fit = "its action expert is its head" if kind in ("checkpoint", "openpi") else "it brings its own head"
+        raise ValueError(f"argument --heads: puts random heads on a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone, but {what} "
+                         f"({fit}): drop --heads")
+    if action_mask and kind != "xr0":
+        raise ValueError(f"argument --action-mask: the robot's mask of a Xiaomi-Robotics-0 checkpoint; {what}: drop it")
+    if adapters and not pi05:
+        raise ValueError(f"argument --adapter: π0.5 language adapters; {what}: drop it")
+
+
+def load(ckpt, *, heads: Heads | None = None, size: str | None = None, preset: str | None = None,
+         dtype: str = "float32", seed: int = 0, prompt_attention: str = "bidirectional", action_mask=None):
+    """The `ckpts.load.LoadedModel` the module table names for these flags (heads: random, seeded by `seed`).
+
+    Raises:
+      ValueError / OSError: one line naming the flag or file (a preset with --ckpt, a kind the backbone cannot
+        take, a damaged checkpoint).
+    """
+    from oxygen_jax.ckpts.load import load_model
+    from oxygen_jax.models import mot
+
+    if heads is not None and preset:
+        raise ValueError("give --heads or --preset, not both (--heads names the model with several heads)")
+    if ckpt is None and heads is None:
+        return load_model(preset=preset or "tiny", family="pi05", dtype=dtype, prompt_attention=prompt_attention,
+                          seed=seed)
+    if ckpt is None:
+        scale = head_size(heads, size)
+        spec = mot.preset(scale)
+        if not heads.preset:
+            spec = spec.replace(heads=_sized(heads.kinds, spec.backbone, scale))
+        return load_model(preset=spec, dtype=dtype, seed=seed)
+    model = load_model(ckpt, dtype=dtype, prompt_attention=prompt_attention, seed=seed, action_mask=action_mask)
+    return with_heads(model, heads.kinds, head_size(heads, size), seed, dtype) if heads else model
+
+
+def _sized(kinds, backbone, scale: str) -> tuple:
+    from oxygen_jax.models.heads.presets import for_backbone
+
+    return tuple(for_backbone(k, backbone, scale) for k in kinds)
+
+
+def with_heads(model, kinds, scale: str, seed: int = 0, dtype: str = "float32"):
+    """`model` (a bare backbone with language) with random heads of `kinds` sized to its backbone at `scale`;
+    head weights depend on (seed, head name) only (`heads.init_head`), laid out for the backend."""
+    import jax
+
+    from oxygen_jax.models import heads as hd
+
+    specs = _sized(kinds, model.config.backbone, scale)
+    spec = model.config.replace(heads=specs)  # checks every head against the backbone
+    layout = hd.unstack_head if jax.default_backend() == "cpu" else hd.stack_head
+    params = dataclasses.replace(model.params, heads={h.name: layout(hd.init_head(h, seed, dtype)) for h in specs})
+    return dataclasses.replace(model, config=spec, params=params,
+                               what=f"{model.what} + random {', '.join(kinds)} heads ({scale})")
+
+
+def read_action_mask(path) -> np.ndarray | None:
+    """--action-mask read from .npy or .json (None without a path).
+
+    The file must be a regular file (a device or a link to one is refused unopened) of at most
+    `limits.MAX_CONFIG_BYTES`, holding a [Ha, Ad] array of 0 / 1 with Ha <= `limits.MAX_HORIZON` (the cap a
+    config.json's horizon has too) and Ad <= `limits.MAX_ACTION_DIM`. Errors are one line naming the file.
+    """
+    from oxygen_jax.ckpts import limits
+
+    if not path:
+        return None
+    path = Path(path)
+    try:
+        if path.suffix == ".npy":
+            if not path.is_file():
+                raise ValueError("not a regular file" if path.exists() else "no such file")
+            if path.stat().st_size > limits.MAX_CONFIG_BYTES:
+                raise ValueError(f"larger than {limits.MAX_CONFIG_BYTES} bytes")
+            mask = np.load(path, allow_pickle=False)
+        else:
+            mask = limits.read_json(path)
+        mask = np.asarray(mask, np.float64)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"--action-mask {path}: cannot read a [Ha, Ad] array of 0 / 1 from it "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if mask.ndim != 2 or not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"--action-mask {path}: expected a [Ha, Ad] array of 0 / 1, got shape {mask.shape}")
+    if mask.shape[0] > limits.MAX_HORIZON or mask.shape[1] > limits.MAX_ACTION_DIM:
+        raise ValueError(f"--action-mask {path}: shape {mask.shape} is above the caps of {limits.MAX_HORIZON} steps x "
+                         f"{limits.MAX_ACTION_DIM} dims (oxygen_jax.ckpts.limits)")
+    return mask.astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizers:
+    """What a command encodes with: `rows` for observation prompts, `text` for language requests and results
+    (None: token ids only), and `note`, one line to show at start-up when the model has no tokenizer of its own."""
+
+    rows: object
+    text: object | None
+    note: str | None = None
+
+
+def tokenizers(model, path: str | Path | None = None) -> Tokenizers:
+    """The tokenizers of `model` (`--tokenizer` `path`, else its checkpoint's; see the module docstring).
+
+    Raises:
+      ValueError / OSError: an unreadable file, or one with more ids than the model's vocabulary (one line).
+    """
+    from oxygen_jax.robots.text_tokenizers import load_tokenizer
+    from oxygen_jax.robots.tokenizer import train_demo_tokenizer
+
+    path = path or model.tokenizer
+    vla = model.vla()
+    if path:
+        tok = load_tokenizer(path)
+        if tok.vocab_size > vla.vocab_size:
+            raise ValueError(f"the tokenizer {path} has {tok.vocab_size} ids but the model's vocabulary is "
+                             f"{vla.vocab_size}: pass the checkpoint's tokenizer with --tokenizer")
+        return Tokenizers(tok, tok)
+    demo = train_demo_tokenizer()
+    if model.family == "pi05" or model.source == "preset":
+        return Tokenizers(demo, demo)
+    return Tokenizers(demo, None, note=(
+        f"{model.what}: no tokenizer.json in or beside it, so observation prompts are encoded "
+        "with the offline demo tokenizer (stand-in ids) and language requests take token ids (prompt_tokens) only; "
+        "pass --tokenizer tokenizer.json for text"))
+
+
+def prompt_rows(model, tok, robot, image_size: int, prompt_len: int | None, dataset_key: str | None = None) -> dict:
+    """The `serving.codec.make_codec` keywords of a Qwen-backbone model ({} for π0.5): square image side, row
+    length (default: the rows' image tokens, or the native prompt template, + 48) and StarVLA's un-normalisation."""
+    from oxygen_jax.robots import native_prompts as npr
+    from oxygen_jax.robots.prompt_rows import image_tokens
+    from oxygen_jax.serving.codec import native_family
+
+    vla = model.vla()
+    if vla.spec.input_kind == "observation":
+        return {}
+    spec, cams = vla.spec, len(robot.cameras)
+    per_cam = image_tokens(spec, image_size)
+    template = per_cam * cams
+    if family := native_family(spec, tok):
+        template = npr.template_tokens(family, tok, [per_cam] * cams, robot.cameras, robot.state_dim)
+    rows = dict(image_size=image_size, prompt_len=prompt_len or template + 48)
+    if rows["prompt_len"] <= per_cam * cams:
+        raise ValueError(f"--prompt-len {rows['prompt_len']} leaves no prompt tokens after {per_cam * cams} image tokens")
+    if model.dataset_statistics:
+        rows["outputs"] = starvla_outputs(spec, model.dataset_statistics, dataset_key)
+    return rows
+
+
+def starvla_outputs(spec, dataset_statistics, key: str | None = None) -> dict:
+    """head name -> StarVLA's deployment un-normalisation of one chunk [Ha, Ad] with one dataset's q01 / q99."""
+    from oxygen_jax.ckpts import starvla
+
+    stats = starvla.action_stats(dataset_statistics, key)
+    dims = stats["q01"].shape[0]
+    for h in spec.heads:
+        if h.action_dim < dims:
+            raise ValueError(f"dataset_statistics.json has {dims} action dims but head {h.name!r} emits {h.action_dim}")
+    return {h.name: (lambda chunk: starvla.unnormalize_actions(chunk[..., :dims], stats)) for h in spec.heads}
