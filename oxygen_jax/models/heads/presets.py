@@ -168,7 +168,7 @@ _SCALES = {
 }
 
 
-def for_backbone(kind: str, backbone: BackboneSpec, scale: str = "tiny", *, reads_kv: bool = True) -> HeadSpec:
+def for_backbone(kind: str, backbone: BackboneSpec, scale: str = "tiny", *, reads_kv: bool | None = None) -> HeadSpec:
     """A head of `kind` ('xr0', 'starvla', 'gr00t') at `scale` ('tiny', 'bench') that fits `backbone`.
 
     What the head reads comes from the backbone; its own width and depth from the scale (the `_tiny` /
@@ -180,8 +180,9 @@ def for_backbone(kind: str, backbone: BackboneSpec, scale: str = "tiny", *, read
       L - depth + 1 .. L). On 3 layers at tiny scale (depth 3): (1, 2, 3).
     * gr00t (QwenGR00T): `vlm_width` = D, `hidden_layer` = L (the last hidden state).
 
-    `reads_kv=False`: a backbone whose layers do not all keep K/V (Qwen3.5's linear-attention layers),
-    which takes hidden-state heads only. The result passes `check_backbone(backbone)`.
+    `reads_kv`: whether every layer of the backbone keeps K/V (default: all but Qwen3.5's hybrid stack,
+    whose linear-attention layers keep none); without them only hidden-state heads fit. The result passes
+    `check_backbone(backbone)`.
 
     Raises:
       ValueError: an unknown kind or scale, or xr0 on a backbone without K/V (one line naming what fits).
@@ -190,6 +191,8 @@ def for_backbone(kind: str, backbone: BackboneSpec, scale: str = "tiny", *, read
         raise ValueError(f"unknown head kind {kind!r}; choose from {', '.join(KINDS)}")
     if scale not in _SCALES:
         raise ValueError(f"unknown head scale {scale!r}; choose from {', '.join(_SCALES)}")
+    if reads_kv is None:
+        reads_kv = backbone.family != "qwen3_5"
     if kind == "xr0" and not reads_kv:
         raise ValueError(f"head kind 'xr0' reads the backbone's K/V, which this {backbone.family} backbone's "
                          "linear-attention layers do not keep; heads that fit it: starvla, gr00t")
