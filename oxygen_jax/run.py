@@ -4,9 +4,19 @@
     python -m oxygen_jax.run --frames 24 --tokens-per-frame 2  # slower text, more requests in flight
     python -m oxygen_jax.run --preset tiny --prompt "Subtask: "   # random weights, synthetic observations
     python -m oxygen_jax.run --ckpt /path/to/pi05_libero --robot libero --tokenizer paligemma_tokenizer.model
+    python -m oxygen_jax.run --ckpt ../shared/fixtures/xr0_tiny --image-size 64   # XR0 / StarVLA: its own head
+    python -m oxygen_jax.run --ckpt QWEN3_VL_DIR --heads xr0,gr00t --image-size 64   # bare backbone + random heads
+    python -m oxygen_jax.run --ckpt QWEN3_DIR --prompt-tokens 5,6       # bare backbone, no tokenizer: language only
+
+`--ckpt` takes every model a checkpoint directory holds (`command_model`): π0.5, Xiaomi-Robotics-0, StarVLA,
+or a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone (language only, or `--heads` kinds sized to it, random weights).
+Observations are synthetic client samples turned into model inputs by the server's codec
+(`serving.codec.make_codec`); each frame prints every head's first action and each finished request's text
+(token ids for a model without a tokenizer, whose requests are `--prompt-tokens`). Requests stop at the
+model's own stop ids (random weights: at their token budget).
 
 Every frame one observation (two cameras, state, task prompt) goes through the robot's input
-transform and is prefilled once; the action expert denoises an action chunk from that prefix cache,
+transform and is prefilled once; the action head(s) denoise an action chunk from that prefix cache,
 and the language requests in flight (one new request every `--request-every` frames, with the
 `--prompt` written after the observation) decode `--tokens-per-frame` tokens each from copies of the
 same cache. Requests that do not finish keep their slot and continue next frame.

@@ -3,16 +3,21 @@
     python -m oxygen_jax.serve --preset tiny --robot libero --port 8000
     python -m oxygen_jax.serve --ckpt /path/to/pi05_libero --robot libero --tokenizer paligemma_tokenizer.model
     python -m oxygen_jax.serve --demo --port 8000      # the embedded demo with its "memory" adapter
-    python -m oxygen_jax.serve --heads tiny --image-size 64 --port 8000   # Qwen3-VL + XR0 / StarVLA / GR00T heads
     python -m oxygen_jax.serve --ckpt ../shared/fixtures/xr0_tiny --image-size 64   # a restored XR0 / StarVLA model
+    python -m oxygen_jax.serve --ckpt QWEN3_VL_DIR --heads xr0,starvla,gr00t      # a bare backbone + random heads
+    python -m oxygen_jax.serve --ckpt QWEN3_DIR                                   # a bare backbone: language only
+    python -m oxygen_jax.serve --heads tiny --image-size 64 --port 8000   # random Qwen3-VL + XR0 / StarVLA / GR00T heads
 
-A Xiaomi-Robotics-0 or StarVLA directory given to --ckpt is recognised (`ckpts.load.source_kind`) and
-served with its own head and a language decoder on the shared prefix: the horizon and action mask are
-the checkpoint's (XR0: --action-mask, else config.json `action_mask`, else `action_length` with a
-warning), and StarVLA's actions are un-normalised with its `dataset_statistics.json` when the run has
-one (clip, gripper threshold, q01 / q99; `ckpts.starvla.unnormalize_actions`). With a `tokenizer.json` in or beside the directory (or
-given as --tokenizer) the observation rows are the family's native prompts (`robots.native_prompts`)
-and language results come back as token ids.
+`--ckpt` takes every model a checkpoint directory holds (`command_model` has the table): π0.5 serves its action
+expert; a Xiaomi-Robotics-0 or StarVLA directory its own head and a language decoder on the shared prefix (the
+XR0 horizon and action mask are the checkpoint's: --action-mask, else config.json `action_mask`, else
+`action_length` with a warning; StarVLA's actions are un-normalised with its `dataset_statistics.json` when the
+run has one, `ckpts.starvla.unnormalize_actions`); a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone serves language
+only (no action head: every reply's "actions" is an empty [0, Da] chunk, the metadata's action_horizon 0), or
+with `--heads KINDS` (xr0, starvla, gr00t; Qwen3.5: starvla, gr00t) random heads sized to it. With a
+`tokenizer.json` in or beside the directory (or --tokenizer) language requests are text and an XR0 / StarVLA
+head's rows are its family's native prompts (`robots.native_prompts`); without one the server logs that
+language requests take token ids (`prompt_tokens`) only. Flags a model cannot take are one-line errors.
 
 The protocol (openpi's, with language extensions) is described in `oxygen_jax.serving.server`.
 
@@ -72,8 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=["tiny", "bench", "pi05"], help="random-weight model size (default tiny)")
-    model.add_argument("--ckpt", help="openpi checkpoint (params dir or its parent), one saved by oxygen_jax, or a "
-                                      "Xiaomi-Robotics-0 / StarVLA checkpoint directory (served with its own head)")
+    model.add_argument("--ckpt", help="any model checkpoint directory: π0.5 (openpi's, params dir or its parent, or "
+                                      "one saved by oxygen_jax), Xiaomi-Robotics-0 / StarVLA (its own head), or a bare "
+                                      "Qwen3 / Qwen3-VL / Qwen3.5 (language only, or --heads)")
     ap.add_argument("--action-mask", metavar="FILE",
                     help="XR0: the robot's [Ha, Ad] 0/1 action mask (.npy or .json), e.g. saved from the released "
                          "processor's get_action_mask(robot_type); sets the horizon (default: config.json's "

@@ -10,8 +10,8 @@ with several heads are served by the same code:
   exactly openpi's.
 * `HeadsCodec`: rows are `prompt_rows.PromptRows` (image tokens + prompt, left-padded to a fixed length;
   a text-only backbone's rows are the prompt alone); the primary head's chunk is "actions" (a model without
-  a head, a language-only backbone, answers an empty [0, Da] chunk and metadata "action_horizon": 0, its
-  replies carrying only "language"), and every head's chunk is under "heads": {name: [Ha, Da]} —
+  a head, a language-only backbone, answers an empty [0, Da] chunk and metadata "action_horizon": 0; its
+  language results come as for any model), and every head's chunk is under "heads": {name: [Ha, Da]} —
   in robot units (unnormalised, sliced to the robot's action dim) when the head has at least the robot's
   action dims, else as the head emits it. A head restored with its own un-normalisation (StarVLA's
   `dataset_statistics.json`) is mapped by that function instead (`outputs=`). With a chat tokenizer (a
