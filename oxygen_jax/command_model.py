@@ -33,8 +33,24 @@ import numpy as np
 from oxygen_jax.models.heads.presets import KINDS
 
 SIZES = ("tiny", "bench")
-_SOURCE = {"checkpoint": "an oxygen_jax π0.5 checkpoint", "openpi": "an openpi π0.5 checkpoint",
-           "xr0": "a Xiaomi-Robotics-0 checkpoint", "starvla": "a StarVLA checkpoint", "hf": "a bare backbone"}
+
+_PI05_FLAGS = frozenset({"--adapter", "--prompt-attention"})
+_KINDS = {  # what each kind of model is, and the model flags it takes (the others are refused in one line)
+    "checkpoint": ("an oxygen_jax π0.5 checkpoint", _PI05_FLAGS),
+    "openpi": ("an openpi π0.5 checkpoint", _PI05_FLAGS),
+    "xr0": ("a Xiaomi-Robotics-0 checkpoint with its own head", frozenset({"--action-mask"})),
+    "starvla": ("a StarVLA checkpoint with its own head", frozenset()),
+    "hf": ("a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone", frozenset({"--heads", "--head-size"})),
+    "preset": ("a π0.5 preset", _PI05_FLAGS),
+    "heads": ("a random Qwen3-VL backbone", frozenset({"--heads", "--head-size"})),
+}
+_FLAG_IS = {  # what each model flag is for, in its refusal
+    "--heads": "random heads go on a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone",
+    "--head-size": "it sizes --heads KINDS",
+    "--action-mask": "the robot's mask of a Xiaomi-Robotics-0 checkpoint",
+    "--adapter": "π0.5 language adapters",
+    "--prompt-attention": "π0.5's prompt attention (Qwen backbones are causal)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,23 +93,20 @@ def ckpt_kind(ckpt) -> str | None:
         return None
 
 
-def check_flags(ckpt, *, heads: Heads | None, action_mask: bool = False, adapters: bool = False,
-                prompt_attention: str = "bidirectional") -> None:
-    """One-line ValueErrors for flags the model --ckpt holds cannot take, before anything is loaded."""
-    kind = ckpt_kind(ckpt)
-    what = f"{ckpt} is {_SOURCE[kind]}" if kind else ("the model is a π0.5 preset" if not heads else
-                                                       "the --heads model is a Qwen3-VL backbone")
-    pi05 = kind in ("checkpoint", "openpi") or (kind is None and not heads)
-    if prompt_attention != "bidirectional" and not pi05:
-        raise ValueError(f"argument --prompt-attention: π0.5's prompt attention; {what} (a causal Qwen backbone): drop it")
-    if heads and kind in ("checkpoint", "openpi", "xr0", "starvla"):
-        fit = "its action expert is its head" if kind in ("checkpoint", "openpi") else "it brings its own head"
-        raise ValueError(f"argument --heads: puts random heads on a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone, but {what} "
-                         f"({fit}): drop --heads")
-    if action_mask and kind != "xr0":
-        raise ValueError(f"argument --action-mask: the robot's mask of a Xiaomi-Robotics-0 checkpoint; {what}: drop it")
-    if adapters and not pi05:
-        raise ValueError(f"argument --adapter: π0.5 language adapters; {what}: drop it")
+def check_flags(ckpt, given) -> None:
+    """Raises a one-line ValueError for the first flag of `given` (flag -> whether it was given) that the model
+    --ckpt holds cannot take (the `_KINDS` table), before anything is loaded; an unreadable --ckpt is left to
+    the loader, which names what is wrong with it."""
+    if given.get("--head-size") and not given.get("--heads"):
+        raise ValueError("argument --head-size: it sizes --heads KINDS: give --heads or drop --head-size")
+    kind = ckpt_kind(ckpt) if ckpt else "heads" if given.get("--heads") else "preset"
+    if kind is None:
+        return
+    what, takes = _KINDS[kind]
+    for flag, on in given.items():
+        if on and flag not in takes:
+            subject = f"{ckpt} is" if ckpt else "the model is"
+            raise ValueError(f"argument {flag}: {_FLAG_IS[flag]}; {subject} {what}: drop {flag}")
 
 
 def load(ckpt, *, heads: Heads | None = None, size: str | None = None, preset: str | None = None,

@@ -177,8 +177,9 @@ def main(argv=None) -> int:
     else:
         robot, samples = robot_config(args.robot), None
         try:
-            cm.check_flags(args.ckpt, heads=args.heads, action_mask=bool(args.action_mask),
-                           prompt_attention=args.prompt_attention)
+            cm.check_flags(args.ckpt, {"--heads": bool(args.heads), "--head-size": bool(args.head_size),
+                                       "--action-mask": bool(args.action_mask),
+                                       "--prompt-attention": args.prompt_attention != "bidirectional"})
             mask = cm.read_action_mask(args.action_mask)
         except ValueError as e:
             return _fail(str(e))

@@ -194,8 +194,9 @@ def build(args: argparse.Namespace):
         if args.adapter:
             raise ValueError("--adapter serves π0.5 language adapters: not with --demo (it brings its own)")
     else:
-        cm.check_flags(args.ckpt, heads=args.heads, action_mask=bool(args.action_mask), adapters=bool(args.adapter),
-                       prompt_attention=args.prompt_attention)
+        cm.check_flags(args.ckpt, {"--heads": bool(args.heads), "--head-size": bool(args.head_size),
+                                   "--action-mask": bool(args.action_mask), "--adapter": bool(args.adapter),
+                                   "--prompt-attention": args.prompt_attention != "bidirectional"})
         model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset, dtype=args.dtype,
                         seed=args.seed, prompt_attention=args.prompt_attention, action_mask=_action_mask(args))
         _warn_without_action_mask(model)
