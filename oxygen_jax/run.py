@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     med = float(np.median(steady))
     horizon = heads[names[0]][0] if names else 0
     print(f"\ncompile (once, before frame 0): {compile_s:.2f} s; {len(steady)} frames: median {med:.1f} ms, "
-          f"p90 {np.percentile(steady, 90):.1f} ms -> {1e3 / med:.1f} frames/s, action Hz "
+          f"p90 {np.percentile(steady, 90):.1f} ms -> {1e3 / med:.1f} {'action chunks' if names else 'frames'}/s, action Hz "
           f"{horizon * 1e3 / med:.0f} (= {horizon} actions per chunk / frame time)")
     if correct:
         ev = demo.manifest.get("evaluation", {})

@@ -60,6 +60,20 @@ def test_serve_build_takes_every_fixture_model_with_its_own_heads(name):
         assert meta["action_horizon"] == 0 and codec.outputs({}, 0, np.zeros(8))[0].shape == (0, robot.action_dim)
 
 
+@pytest.mark.parametrize("name, kinds, heads", [
+    ("qwen3vl_tiny", "xr0,starvla,gr00t", ("xr0", "starvla_qwenpi_v3", "gr00t")),
+    ("qwen35_tiny", "gr00t,starvla", ("gr00t", "starvla_qwenpi_v3")),
+    ("qwen3_tiny", "starvla", ("starvla_qwenpi_v3",)),
+])
+def test_serve_heads_on_a_bare_backbone_are_the_kinds_named_sized_to_it(name, kinds, heads):
+    engine, tok, robot, _, _, rows = serve.build(_serve_args(fixture(name), "--heads", kinds))
+    vla = engine.vla
+    assert vla.heads == heads and vla.primary == heads[0] and vla.has_language
+    for h in vla.spec.heads:
+        h.check_backbone(vla.spec.backbone)
+    assert make_codec(engine, robot, tok, **rows).metadata()["action_horizon"] == vla.action_shape(heads[0])[0]
+
+
 def test_heads_are_sized_to_the_backbone_and_qwen35_refuses_kv_heads():
     for backbone in (bb.preset("qwen3vl_tiny"), qwen35.preset("qwen35_tiny").backbone):
         kv = backbone.family != "qwen3_5"
