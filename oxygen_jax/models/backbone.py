@@ -438,8 +438,6 @@ def _block(spec: BackboneSpec, lp, x, cond, rope, mask, kv_fn: KVFn, lora: Layer
     k = _rope_lead(k, sin, cos)
     keys, values = kv_fn(k, v)
     a = attention(q, keys, values, mask)
-    if getattr(lp, "q_gate", None) is not None:  # Qwen3.5's output gate: a * sigmoid(x W_gate), per head
-        a = a * jax.nn.sigmoid(jnp.einsum("BTD,NDH->BTNH", h, lp.q_gate.astype(h.dtype)))
     o = jnp.einsum("BTNH,NHD->BTD", a, lp.out.astype(a.dtype))
     if lora is not None:
         o = lora.add("out", o, a)
@@ -468,9 +466,6 @@ def _add_deepstack(x: jax.Array, deepstack: jax.Array | None, layer) -> jax.Arra
         return x + deepstack[layer].astype(x.dtype) if layer < e else x
     return jnp.where(layer < e, x + deepstack[jnp.minimum(layer, e - 1)].astype(x.dtype), x)
 
-
-# Reused by stacks with other layer kinds (models/qwen35.py): one decoder layer, its RoPE tables, the MLP.
-decoder_block, rope_tables, gated_mlp = _block, _rope_tables, _mlp
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ full layers.
 `layer_types` repeats one group (the released checkpoints: 3 linear + 1 full), so the weights are stacked
 [G, Pl, ...] and [G, Pf, ...] and the stack is one `lax.scan` over groups: a full-size model compiles one
 group, not L layers. The layers are `models/qwen35_layers.py`'s: the full-attention layer is the
-transformer layer of `backbone.decoder_block` with Qwen3.5's spec fields ((1 + w) norms, q/k-norm,
+transformer layer of `models.backbone` with Qwen3.5's spec fields ((1 + w) norms, q/k-norm,
 partial rotary (`rotary_dim` = H / 4), interleaved M-RoPE, the output gate `FullLayers.q_gate`); the
 linear layers share the norms and the MLP and replace attention by `gated_deltanet.mixer`. Both round
 in transformers' float32 order (`nn.torch_order`), the parity references' arithmetic.

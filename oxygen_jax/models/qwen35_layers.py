@@ -8,7 +8,7 @@ Y = B T flattened tokens, Mr M-RoPE axes (`oxygen_jax.axes`); the linear layer's
                    residual; norm, SwiGLU MLP, residual
     linear_layer   the same with `gated_deltanet.mixer` in place of attention
 
-The maths is `backbone.decoder_block`'s with Qwen3.5's spec fields; the arithmetic differs on purpose.
+The maths is that of the backbone's transformer layer (`models.backbone`) with Qwen3.5's spec fields; the arithmetic differs on purpose.
 Parity references come from transformers on CPU, and a random-weight model multiplies a one-ulp
 difference of its first layers 10-100x, past the tolerances, so every step here rounds as transformers'
 does (`nn.torch_order`): projections summed in order, norms with torch's reduction order, true division
