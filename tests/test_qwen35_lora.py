@@ -94,7 +94,8 @@ def _decode(lm, prefix, rids, adapters, bank):
     pool, _ = decode.decode_burst(lm, pool, 2, bank)  # the first requests are older than the last one
     if len(rids) > 1:
         pool, _, _ = decode.admit(lm, pool, prefix, _requests([3], [2]), bank)
-    pool, _ = decode.decode_burst(lm, pool, M, bank)
+    for _ in range(M // 2):  # bursts of one length: one compiled burst per bank kind
+        pool, _ = decode.decode_burst(lm, pool, 2, bank)
     return {int(r): [int(t) for t in np.asarray(pool.tokens[s]) if t >= 0]
             for s, r in enumerate(np.asarray(pool.request_id)) if r >= 0}
 
@@ -106,7 +107,7 @@ def test_requests_on_different_adapters_decode_in_one_pool_what_each_decodes_alo
     mask = np.arange(P)[None] >= np.array([0, 4])[:, None]  # row 1 left-padded
     pos = np.where(mask, np.cumsum(mask, -1) - 1, 0).astype(np.int32)
     x = backbone.embed_tokens(spec.backbone, dec, jnp.asarray(ids))
-    prefix = qwen35.prefix_pass(spec, dec, x, jnp.asarray(pos), jnp.asarray(mask))  # the shared base prefix
+    prefix = jax.jit(qwen35.prefix_pass, static_argnums=0)(spec, dec, x, jnp.asarray(pos), jnp.asarray(mask))  # shared base prefix
     lm = qwen35_decoder.language_model(spec, dec)
     together = _decode(lm, prefix, [0, 1, 2], [1, 0, 2], bank)  # + request 3 on adapter 2, two tokens later
     assert sorted(together) == [0, 1, 2, 3] and all(len(t) == M for t in together.values())
