@@ -342,8 +342,10 @@ def test_data_parallel_over_8_simulated_devices_matches_one_device(params, task,
     one = {**_state_names(train(ADAPTER, params, task, train_frames, mesh=make_mesh(1), stop_at=1).state, 1)}
     run2 = train(ADAPTER, params, task, train_frames, mesh=make_mesh(1), stop_at=2, log_every=1)  # the cached step
     one |= _state_names(run2.state, 2)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
+    # The suite's XLA flags (tests/conftest.py: fast-compile codegen, or XLA's defaults) plus 8 host devices: the
+    # 8-device program is compiled as the one-device step above was (replacing the flags made it compile at -O2).
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     out = tmp_path / "eight.npz"
     proc = subprocess.run([sys.executable, "-c", _DATA_PARALLEL, str(dataset), str(PROMPT_LEN), str(out), json.dumps(ADAPTER.to_json())],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -13,8 +13,8 @@ Two references, neither made with our code:
 * `tests/data/openpi_refs/width{48,72}.npz`: the outputs of openpi's own code (`eval/openpi_refs.py`, jax 0.5.3
   on CPU) with their weights; loaded here through our openpi checkpoint loader in both layouts.
 
-Widths are swept over ones whose square root is not a bfloat16 number (40, 48, 72, 96) and one that is (64,
-where the two layouts compute the same and the shared fixtures could not tell them apart).
+Widths are swept over ones whose square root is not a bfloat16 number (48 and 72, the stored references' widths)
+and one that is (64, where the two layouts compute the same and the shared fixtures could not tell them apart).
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def test_rope_angles_of_pi05_are_correctly_rounded_quotients_at_any_position(hea
     np.testing.assert_array_equal(np.asarray(ours), want)
 
 
-@pytest.mark.parametrize("width", [40, 48, 64, 72, 96])
+@pytest.mark.parametrize("width", [48, 64, 72])
 def test_vlm_expert_matches_openpis_arithmetic_in_both_layouts_with_lora_merged_and_per_slot(width):
     w, inputs = _random_expert(width), _inputs(64)
     decoder, adapter = _decoder(w), _adapter(w, alpha=8.0)  # rank 4: attention LoRA scaled by 2, MLP LoRA by 1
