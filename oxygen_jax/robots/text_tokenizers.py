@@ -23,10 +23,6 @@ import numpy as np
 from oxygen_jax.robots.native_prompts import QwenTokenizer
 from oxygen_jax.robots.tokenizer import Tokenizer
 
-FILES = ("tokenizer.model", "tokenizer.json")
-"""The tokenizer files looked for beside a checkpoint, in this order."""
-
-
 class QwenTextTokenizer(QwenTokenizer):
     """A `tokenizer.json` for text: plain-text `encode`, `decode` without special tokens, a streaming decoder."""
 
@@ -51,37 +47,40 @@ class QwenTextTokenizer(QwenTokenizer):
 
 
 class _TextStream:
-    """Incremental `decode` for any tokenizer: text of all ids so far, minus what was already returned; a tail
-    ending in U+FFFD (a character whose bytes are not all there yet) is held back until `flush`."""
+    """Incremental `decode` of a `tokenizer.json`: each push decodes a short window (the ids emitted by the
+    previous push, as context, and the ids not yet emitted), so the per-token cost does not grow with the
+    answer. A window ending in U+FFFD (a character whose bytes are not all there yet) is held back until a
+    later id completes it, or `flush`; windows start where an emitted text ended, at a character boundary.
 
-    def __init__(self, tok):
-        self._tok, self._ids, self._sent = tok, [], ""
+    Invariant: `"".join(push(...) for all pushes) + flush() == text == tok.decode(all ids)`.
+    """
+
+    def __init__(self, tok: QwenTextTokenizer):
+        self._tok, self._ids = tok, []
+        self._prefix = 0  # the window starts here (the previous push's first id)
+        self._read = 0  # ids before this index are emitted
 
     def push(self, ids) -> str:
         self._ids += [int(i) for i in np.atleast_1d(np.asarray(ids))]
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        return self._emit(text)
+        return self._emit(hold_incomplete=True)
 
     def flush(self) -> str:
-        return self._emit(self._tok.decode(self._ids))
+        return self._emit(hold_incomplete=False)
 
     @property
     def text(self) -> str:
         """The full text of every id pushed so far, including any held-back tail."""
         return self._tok.decode(self._ids)
 
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self._sent):  # a decoder that rewrites earlier text: send nothing twice
+    def _emit(self, hold_incomplete: bool) -> str:
+        if len(self._ids) == self._read:
             return ""
-        new, self._sent = text[len(self._sent):], text
-        return new
-
-
-def stream_detokenizer(tok):
-    """The incremental detokenizer of `tok` (SentencePiece: `tokenizer.StreamDetokenizer`)."""
-    return tok.stream()
+        done = self._tok.decode(self._ids[self._prefix:self._read])
+        window = self._tok.decode(self._ids[self._prefix:])
+        if (hold_incomplete and window.endswith("\ufffd")) or not window.startswith(done):
+            return ""  # an unfinished character, or a decoder that rewrote earlier text: wait for more ids
+        self._prefix, self._read = self._read, len(self._ids)
+        return window[len(done):]
 
 
 def load_tokenizer(path: str | Path):
@@ -91,15 +90,3 @@ def load_tokenizer(path: str | Path):
         return QwenTextTokenizer(path)
     return Tokenizer.from_file(path)
 
-
-def find_tokenizer(*dirs: str | Path | None, names: Sequence[str] = FILES) -> Path | None:
-    """The first of `names` in or beside (in the parent of) each directory, in order of `dirs`, then `names`."""
-    for d in dirs:
-        if d is None:
-            continue
-        d = Path(d).expanduser()
-        for name in names:
-            for cand in (d / name, d.parent / name):
-                if cand.is_file():
-                    return cand
-    return None

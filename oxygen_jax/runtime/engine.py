@@ -45,7 +45,6 @@ from oxygen_jax.models.decoder import MAX_STOP_IDS
 from oxygen_jax.models.lora import LoraBank
 from oxygen_jax.models.vla import MultiHead
 from oxygen_jax.nn.sampling import check_temperature, check_top_p
-from oxygen_jax.robots.text_tokenizers import stream_detokenizer
 from oxygen_jax.runtime import rtc as rtc_mod
 from oxygen_jax.runtime.frame import FrameOutput, frame_step
 from oxygen_jax.runtime.scheduler import Scheduler, Ticket
@@ -532,7 +531,7 @@ class Engine:
             return ""
         detok = self._detok.get(ticket.request_id)
         if detok is None:
-            detok = self._detok[ticket.request_id] = stream_detokenizer(self.tokenizer)
+            detok = self._detok[ticket.request_id] = self.tokenizer.stream()
         # A model whose vocabulary exceeds the tokenizer's can emit ids the tokenizer cannot decode: show
         # them as unknown pieces (or nothing) rather than fail the frame (the raw ids stay in FinishedRequest.tokens).
         vocab = self.tokenizer.vocab_size
