@@ -70,7 +70,7 @@ def test_stop_ids_come_from_generation_config_then_config_then_tokenizer_config(
     with pytest.raises(ValueError, match="must be a token id or a list of them"):
         read_stop_ids([d], 600)
     (d / "generation_config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="is not valid JSON"):
+    with pytest.raises(ValueError, match="generation_config.json: not valid JSON"):
         read_stop_ids([d], 600)
 
 

@@ -13,25 +13,18 @@ VLM's). None found: () (requests then decode to their budget unless they name st
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-log = logging.getLogger(__name__)
-
-_MAX_JSON_BYTES = 16 << 20  # a config file larger than this is not a config file
+from oxygen_jax.ckpts import limits
 
 
 def _read(path: Path) -> Mapping | None:
-    if not path.is_file():
+    """The JSON object in `path` (None when there is no such file or it holds no object); a file that is not
+    a small regular JSON file is a one-line ValueError (`limits.read_json`)."""
+    if not path.exists() and not path.is_symlink():
         return None
-    if path.stat().st_size > _MAX_JSON_BYTES:
-        raise ValueError(f"{path}: {path.stat().st_size} bytes is too large for a config file")
-    try:
-        value = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    value = limits.read_json(path)
     return value if isinstance(value, Mapping) else None
 
 
