@@ -231,17 +231,8 @@ class Runner:
 
 
 def pool_slot_bytes(pool: decode.DecodePool | None) -> dict[str, int] | None:
-    """One slot's bytes in the pool the runner allocated, by part (`decode.slot_bytes`' names): K/V of the
-    attention layers; the decoder's carry parts (Qwen3.5's conv window and recurrent state; none for other
-    models); total with bookkeeping.
-    From shapes, so a donated pool still answers."""
-    if pool is None:
-        return None
-    nbytes = lambda *xs: sum(math.prod(x.shape) * x.dtype.itemsize for x in xs if x is not None)  # noqa: E731
-    slots = pool.k.shape[1]
-    carry = {name: nbytes(leaf) for name, leaf in (pool.carry or {}).items()}  # Qwen3.5: window, state
-    parts = dict(kv=nbytes(pool.k, pool.v), **carry, total=nbytes(*jax.tree.leaves(pool)))
-    return {name: b // slots for name, b in parts.items()}
+    """One slot's bytes in the pool the runner allocated, by part (`decode.pool_slot_bytes`), or None."""
+    return None if pool is None else decode.pool_slot_bytes(pool)
 
 
 class ContinuousRunner(Runner):

@@ -7,7 +7,7 @@ A `LanguageDecoder` is a registered pytree (weights as leaves, spec and stop ids
 rows of a `prefix.Prefix`. The pool (`runtime.decode`) keeps slot bookkeeping only and calls:
 
     kv_layers, num_kv_heads, head_dim, dtype   the shape of a slot's K/V [Lk, Ns, C, K, H]
-    init_carry(Ns) / carry_bytes()             per-slot state beside the K/V (a dict of leaves whose slot
+    init_carry(Ns)                             per-slot state beside the K/V (a dict of leaves whose slot
                                                axis is 1: [layers, Ns, ...]), or None / {} when there is none
     rows(prefix, rows)                         what admission copies from the prefix rows (`PrefixRows`)
     extend(...)                                T tokens after cached ones (the request prompt, in the
@@ -110,10 +110,6 @@ class LanguageDecoder:
     def init_carry(self, num_slots: int) -> dict[str, jax.Array] | None:
         """Zeroed per-slot state beyond K/V, leaves [layers, Ns, ...]; None when the decoder has none."""
         return None
-
-    def carry_bytes(self) -> dict[str, int]:
-        """One slot's bytes of each carry leaf (fixed: independent of the sequence length)."""
-        return {}
 
     # -- admission -----------------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from oxygen_jax.models import qwen35
 from oxygen_jax.models.backbone import BackboneSpec, Decoder
@@ -51,10 +50,6 @@ class HybridDecoder(LanguageDecoder):
     def init_carry(self, num_slots: int) -> dict[str, jax.Array]:
         window, state = qwen35.empty_state(self.spec, num_slots, self.dtype)
         return dict(window=window, state=state)
-
-    def carry_bytes(self) -> dict[str, int]:
-        parts = self.spec.state_bytes(conv_itemsize=jnp.dtype(self.dtype).itemsize)
-        return dict(window=parts["window"], state=parts["state"])
 
     def _carry_rows(self, prefix: Prefix, rows: jax.Array) -> dict[str, jax.Array]:
         if prefix.window is None or prefix.state is None:

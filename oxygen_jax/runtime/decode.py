@@ -288,24 +288,28 @@ def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_toke
     )
 
 
-def slot_bytes(lm: LanguageDecoder, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> dict[str, int | float]:
-    """One slot's device memory by part, from the spec alone (what `init_pool` allocates per slot).
+def pool_slot_bytes(pool: DecodePool) -> dict[str, int]:
+    """One slot's bytes in `pool` by part, from shapes alone (a donated or abstract pool answers too): `kv` (K and V
+    of the attention layers), each carry part of the decoder (Qwen3.5: `window`, `state`; none for an attention
+    decoder) and `total` (with the bookkeeping: mask, tokens, per-slot scalars)."""
+    nbytes = lambda *xs: sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in xs)  # noqa: E731
+    carry = {name: nbytes(leaf) for name, leaf in (pool.carry or {}).items()}
+    parts = dict(kv=nbytes(pool.k, pool.v), **carry, total=nbytes(*jax.tree.leaves(pool)))
+    return {name: b // pool.num_slots for name, b in parts.items()}
 
-    kv: K and V of the attention layers over C = P + Q + M entries; then each carry part of the decoder
-    (Qwen3.5: window, Lg Cc Kc activation-dtype elements, and state, Lg Hv Dk Dv float32; none for an
-    attention decoder); bookkeeping: mask, tokens and the per-slot scalars. `kv_per_token` (K/V bytes of one
-    entry) and `state_tokens` (how many entries' K/V the fixed carry equals) compare the two kinds: at
-    Qwen3.5-0.8B / 2B in bfloat16 the fixed part equals the K/V of about 1,600 tokens.
+
+def slot_bytes(lm: LanguageDecoder, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> dict[str, int | float]:
+    """One slot's device memory by part, before anything is allocated: `pool_slot_bytes` of the pool `init_pool`
+    would build (shapes only), plus `bookkeeping` (total - K/V - carry), `kv_per_token` (K/V bytes of one
+    entry) and `state_tokens` (how many entries' K/V the fixed carry equals): at Qwen3.5-0.8B / 2B in bfloat16
+    the fixed part equals the K/V of about 1,600 tokens.
     """
-    lm = _decoder(lm)
-    item = jnp.dtype(lm.dtype).itemsize
-    cap = prefix_len + prompt_len + max_new_tokens
-    kv_per_token = 2 * len(lm.kv_layers) * lm.num_kv_heads * lm.head_dim * item
-    fixed = lm.carry_bytes()
-    scalars = 4 * 7 + 4 * MAX_STOP_IDS + 4 + 4 + 4 * int(np.prod(_key_shape())) + 1  # 7 int32, stop ids, temperature,
-    #   top_p, key, active
-    out = dict(kv=cap * kv_per_token, **fixed, bookkeeping=cap + 4 * max_new_tokens + scalars)
-    return dict(out, total=sum(out.values()), kv_per_token=kv_per_token, state_tokens=sum(fixed.values()) / kv_per_token)
+    pool = jax.eval_shape(lambda: init_pool(lm, 1, prefix_len, max_new_tokens, prompt_len))
+    out = pool_slot_bytes(pool)
+    carry = sum(b for name, b in out.items() if name not in ("kv", "total"))
+    kv_per_token = out["kv"] // pool.capacity
+    return dict(out, bookkeeping=out["total"] - out["kv"] - carry, kv_per_token=kv_per_token,
+                state_tokens=carry / kv_per_token)
 
 
 def _sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array:
