@@ -25,12 +25,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from oxygen_jax.models.decoder import MAX_STOP_IDS  # a request's explicit "stop" ids: the pool's static width
 from oxygen_jax.serving.batcher import LanguageRequest
 from oxygen_jax.serving.wire import short
 
 LANGUAGE_FIELDS = ("prompt", "prompt_tokens", "max_tokens", "temperature", "top_p", "seed", "adapter", "stop_at_eos",
                    "stop", "id")
-MAX_STOP_IDS = 8  # a request's explicit "stop" ids (the decode pool's static width, `models.decoder.MAX_STOP_IDS`)
 MAX_NAME_CHARS = 128  # a language request's "id" tag and "adapter" name
 
 
