@@ -32,8 +32,11 @@ action until the reply arrives (counted in c like any other consumed step), then
 index c (at its last action if c >= Ha) and asks again at once.
 
 This module imports numpy and the standard library only (the policy object is openpi_client's or anything
-with `infer(observation) -> {"actions": [Ha, Da], ...}` and `get_server_metadata()`), so it can be copied to
-a robot machine as one file; `import oxygen_jax.client` itself loads the whole package.
+with `infer(observation) -> {"actions": [Ha, Da], ...}` and `get_server_metadata()`). `import
+oxygen_jax.client` loads nothing else of the package (its public names load on first use), so a robot
+machine needs no jax: `pip install numpy openpi-client typing-extensions` (openpi-client brings msgpack,
+websockets, dm-tree and pillow; its websocket policy also imports typing-extensions, which it does not
+declare), then a copy of this repository's `oxygen_jax/` folder or of this one file.
 """
 
 from __future__ import annotations
