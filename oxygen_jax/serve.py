@@ -98,8 +98,10 @@ def _parser() -> argparse.ArgumentParser:
                          "size (a multiple of patch x merge px)")
     ap.add_argument("--dataset-key", help="StarVLA: the dataset_statistics.json entry to un-normalise with "
                                           "(default: its only entry)")
-    ap.add_argument("--adapter", action="append", default=[], metavar="DIR",
-                    help="a trained language adapter (training.memory output) served by its name; repeatable")
+    ap.add_argument("--adapter", action="append", default=[], metavar="[NAME=]DIR",
+                    help="a language adapter served by NAME (default: the name it was saved with; 'memory' for an "
+                         "OxyGen folder): a training.memory output or oxygen_adapter import, or OxyGen's released "
+                         "folder (adapter_config.json + .npz, imported on load); repeatable")
     ap.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="client observation format")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to listen on; 127.0.0.1 is this machine only, 0.0.0.0 every interface "
@@ -208,9 +210,9 @@ def build(args: argparse.Namespace):
             robot = robot.replace(max_token_len=args.prompt_len)
         rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len, args.dataset_key)
         if args.adapter:
-            from oxygen_jax.ckpts.adapters import load_bank
+            from oxygen_jax.ckpts.oxygen_adapter import load_named_bank
 
-            bank, names = load_bank(args.adapter, model.config, base=args.ckpt)
+            bank, names = load_named_bank(args.adapter, model.config, base=args.ckpt)
         if not vla.heads:
             log.info("%s has no action head: serving language only; every reply's 'actions' is an empty [0, %d] "
                      "chunk (metadata action_horizon 0)", model.what, robot.action_dim)

@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from oxygen_jax.ckpts import limits, openpi_lora
+from oxygen_jax.ckpts.orbax_io import resolve_params_item
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.config import ModelConfig
@@ -64,10 +65,39 @@ def tree_digest(tree) -> str:
     return h.hexdigest()
 
 
+_SMALL_FILE = 1 << 20  # item files hashed whole (tree metadata, manifests); larger ones by name and size
+
+
+def _item_fingerprint(item: Path) -> str:
+    """SHA-256 over an orbax item's files: relative path and size of each, and the bytes of those up to 1 MiB.
+
+    Cheap at any model size: the arrays' bytes are not read. An OCDBT data file's name is unique to the save
+    that wrote it, so a copy of the checkpoint has the same fingerprint and another save has another.
+    """
+    h = hashlib.sha256()
+    for f in sorted(p for p in item.rglob("*") if p.is_file()):
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(item).as_posix()}\0{size}\0".encode())
+        if size <= _SMALL_FILE:
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
 def base_fingerprint(base_dir: str | os.PathLike) -> str | None:
-    """SHA-256 of an `own.save_params` directory's checksums item (identifies its arrays), or None."""
+    """What identifies a base checkpoint's weights, or None when `base_dir` is no π0.5 checkpoint.
+
+    An `own.save_params` directory: the SHA-256 of its checksums item (a hash of every array). An openpi
+    checkpoint (its root, a step directory or its `params` item, all alike): `_item_fingerprint` of the item.
+    """
     path = Path(base_dir) / "checksums" / "metadata"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    if (Path(base_dir) / "config").is_dir():
+        return None  # ours without checksums: damaged
+    try:
+        return _item_fingerprint(resolve_params_item(base_dir))
+    except (OSError, ValueError):
+        return None
 
 
 def save_adapter(
@@ -90,8 +120,8 @@ def save_adapter(
     """
     fingerprint = base_fingerprint(base)
     if fingerprint is None:
-        raise ValueError(f"base {Path(base).resolve()} has no checksums item (not an own.save_params checkpoint): an "
-                         "adapter records the fingerprint of the base it was trained on")
+        raise ValueError(f"base {Path(base).resolve()} is not a π0.5 checkpoint (ours or openpi's): an adapter records "
+                         "the fingerprint of the base it was trained on")
     dest = Path(path).expanduser().resolve()
     if dest.exists():
         if not overwrite:
@@ -140,8 +170,8 @@ def _check_meta(meta, meta_file: Path, base: str | os.PathLike | None) -> None:
                          "base_fingerprint can be checked")
     got = base_fingerprint(base)
     if got is None:
-        raise ValueError(f"{Path(base).resolve()} has no checksums item (not an own.save_params checkpoint), so the "
-                         f"adapter's base_fingerprint in {meta_file} cannot be checked; serve it on the base it was trained on")
+        raise ValueError(f"{Path(base).resolve()} is not a π0.5 checkpoint (ours or openpi's), so the adapter's "
+                         f"base_fingerprint in {meta_file} cannot be checked; serve it on the base it was trained on")
     if got != recorded:
         raise ValueError(f"adapter {meta_file.parent} was trained on base {meta.get('base')} but {Path(base).resolve()} "
                          "holds other weights (checksums differ); use the base it was trained on")

@@ -273,6 +273,11 @@ def _open_openpi(path: PathLike, dtype: DType, prompt_attention: PromptAttention
     return _OpenpiItem(item=item, meta=meta, has_value=has_value, config=config, lora_paths=lora_paths)
 
 
+def read_openpi_config(path: PathLike, dtype: DType = "float32") -> ModelConfig:
+    """The `ModelConfig` of an openpi checkpoint, from its metadata alone (keys and shapes checked, no array read)."""
+    return _open_openpi(path, dtype, "bidirectional").config
+
+
 LoraMode = Literal["merge", "ignore"]
 Layout = Literal["backend", "stacked", "unstacked"]
 

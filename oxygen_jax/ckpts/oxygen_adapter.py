@@ -1,0 +1,389 @@
+"""OxyGen's released language adapter in and out: its `.npz` / `.safetensors` + `adapter_config.json` to our
+adapter directory (`adapters.save_adapter`) and back, and serving either kind of folder by name.
+
+Axes (`oxygen_jax.axes`): L layers, N query heads, K KV heads, D VLM width, H head dim, F MLP hidden, r rank.
+
+OxyGen's π0.5 memory adapter is a flat file of openpi's LoRA factors on the VLM (PaliGemma) expert only,
+keys "/"-joined, every factor stacked on a leading scanned-layer axis, float32:
+
+    PaliGemma/llm/layers/attn/q_einsum/lora_{a,b}           [L, N, D, r]      [L, N, r, H]
+    PaliGemma/llm/layers/attn/kv_einsum/lora_{a,b}          [L, 2, K, D, r]   [L, 2, K, r, H]   (k and v stacked)
+    PaliGemma/llm/layers/attn/attn_vec_einsum/lora_{a,b}    [L, N, H, r]      [L, N, r, D]      (head-summed)
+    PaliGemma/llm/layers/mlp/gating_einsum_lora_{a,b}       [L, 2, D, r]      [L, 2, r, F]      (gate and up)
+    PaliGemma/llm/layers/mlp/linear_lora_{a,b}              [L, F, r]         [L, r, D]
+
+These are exactly the leaves of our adapter directories (`ckpts.openpi_lora` paths, `models.lora` math:
+attention scaled by alpha / rank, feed-forward unscaled), so importing is checking, not converting: every
+key present and known, every shape equal to the one the base's dimensions give (read from the base, any
+size), finite values, one rank that equals `adapter_config.json`'s `rank`, and alpha from that file. The
+imported directory records the base's fingerprint like any adapter we train, the prompt (`suffix_seed`),
+and OxyGen's file name, key order and `adapter_config.json` text, so `export_oxygen` writes the same bytes
+back (`np.savez` is deterministic for equal arrays in equal order).
+
+    python -m oxygen_jax.ckpts.oxygen_adapter import OXYGEN_DIR OUT --base BASE   # -> our adapter directory
+    python -m oxygen_jax.ckpts.oxygen_adapter export ADAPTER OUT --base BASE      # -> OxyGen's layout
+    python -m oxygen_jax.serve --ckpt BASE --adapter memory=OUT                  # served by name
+
+`load_named_bank` is what `serve --adapter [NAME=]DIR` calls: DIR may be one of our adapter directories or
+an OxyGen folder (imported on load, checked against the base's shapes; it records no fingerprint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import numbers
+import os
+import re
+import sys
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from oxygen_jax.ckpts import limits
+from oxygen_jax.ckpts.adapters import (
+    DEFAULT_ADAPTER_NAME, MAX_ALPHA, MAX_LEAF_ABS, base_fingerprint, load_adapter, save_adapter,
+)
+from oxygen_jax.ckpts.openpi_lora import openpi_paths
+from oxygen_jax.ckpts.safetensors import read_safetensors, write_safetensors
+from oxygen_jax.models import lora
+from oxygen_jax.models.pi05 import lora as pi05_lora
+from oxygen_jax.models.pi05.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+ADAPTER_TYPE = "suffix_lora"  # OxyGen's LoRA on the VLM expert's einsums (not its older bottleneck SuffixAdapter)
+FILE_SUFFIXES = (".npz", ".safetensors")
+KEYS = tuple(k for t in lora.TARGETS for k in openpi_paths(t, ""))
+"""The ten keys of an OxyGen adapter file, (lora_a, lora_b) per target in `lora.TARGETS` order."""
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+class OxygenAdapter(NamedTuple):
+    """An OxyGen adapter as read: `arrays` {key: float32 array} in the file's key order, the parsed config,
+    its raw text, and the adapter file."""
+
+    arrays: dict[str, np.ndarray]
+    config: dict
+    config_text: str
+    file: Path
+
+
+# -------------------------------------------------------------------------------------------------
+# Reading and checking
+# -------------------------------------------------------------------------------------------------
+
+
+def is_oxygen_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` is an OxyGen adapter folder (holds adapter_config.json) or an adapter file beside one."""
+    p = Path(path)
+    return (p / CONFIG_FILE).is_file() or (p.suffix in FILE_SUFFIXES and (p.parent / CONFIG_FILE).is_file())
+
+
+def _adapter_file(path: Path) -> Path:
+    if path.is_file():
+        return path
+    found = sorted(f for f in path.iterdir() if f.suffix in FILE_SUFFIXES and f.is_file())
+    if len(found) != 1:
+        what = "no .npz or .safetensors file" if not found else f"{len(found)} adapter files ({', '.join(f.name for f in found)})"
+        raise ValueError(f"{path}: {what} beside {CONFIG_FILE}; pass the adapter file itself")
+    return found[0]
+
+
+def _read_arrays(file: Path) -> dict[str, np.ndarray]:
+    if file.suffix == ".safetensors":
+        return dict(read_safetensors(file))
+    try:
+        with np.load(file, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{file}: not a readable .npz ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def _positive(config: Mapping, field: str, where: Path, kind) -> float:
+    v = config.get(field)
+    ok = isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) and 0 < v <= MAX_ALPHA
+    if not ok:
+        raise ValueError(f"{where}: {field} must be a number in (0, {MAX_ALPHA:g}]"
+                         f"{' (an integer)' if kind is numbers.Integral else ''}, got {v!r}")
+    return v
+
+
+def read_oxygen(path: str | os.PathLike, *, check_sha256: bool = True) -> OxygenAdapter:
+    """Reads an OxyGen adapter folder (adapter_config.json + one .npz or .safetensors) or the file itself.
+
+    Checks only what needs no base: the config's `adapter_type`, `rank`, `alpha`, the file's `sha256` when
+    the config records one (`check_sha256`), and that every value is a finite float. Shapes: `check_oxygen`.
+    """
+    p = Path(path).expanduser().resolve()
+    if not p.exists():
+        raise FileNotFoundError(f"OxyGen adapter path does not exist: {p}")
+    cfg_file = (p if p.is_dir() else p.parent) / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} is missing: an OxyGen adapter folder holds {CONFIG_FILE} beside its .npz")
+    file = _adapter_file(p)
+    text = limits.read_text(cfg_file)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(config).__name__}")
+    if config.get("adapter_type", ADAPTER_TYPE) != ADAPTER_TYPE:
+        raise ValueError(f"{cfg_file}: adapter_type {config['adapter_type']!r} is not {ADAPTER_TYPE!r} (OxyGen's LoRA on "
+                         "the VLM einsums, the only kind this imports)")
+    _positive(config, "rank", cfg_file, numbers.Integral)
+    _positive(config, "alpha", cfg_file, numbers.Real)
+    recorded = config.get("sha256")
+    if check_sha256 and isinstance(recorded, str) and re.fullmatch(r"[0-9a-f]{64}", recorded):
+        if hashlib.sha256(file.read_bytes()).hexdigest() != recorded:
+            raise ValueError(f"{file}: SHA-256 differs from the sha256 in {cfg_file}; the file is damaged or not the "
+                             "one the config describes (--ignore-sha256 imports it anyway)")
+    arrays = _read_arrays(file)
+    for k, a in arrays.items():
+        if a.dtype.kind != "f":
+            raise ValueError(f"{file}: key {k} has dtype {a.dtype}, expected float32 LoRA factors")
+    limits.check_finite(arrays, str(file), max_abs=MAX_LEAF_ABS)
+    return OxygenAdapter(arrays=arrays, config=config, config_text=text, file=file)
+
+
+def expected_shapes(config: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
+    """{key: shape} of an OxyGen adapter of `rank` on the VLM expert of `config` (every dim read from it)."""
+    dims = pi05_lora.expert_dims(config.vlm)
+    out = {}
+    for t in lora.TARGETS:
+        a, b = lora.target_shapes(dims, t, rank)
+        ka, kb = openpi_paths(t, "")
+        out[ka], out[kb] = (dims.depth, *a), (dims.depth, *b)
+    return out
+
+
+def check_oxygen(ox: OxygenAdapter, config: ModelConfig) -> None:
+    """One-line ValueError naming the first key that is unknown, missing or mis-shaped for the base `config`,
+    or whose rank differs from adapter_config.json's."""
+    rank = int(ox.config["rank"])
+    for k in ox.arrays:
+        if k not in KEYS:
+            where = " (an action-expert key: OxyGen adapts the VLM expert only)" if "_1/" in k or "_1_" in k else ""
+            raise ValueError(f"{ox.file}: unknown key {k!r}{where}; an OxyGen adapter holds the ten VLM LoRA keys "
+                             f"({KEYS[0]}, ...)")
+    for k in KEYS:
+        if k not in ox.arrays:
+            raise ValueError(f"{ox.file}: key {k!r} is missing (an OxyGen adapter holds all ten VLM LoRA keys)")
+    for k, want in expected_shapes(config, rank).items():
+        got = tuple(ox.arrays[k].shape)
+        if got != want:
+            a_rank = ox.arrays[k].shape[-1 if k.endswith("a") else -2] if ox.arrays[k].ndim >= 2 else None
+            hint = (f"its rank {a_rank} differs from rank {rank} in {CONFIG_FILE}" if a_rank != rank
+                    else "the adapter was trained on a base of other dimensions")
+            raise ValueError(f"{ox.file}: key {k!r} has shape {got}, expected {want} for this base at rank {rank}; "
+                             f"{hint}")
+
+
+def to_expert_lora(ox: OxygenAdapter, config: ModelConfig) -> lora.ExpertLora:
+    """The checked adapter (`check_oxygen`) as our `ExpertLora`, float32, alpha from adapter_config.json."""
+    check_oxygen(ox, config)
+    pairs = {}
+    for t in lora.TARGETS:
+        ka, kb = openpi_paths(t, "")
+        pairs[t] = lora.LoraPair(a=np.asarray(ox.arrays[ka], np.float32), b=np.asarray(ox.arrays[kb], np.float32))
+    return lora.ExpertLora(**pairs, alpha=float(ox.config["alpha"]), rslora=False)
+
+
+def adapter_meta(ox: OxygenAdapter, name: str = DEFAULT_ADAPTER_NAME) -> dict:
+    """The adapter.json fields OxyGen's config gives: name, prompt (`suffix_seed`) and `extra` (label_key from
+    `language_target`, suffix_len, steps, and what `export_oxygen` needs to write the same bytes back)."""
+    c = ox.config
+    extra = {"oxygen": {"file": ox.file.name, "keys": list(ox.arrays), "config_text": ox.config_text}}
+    if isinstance(c.get("language_target"), str):
+        extra["label_key"] = c["language_target"].removeprefix("language.")
+    if isinstance(c.get("suffix_length"), int):
+        extra["suffix_len"] = c["suffix_length"] + 1  # OxyGen's max_len counts model inputs; T adds the last target
+    if isinstance(c.get("training_step"), int):
+        extra["steps"] = c["training_step"]
+    prompt = c["suffix_seed"] if isinstance(c.get("suffix_seed"), str) else "Memory: "
+    return {"name": name, "prompt": prompt, "extra": extra}
+
+
+# -------------------------------------------------------------------------------------------------
+# Import, export
+# -------------------------------------------------------------------------------------------------
+
+
+def base_config(base: str | os.PathLike) -> ModelConfig:
+    """The π0.5 config of a base checkpoint (ours or openpi's) from its metadata, no weights read."""
+    from oxygen_jax.ckpts.openpi import read_openpi_config
+    from oxygen_jax.ckpts.own import stored_config
+
+    p = Path(base).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"base checkpoint {p.resolve()} is not a directory")
+    return stored_config(p) or read_openpi_config(p)
+
+
+def import_oxygen(src: str | os.PathLike, dest: str | os.PathLike, *, base: str | os.PathLike,
+                  name: str = DEFAULT_ADAPTER_NAME, config: ModelConfig | None = None, check_sha256: bool = True,
+                  overwrite: bool = False) -> Path:
+    """Writes OxyGen's adapter at `src` as our adapter directory `dest` for the base checkpoint `base`.
+
+    Args:
+      src: an OxyGen folder (adapter_config.json + one .npz / .safetensors) or the adapter file.
+      base: the base it will run on (ours or an openpi checkpoint; `config` defaults to its dims), whose
+        fingerprint the adapter records (`adapters.base_fingerprint`).
+      name: the name `serve` gives it.
+    Returns:
+      `dest`, resolved. Raises ValueError / FileNotFoundError in one line (the key, field or file).
+    """
+    ox = read_oxygen(src, check_sha256=check_sha256)
+    adapter = to_expert_lora(ox, config or base_config(base))
+    meta = adapter_meta(ox, name)
+    return save_adapter(dest, adapter, prompt=meta["prompt"], name=name, base=base, extra=meta["extra"],
+                        overwrite=overwrite)
+
+
+def export_oxygen(src: str | os.PathLike, dest: str | os.PathLike, *, base: str | os.PathLike,
+                  config: ModelConfig | None = None, fmt: str | None = None) -> Path:
+    """Writes our adapter directory `src` (served on `base`) in OxyGen's layout into the folder `dest`.
+
+    An adapter imported by `import_oxygen` comes back byte for byte (its file name, key order and config text
+    were recorded); any other gets `adapter.npz` (keys sorted) and an adapter_config.json made from its
+    adapter.json (rank, alpha, suffix_seed = prompt, base_checkpoint, sha256 of the file).
+    Args:
+      fmt: "npz" or "safetensors" (default: what was imported, else npz).
+    Returns: the written adapter file.
+    """
+    adapter, meta = load_adapter(src, config or base_config(base), base=base)
+    if adapter.attn_rank != adapter.ffn_rank or set(adapter.pairs()) != set(lora.TARGETS):
+        raise ValueError(f"{src}: OxyGen's layout needs all five targets at one rank; this adapter has "
+                         f"{sorted(adapter.pairs())} at ranks {adapter.attn_rank}/{adapter.ffn_rank}")
+    extra = meta.get("extra") or {}
+    ox = extra.get("oxygen") or {}
+    flat = {}
+    for t, pair in adapter.pairs().items():
+        ka, kb = openpi_paths(t, "")
+        flat[ka], flat[kb] = np.asarray(pair.a, np.float32), np.asarray(pair.b, np.float32)
+    order = ox.get("keys") if sorted(ox.get("keys") or []) == sorted(flat) else sorted(flat)
+    fmt = fmt or (Path(ox["file"]).suffix.lstrip(".") if "file" in ox else "npz")
+    if fmt not in ("npz", "safetensors"):
+        raise ValueError(f"format must be 'npz' or 'safetensors', got {fmt!r}")
+    name = ox.get("file") if "file" in ox and ox["file"].endswith("." + fmt) else f"adapter.{fmt}"
+    out = Path(dest).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    file = out / name
+    if fmt == "npz":
+        np.savez(file, **{k: flat[k] for k in order})
+    else:
+        write_safetensors(file, flat)
+    text = ox.get("config_text")
+    if not isinstance(text, str):
+        config_json = {"adapter_type": ADAPTER_TYPE, "alpha": adapter.alpha, "rank": adapter.attn_rank,
+                       "base_checkpoint": meta.get("base"), "language_target": extra.get("label_key"),
+                       "sha256": hashlib.sha256(file.read_bytes()).hexdigest(), "suffix_seed": meta.get("prompt"),
+                       **({"suffix_length": extra["suffix_len"] - 1} if isinstance(extra.get("suffix_len"), int) else {}),
+                       **({"training_step": extra["steps"]} if isinstance(extra.get("steps"), int) else {})}
+        text = json.dumps(config_json, indent=2) + "\n"
+    (out / CONFIG_FILE).write_text(text)
+    return file
+
+
+# -------------------------------------------------------------------------------------------------
+# Serving by name
+# -------------------------------------------------------------------------------------------------
+
+
+def parse_spec(spec: str) -> tuple[str | None, Path]:
+    """`serve --adapter` values: "NAME=DIR" (served as NAME) or "DIR" (the name its files give)."""
+    name, sep, path = spec.partition("=")
+    if sep and _NAME.fullmatch(name) and path:
+        return name, Path(path)
+    return None, Path(spec)
+
+
+def load_any(path: str | os.PathLike, config: ModelConfig, *, base: str | os.PathLike | None,
+             name: str | None = None) -> tuple[lora.ExpertLora, dict]:
+    """(adapter, its adapter.json fields) from one of our adapter directories (fingerprint-checked against
+    `base`) or an OxyGen folder (imported on load: keys and shapes checked against `config`; default name
+    "memory"). `name` replaces the stored name."""
+    p = Path(path).expanduser()
+    if (p / "adapter.json").is_file() or not is_oxygen_dir(p):
+        adapter, meta = load_adapter(p, config, base=base)
+    else:
+        ox = read_oxygen(p)
+        adapter, meta = to_expert_lora(ox, config), adapter_meta(ox)
+    return adapter, {**meta, "name": name or meta["name"]}
+
+
+def load_named_bank(specs: Sequence[str], config: ModelConfig, *, base: str | os.PathLike | None
+                    ) -> tuple[lora.LoraBank, tuple[str, ...]]:
+    """A bank for `Engine(..., bank=, adapter_names=)` from `serve --adapter` values (`parse_spec`), ids 1..E."""
+    adapters, names = [], []
+    for spec in specs:
+        name, path = parse_spec(spec)
+        adapter, meta = load_any(path, config, base=base, name=name)
+        adapters.append(adapter)
+        names.append(meta["name"])
+    if len(set(names)) != len(names):
+        raise ValueError(f"--adapter: two adapters share a name ({names}); name them with NAME=DIR")
+    return pi05_lora.stack_adapters(adapters, config), tuple(names)
+
+
+# -------------------------------------------------------------------------------------------------
+# Command line
+# -------------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m oxygen_jax.ckpts.oxygen_adapter",
+                description="Convert OxyGen's released π0.5 language adapter (adapter_config.json + .npz or "
+                            ".safetensors, openpi's LoRA keys on the VLM expert) to an oxygen_jax adapter directory "
+                            "and back. Both directions check every key and shape against the base checkpoint.")
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="OxyGen folder (or its .npz / .safetensors) -> our adapter directory")
+    imp.add_argument("src", type=Path, help="OxyGen adapter folder (adapter_config.json + adapter file) or the file")
+    imp.add_argument("out", type=Path, help="new adapter directory (serve --adapter NAME=OUT)")
+    imp.add_argument("--name", default=DEFAULT_ADAPTER_NAME, help="the name it is served by")
+    imp.add_argument("--ignore-sha256", action="store_true",
+                     help="import even when the file's SHA-256 differs from adapter_config.json's sha256")
+    imp.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    exp = sub.add_parser("export", help="our adapter directory -> OxyGen's layout (adapter_config.json + file)")
+    exp.add_argument("src", type=Path, help="adapter directory (training.memory output or an import)")
+    exp.add_argument("out", type=Path, help="folder to write adapter_config.json and the adapter file into")
+    exp.add_argument("--format", choices=("npz", "safetensors"), default=None,
+                     help="adapter file format (default: the imported one, else npz)")
+    for sp in (imp, exp):
+        sp.add_argument("--base", type=Path, required=True,
+                        help="the base checkpoint it runs on: ours or an openpi π0.5 checkpoint (e.g. pi05_libero); "
+                             "its dims check every shape and its fingerprint ties the adapter to it")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (module docstring); one line on stderr and exit status 2 for bad input."""
+    args = _parser().parse_args(argv)
+    try:
+        if base_fingerprint(args.base) is None:
+            raise ValueError(f"--base {args.base}: not a π0.5 checkpoint (ours or openpi's)")
+        if args.command == "import":
+            dest = import_oxygen(args.src, args.out, base=args.base, name=args.name,
+                                 check_sha256=not args.ignore_sha256, overwrite=args.overwrite)
+        else:
+            dest = export_oxygen(args.src, args.out, base=args.base, fmt=args.format)
+    except (OSError, ValueError) as e:
+        print(f"python -m oxygen_jax.ckpts.oxygen_adapter {args.command}: error: {str(e).splitlines()[0]}",
+              file=sys.stderr)
+        return 2
+    print(f"wrote {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
