@@ -13,6 +13,8 @@ rows of a `prefix.Prefix`. The pool (`runtime.decode`) keeps slot bookkeeping on
     extend(...)                                T tokens after cached ones (the request prompt, in the
                                                form that runs many tokens at once)
     step(...)                                  one token per slot (the decode step)
+    verify(..., judge)                         a block of T tokens per slot (pending token + draft) that
+                                               keeps only a judged prefix of it (speculative decoding)
     embed, final_norm, logits_vocab_major      token embedding, the final norm, the head
     check_bank(bank)                           the kind of per-row adapter bank this decoder serves
     stop_ids, vocab_size                       the default stop set and the vocabulary
@@ -145,6 +147,18 @@ class LanguageDecoder:
         unchanged, bit for bit."""
         raise NotImplementedError
 
+    def verify(self, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora: RowAdapters | None, judge):
+        """Scores a block of T tokens per row in the decode step's arithmetic, then keeps a prefix of it.
+
+        Arguments as `extend` (T = γ + 1: the pending token and up to γ draft tokens, `mask` causal inside the
+        block). `judge(hidden [B, T, D] before the final norm) -> (keep int32 [B], out)` decides from the
+        block's hidden states how many leading entries each row keeps (0 <= keep <= its valid entries).
+        Returns (out, (cache_k, cache_v), carry) with the carry at each row's entry keep - 1 (unchanged
+        where keep = 0). K/V of entries past `keep` may be written: the pool never unmasks them, and a
+        later step overwrites them (roll-back by position).
+        """
+        raise NotImplementedError
+
     # -- embedder, norm, head ------------------------------------------------------------------
 
     def embed(self, tokens: jax.Array) -> jax.Array:
@@ -196,6 +210,13 @@ class AttentionDecoder(LanguageDecoder):
         return h, kv, carry
 
     step = extend
+
+    def verify(self, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora, judge):
+        # Attention keeps no state besides K/V, which roll back by position: one pass, nothing to select.
+        h, kv = backbone.forward_write(self.spec, self.decoder.layers, x, positions, mask, cache_k, cache_v, write_index,
+                                       lora=lora)
+        _, out = judge(h)
+        return out, kv, carry
 
     def check_bank(self, bank) -> None:
         if bank is not None and not isinstance(bank, LoraBank):

@@ -123,6 +123,9 @@ class DecodePool:
       carry: the decoder's per-slot state beside the K/V (`LanguageDecoder.init_carry`: named leaves
         [layers, Ns, ...], e.g. Qwen3.5's conv "window" [Lg, Ns, Cc, Kc] and float32 recurrent "state"
         [Lg, Ns, Hv, Dk, Dv]; k, v then hold its full-attention layers only), or None.
+      draft_ref: int32 [Ns, R] tokens each slot drafts from under speculative decoding (`runtime.speculative`;
+        -1 separates segments), set at admission from `Requests.draft_ref`; None without speculation.
+      draft_len: static γ, the most draft tokens one verify step checks (0: no speculation).
 
     Bytes per slot: `slot_bytes` (K/V grow with C; a carry is fixed, at Qwen3.5-0.8B / 2B in bfloat16 as
     much as the K/V of about 1,600 entries).
@@ -143,6 +146,8 @@ class DecodePool:
     prefix_len: int = dataclasses.field(metadata=_STATIC)
     prompt_len: int = dataclasses.field(metadata=_STATIC)
     carry: dict[str, jax.Array] | None = None
+    draft_ref: jax.Array | None = None
+    draft_len: int = dataclasses.field(default=0, metadata=_STATIC)
 
     @property
     def num_slots(self) -> int:
@@ -172,6 +177,7 @@ class Requests:
       prompt: int32 [J, Q] request prompt written after the prefix; prompt_len int32 [J] (0 = none).
       sampling: `Sampling` with [J] leaves.
       request_id: int32 [J] >= 0; adapter int32 [J] (0 = base weights).
+      draft_ref: optional int32 [J, R] what each request drafts from (speculative pools; None: nothing).
     """
 
     valid: jax.Array
@@ -181,6 +187,7 @@ class Requests:
     sampling: Sampling
     request_id: jax.Array
     adapter: jax.Array
+    draft_ref: jax.Array | None = None
 
     @property
     def size(self) -> int:
@@ -267,12 +274,22 @@ def make_requests(
     )
 
 
-def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> DecodePool:
+def draft_capacity(max_new_tokens: int, prompt_len: int) -> int:
+    """R, the draft reference width of a speculative pool: room for a previous answer, two recent answers and
+    the request prompt, each followed by a -1 separator."""
+    return 3 * (max_new_tokens + 1) + prompt_len + 1
+
+
+def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0,
+              speculate: int = 0) -> DecodePool:
     """An empty pool of `num_slots` slots for prefixes of `prefix_len` tokens.
 
     Take `prefix_len` from the prefix the pool will serve (`Prefix.length`, `prefix_length`, or
-    `model.prefix_length(params, observation)` before any prefill).
+    `model.prefix_length(params, observation)` before any prefill). `speculate` = γ > 0 makes a pool for
+    speculative decoding (`runtime.speculative`): it keeps each slot's draft reference.
     """
+    if speculate < 0:
+        raise ValueError(f"speculate must be >= 0 (γ draft tokens per verify step), got {speculate}")
     lm = _decoder(lm)
     cap = prefix_len + prompt_len + max_new_tokens
     kv_shape = (len(lm.kv_layers), num_slots, cap, lm.num_kv_heads, lm.head_dim)
@@ -284,7 +301,8 @@ def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_toke
         num_generated=ints(), sampling=_empty_sampling(num_slots), request_id=ints(-1),
         adapter=ints(), active=jnp.zeros((num_slots,), bool),
         tokens=jnp.full((num_slots, max_new_tokens), -1, jnp.int32), prefix_len=prefix_len, prompt_len=prompt_len,
-        carry=lm.init_carry(num_slots),
+        carry=lm.init_carry(num_slots), draft_len=speculate,
+        draft_ref=jnp.full((num_slots, draft_capacity(max_new_tokens, prompt_len)), -1, jnp.int32) if speculate else None,
     )
 
 
@@ -451,9 +469,20 @@ def _admit(lm: LanguageDecoder, pool: DecodePool, prefix: Prefix, req: Requests,
         # The slot's whole carry is overwritten: the reset of a reused slot.
         carry=None if pool.carry is None else jax.tree.map(lambda f, c: f.at[:, slot].set(c.astype(f.dtype), mode="drop"),
                                                            pool.carry, carry),
+        draft_ref=None if pool.draft_ref is None else put(pool.draft_ref, _draft_rows(pool, req)),
     )
     first = jnp.full((s,), -1, jnp.int32).at[slot].set(token0, mode="drop")
     return new, admitted, first
+
+
+def _draft_rows(pool: DecodePool, req: Requests) -> jax.Array:
+    """[J, R] draft references of the requests (all -1 where they bring none)."""
+    if req.draft_ref is None:
+        return jnp.full((req.size, pool.draft_ref.shape[1]), -1, jnp.int32)
+    if req.draft_ref.shape[1] != pool.draft_ref.shape[1]:
+        raise ValueError(f"requests carry draft references of {req.draft_ref.shape[1]} tokens but the pool keeps "
+                         f"{pool.draft_ref.shape[1]}: build both with decode.draft_capacity")
+    return req.draft_ref
 
 
 def admit(lm: LanguageDecoder, pool: DecodePool, prefix: Prefix, requests: Requests, bank=None):

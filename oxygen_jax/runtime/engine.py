@@ -68,7 +68,8 @@ class EngineConfig:
     max_new_tokens: int = 32  # M: per-request token cap (budgets above it are rejected)
     prompt_capacity: int = 0  # Q: max request-prompt tokens written after the shared prefix
     admissions_per_frame: int = 4  # J: requests admitted per frame at most
-    tokens_per_frame: int = 5  # k
+    tokens_per_frame: int = 5  # k: decode steps per frame (verify steps under speculation)
+    speculate: int = 0  # γ: draft tokens checked per verify step (0: plain decoding; runtime.speculative)
     action_horizon: int = 10  # π0.5's Ha, for the noise the engine draws when step() gets none
     seed: int = 0  # noise seed (frame f uses fold_in(seed, f))
 
@@ -78,6 +79,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
         if self.prompt_capacity < 0:
             raise ValueError("EngineConfig.prompt_capacity must be >= 0")
+        if self.speculate < 0:
+            raise ValueError(f"EngineConfig.speculate must be >= 0 (0 = no speculative decoding), got {self.speculate}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +116,8 @@ class StepResult:
     errors: list[FailedRequest] = dataclasses.field(default_factory=list)  # dropped this frame
     head_actions: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # every head: name -> [B, Ha, Ad]
     row_errors: dict[int, str] = dataclasses.field(default_factory=dict)  # batch row -> why its actions are unusable
+    steps: int = 0  # decode (or verify) steps this frame's burst ran
+    tokens_per_step: float = 0.0  # burst tokens per (slot, step) that emitted: 1 plain, up to γ + 1 speculative
 
 
 def _is_int(x) -> bool:
@@ -201,7 +206,8 @@ class Engine:
         self.adapters: dict[str, int] = {"base": 0, **{n: i + 1 for i, n in enumerate(adapter_names)}}
         if len(self.adapters) != len(adapter_names) + 1:
             raise ValueError(f"adapter names must be unique and not 'base', got {list(adapter_names)}")
-        self._sched = Scheduler(config.num_slots, config.admissions_per_frame, config.prompt_capacity)
+        self._sched = Scheduler(config.num_slots, config.admissions_per_frame, config.prompt_capacity,
+                                speculate=config.speculate, max_new_tokens=config.max_new_tokens)
         self._pool: decode.DecodePool | None = None
         self._prefix_key: tuple | None = None
         self._detok: dict[int, object] = {}
@@ -390,7 +396,8 @@ class Engine:
         self._prefix_key = key
 
     def _new_pool(self, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int) -> decode.DecodePool:
-        return decode.init_pool(self.vla.language(), num_slots, prefix_len, max_new_tokens, prompt_len)
+        return decode.init_pool(self.vla.language(), num_slots, prefix_len, max_new_tokens, prompt_len,
+                                speculate=self.config.speculate)
 
     def warmup(self, observation, states=None, rtc=None) -> float:
         """Compiles the frame program for this observation's shapes without touching any request.
@@ -405,7 +412,8 @@ class Engine:
         p, b = self._pool, self.vla.batch_size(observation)
         states = self._check_states(states if states is not None else self._zero_states(b), b)
         scratch = self._new_pool(p.num_slots, p.prefix_len, p.max_new_tokens, p.prompt_len)
-        requests, _ = Scheduler(p.num_slots, self.config.admissions_per_frame, p.prompt_len).offer(b)
+        requests, _ = Scheduler(p.num_slots, self.config.admissions_per_frame, p.prompt_len,
+                                speculate=self.config.speculate, max_new_tokens=p.max_new_tokens).offer(b)
         noises = {n: jax.random.normal(jax.random.key(0), self._noise_shape(n, b)) for n in self.vla.heads}
         rtc = rtc_mod.for_heads(self.vla, rtc, noises)
         _, out = frame_step(self.vla, scratch, observation, noises, requests, np.zeros((p.num_slots,), bool),
@@ -568,7 +576,8 @@ class Engine:
         return StepResult(
             actions=self.vla.primary_chunk(out.actions, b), finished=finished, new_text=new_text, frame=frame,
             frame_ms=(end - start) * 1e3, batch=events.batch, queued=self._sched.num_queued, errors=errors,
-            head_actions={n: np.asarray(a) for n, a in out.actions.items()},
+            head_actions={n: np.asarray(a) for n, a in out.actions.items()}, steps=events.steps,
+            tokens_per_step=events.burst_tokens / max(events.slot_steps, 1),
         )
 
     def requests_of(self, owner: object) -> list[int]:

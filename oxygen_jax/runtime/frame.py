@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models.lora import LoraBank
-from oxygen_jax.runtime import compile_cache, decode, rtc as rtc_mod
+from oxygen_jax.runtime import compile_cache, decode, rtc as rtc_mod, speculative
 from oxygen_jax.runtime.decode import DecodePool, Requests
 from oxygen_jax.models.vla import MultiHead as Vla
 
@@ -56,7 +56,8 @@ class FrameOutput:
       admitted: bool [J] which of this frame's offered requests got a slot.
       request_id: int32 [Ns] the request each slot served this frame (-1 = none).
       new_tokens: int32 [Ns, 1 + k] tokens emitted this frame: column 0 is token 0 of a request
-        admitted this frame, columns 1.. the burst; -1 = nothing.
+        admitted this frame, columns 1.. the burst; -1 = nothing. A speculative pool: [Ns, 1 + k (γ + 1)],
+        verify step s in columns 1 + s (γ + 1) ..., in order.
       finished: bool [Ns] the slot's request finished this frame (the slot is free again).
       num_generated: int32 [Ns] tokens of the slot's request so far.
       batch: int32 [] active slots in this frame's decode burst.
@@ -76,7 +77,10 @@ def _language(lm, pool, prefix, requests, tokens_per_frame, bank=None):
     pool, admitted, first = decode.admit(lm, pool, prefix, requests, bank)
     served = pool.request_id
     batch = jnp.sum(pool.active, dtype=jnp.int32)
-    pool, burst = decode.decode_burst(lm, pool, tokens_per_frame, bank)
+    if pool.draft_len:  # a speculative pool: k verify steps of γ + 1 tokens each (`runtime.speculative`)
+        pool, burst = speculative.verify_burst(lm, pool, tokens_per_frame, bank)
+    else:
+        pool, burst = decode.decode_burst(lm, pool, tokens_per_frame, bank)
     pool, released = decode.release_finished(pool)
     return pool, dict(admitted=admitted, request_id=served, new_tokens=jnp.concatenate([first[:, None], burst], axis=1),
                       finished=released.done, num_generated=released.num_generated, batch=batch)

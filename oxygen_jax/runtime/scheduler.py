@@ -15,6 +15,11 @@ stream id of every batch row of this frame (`rows[i]` = stream at batch row i; -
 queued request whose stream has no row this frame waits without blocking requests behind it.
 Cancelling a queued request drops it; cancelling a live one frees its slot in the next frame
 (`evict`), and its outputs are ignored from then on.
+
+Speculative decoding (`speculate` = γ > 0, a pool from `decode.init_pool(..., speculate=γ)`): each offered
+request carries its draft reference (`draft_book.DraftBook`: the robot's earlier answers), every finished
+answer is recorded for the robot's next requests, and a frame's burst is read as k verify steps of γ + 1
+columns each.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from oxygen_jax.runtime import decode
+from oxygen_jax.runtime.draft_book import DraftBook
 
 
 @dataclasses.dataclass(eq=False)  # identity: tickets sit in queues and are removed by identity
@@ -73,7 +79,11 @@ class FrameEvents:
       emitted: request id -> tokens emitted this frame (in order).
       finished: tickets whose last token came this frame (their slots are free again).
       batch: active slots in this frame's decode burst.
-      steps: burst steps that ran (a step runs iff some slot was active).
+      steps: burst steps that ran (a step runs iff some slot was active): decode steps, or verify steps
+        under speculation.
+      burst_tokens: tokens the burst emitted (token 0 of a request comes from its admission, not counted).
+      slot_steps: (slot, step) pairs that emitted: burst_tokens / slot_steps is the accepted tokens per step
+        of a slot (1 without speculation, up to γ + 1 with it).
     """
 
     admitted: list[Ticket]
@@ -81,13 +91,22 @@ class FrameEvents:
     finished: list[Ticket]
     batch: int
     steps: int
+    burst_tokens: int = 0
+    slot_steps: int = 0
 
 
 class Scheduler:
     """FIFO queue of `Ticket`s in front of a pool of `num_slots` decode slots."""
 
-    def __init__(self, num_slots: int, admissions_per_frame: int, prompt_capacity: int):
+    def __init__(self, num_slots: int, admissions_per_frame: int, prompt_capacity: int, *, speculate: int = 0,
+                 max_new_tokens: int = 0):
+        """`speculate` = γ (0: plain decoding); a speculative scheduler needs the pool's `max_new_tokens` (M) to
+        size the draft references."""
         self.num_slots, self.admissions, self.prompt_capacity = num_slots, admissions_per_frame, prompt_capacity
+        if speculate and max_new_tokens < 1:
+            raise ValueError("a speculative Scheduler needs max_new_tokens (the pool's M) to size draft references")
+        self.speculate = speculate
+        self._book = DraftBook(decode.draft_capacity(max_new_tokens, prompt_capacity)) if speculate else None
         self._queue: collections.deque[Ticket] = collections.deque()
         self._live: dict[int, Ticket] = {}
         self._slot: dict[int, int] = {}  # live request id -> slot
@@ -185,10 +204,15 @@ class Scheduler:
             top_p=col([t.top_p for t in take], pad.sampling.top_p),
             key=col(np.stack([t.key for t in take]) if take else None, pad.sampling.key),
         )
+        ref = None
+        if self._book is not None:
+            ref = np.full((j, self._book.width), -1, np.int32)
+            for i, t in enumerate(take):
+                ref[i] = self._book.reference(t.row, t.prompt, t.adapter)
         return decode.Requests(
             valid=np.arange(j) < len(take), row=col([where[t.row] for t in take], pad.row), prompt=prompt,
             prompt_len=prompt_len, sampling=sampling, request_id=col([t.request_id for t in take], pad.request_id),
-            adapter=col([t.adapter for t in take], pad.adapter),
+            adapter=col([t.adapter for t in take], pad.adapter), draft_ref=ref,
         )
 
     def absorb(self, out, frame: int) -> FrameEvents:
@@ -217,8 +241,13 @@ class Scheduler:
                 del self._live[t.request_id]
                 self._slot.pop(t.request_id, None)
                 finished.append(t)
-        steps = int((new_tokens[:, 1:] >= 0).any(axis=0).sum())
-        return FrameEvents(admitted=admitted, emitted=emitted, finished=finished, batch=int(out.batch), steps=steps)
+                if self._book is not None:
+                    self._book.record(t.row, t.prompt, t.adapter, t.tokens)
+        burst = new_tokens[:, 1:] >= 0
+        per_step = burst.reshape(burst.shape[0], -1, self.speculate + 1).any(axis=2)  # [Ns, steps]
+        return FrameEvents(admitted=admitted, emitted=emitted, finished=finished, batch=int(out.batch),
+                           steps=int(per_step.any(axis=0).sum()), burst_tokens=int(burst.sum()),
+                           slot_steps=int(per_step.sum()))
 
     def reset_live(self) -> list[Ticket]:
         """Forgets every live request (after the pool was rebuilt); returns them."""

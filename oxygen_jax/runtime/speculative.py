@@ -1,0 +1,213 @@
+"""Exact speculative decoding on the slot pool: drafts from arrays, one verify pass per step, no second model.
+
+Axes (`oxygen_jax.axes`): Ns slots, M max new tokens, R draft reference width (`decode.draft_capacity`),
+γ draft tokens per step (static, `DecodePool.draft_len`), T = γ + 1 block entries, C slot length, V vocabulary.
+
+**Drafts.** Each slot keeps a reference `draft_ref` [Ns, R] written at admission (`runtime.draft_book`: the
+same robot's previous answer to the same prompt and adapter, then its recent answers, then the prompt,
+segments separated by -1). Before every verify step a slot drafts up to γ tokens on the device:
+
+  (a) when the tokens generated so far equal the start of the previous answer (segment 0), the answer's
+      next tokens;
+  (b) else an n-gram lookup: the first place in the reference, then in the slot's own generated tokens,
+      where its last two tokens (one at the first step) occur, and the tokens that follow there.
+
+A draft stops at a segment end and at `budget - generated - 1` tokens (never past `max_tokens`).
+
+**Verification.** One pass of the decoder (`LanguageDecoder.verify`) scores the block [pending token |
+draft] of every slot, causal inside the block, over the slot's K/V:
+
+    block entry i   0         1     ...  γ          (entries past a slot's draft length: invalid)
+    fed token       pending   d_0   ...  d_{γ-1}
+    scores token    g         g+1   ...  g+γ        (g = tokens generated so far; key fold_in(key, g + i))
+
+Greedy rows accept the longest prefix of d whose every token is the argmax at its entry, then emit the
+argmax after it: exactly the tokens plain greedy decoding emits. Sampled rows use the accept/reject rule
+of speculative sampling with the filtered distribution p (temperature, then top-p, as `nn.sampling`)
+and a point-mass draft q = δ_d (deterministic drafts): accept d_i with probability min(1, p(d_i) / q(d_i))
+= p(d_i); on rejection draw from the residual norm(max(0, p - q)) = p without d_i, renormalised; after a
+fully accepted draft draw from p. Each emitted token is thus distributed as p, as in plain sampling.
+
+A stop id among the emitted tokens ends the request there. The pool keeps the fed entries up to the last
+emitted token's predecessor (the last emitted token is the next pending one), so K/V past them are masked
+and later overwritten (roll-back by position, no copies); a decoder with a carry leaves it at the last kept
+entry (`HybridDecoder.verify`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from oxygen_jax.models.decoder import LanguageDecoder, row_adapters
+from oxygen_jax.runtime.decode import DecodePool, Sampling
+
+_NGRAM = 2  # the n of lookup (b)
+
+
+def _first_true(x: jax.Array) -> jax.Array:
+    """Index of the first True along the last axis, or its length where there is none."""
+    n = x.shape[-1]
+    return jnp.min(jnp.where(x, jnp.arange(n), n), axis=-1)
+
+
+def _continuation(source: jax.Array, start: jax.Array, gamma: int) -> tuple[jax.Array, jax.Array]:
+    """source [Ns, X] tokens from `start` [Ns] on, up to γ and to the first -1: (draft [Ns, γ] (0 past its
+    length), length [Ns])."""
+    idx = start[:, None] + jnp.arange(gamma)[None, :]
+    toks = jnp.take_along_axis(source, jnp.minimum(idx, source.shape[1] - 1), axis=1)
+    ok = (idx < source.shape[1]) & (toks >= 0)
+    n = _first_true(~ok)
+    return jnp.where(jnp.arange(gamma)[None, :] < n[:, None], toks, 0), n
+
+
+def _ngram_start(source: jax.Array, context: jax.Array, n: jax.Array, limit: jax.Array) -> jax.Array:
+    """Where in source [Ns, X] the first occurrence of the last n (1 or 2) context [Ns, 2] tokens ends, plus one,
+    among ends before `limit` [Ns]; X where there is none."""
+    x = source.shape[1]
+    j = jnp.arange(x)[None, :]
+    last = source == context[:, 1:2]
+    prev = jnp.concatenate([jnp.full_like(source[:, :1], -2), source[:, :-1]], axis=1) == context[:, 0:1]
+    hit = last & ((n[:, None] < 2) | prev) & (j + 1 < limit[:, None])
+    return jnp.minimum(_first_true(hit) + 1, x)
+
+
+def propose(pool: DecodePool) -> tuple[jax.Array, jax.Array]:
+    """Every slot's draft for its next verify step: (tokens int32 [Ns, γ], length int32 [Ns]); lengths are 0 for
+    inactive slots and at most budget - generated - 1."""
+    gamma, ref, toks, g = pool.draft_len, pool.draft_ref, pool.tokens, pool.num_generated
+    m, r = toks.shape[1], ref.shape[1]
+    # (a) the previous answer (segment 0 of the reference), continued where the slot stands
+    seg0 = _first_true(ref < 0)
+    agrees = jnp.all((toks == ref[:, :m]) | (jnp.arange(m)[None, :] >= g[:, None]), axis=1)  # R > M
+    draft_a, len_a = _continuation(ref, g, gamma)
+    len_a = jnp.where(agrees & (g < seg0), len_a, 0)
+    # (b) the last tokens looked up in the reference, then in the slot's own tokens before them
+    n = jnp.minimum(g, _NGRAM)
+    context = jnp.take_along_axis(toks, jnp.maximum(g[:, None] - jnp.array([2, 1]), 0), axis=1)
+    at_ref = _ngram_start(ref, context, n, jnp.full_like(g, r))
+    draft_r, len_r = _continuation(ref, at_ref, gamma)
+    at_own = _ngram_start(toks, context, n, g)
+    draft_o, len_o = _continuation(jnp.where(jnp.arange(m)[None, :] < g[:, None], toks, -1), at_own, gamma)
+    use_r = len_r > 0
+    draft_b, len_b = jnp.where(use_r[:, None], draft_r, draft_o), jnp.where(use_r, len_r, len_o)
+    use_a = len_a > 0
+    draft = jnp.where(use_a[:, None], draft_a, draft_b)
+    length = jnp.where(use_a, len_a, len_b)
+    length = jnp.where(pool.active, jnp.clip(length, 0, pool.sampling.budget - g - 1), 0)
+    return draft, length.astype(jnp.int32)
+
+
+def _nucleus(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The distribution plain sampling draws from: softmax of logits [n, V] / t over the smallest set of tokens
+    whose mass reaches top_p (the mass strictly above a kept token is below top_p; top_p = 1 keeps all)."""
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    probs = jax.nn.softmax(scaled, axis=-1)
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+    above = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    keep_sorted = (above < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    return jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+
+
+def _judge(logits: jax.Array, draft: jax.Array, length: jax.Array, sampling: Sampling, generated: jax.Array):
+    """Accept / reject per block entry: (accept bool [Ns, γ], token int32 [Ns, T]: what entry i emits when the
+    draft is rejected there or ends before it). logits float32 [Ns, T, V]."""
+    ns, t, v = logits.shape
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    stochastic = sampling.temperature > 0
+    drafted = jnp.concatenate([draft, jnp.zeros((ns, 1), jnp.int32)], axis=1)  # [Ns, T]: entry γ has no draft
+    has_draft = jnp.arange(t)[None, :] < length[:, None]
+
+    def draw(_):
+        flat = lambda a: jnp.repeat(a, t, axis=0)  # noqa: E731 - per slot -> per entry
+        p = _nucleus(logits.reshape(ns * t, v), flat(sampling.temperature), flat(sampling.top_p)).reshape(ns, t, v)
+        index = generated[:, None] + jnp.arange(t)[None, :]
+        keys = jax.vmap(lambda k, i: jax.vmap(lambda j: jax.random.fold_in(jax.random.wrap_key_data(k), j))(i))(
+            sampling.key, index)
+        u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys)
+        p_draft = jnp.take_along_axis(p, drafted[..., None], axis=-1)[..., 0]
+        residual = jnp.where(has_draft[..., None] & (jnp.arange(v) == drafted[..., None]), 0.0, p)
+        drawn = jax.vmap(jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, 2), jnp.log(r))))(keys, residual)
+        return u < p_draft, drawn.astype(jnp.int32)
+
+    accept_s, drawn = jax.lax.cond(jnp.any(stochastic), draw, lambda _: (drafted == greedy, greedy), None)
+    accept = jnp.where(stochastic[:, None], accept_s, drafted == greedy)[:, :-1]
+    token = jnp.where(stochastic[:, None], drawn, greedy)
+    return accept, token
+
+
+def _stops(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """bool [Ns, T]: token [Ns, T] is one of its slot's stop ids [Ns, S]."""
+    return jnp.any(tokens[..., None] == stop_ids[:, None, :], axis=-1)
+
+
+def _verify_step(lm: LanguageDecoder, pool: DecodePool, bank=None) -> tuple[DecodePool, jax.Array]:
+    """One verify step of every active slot: (pool, emitted int32 [Ns, T], -1 past what a slot emitted)."""
+    gamma, cap, ns = pool.draft_len, pool.capacity, pool.num_slots
+    t = gamma + 1
+    draft, length = propose(pool)
+    act, g = pool.active, pool.num_generated
+    block = jnp.concatenate([pool.last_token[:, None], draft], axis=1)
+    entry = jnp.arange(t)[None, :]
+    valid = act[:, None] & (entry <= length[:, None])
+    write0 = (pool.prefix_len + pool.length)[:, None]
+    slots = jnp.arange(cap)[None, None, :]
+    attend = pool.mask[:, None, :] | ((slots >= write0[..., None]) & (slots <= (write0 + entry)[..., None]))
+    write_index = jnp.where(valid, write0 + entry, cap)
+    positions = (pool.base_position + pool.length)[:, None] + entry
+
+    def judge(h):
+        logits = lm.logits_vocab_major(lm.final_norm(h).reshape(ns * t, -1)).T.reshape(ns, t, -1)
+        accept, token = _judge(logits, draft, length, pool.sampling, g)
+        accepted = _first_true(~(accept & (entry[:, :-1] < length[:, None])))  # leading accepted drafts
+        own = jnp.take_along_axis(token, accepted[:, None], axis=1)  # the model's token after them
+        emitted = jnp.where(entry < accepted[:, None], jnp.concatenate([draft, own], axis=1), own)
+        stop = _stops(emitted, pool.sampling.stop_ids) & (entry <= accepted[:, None])
+        count = jnp.minimum(_first_true(stop) + 1, accepted + 1)
+        keep = jnp.where(act, count, 0)
+        return keep, (emitted, keep, jnp.any(stop, axis=1))
+
+    lm.check_bank(bank)
+    (emitted, count, stopped), (k, v), carry = lm.verify(
+        lm.embed(block), positions, valid, attend, pool.k, pool.v, write_index, pool.carry,
+        row_adapters(bank, pool.adapter), judge)
+    kept = entry < count[:, None]
+    rows = jnp.arange(ns)[:, None]
+    n = g + count
+    last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    pool = dataclasses.replace(
+        pool, k=k, v=v, carry=carry,
+        mask=pool.mask.at[rows, jnp.where(kept, write0 + entry, cap)].set(True, mode="drop"),
+        length=pool.length + count,
+        tokens=pool.tokens.at[rows, jnp.where(kept, g[:, None] + entry, pool.max_new_tokens)].set(emitted, mode="drop"),
+        num_generated=n,
+        last_token=jnp.where(act, last, pool.last_token),
+        active=act & ~stopped & (n < pool.sampling.budget),
+    )
+    return pool, jnp.where(kept, emitted, -1)
+
+
+def _maybe_verify(lm: LanguageDecoder, pool: DecodePool, bank=None):
+    t = pool.draft_len + 1
+    return jax.lax.cond(jnp.any(pool.active), lambda p: _verify_step(lm, p, bank),
+                        lambda p: (p, jnp.full((p.num_slots, t), -1, jnp.int32)), pool)
+
+
+@functools.partial(jax.jit, static_argnames=("num_steps",), donate_argnames=("pool",))
+def verify_burst(lm: LanguageDecoder, pool: DecodePool, num_steps: int, bank=None) -> tuple[DecodePool, jax.Array]:
+    """Up to `num_steps` verify steps of every active slot in one scan (a speculative pool: `init_pool(...,
+    speculate=γ)`). Donates `pool`.
+
+    Returns:
+      (pool, tokens int32 [Ns, num_steps (γ + 1)]: step s emitted columns s (γ + 1) ... in order, -1 where
+      nothing was emitted).
+    """
+    if pool.draft_len < 1 or pool.draft_ref is None:
+        raise ValueError("verify_burst needs a speculative pool: build it with decode.init_pool(..., speculate=γ >= 1)")
+    pool, toks = jax.lax.scan(lambda p, _: _maybe_verify(lm, p, bank), pool, None, length=num_steps)
+    return pool, jnp.moveaxis(toks, 0, 1).reshape(pool.num_slots, -1)
