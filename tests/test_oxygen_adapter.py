@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -57,7 +58,7 @@ def _oxygen_arrays(params, rank: int, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def _write_oxygen(folder, arrays, rank, alpha, fmt="npz", **config):
+def _write_oxygen(folder, arrays, rank, alpha, fmt="npz", changes=None):
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / f"adapter_step_1500.{fmt}"
     if fmt == "npz":
@@ -66,7 +67,7 @@ def _write_oxygen(folder, arrays, rank, alpha, fmt="npz", **config):
         write_safetensors(file, arrays)
     cfg = {"adapter_type": "suffix_lora", "alpha": alpha, "rank": rank, "base_checkpoint": "gs://x/pi05_libero",
            "language_target": "visual_memory", "suffix_length": 28, "suffix_seed": "Memory: ", "training_step": 1500,
-           **config}
+           **(changes or {})}
     (folder / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
     return folder
 
@@ -119,3 +120,105 @@ def test_an_imported_adapter_merges_into_openpis_einsum_form_of_the_lora(case, t
     for w in _EQ:
         assert np.abs(want[w] - before[w]).max() > 0.1, w  # the adapter changes every layer's output
         np.testing.assert_allclose(got[w], want[w], rtol=1e-5, atol=1e-5 * np.abs(want[w]).max(), err_msg=w)
+
+
+@pytest.mark.parametrize("fmt", ["npz", "safetensors"])
+def test_import_then_export_gives_back_the_same_bytes(case, tmp_path, fmt):
+    params, base, rank, alpha = case
+    src = _write_oxygen(tmp_path / "ox", _oxygen_arrays(params, rank), rank, alpha, fmt=fmt)
+    dest = import_oxygen(src, tmp_path / "ours", base=base)
+    file = export_oxygen(dest, tmp_path / "back", base=base)
+    assert file.name == f"adapter_step_1500.{fmt}"
+    assert file.read_bytes() == (src / file.name).read_bytes()
+    assert (file.parent / CONFIG_FILE).read_bytes() == (src / CONFIG_FILE).read_bytes()
+
+
+def test_an_adapter_trained_here_exports_to_oxygens_keys_and_imports_back_bit_identical(case, tmp_path):
+    params, base, rank, alpha = case
+    bank = pi05_lora.init_bank(params.config, 1, rank=rank, alpha=alpha, seed=4)
+    ours = save_adapter(tmp_path / "ours", bank.adapter(1), prompt="Subtask: ", name="next", base=base,
+                        extra={"label_key": "next", "suffix_len": 20, "steps": 7})
+    file = export_oxygen(ours, tmp_path / "ox", base=base, fmt="safetensors")
+    config = json.loads((file.parent / CONFIG_FILE).read_text())
+    assert (config["rank"], config["alpha"], config["suffix_seed"], config["suffix_length"]) == (rank, alpha, "Subtask: ", 19)
+    back = import_oxygen(file.parent, tmp_path / "again", base=base, name="next")
+    a, meta = load_adapter(back, params.config, base=base)
+    b, _ = load_adapter(ours, params.config, base=base)
+    assert meta["prompt"] == "Subtask: " and meta["extra"]["label_key"] == "next"
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))) and a.alpha == b.alpha
+
+
+def test_serve_adapter_name_equals_dir_serves_ours_and_an_oxygen_folder_by_name(case, tmp_path):
+    params, base, rank, alpha = case
+    arrays = _oxygen_arrays(params, rank)
+    src = _write_oxygen(tmp_path / "ox", arrays, rank, alpha)
+    dest = import_oxygen(src, tmp_path / "ours", base=base)
+    args = serve._parser().parse_args(["--ckpt", str(base), "--adapter", f"memory={dest}", "--adapter", f"raw={src}",
+                                       "--batch-sizes", "1"])
+    engine = serve.build(args)[0]
+    assert engine.adapters == {"base": 0, "memory": 1, "raw": 2}
+    prefix = dict(zip(("q", "kv", "out", "gating", "linear"), WEIGHTS.values()))  # our target -> OxyGen's keys
+    for target, pair in engine.bank.adapters.pairs().items():
+        for c in "ab":
+            for adapter_id in (1, 2):  # [L, E, ...]: both the imported directory and the folder read on load
+                np.testing.assert_array_equal(np.asarray(getattr(pair, c))[:, adapter_id - 1], arrays[prefix[target] + c])
+    with pytest.raises(ValueError, match="share a name"):
+        load_named_bank([str(dest), str(src)], params.config, base=base)  # both are "memory"
+
+
+def _damage(arrays, rank, alpha, how):
+    """(arrays, adapter_config fields) spoiled one way; the message names the key or field."""
+    q_a, lin_b, gate_b = f"{W}/attn/q_einsum/lora_a", f"{W}/mlp/linear_lora_b", f"{W}/mlp/gating_einsum_lora_b"
+    arrays, config = dict(arrays), {}
+    if how == "unknown key":
+        arrays[f"{W}/attn/q_einsum_1/lora_a"] = arrays[q_a]
+        return arrays, config, r"unknown key '.*q_einsum_1/lora_a' \(an action-expert key"
+    if how == "bottleneck key":
+        arrays[f"{W}/suffix_lora/down/kernel"] = arrays[q_a][..., 0]
+        return arrays, config, r"unknown key '.*suffix_lora/down/kernel'"
+    if how == "missing key":
+        del arrays[lin_b]
+        return arrays, config, f"key '{lin_b}' is missing"
+    if how == "wrong shape":
+        arrays[gate_b] = np.concatenate([arrays[gate_b], arrays[gate_b][..., :1]], axis=-1)
+        return arrays, config, rf"key '{gate_b}' has shape .*expected"
+    if how == "nan":
+        arrays[q_a] = arrays[q_a].copy()
+        arrays[q_a][0, 0, 0, 0] = np.nan
+        return arrays, config, rf"tensor {q_a} holds a non-finite value"
+    if how == "rank mismatch":
+        return arrays, {"rank": rank + 1}, rf"key '{q_a}' has shape .*its rank {rank} differs from rank {rank + 1}"
+    if how == "alpha missing":
+        return arrays, {"alpha": None}, r"adapter_config.json: alpha must be a number in \(0, 4096\]"
+    if how == "adapter type":
+        return arrays, {"adapter_type": "bottleneck"}, "adapter_type 'bottleneck' is not 'suffix_lora'"
+    if how == "sha256":
+        return arrays, {"sha256": "0" * 64}, "SHA-256 differs from the sha256 in"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["unknown key", "bottleneck key", "missing key", "wrong shape", "nan", "rank mismatch",
+                                 "alpha missing", "adapter type", "sha256"])
+def test_a_bad_oxygen_adapter_is_refused_in_one_line_naming_the_key_or_field(case, tmp_path, how, capsys):
+    params, base, rank, alpha = case
+    arrays, config, message = _damage(_oxygen_arrays(params, rank), rank, alpha, how)
+    src = _write_oxygen(tmp_path / "ox", arrays, rank, alpha, changes=config)
+    with pytest.raises(ValueError, match=message) as e:
+        import_oxygen(src, tmp_path / "ours", base=base)
+    assert "\n" not in str(e.value) and not (tmp_path / "ours").exists()
+    assert main(["import", str(src), str(tmp_path / "ours"), "--base", str(base)]) == 2  # the CLI: one line, status 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m oxygen_jax.ckpts.oxygen_adapter import: error:")
+
+
+def test_the_cli_imports_and_exports_and_its_help_names_both(case, tmp_path, capsys):
+    params, base, rank, alpha = case
+    src = _write_oxygen(tmp_path / "ox", _oxygen_arrays(params, rank), rank, alpha)
+    assert main(["import", str(src), str(tmp_path / "ours"), "--base", str(base), "--name", "mem"]) == 0
+    assert main(["export", str(tmp_path / "ours"), str(tmp_path / "back"), "--base", str(base)]) == 0
+    assert (tmp_path / "back" / "adapter_step_1500.npz").read_bytes() == (src / "adapter_step_1500.npz").read_bytes()
+    assert json.loads((tmp_path / "ours" / "adapter.json").read_text())["name"] == "mem"
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "{import,export}" in out
