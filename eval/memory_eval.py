@@ -37,7 +37,7 @@ from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.params import Params
 from training.memory.data import TextTask, fixed_batches
 from training.memory.evaluate import engine_answers
-from training.memory.model import answer_loss, teacher_forced_logits
+from training.memory.model import answer_loss, load_base, teacher_forced_logits
 from training.memory_data import frame_texts  # text fields only: no image decoding
 
 OTHER = "(other)"
@@ -224,8 +224,12 @@ def _parser() -> argparse.ArgumentParser:
                     "token accuracy, baselines, per-label table, confusion, and the action difference with the "
                     "adapter on/off/zeroed (must be exactly 0).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base", type=Path, required=True, help="base checkpoint (oxygen_jax checkpoint.save_params dir)")
-    p.add_argument("--adapter", type=Path, required=True, help="adapter directory (oxygen_jax.ckpts.adapters.save_adapter)")
+    p.add_argument("--base", type=Path, required=True,
+                   help="base π0.5 checkpoint: ours or openpi's (e.g. pi05_libero; anything load_model reads)")
+    p.add_argument("--base-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="dtype of the base (default: ours as stored, openpi's float32)")
+    p.add_argument("--adapter", type=Path, required=True,
+                   help="adapter directory (training.memory output or oxygen_adapter import) or OxyGen's released folder")
     p.add_argument("--data", type=Path, required=True, help="memory dataset version folder")
     p.add_argument("--split", default="heldout")
     p.add_argument("--train-split", default="train", help="split for the majority baselines ('' to skip)")
@@ -251,16 +255,15 @@ def _find_tokenizer(args):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from oxygen_jax.ckpts import own
-    from oxygen_jax.ckpts.adapters import load_adapter
+    from oxygen_jax.ckpts.oxygen_adapter import load_any
     from oxygen_jax.models.pi05.config import robot_config
     from oxygen_jax.models.pi05.params import for_backend
     from training.memory.config import DEMO_PROMPT_LEN
     from training.memory_data import open_memory_dataset
 
     try:
-        cfg, params = own.restore_params(args.base)
-        adapter, meta = load_adapter(args.adapter, cfg, base=args.base)
+        params, _ = load_base(args.base, args.base_dtype)
+        adapter, meta = load_any(args.adapter, params.config, base=args.base)
         source = open_memory_dataset(args.data, args.split)
         train_source = open_memory_dataset(args.data, args.train_split) if args.train_split else None
     except (FileNotFoundError, ValueError) as e:

@@ -34,7 +34,7 @@ from training.memory.config import DEMO_PROMPT_LEN, TrainConfig, checkpoint_conf
 from training.memory.data import TextTask, task_texts
 from training.memory.export_demo import main as export_main
 from training.memory.loop import NonFiniteStepError, train
-from training.memory.model import make_mesh, with_base_trainable
+from training.memory.model import load_base, make_mesh, with_base_trainable
 from training.memory_data import MEMORY_PROMPT, frame_texts, open_memory_dataset
 
 
@@ -44,8 +44,7 @@ def _robot(prompt_len: int) -> RobotConfig:
 
 def _load_base(args, tokenizer: Tokenizer) -> tuple[Params, str]:
     if args.base is not None:
-        _, params = own.restore_params(args.base)
-        what = f"checkpoint {Path(args.base).resolve()}"
+        params, what = load_base(args.base, args.base_dtype)
     else:
         cfg = preset_config(args.preset, tokenizer.vocab_size, args.image_size, args.patch_size)
         params = init_params(cfg, args.seed)
@@ -95,7 +94,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="adapter: LoRA bank only, base frozen; base: fine-tune VLM expert + SigLIP + embedding")
     m = p.add_argument_group("model")
     m.add_argument("--base", type=Path, default=None,
-                   help="base checkpoint (own.save_params dir, e.g. OUT_OF_BASE_RUN/base); required for adapters")
+                   help="base π0.5 checkpoint: ours (e.g. OUT_OF_BASE_RUN/base) or openpi's (e.g. pi05_libero, "
+                        "anything load_model reads); required for adapters")
+    m.add_argument("--base-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="dtype of the frozen base (default: ours as stored, openpi's float32); the adapter is float32")
     m.add_argument("--preset", choices=("tiny", "demo"), default="demo", help="random init for --mode base without --base")
     m.add_argument("--image-size", type=int_at_least(28), default=None, help="SigLIP image side of the preset (default: preset's)")
     m.add_argument("--patch-size", type=int_at_least(1), default=None, help="SigLIP patch side of the preset (default: 14)")
@@ -165,9 +167,9 @@ def _run(args, argv: list[str]) -> int:
     prompt = args.prompt if args.prompt is not None else ("Scene: " if base_mode else MEMORY_PROMPT)
     label_key = args.label_key or ("scene" if base_mode else "memory")
     if not base_mode and args.base is None:
-        raise _Refused("adapter mode needs --base (an own.save_params dir)")
+        raise _Refused("adapter mode needs --base (a π0.5 checkpoint: ours or openpi's)")
     if args.base is not None and not args.base.is_dir():
-        raise _Refused(f"--base {args.base}: no such directory (an own.save_params dir)")
+        raise _Refused(f"--base {args.base}: no such directory (a π0.5 checkpoint: ours or openpi's)")
     out = _writable_out(args.out)
     devices = args.devices or jax.device_count()
     if devices > jax.device_count():

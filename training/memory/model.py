@@ -34,6 +34,29 @@ from training.train_step import step_metrics
 
 
 # -------------------------------------------------------------------------------------------------
+# The base
+# -------------------------------------------------------------------------------------------------
+
+
+def load_base(path, dtype: str | None = None) -> tuple[Params, str]:
+    """(params laid out for the backend, one line saying what they are) of a base π0.5 checkpoint: anything
+    `ckpts.load.load_model` reads as π0.5 (ours, or an openpi checkpoint such as pi05_libero, LoRA merged).
+
+    Args:
+      dtype: "float32" or "bfloat16" (e.g. a bf16 base under a float32 adapter); None keeps ours in their
+        stored dtype and reads openpi's in float32. Ours keep their stored prompt attention.
+    """
+    from oxygen_jax.ckpts.load import load_model
+    from oxygen_jax.ckpts.own import stored_config
+
+    stored = stored_config(path)  # None: not ours
+    dtype = dtype or (stored.dtype if stored is not None else "float32")
+    loaded = load_model(path, family="pi05", dtype=dtype,
+                        prompt_attention=stored.prompt_attention if stored is not None else "bidirectional")
+    return loaded.params, loaded.what
+
+
+# -------------------------------------------------------------------------------------------------
 # Trainable trees and state
 # -------------------------------------------------------------------------------------------------
 
