@@ -116,6 +116,7 @@ class StepResult:
     errors: list[FailedRequest] = dataclasses.field(default_factory=list)  # dropped this frame
     head_actions: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # every head: name -> [B, Ha, Ad]
     row_errors: dict[int, str] = dataclasses.field(default_factory=dict)  # batch row -> why its actions are unusable
+    new_tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # request id -> ids emitted this frame
     steps: int = 0  # decode (or verify) steps this frame's burst ran
     tokens_per_step: float = 0.0  # burst tokens per (slot, step) that emitted: 1 plain, up to γ + 1 speculative
 
@@ -517,6 +518,7 @@ class Engine:
         return dataclasses.replace(
             result, finished=[f for f in result.finished if f.request_id not in dropped],
             new_text={rid: x for rid, x in result.new_text.items() if rid not in dropped}, errors=errors,
+            new_tokens={rid: x for rid, x in result.new_tokens.items() if rid not in dropped},
             row_errors=dict(bad))
 
     def _retry_without_requests(self, error: Exception) -> list[FailedRequest]:
@@ -577,6 +579,7 @@ class Engine:
             actions=self.vla.primary_chunk(out.actions, b), finished=finished, new_text=new_text, frame=frame,
             frame_ms=(end - start) * 1e3, batch=events.batch, queued=self._sched.num_queued, errors=errors,
             head_actions={n: np.asarray(a) for n, a in out.actions.items()}, steps=events.steps,
+            new_tokens={rid: [int(t) for t in toks] for rid, toks in events.emitted.items()},
             tokens_per_step=events.burst_tokens / max(events.slot_steps, 1),
         )
 
