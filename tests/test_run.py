@@ -20,6 +20,9 @@ def test_main_job_runs_the_embedded_demo_and_checks_its_memory_answers(capsys):
     answers = re.findall(r"'Memory: ' -> '(.*)'", out)
     assert answers and all(a.startswith("Done: ") for a in answers)  # grounded text, not a run of newlines
     assert "true label: 'Done: " in out and re.search(r"matching the true label in this run: \d+/\d+", out)
+    # the shipped held-out figure is labelled as stored, with its evaluation and date
+    assert re.search(r"stored with the demo, not measured in this run: \d+\.\d % exact match over all \d+ held-out "
+                     r"frames .*\n  from `python -m eval.memory_eval` when the demo was exported on \d{4}-\d\d-\d\d", out)
     assert "action Hz" in out and "compile (once, before frame 0)" in out
 
 

@@ -9,6 +9,7 @@ Axes (`oxygen_jax.axes`): Px image side of the stored frames, Ds state dims.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -121,6 +122,9 @@ def main(argv: Sequence[str]) -> int:
                                         "per_task_majority_baseline", "per_task_oracle_constant", "base_exact_match",
                                         "action_max_abs_diff", "per_instruction", "train_frames", "train_layouts")
                       if k in r}
+        # when the evaluation wrote its file: `python -m oxygen_jax.run` prints it beside the stored figure
+        written = datetime.datetime.fromtimestamp(args.eval_json.stat().st_mtime, datetime.timezone.utc)
+        evaluation["date"] = written.date().isoformat()
     out = export_demo(args.base, args.adapter, args.data, args.out, split=args.split, num_frames=args.frames,
                       evaluation=evaluation)
     if args.eval_json is not None and (args.eval_json.parent / "memory_eval.md").is_file():
