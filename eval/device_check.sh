@@ -5,7 +5,7 @@
 #   bash eval/device_check.sh --smoke [--out DIR]                           # anywhere: CPU, tiny preset
 #
 # GPU mode: installs the GPU extra (requirements-gpu.txt) into .venv (made from requirements.txt first
-# if absent), then, within --budget seconds (default 480: 8 minutes), measures π0.5 at full size in
+# if absent), then, within --budget seconds (default 560: 9 min 20 s), measures π0.5 at full size in
 # bfloat16 with random weights, one step after the other, each under its own `timeout`:
 #
 #   weights   the `pi05` preset's random weights (seed 0) drawn once and saved (our checkpoint format)
@@ -16,6 +16,8 @@
 #   serve     python -m eval.serve_bench: 1 / 4 / 8 robots, batched against one robot at a time
 #   adapter   python -m eval.bench --adapter-rank 16: decode steps and a continuous frame with a
 #             language adapter against the base weights
+#   train     python -m eval.memory_train_bench: the memory-adapter training step (bf16 base, float32
+#             rank-16 adapter, B = 2, Tp = 100, T = 29), compile time apart, then 5 timed steps
 #
 # Everything goes to one folder (default eval/results/gpu_<UTC date>): one sub-folder per step, its log,
 # steps.tsv (step, exit code, seconds, command) and summary.md, one page with the key ratios of each
@@ -34,14 +36,14 @@ set -u -o pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
 
-SMOKE=0 OUT_DIR="" BUDGET=480 TAR=""
+SMOKE=0 OUT_DIR="" BUDGET=560 TAR=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
     --tar) TAR=${2:?--tar needs a file name}; shift ;;
-    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "device_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -145,7 +147,8 @@ if [ "$SMOKE" = 1 ]; then
   SETTINGS=(--k 1 --component-batches 1,2)
   ADAPTER=(--k 1 --adapter-rank 2 --component-batches 1)
   SERVE=(--robots 1 2 --frames 2 --warmup-frames 1 --repeats 1 --steps 1 --max-tokens 2 --tokens-per-frame 1 --slots 2)
-  CAP_WEIGHTS=120 CAP_SETTINGS=120 CAP_SERVE=120 CAP_ADAPTER=120
+  TRAIN=(--rank 2 --batch-size 1 --cameras 2 --prompt-len 8 --suffix-len 8 --steps 2)
+  CAP_WEIGHTS=120 CAP_SETTINGS=120 CAP_SERVE=120 CAP_ADAPTER=120 CAP_TRAIN=120
 else
   CACHE="$WORK/xla"  # fresh: the first compile of each program is a real one
   PRESET=pi05 DTYPE=bfloat16
@@ -153,7 +156,8 @@ else
   SETTINGS=(--k 5 --frames 20 --component-batches 1,2,4,6,8,16,32,64)  # 6: the batch continuous runs at N/k
   ADAPTER=(--k 5 --frames 10 --adapter-rank 16 --component-batches 1,6,64)
   SERVE=(--robots 1 4 8 --frames 10 --warmup-frames 2 --repeats 1)
-  CAP_WEIGHTS=100 CAP_SETTINGS=190 CAP_SERVE=130 CAP_ADAPTER=60
+  TRAIN=(--rank 16 --batch-size 2 --cameras 3 --prompt-len 100 --suffix-len 29 --steps 5)  # OxyGen's recipe shapes
+  CAP_WEIGHTS=100 CAP_SETTINGS=190 CAP_SERVE=130 CAP_ADAPTER=60 CAP_TRAIN=100
 fi
 DEADLINE=$(( $(date +%s) + BUDGET ))
 export JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
@@ -175,6 +179,8 @@ save_params(sys.argv[1], init_params(model_config(sys.argv[2], dtype=sys.argv[3]
     --out "$OUT_DIR/settings"
   if [ "$SMOKE" = 1 ]; then wait "$SERVE_PID"; else serve_step; fi
   step adapter "$CAP_ADAPTER" "$PY" "${BENCH[@]}" "${ADAPTER[@]}" --settings continuous --out "$OUT_DIR/adapter"
+  step train "$CAP_TRAIN" "$PY" -m eval.memory_train_bench "${MODEL[@]}" --dtype "$DTYPE" "${TRAIN[@]}" \
+    --out "$OUT_DIR/train"
 fi
 
 # --- the one-page summary ----------------------------------------------------------------------------
@@ -185,7 +191,7 @@ import datetime, json, sys
 from pathlib import Path
 
 out, smoke, total_s, budget, gpu, py, preset, dtype = Path(sys.argv[1]), sys.argv[2] == "1", *sys.argv[3:9]
-ORDER = ["setup", "weights", "settings", "decode", "serve", "adapter"]
+ORDER = ["setup", "weights", "settings", "decode", "serve", "adapter", "train"]
 WHAT = {
     "setup": "GPU extra installed, interpreter chosen",
     "weights": "random weights (seed 0) drawn once and saved",
@@ -193,6 +199,7 @@ WHAT = {
     "decode": "one decode step t(B) against batch B (in the settings run)",
     "serve": "R robots on one server, batched vs one at a time",
     "adapter": "language adapter against the base weights",
+    "train": "memory-adapter training step (base in the model dtype, float32 adapter)",
 }
 steps = {}
 for line in (out / "steps.tsv").read_text().splitlines():
@@ -277,6 +284,17 @@ if ac:
             share = max(frames)
             lines += [f"Continuous frame with {share:.0%} of the requests on the adapter / without a bank: "
                       f"{f(frames[share], '.1f')} / {f(frames[0.0], '.1f')} ms = {frames[share] / frames[0.0]:.3f}.", ""]
+
+t = load("train/summary.json")
+if t:
+    lines += ["## memory-adapter training step", "",
+              f"{t['model']} in {t['dtype']}, float32 rank-{t['rank']} adapter ({t['trainable_params']:,} parameters), "
+              f"B = {t['batch_size']}, {t['cameras']} cameras, Tp = {t['prompt_len']}, T = {t['suffix_len']}.", "",
+              "| load s | compile s | first run s | step ms, median | steps | peak GiB | losses finite |",
+              "|---|---|---|---|---|---|---|",
+              f"| {f(t['load_s'])} | {f(t['compile_s'])} | {f(t['first_run_s'], '.2f')} | {f(t['step_ms_median'])} | "
+              f"{len(t['step_ms'])} | {f(None if t.get('peak_bytes') is None else t['peak_bytes'] / 2**30, '.1f')} | "
+              f"{t['finite']} |", ""]
 
 lines += ["## commands", ""] + [f"- {n}: `{steps[n][2]}`" for n in ORDER if n in steps and n != "decode"]
 (out / "summary.md").write_text("\n".join(lines) + "\n")

@@ -10,8 +10,8 @@ import sys
 import pytest
 from helpers import REPO
 
-STEPS = ("weights", "settings", "decode", "serve", "adapter")
-RUNS = ("settings", "serve", "adapter")  # the steps with a results folder (decode is in the settings run)
+STEPS = ("weights", "settings", "decode", "serve", "adapter", "train")
+RUNS = ("settings", "serve", "adapter", "train")  # the steps with a results folder (decode is in the settings run)
 
 
 def test_device_check_smoke_runs_every_step_and_writes_the_summary(tmp_path):
@@ -25,7 +25,7 @@ def test_device_check_smoke_runs_every_step_and_writes_the_summary(tmp_path):
         assert re.search(rf"^\| {step} \| [^|]+ \| 0 \| (\d+|–) \|$", summary, re.M), (step, summary)
     for step in RUNS:
         assert (out / step / "summary.json").is_file(), step
-    for section in ("## settings", "## decode step", "## serving", "## adapter overhead"):
+    for section in ("## settings", "## decode step", "## serving", "## adapter overhead", "## memory-adapter training step"):
         assert section in summary  # the key ratios were read from each step's JSON
 
 
