@@ -455,7 +455,7 @@ def frame_texts(source: Sequence[Mapping], keys: Sequence[str], limit: int | Non
     decoding images when the source can skip them (`MemoryFrameSource.texts`); any other sequence of frame
     dicts is indexed as is. For label passes: tokenizer corpora, suffix lengths, baselines, frame picking."""
     n = len(source) if limit is None else min(limit, len(source))
-    read = source.texts if isinstance(source, MemoryFrameSource) else source.__getitem__
+    read = getattr(source, "texts", None) or source.__getitem__  # a source with texts(i) skips its images
     return [{k: f[k] for k in keys if k in f} for f in map(read, range(n))]
 
 

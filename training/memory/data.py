@@ -37,7 +37,9 @@ class TextTask:
 
 class StepBatches:
     """The batch of every step as a pure function of (seed, step): epoch = step // batches per epoch, rows from
-    `epoch_batches(..., seed, epoch)` (full batches only). Resuming at any step needs no iterator state."""
+    `epoch_batches(..., seed, epoch)` (full batches only), unless the source draws its own rows with a
+    `batch_indices(step, batch_size, seed)` method (OxyGen's balanced sampler, `training.oxygen_libero`). Resuming
+    at any step needs no iterator state."""
 
     def __init__(self, source: Sequence[Mapping], task: TextTask, model_config: ModelConfig, *, batch_size: int,
                  seed: int, augment: float = 0.0):
@@ -49,6 +51,8 @@ class StepBatches:
         self._epoch: tuple[int, list[np.ndarray]] | None = None
 
     def indices(self, step: int) -> np.ndarray:
+        if hasattr(self.source, "batch_indices"):  # a source with its own sampler (training.oxygen_libero)
+            return self.source.batch_indices(int(step), self.batch_size, self.seed)
         epoch, i = divmod(int(step), self.per_epoch)
         if self._epoch is None or self._epoch[0] != epoch:
             self._epoch = (epoch, epoch_batches(len(self.source), batch_size=self.batch_size, seed=self.seed,
