@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                "`python -m training.memory export-demo --help`.",
     )
     p.add_argument("--data", type=Path, required=True, help="memory dataset version folder (tfds, array_record)")
+    p.add_argument("--libero-hdf5", type=Path, default=None, metavar="DIR",
+                   help="LIBERO's raw <suite>/<task>_demo.hdf5 folder; --data is then OxyGen's annotations folder, split, "
+                        "sampled and evaluated as OxyGen does (training.oxygen_libero; --eval-split '' skips evaluation)")
     p.add_argument("--out", type=Path, required=True, help="output directory (created; an existing one is resumed)")
     p.add_argument("--mode", choices=("adapter", "base"), default="adapter",
                    help="adapter: LoRA bank only, base frozen; base: fine-tune VLM expert + SigLIP + embedding")
@@ -178,8 +181,13 @@ def _run(args, argv: list[str]) -> int:
     if args.batch_size % devices:
         raise _Refused(f"--batch-size {args.batch_size} is not a multiple of the {devices} data-parallel device(s)")
     try:
-        train_src = open_memory_dataset(args.data, args.train_split)
-        eval_src = open_memory_dataset(args.data, args.eval_split) if args.eval_split else None
+        if args.libero_hdf5 is not None:  # their split, task/target-balanced batches, 10 greedy-eval frames per task
+            from training.oxygen_libero import open_oxygen_libero
+            oxygen = open_oxygen_libero(args.data, args.libero_hdf5)
+            train_src, eval_src = oxygen.train, (oxygen.eval if args.eval_split else None)
+        else:
+            train_src = open_memory_dataset(args.data, args.train_split)
+            eval_src = open_memory_dataset(args.data, args.eval_split) if args.eval_split else None
     except (FileNotFoundError, ValueError) as e:
         raise _Refused(f"--data {args.data}: {str(e).splitlines()[0]}") from None
     if len(train_src) < args.batch_size:
