@@ -108,12 +108,26 @@ def test_video_cache_on_and_off_give_identical_frames_and_the_cache_is_bounded(w
         a, b = on.item(int(i)), off.item(int(i))
         assert all(np.array_equal(a[k], b[k]) for k in video)
     assert off.video._cached_bytes == 0 and not off.video._cache
-    # cached: each (file, episode span) decoded once although frames came in random order
-    assert len(on.video._cache) == len(video) * len(spec["lengths"])
+    assert len(on.video._cache) == len(video) * len(on)
+    decoded = on.video.decoded_frames
+    for i in order:  # a second pass comes from the cache
+        on.item(int(i))
+    assert on.video.decoded_frames == decoded
+    # random access decodes from the key frame before the frame (LeRobot: one every 2 frames)
+    assert off.video.decoded_frames <= 2 * len(video) * len(off)
     tiny = LeRobotDataset(root, video_cache_mb=1e-6)
     for i in order:
         tiny.item(int(i))
     assert len(tiny.video._cache) == 1
+
+
+def test_reading_in_time_order_decodes_each_frame_once(written):
+    spec, root, _ = written
+    video = [k for k, (kind, _, _) in spec["cameras"].items() if kind == "video"]
+    ds = LeRobotDataset(root, video_cache_mb=0)
+    for i in range(len(ds)):
+        ds.item(i)
+    assert ds.video.decoded_frames == len(video) * len(ds)
 
 
 def test_texts_read_no_camera(written):

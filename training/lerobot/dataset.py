@@ -54,7 +54,8 @@ class LeRobotDataset:
       root: the dataset folder (meta/, data/, videos/).
       episodes: episode indices to read (dataset order is kept), default all.
       delta_timestamps: {feature: [seconds, ...]} chunks (multiples of 1 / fps within `tolerance_s`).
-      video_cache_mb: decoded video segments kept (0: none; each access then decodes from the nearest key frame).
+      video_cache_mb: decoded video frames kept for frames read again (0: none). Reading in time order decodes
+        each frame once either way; a random access decodes from the key frame before it (`training.lerobot.video`).
       row_cache_mb: parquet row groups kept.
       tolerance_s: largest accepted |video frame time - query time|.
     """
@@ -81,7 +82,6 @@ class LeRobotDataset:
         self.video = VideoFrames(int(video_cache_mb * (1 << 20)), tolerance_s)
         self.image_keys = tuple(k for k in self.meta.camera_keys if feats[k]["dtype"] == "image")
         self.video_keys = self.meta.video_keys
-        self._cached_video = video_cache_mb > 0
 
     def _delta_indices(self, delta: Mapping[str, Sequence[float]], tol: float) -> dict[str, np.ndarray]:
         out = {}
@@ -150,8 +150,7 @@ class LeRobotDataset:
                 item[key] = decode_image(item[key], f"{where}: column {key!r} row {ep.row_offset + r}")
             for key in self.video_keys:
                 path, start = ep.videos[key]
-                span = (start, start + (ep.length - 1) / self.meta.fps) if self._cached_video else None
-                item[key] = self.video.frames(self.root / path, [start + t], span, 1.0 / self.meta.fps)[0]
+                item[key] = self.video.frame(self.root / path, start + t, self.meta.fps)
         return item
 
     def item(self, i: int) -> dict:
