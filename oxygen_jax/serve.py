@@ -7,6 +7,7 @@
     python -m oxygen_jax.serve --ckpt QWEN3_VL_DIR --heads xr0,starvla,gr00t      # a bare backbone + random heads
     python -m oxygen_jax.serve --ckpt QWEN3_DIR                                   # a bare backbone: language only
     python -m oxygen_jax.serve --heads tiny --image-size 64 --port 8000   # random Qwen3-VL + XR0 / StarVLA / GR00T heads
+    python -m oxygen_jax.serve --demo --auto-language "Memory: " --auto-adapter memory   # OxyGen's serving contract
 
 `--ckpt` takes every model a checkpoint directory holds (`command_model` has the table): π0.5 serves its action
 expert; a Xiaomi-Robotics-0 or StarVLA directory its own head and a language decoder on the shared prefix (the
@@ -42,6 +43,7 @@ import numpy as np
 from oxygen_jax import command_model as cm
 from oxygen_jax.cli import OneLineParser, float_in, int_at_least
 from oxygen_jax.runtime import compile_cache
+from oxygen_jax.serving.auto_language import MODES, AutoLanguage
 from oxygen_jax.serving.batcher import BUCKETS
 from oxygen_jax.serving.server import PolicyServer, ServeConfig
 
@@ -72,11 +74,23 @@ def _buckets(text: str) -> tuple[int, ...]:
     return values
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each default printed once: "(default: X)" unless the help already states the default (it then says
+    what an unset option means), and not for unset options or switches."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or "default:" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="python -m oxygen_jax.serve", description=__doc__.split("\n\n")[0],
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=_Defaults)
     model = ap.add_mutually_exclusive_group()
-    model.add_argument("--preset", choices=["tiny", "bench", "pi05"], help="random-weight model size (default tiny)")
+    model.add_argument("--preset", choices=["tiny", "bench", "pi05"],
+                       help="random-weight model size (default: tiny, without --ckpt, --demo and --heads)")
     model.add_argument("--ckpt", help="any model checkpoint directory: π0.5 (openpi's, params dir or its parent, or "
                                       "one saved by oxygen_jax), Xiaomi-Robotics-0 / StarVLA (its own head), or a bare "
                                       "Qwen3 / Qwen3-VL / Qwen3.5 (language only, or --heads)")
@@ -92,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
                          "sized to the backbone; 'tiny' / 'bench' = all three at that size. The first head's chunk is "
                          "'actions', every head's is under 'heads'. Without it a bare backbone serves language only")
     ap.add_argument("--head-size", choices=list(cm.SIZES),
-                    help="--heads KINDS: the heads' own width and depth (default tiny)")
+                    help="--heads KINDS: the heads' own width and depth (default: tiny)")
     ap.add_argument("--image-size", type=_positive_int, default=224,
                     help="Qwen3-VL / Qwen3.5 backbones (XR0, StarVLA, bare): camera images are resized to this square "
                          "size (a multiple of patch x merge px)")
@@ -107,8 +121,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="address to listen on; 127.0.0.1 is this machine only, 0.0.0.0 every interface "
                          "(robots on other machines; consider --api-key)")
     ap.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
+    ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
+                    help="π0.5: how prompt tokens attend to each other")
     ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model, or an XR0 / StarVLA checkpoint's tokenizer.json; "
                                          "default: tokenizer.model (tokenizer.json for XR0 / StarVLA) beside --ckpt, "
                                          "else the offline demo tokenizer")
@@ -120,7 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=_positive_int, default=32, help="token cap per language request")
     ap.add_argument("--prompt-capacity", type=int_at_least(0), default=16, help="request-prompt tokens after the prefix")
     ap.add_argument("--tokens-per-frame", type=_positive_int, default=4, help="k: language tokens per request per step")
-    ap.add_argument("--batch-sizes", type=_buckets, default=BUCKETS, help="robots per step, compiled at start-up")
+    ap.add_argument("--batch-sizes", type=_buckets, default=",".join(map(str, BUCKETS)),
+                    help="robots per step, each compiled at start-up (on a CPU each size can take a minute); "
+                         "one robot needs only --batch-sizes 1")
     ap.add_argument("--deadline-ms", type=_positive_float, default=100.0, help="default robot round-trip budget")
     ap.add_argument("--max-deadline-ms", type=_positive_float, default=1000.0,
                     help="cap on the deadline_ms a robot declares (how long other robots may wait for it; "
@@ -158,7 +175,26 @@ def _parser() -> argparse.ArgumentParser:
                     help="persistent XLA compilation cache directory, the one `run` uses ($OXYGEN_JAX_CACHE_DIR, else "
                          "~/.cache/oxygen_jax/xla); 'none' disables")
     ap.add_argument("--no-shard", action="store_true", help="use one device even when several are visible")
-    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    help="the server's log lines on stderr (absl / orbax / jax INFO lines only at DEBUG)")
+    auto = ap.add_argument_group(
+        "automatic language requests (OxyGen's serving contract; docs/serving.md)",
+        "open a language request for every observation a robot sends, unasked; every reply carries each "
+        "advancing request's new tokens and text so far ('language.updates') and each final text once")
+    auto.add_argument("--auto-language", metavar="PROMPT",
+                      help="the prompt of the request opened for every observation, e.g. 'Memory: ' (off without it)")
+    auto.add_argument("--auto-max-tokens", type=_positive_int, metavar="N",
+                      help="its token budget (default: --max-new-tokens)")
+    auto.add_argument("--auto-temperature", type=float_in(0.0), default=0.0, metavar="T",
+                      help="its sampling temperature; 0 is greedy")
+    auto.add_argument("--auto-seed", type=int_at_least(0), metavar="S",
+                      help="its sampling seed, the same for every automatic request (default: each request's id)")
+    auto.add_argument("--auto-adapter", default="base", metavar="NAME",
+                      help="the language adapter it decodes with, by name (an --adapter's, or the demo's 'memory')")
+    auto.add_argument("--auto-mode", choices=MODES, default="new_each_call",
+                      help="a robot's automatic request still running when its next observation arrives: "
+                           "new_each_call opens another beside it (OxyGen's), keep opens none until it ends, "
+                           "replace cancels it (its result: failed, 'replaced')")
     return ap
 
 
@@ -312,8 +348,9 @@ async def _serve_until_signal(server: PolicyServer, sock: socket.socket | None =
     log.info("listening on ws://%s:%d (robot %s)%s", c.host, server.port, server.robot.name,
              "; other machines cannot connect: pass --host 0.0.0.0 to listen on every interface"
              if c.host in ("127.0.0.1", "localhost", "::1") else "")
+    one = "; one robot needs only --batch-sizes 1" if len(c.buckets) > 1 else ""
     print(f"listening on ws://{c.host}:{server.port} (robot {server.robot.name}); compiling batch sizes "
-          f"{list(c.buckets)} ... (/healthz answers 503 until done)", flush=True)
+          f"{list(c.buckets)} ... (/healthz answers 503 until done{one})", flush=True)
     warm = asyncio.ensure_future(server.wait_ready())
     await asyncio.wait([warm, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if warm.done() and warm.exception() is not None:
@@ -339,7 +376,25 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         max_requests_per_robot=args.max_requests_per_robot, max_message_bytes=int(args.max_message_mb * (1 << 20)),
         ping_interval=args.ping_interval, ping_timeout=args.ping_timeout, seed=args.seed,
         default_prompt=args.default_prompt, api_key=args.api_key, max_refusals_per_s=args.max_refusals_per_s,
-        send_buffer_bytes=args.send_buffer_kb << 10, rtc=args.rtc)
+        send_buffer_bytes=args.send_buffer_kb << 10, rtc=args.rtc, auto_language=_auto_language(args))
+
+
+def _auto_language(args: argparse.Namespace) -> AutoLanguage | None:
+    """--auto-language and its options (None without it); ValueError naming an option given without it."""
+    if args.auto_language is None:
+        given = [f"--auto-{n.replace('_', '-')}" for n, unset in (("max_tokens", None), ("temperature", 0.0),
+                                                                  ("seed", None), ("adapter", "base"),
+                                                                  ("mode", "new_each_call"))
+                 if getattr(args, f"auto_{n}") != unset]
+        if given:
+            raise ValueError(f"argument {given[0]}: it sets the automatic language request: give --auto-language "
+                             "PROMPT too, or drop it")
+        return None
+    if args.auto_max_tokens is not None and args.auto_max_tokens > args.max_new_tokens:
+        raise ValueError(f"argument --auto-max-tokens: {args.auto_max_tokens} is above --max-new-tokens "
+                         f"{args.max_new_tokens}: lower it or raise --max-new-tokens")
+    return AutoLanguage(prompt=args.auto_language, max_tokens=args.auto_max_tokens, temperature=args.auto_temperature,
+                        seed=args.auto_seed, adapter=args.auto_adapter, mode=args.auto_mode)
 
 
 def main(argv=None) -> int:
@@ -381,7 +436,11 @@ def main(argv=None) -> int:
         return _fail(f"{what}{type(e).__name__}: {first}")
     finally:
         signal.signal(signal.SIGTERM, previous)
-    server = PolicyServer(engine, tok, robot, config, norm_stats=norm_stats, mesh=mesh, **rows)
+    try:
+        server = PolicyServer(engine, tok, robot, config, norm_stats=norm_stats, mesh=mesh, **rows)
+    except ValueError as e:  # e.g. --auto-adapter naming an adapter the model does not have
+        sock.close()
+        return _fail(str(e), 2)
     return asyncio.run(_serve_until_signal(server, sock))
 
 
@@ -408,6 +467,14 @@ def configure_logging(level: str) -> None:
     for h in keep:
         root.addHandler(h)
     logging.getLogger("websockets").setLevel(logging.WARNING)
+    # absl (orbax's checkpoint steps) and jax (backend probing) write about a dozen INFO lines while the model
+    # loads, which bury the server's own; they are shown at DEBUG.
+    for name in _CHATTY:
+        logging.getLogger(name).setLevel(logging.DEBUG if level == "DEBUG" else max(logging.WARNING,
+                                                                                     logging.getLevelName(level)))
+
+
+_CHATTY = ("absl", "jax", "orbax")
 
 
 if __name__ == "__main__":

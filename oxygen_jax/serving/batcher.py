@@ -46,6 +46,7 @@ import numpy as np
 
 from oxygen_jax.runtime import compile_cache
 from oxygen_jax.runtime.engine import FailedRequest, FinishedRequest, RequestError
+from oxygen_jax.serving.outbox import LanguageOutbox, LanguageRouter
 
 log = logging.getLogger("oxygen_jax.serve")
 
@@ -81,8 +82,7 @@ class Stream:
       think_s: the robot's observed time from a reply to its next frame (moving average; None before
         its second frame).
       closed: the connection is gone; results for it are dropped.
-      tags: live language request id -> the client's tag for it.
-      finished, failed: language results waiting for this robot's next response (delivered once).
+      language: its live language requests and what its next response says of them (`outbox.LanguageOutbox`).
     """
 
     id: int
@@ -92,9 +92,7 @@ class Stream:
     last_reply: float = -math.inf
     think_s: float | None = None
     closed: bool = False
-    tags: dict[int, Any] = dataclasses.field(default_factory=dict)
-    finished: list[dict] = dataclasses.field(default_factory=list)
-    failed: list[dict] = dataclasses.field(default_factory=list)
+    language: LanguageOutbox = dataclasses.field(default_factory=LanguageOutbox)
 
     @property
     def expect_s(self) -> float:
@@ -108,12 +106,6 @@ class Stream:
         if math.isfinite(self.last_reply):
             gap = max(now - self.last_reply, 0.0)
             self.think_s = gap if self.think_s is None else 0.7 * self.think_s + 0.3 * gap
-
-    def take_language(self) -> tuple[list[dict], list[dict]]:
-        """Finished and failed results not yet delivered; each is returned exactly once."""
-        done, bad = self.finished, self.failed
-        self.finished, self.failed = [], []
-        return done, bad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +122,7 @@ class LanguageRequest:
     stop_ids: tuple[int, ...] = ()  # more stop ids the client named ("stop")
     tag: str | int | None = None  # the client's id for it, echoed back
     tokens: tuple[int, ...] | None = None  # the prompt's ids, tokenized on a prep thread (None: the engine does)
+    auto: bool = False  # opened by the server for this observation (`serving.auto_language`), not by the robot
 
 
 @dataclasses.dataclass(eq=False)
@@ -141,6 +134,7 @@ class Frame:
       state: the robot's native state [Ds] (robot_outputs needs it for ALOHA).
       arrival: perf_counter time the frame was queued.
       index: the stream's frame index, set when the frame is handed to the engine.
+      replace: live automatic requests of this stream to cancel before its requests are submitted.
     """
 
     stream: Stream
@@ -150,6 +144,7 @@ class Frame:
     arrival: float
     future: asyncio.Future
     index: int = -1
+    replace: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +154,14 @@ class FrameResult:
 
     actions: np.ndarray | None
     error: str | None
-    accepted: list[dict]  # {"id": engine request id, "tag": the client's tag}
+    accepted: list[dict]  # {"id": engine request id, "tag": the client's tag} (+ "auto": True for the server's)
     index: int
     rows: int  # robots in the step
     bucket: int  # padded batch size of the step
     step_ms: float
     queue_ms: float
     extras: dict = dataclasses.field(default_factory=dict)  # codec.outputs extras (e.g. "heads")
+    replaced: list[int] = dataclasses.field(default_factory=list)  # Frame.replace ids that were still live
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +171,7 @@ class StepOutput:
     results: list[FrameResult]  # one per frame handed in, same order
     finished: list[FinishedRequest]
     failed: list[FailedRequest]
+    emitted: dict[int, tuple[list[int], str]]  # request id -> (token ids, text) emitted this step
     rows: int
     bucket: int
     step_ms: float  # Engine.step wall time (0 when every frame was rejected)
@@ -264,10 +261,12 @@ class EngineWorker:
         """
         times = {}
         stop = cancel.is_set if cancel is not None else (lambda: False)
+        progress = _Progress(buckets)
         if self.mesh is None:
             for b in buckets:
                 if stop():
                     return times
+                progress.compiling(b)
                 inputs, states = self.codec.batch([example] * b, b)
                 self.engine.warmup(inputs, states)
                 if stop():
@@ -291,6 +290,7 @@ class EngineWorker:
         for b in [*buckets, buckets[0]]:
             if stop():
                 return times
+            progress.compiling(b)
             padding_step(b)
         for b in buckets:
             if stop():
@@ -326,6 +326,7 @@ class EngineWorker:
         requests are withdrawn; the remaining frames get their step's results.
         """
         accepted, errors = {}, {}
+        replaced = {id(f): [rid for rid in f.replace if self.engine.cancel(rid)] for f in frames if f.replace}
         for f in frames:
             try:
                 accepted[id(f)] = self._submit(f)
@@ -357,14 +358,17 @@ class EngineWorker:
         results = [FrameResult(
             actions=actions[id(f)][0] if id(f) in actions else None, error=errors.get(id(f)), index=f.index,
             extras=actions[id(f)][1] if id(f) in actions else {},
-            accepted=[] if id(f) in errors else [{"id": rid, "tag": req.tag}
+            accepted=[] if id(f) in errors else [{"id": rid, "tag": req.tag, **({"auto": True} if req.auto else {})}
                                                  for rid, req in zip(accepted.get(id(f), []), f.language)],
+            replaced=replaced.get(id(f), []),
             rows=out_rows, bucket=bucket if live else 0, step_ms=step_ms,
             queue_ms=(now - f.arrival) * 1e3 - step_ms,
         ) for f in frames]
         return StepOutput(
             results=results, finished=[d for d in res.finished if d.request_id not in withdrawn] if res else [],
             failed=[d for d in res.errors if d.request_id not in withdrawn] if res else [], rows=out_rows,
+            emitted={rid: (toks, res.new_text.get(rid, "")) for rid, toks in getattr(res, "new_tokens", {}).items()
+                     if rid not in withdrawn} if res else {},
             bucket=bucket if live else 0, step_ms=step_ms, language_active=self.engine.num_active,
             language_queued=self.engine.num_queued)
 
@@ -461,6 +465,20 @@ def _finite_reply(actions: np.ndarray, extras: dict) -> tuple[np.ndarray, dict]:
     return actions, extras
 
 
+class _Progress:
+    """One log line per batch size as warm-up starts compiling it (a cold start compiles for minutes)."""
+
+    def __init__(self, buckets: Sequence[int]):
+        self.buckets, self.done, self.t0 = list(buckets), 0, time.perf_counter()
+
+    def compiling(self, b: int) -> None:
+        self.done += 1
+        if self.done > len(self.buckets):  # the mesh path's second step of the first size (already compiled)
+            return
+        log.info("compiling batch size %d (%d of %d; %.0f s so far)", b, self.done, len(self.buckets),
+                 time.perf_counter() - self.t0)
+
+
 class Busy(Exception):
     """The frame queue is full; the client should retry."""
 
@@ -498,6 +516,7 @@ class Batcher:
         self.warmup_ms: dict[int, float] = {}
         self.steps = 0
         self.rows_total = 0
+        self._router = LanguageRouter()
 
     @property
     def max_rows(self) -> int:
@@ -558,6 +577,7 @@ class Batcher:
         """
         stream.closed = True
         self._streams.pop(stream.id, None)
+        self._router.forget(stream)
         for f in [f for f in self._pending if f.stream is stream]:
             self._pending.remove(f)
             f.future.cancel()
@@ -621,29 +641,9 @@ class Batcher:
             self.steps += 1
             self.rows_total += out.rows
             self._predicted_s[out.bucket] = 0.8 * self._predicted_s[out.bucket] + 0.2 * out.step_ms / 1e3
-        self._route(frames, out)
+        self._router.route(frames, out)
         self._on_step(out)
         for f, res in zip(frames, out.results):
             f.stream.busy = False
             if not f.future.done():
                 f.future.set_result(res)
-
-    @staticmethod
-    def _route(frames: Sequence[Frame], out: StepOutput) -> None:
-        """Remembers accepted requests' tags, then files finished/failed results with their owners."""
-        for f, res in zip(frames, out.results):
-            for req in res.accepted:
-                f.stream.tags[req["id"]] = req["tag"]
-        for done in out.finished:
-            s: Stream = done.owner
-            if s is None or s.closed:
-                continue
-            s.finished.append({
-                "id": done.request_id, "tag": s.tags.pop(done.request_id, None), "text": done.text or "",
-                "tokens": [int(t) for t in done.tokens], "latency_frames": done.latency_frames,
-                "latency_ms": round(done.latency_ms, 3)})
-        for err in out.failed:
-            s = err.owner
-            if s is None or s.closed:
-                continue
-            s.failed.append({"id": err.request_id, "tag": s.tags.pop(err.request_id, None), "error": err.reason})

@@ -5,7 +5,8 @@ The server delivers a finished (or failed) language request exactly once, in one
 every ndarray of the response by the step index and copies everything else, so the same
 `"language": {"finished": [...]}` list reaches the robot code at every step of that chunk
 (`action_horizon` times). Results carry the server's request `id`, so keeping the first sighting of
-each id restores "exactly once":
+each id restores "exactly once" (a request has one "updates" entry per server response that advanced
+it: those are told apart by the response's "frame"):
 
     broker = action_chunk_broker.ActionChunkBroker(client, action_horizon=10)
     seen = LanguageDedup()
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-_KINDS = ("accepted", "finished", "failed")
+_KINDS = ("accepted", "updates", "finished", "failed")
 
 
 class LanguageDedup:
-    """Remembers the request ids seen per kind ("accepted", "finished", "failed"); see the module docstring.
+    """Remembers the request ids seen per kind ("accepted", "updates", "finished", "failed"); see the module
+    docstring. An update is known by (request id, the response's "frame").
 
     Ids are unique within one server process (never reused), so call `forget()` after connecting to
     another or a restarted server. Memory: one int per id seen (a robot issuing 10 requests/s keeps
@@ -50,6 +52,8 @@ class LanguageDedup:
             kept = []
             for entry in entries:
                 key = entry.get("id") if isinstance(entry, Mapping) else None
+                if kind == "updates" and key is not None:
+                    key = (key, response.get("frame"))
                 if key is None or key not in self._seen[kind]:
                     kept.append(entry)
                     if key is not None:

@@ -40,11 +40,16 @@ Extensions, ignored by clients that do not use them (openpi's client passes extr
   the metadata's "language" says which prompts and stop ids this server takes) and "deadline_ms": the robot's round-trip budget, kept for the connection
   (capped at `ServeConfig.max_deadline_ms`; the effective value is `server_timing.deadline_ms`).
 * Response fields: "stream", "frame" (see the noise rule), and "language": {"accepted": [{"id", "tag"}],
-  "finished": [{"id", "tag", "text", "tokens", "latency_frames", "latency_ms"}], "failed": [{"id", "tag",
-  "error"}]} — lists and strings only, because openpi's ActionChunkBroker slices every ndarray of a
-  response per step. A finished request is delivered once, in the owning robot's next response; a
-  robot's live requests are cancelled when its connection closes. openpi's ActionChunkBroker copies
-  these non-array values into every step of its chunk: `serving.dedup` keeps each result once.
+  "updates": [{"id", "tag", "new_tokens", "text", "finished"}], "finished": [{"id", "tag", "text", "tokens",
+  "latency_frames", "latency_ms"}], "failed": [{"id", "tag", "error"}]} — lists and strings only, because
+  openpi's ActionChunkBroker slices every ndarray of a response per step. "updates" has one entry per
+  request of this robot that advanced since its last response: the tokens emitted since then and the
+  text so far (`serving.outbox`). A finished request is delivered once, in the owning robot's next
+  response; a robot's live requests are cancelled when its connection closes. openpi's
+  ActionChunkBroker copies these non-array values into every step of its chunk: `serving.dedup` keeps
+  each result once.
+* Automatic requests (`ServeConfig.auto_language`, `serving.auto_language`): the server opens a language
+  request for each observation, unasked ("accepted" entry with "auto": true), answered as above.
 * Metadata: {"server": "oxygen_jax", "stream", "robot", "action_horizon", "action_dim", "batch_sizes",
   "devices", "step_ms" (steady step time per batch size, measured at warm-up), "deadline_ms",
   "max_message_bytes", "language": {...limits}, "noise": {"seed", "rule"}}, plus "reset_pose" for
@@ -76,10 +81,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from oxygen_jax.models.pi05.config import RobotConfig
-from oxygen_jax.serving import requests, rtc_session, wire
+from oxygen_jax.serving import auto_language, requests, rtc_session, wire
+from oxygen_jax.serving.auto_language import AutoLanguage
 from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, Stream
 from oxygen_jax.serving.codec import make_codec
 from oxygen_jax.serving.metrics import Metrics
+from oxygen_jax.serving.refusal_log import RefusalLog
 from oxygen_jax.serving.requests import BadRequest, parse_language_requests  # noqa: F401 - part of this API
 
 log = logging.getLogger("oxygen_jax.serve")
@@ -120,6 +127,7 @@ class ServeConfig:
     default_prompt: str | None = None  # for robots that send no "prompt" (openpi's --default_prompt)
     api_key: str | None = None  # when set, require "Authorization: Api-Key <key>" (openpi-client's header)
     rtc: bool = False  # per-robot real-time chunking ("rtc" field, serving.rtc_session); 2 programs per bucket
+    auto_language: AutoLanguage | None = None  # a language request opened for every observation (auto_language)
 
     def __post_init__(self):
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
@@ -169,6 +177,8 @@ class PolicyServer:
                  outputs=None):
         self.engine, self.tokenizer, self.robot, self.config = engine, tokenizer, robot, config
         self.norm_stats = norm_stats
+        # Checked before anything starts: a bad automatic request is a one-line ValueError, not a refused frame.
+        self.auto = auto_language.prepare(config.auto_language, engine, max_prompt_chars=config.max_prompt_chars)
         self.codec = make_codec(engine, robot, tokenizer, norm_stats, config.default_prompt,
                                 image_size=image_size, prompt_len=prompt_len, outputs=outputs)
         self.limits = wire.Limits(max_message_bytes=config.max_message_bytes, max_array_bytes=config.max_message_bytes,
@@ -186,6 +196,7 @@ class PolicyServer:
         self._next_stream = 0
         self._truncation_warned = -float("inf")  # perf_counter time of the last "prompt fills every token" warning
         self._truncation_quiet = 0  # such prompts since that warning
+        self._refusals = RefusalLog()  # one warning per refused frame, rate-limited
         _quiet_tokenizer_truncation_warning()
         self._preparing = 0  # frames received and being decoded (not yet queued)
         self._replying = 0  # frames whose reply is being sent
@@ -233,6 +244,11 @@ class PolicyServer:
         codec = self.codec.metadata()
         codec["noise"] = {"seed": self.config.seed, **codec["noise"]}
         meta.update(codec)
+        if self.auto is not None:
+            a = self.auto.auto
+            meta["language"]["auto"] = {"prompt": a.prompt, "max_tokens": self.auto.request.max_tokens,
+                                        "temperature": a.temperature, "seed": a.seed, "adapter": a.adapter,
+                                        "mode": a.mode, "tag": a.tag}
         if self.rtc is not None:
             meta["rtc"] = self.rtc.metadata()
         if r.name == "aloha":
@@ -388,6 +404,8 @@ class PolicyServer:
                     self._replying -= 1
                 if not sent:
                     return
+                if isinstance(reply, str):
+                    self._refusals.note(stream.id, peer, reply)
                 if isinstance(reply, bytes):  # a robot that got actions is expected back within its period
                     stream.last_reply = time.perf_counter()
                     self.metrics.total_s.observe(stream.last_reply - received)
@@ -453,12 +471,16 @@ class PolicyServer:
             observation, state, language, deadline, rtc = await loop.run_in_executor(self._prep, self._prepare, message)
             if deadline is not None:
                 stream.deadline_s = deadline
-            if len(stream.tags) + len(language) > self.config.max_requests_per_robot:
+            live, cap = stream.language.live, self.config.max_requests_per_robot
+            if live + len(language) > cap:
                 raise BadRequest(
-                    f"language_requests: this robot has {len(stream.tags)} requests in flight and asks for "
-                    f"{len(language)} more (limit {self.config.max_requests_per_robot}); wait for some to finish")
-            frame = Frame(stream=stream, observation=observation, state=state, language=language,
-                          arrival=time.perf_counter(), future=loop.create_future())
+                    f"language_requests: this robot has {live} requests in flight and asks for "
+                    f"{len(language)} more (limit {cap}); wait for some to finish")
+            auto = (auto_language.Plan(None) if self.auto is None else
+                    self.auto.plan(stream.language.auto_ids, live, len(language), cap))
+            frame = Frame(stream=stream, observation=observation, state=state,
+                          language=language + ([auto.request] if auto.request is not None else []),
+                          arrival=time.perf_counter(), future=loop.create_future(), replace=auto.replace)
             if self.rtc is not None:
                 self.rtc.on_frame(stream.id, rtc)
             self.batcher.submit(frame)
@@ -479,7 +501,9 @@ class PolicyServer:
             self.metrics.frames.labels("bad_request").inc()
             return result.error
         self.metrics.frames.labels("ok").inc()
-        return wire.pack(self._response(stream, result))
+        if auto.skipped is not None:
+            self.metrics.language.labels("auto_skipped").inc()
+        return wire.pack(self._response(stream, result, auto.skipped))
 
     def _prepare(self, message: bytes):
         """Decodes and validates one observation frame (prep thread). Raises BadRequest.
@@ -524,8 +548,10 @@ class PolicyServer:
                         self._truncation_quiet, self.robot.max_token_len, _TRUNCATION_WARNING_S)
             self._truncation_warned, self._truncation_quiet = now, 0
 
-    def _response(self, stream: Stream, result: FrameResult) -> dict:
-        finished, failed = stream.take_language()
+    def _response(self, stream: Stream, result: FrameResult, auto_skipped: str | None = None) -> dict:
+        language = {"accepted": result.accepted, **stream.language.take()}
+        if auto_skipped is not None:
+            language["auto_skipped"] = auto_skipped
         return {
             "actions": np.asarray(result.actions, np.float32),
             **result.extras,
@@ -536,8 +562,7 @@ class PolicyServer:
                               "batch": result.rows, "bucket": result.bucket,
                               "deadline_ms": round(stream.deadline_s * 1e3, 3)},
             "policy_timing": {"infer_ms": result.step_ms},
-            "language": {"accepted": result.accepted,
-                         "finished": finished, "failed": failed},
+            "language": language,
         }
 
 

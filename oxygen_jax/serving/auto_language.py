@@ -1,0 +1,138 @@
+"""Automatic language requests: the server opens one for the observations robots send, unasked.
+
+OxyGen's server opens a memory request ("Memory: ") on every call (`new_each_call`); a robot then reads the
+text as it grows from the per-frame updates of its replies (`serving.outbox`), with no change on its side:
+an unmodified openpi client gets them. `ServeConfig.auto_language = AutoLanguage(prompt="Memory: ", ...)`
+(`serve --auto-language PROMPT`) turns it on for every robot of a server.
+
+What happens to a robot's automatic request that is still running when its next observation arrives is
+`AutoLanguage.mode`:
+
+| mode            | each observation                                                                    |
+|-----------------|-------------------------------------------------------------------------------------|
+| `new_each_call` | opens a new request; earlier ones keep running to their end (OxyGen's `new_each_call`) |
+| `keep`          | opens one only when none of the robot's automatic requests is running               |
+| `replace`       | cancels the running one (its result: failed, "replaced ...") and opens a new one     |
+
+Automatic requests count toward the robot's `max_requests_per_robot` after the requests the robot sent
+itself: when no room is left, that observation's automatic request is skipped (the reply's
+"language.auto_skipped" says why) and the frame is served as usual. An automatic request is accepted like a
+robot's own ("accepted" entry with "auto": true and tag `AutoLanguage.tag`) and answered like one
+(per-frame "updates", then one "finished" or "failed" entry).
+
+Everything about an automatic request is checked once, at start-up (`prepare`): a bad option is a
+one-line ValueError before the server answers anyone, never a refusal of a robot's frame.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from oxygen_jax.serving import requests
+from oxygen_jax.serving.batcher import LanguageRequest
+
+MODES = ("new_each_call", "keep", "replace")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoLanguage:
+    """The language request a server opens for each observation (CLI: `serve --auto-*`)."""
+
+    prompt: str  # the request's prompt, e.g. "Memory: " (text, in the model's tokenizer)
+    max_tokens: int | None = None  # token budget; None: the engine's max_new_tokens (--max-new-tokens)
+    temperature: float = 0.0  # 0 is greedy
+    seed: int | None = None  # the sampling seed of every automatic request; None: each request's own id
+    adapter: str = "base"  # a language adapter the server holds, by name
+    mode: str = "new_each_call"  # what a new observation does to a running automatic request (module table)
+    tag: str = "auto"  # the "tag" of its accepted / updates / finished entries
+
+    def __post_init__(self):
+        if not isinstance(self.prompt, str):
+            raise ValueError(f"AutoLanguage.prompt (--auto-language) must be text, got {type(self.prompt).__name__}")
+        if self.mode not in MODES:
+            raise ValueError(f"AutoLanguage.mode (--auto-mode) must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.max_tokens is not None and not self.max_tokens >= 1:
+            raise ValueError(f"AutoLanguage.max_tokens (--auto-max-tokens) must be >= 1, got {self.max_tokens}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"AutoLanguage.temperature (--auto-temperature) must be a finite number >= 0 (0 is "
+                             f"greedy), got {self.temperature}")
+        if self.seed is not None and not 0 <= self.seed <= 2**32 - 1:
+            raise ValueError(f"AutoLanguage.seed (--auto-seed) must be in [0, 2**32 - 1], got {self.seed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one observation does: the request to open (None: none), running ones to cancel first, and why
+    none was opened when one should have been (None: not skipped)."""
+
+    request: LanguageRequest | None
+    replace: tuple[int, ...] = ()
+    skipped: str | None = None
+
+
+class AutoRequests:
+    """An `AutoLanguage` checked against one engine, as the request each observation opens."""
+
+    def __init__(self, auto: AutoLanguage, request: LanguageRequest):
+        self.auto, self.request = auto, request
+
+    def plan(self, running: list[int], live: int, asked: int, cap: int) -> Plan:
+        """The automatic part of one observation of a robot.
+
+        Args:
+          running: the robot's live automatic requests (oldest first).
+          live: all its live requests; asked: the requests this observation carries; cap: max_requests_per_robot.
+
+        Example (cap 8, mode new_each_call): 3 live, 2 asked -> open one; 6 live, 2 asked -> skipped.
+        """
+        mode = self.auto.mode
+        if mode == "keep" and running:
+            return Plan(None)
+        replace = tuple(running) if mode == "replace" else ()
+        if live - len(replace) + asked + 1 > cap:
+            return Plan(None, skipped=f"this robot has {live} language requests in flight and asked for {asked} "
+                                      f"more (limit {cap}, max_requests_per_robot)")
+        return Plan(self.request, replace)
+
+
+def prepare(auto: AutoLanguage | None, engine, *, max_prompt_chars: int) -> AutoRequests | None:
+    """`auto` checked against `engine` (its tokenizer, adapters, token and prompt capacity), tokenized once.
+
+    Raises:
+      ValueError: one line naming the option and the fix.
+    """
+    if auto is None:
+        return None
+    e = engine.config
+    max_tokens = e.max_new_tokens if auto.max_tokens is None else auto.max_tokens
+    if max_tokens > e.max_new_tokens:
+        raise ValueError(f"--auto-max-tokens {max_tokens} is above the engine's token cap {e.max_new_tokens}: lower it "
+                         "or raise --max-new-tokens")
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None and auto.prompt:
+        raise ValueError("--auto-language: this model has no tokenizer for a text prompt; pass the checkpoint's "
+                         "tokenizer with --tokenizer")
+    adapters = getattr(engine, "adapters", {"base": 0})
+    if auto.adapter not in adapters:
+        raise ValueError(f"--auto-adapter: unknown adapter {auto.adapter!r}; this server has {sorted(adapters)} "
+                         "(--adapter DIR adds one)")
+    if auto.temperature:
+        from oxygen_jax.nn.sampling import check_temperature
+
+        try:
+            check_temperature(auto.temperature)
+        except ValueError as err:
+            raise ValueError(f"--auto-temperature: {err}") from None
+    try:
+        (req,) = requests.parse_language_requests(
+            [{"prompt": auto.prompt, "max_tokens": max_tokens, "temperature": float(auto.temperature),
+              "adapter": auto.adapter, **({} if auto.seed is None else {"seed": auto.seed})}],
+            max_requests=1, default_max_tokens=max_tokens, max_new_tokens=e.max_new_tokens,
+            max_prompt_chars=max_prompt_chars)
+        (req,) = requests.tokenize_requests([req], tokenizer, prompt_capacity=e.prompt_capacity)
+    except requests.BadRequest as err:
+        what = str(err).replace("language_requests[0].", "the automatic request's ")
+        raise ValueError(f"--auto-language: {what}; shorten the prompt or raise --prompt-capacity") from None
+    return AutoRequests(auto, dataclasses.replace(req, tag=auto.tag, auto=True))
