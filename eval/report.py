@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from eval.bench import spread
 from oxygen_jax.runtime.frame import BENCH_SETTINGS
 
 SETTING_ORDER = BENCH_SETTINGS
@@ -42,7 +43,8 @@ FANOUT_PLOT = "fanout.png"
 
 
 def load_results(results_dir: Path) -> dict:
-    """{"summary": [...], "components": {...}, "environment": {...}, "runs": [...]} from a result directory."""
+    """{"summary": [...], "components": {...}, "environment": {...}, "runs": [...], "run_files": {...}} from a
+    result directory (`run_files`: {"runs/<group>.json": that run}, as summary records name them)."""
     results_dir = Path(results_dir)
     path = results_dir / "summary.json"
     if not path.is_file():
@@ -55,9 +57,9 @@ def load_results(results_dir: Path) -> dict:
         p = results_dir / name
         return json.loads(p.read_text()) if p.is_file() else {}
 
-    runs = [json.loads(p.read_text()) for p in sorted((results_dir / "runs").glob("*.json"))]
+    run_files = {f"runs/{p.name}": json.loads(p.read_text()) for p in sorted((results_dir / "runs").glob("*.json"))}
     return {"summary": summary, "components": optional("components.json"),
-            "environment": optional("environment.json"), "runs": runs}
+            "environment": optional("environment.json"), "runs": list(run_files.values()), "run_files": run_files}
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -73,6 +75,27 @@ def _num(x, digits: int = 1) -> str:
     if abs(x) >= 1000:
         return f"{x:,.0f}"
     return f"{x:.{digits}f}"
+
+
+def _frame_ms(r: Mapping) -> str:
+    """The median frame time with its spread (`spread.annotate`), rounded to the spread's leading digit."""
+    return spread.with_spread(r.get("frame_ms_median"), r.get("frame_ms_lo"), r.get("frame_ms_hi"))
+
+
+def _ms_like_frame(r: Mapping, key: str) -> str:
+    """Another ms figure of the same frames (p90, ideal, latency), at the frame spread's decimals."""
+    lo, hi = r.get("frame_ms_lo"), r.get("frame_ms_hi")
+    return spread.fmt(r.get(key), spread.decimals(hi - lo) if lo is not None and hi is not None else None)
+
+
+def _rate(r: Mapping, key: str, default: int = 1) -> str:
+    """A rate or ratio that scales with 1 / frame time (Hz, tokens/s, achieved), rounded to the frames' spread."""
+    return spread.rounded(r.get(key), r.get("frame_rel_width"), default)
+
+
+def _speedup(r: Mapping) -> str:
+    """Ratio of mean frame times to isolated, with the per-frame ratios' IQR."""
+    return spread.with_spread(r.get("speedup_vs_isolated"), r.get("speedup_lo"), r.get("speedup_hi"))
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
@@ -131,10 +154,17 @@ def _pick_cb(records: Sequence[Mapping], k) -> list[dict]:
 def _environment_md(env: Mapping) -> str:
     if not env:
         return "_environment.json missing_"
-    keys = ("preset", "dtype", "backend", "device_kind", "device_count", "cpu_count", "jax", "jaxlib", "commit",
-            "fixed_length_decode", "timestamp", "command")
+    keys = ("preset", "parameters", "dtype", "backend", "device_kind", "device_count", "cpu_model", "cpu_count",
+            "loadavg_start", "loadavg_end", "jax", "jaxlib", "commit", "fixed_length_decode", "timestamp", "command")
     rows = [(k, f"`{env[k]}`" if k == "command" else env[k]) for k in keys if k in env]
     return _table(("item", "value"), rows)
+
+
+def _sig3(x) -> str:
+    """Three significant digits: a component time is a median of a few runs whose spread is not recorded."""
+    if x is None or not math.isfinite(x) or x == 0:
+        return _num(x)
+    return spread.fmt(x, 2 - math.floor(math.log10(abs(x))))
 
 
 def _components_md(components: Mapping) -> str:
@@ -142,11 +172,11 @@ def _components_md(components: Mapping) -> str:
         return "_components.json missing_"
     rows = []
     for workload, c in components.items():
-        den = ", ".join(f"S={s}: {_num(v, 2)}" for s, v in c["denoise_ms"].items())
+        den = ", ".join(f"S={s}: {_sig3(v)}" for s, v in c["denoise_ms"].items())
         if c.get("heads_ms"):  # several heads: each head's prepare + denoise on the shared prefix
-            den = ", ".join(f"{h}: {_num(v, 2)}" for h, v in c["heads_ms"].items())
-        dec = ", ".join(f"{b}: {_num(v, 2)}" for b, v in c["decode_step_ms"].items())
-        rows.append((workload, _num(c["prefill_ms"], 2), den, dec))
+            den = ", ".join(f"{h}: {_sig3(v)}" for h, v in c["heads_ms"].items())
+        dec = ", ".join(f"{b}: {_sig3(v)}" for b, v in c["decode_step_ms"].items())
+        rows.append((workload, _sig3(c["prefill_ms"]), den, dec))
     heads = any(c.get("heads_ms") for c in components.values())
     return _table(("workload", "prefix pass T_pre (ms)" if heads else "prefill T_pre (ms)",
                    "heads: prepare + denoise (ms)" if heads else "denoise S steps (ms)",
@@ -173,30 +203,34 @@ def _fanout_md(summary: Sequence[Mapping]) -> str:
             "Single-head frames (each head with its own prefix pass, isolated setting, median ms): "
             + (", ".join(f"{h} {_num(single[h], 1)}" for h in heads if h in single) or "–")
             + f"; sum {_num(recs[0].get('sum_single_head_ms'), 1)} ms.", "",
-            _table(["setting", "frame ms p50", "frame / sum of single-head frames", "chunks/s"]
+            _table(["setting", _FRAME_HEADER, "frame / sum of single-head frames", "chunks/s"]
                    + [f"{h} action Hz" for h in heads] + ["tokens/s", "avg batch"],
-                   [[_setting_label(r), _num(r["frame_ms_median"], 1), _num(r.get("fanout_ratio"), 3),
-                     _num(r["action_hz"], 2)] + [_num((r.get("head_action_hz") or {}).get(h), 1) for h in heads]
-                    + [_num(r["tokens_per_s"], 1), _num(r.get("avg_batch"), 1)] for r in sorted(recs, key=_sort_key)]),
+                   [[_setting_label(r), _frame_ms(r), _rate(r, "fanout_ratio", 3), _rate(r, "action_hz", 2)]
+                    + [spread.rounded((r.get("head_action_hz") or {}).get(h), r.get("frame_rel_width"), 1)
+                       for h in heads]
+                    + [_rate(r, "tokens_per_s"), _num(r.get("avg_batch"), 1)] for r in sorted(recs, key=_sort_key)]),
             "",
         ]
     return "\n".join(lines)
 
 
+_FRAME_HEADER = "frame ms p50 (p25–p75)"
+_SPEEDUP_HEADER = "speedup (per-frame p25–p75)"
+
 _MAIN_COLUMNS = (
     ("setting", _setting_label),
-    ("frame ms p50", lambda r: _num(r["frame_ms_median"], 2)),
-    ("p90", lambda r: _num(r.get("frame_ms_p90"), 2)),
-    ("p99", lambda r: _num(r.get("frame_ms_p99"), 2)),
-    ("action Hz", lambda r: _num(r["action_hz"])),
-    ("tokens/s", lambda r: _num(r["tokens_per_s"])),
+    (_FRAME_HEADER, _frame_ms),
+    ("p90", lambda r: _ms_like_frame(r, "frame_ms_p90")),
+    ("p99", lambda r: _ms_like_frame(r, "frame_ms_p99")),
+    ("action Hz", lambda r: _rate(r, "action_hz")),
+    ("tokens/s", lambda r: _rate(r, "tokens_per_s")),
     ("avg batch", lambda r: _num(r.get("avg_batch"), 1)),
     ("req. latency (frames)", lambda r: _num(r.get("request_latency_frames_mean"), 1)),
-    ("req. latency (ms)", lambda r: _num(r.get("request_latency_ms_mean"), 1)),
-    ("speedup", lambda r: _num(r["speedup_vs_isolated"], 2)),
+    ("req. latency (ms)", lambda r: _ms_like_frame(r, "request_latency_ms_mean")),
+    (_SPEEDUP_HEADER, _speedup),
     ("ideal speedup", lambda r: _num(r["ideal_speedup"], 2)),
-    ("ideal ms", lambda r: _num(r.get("ideal_frame_ms"), 2)),
-    ("achieved", lambda r: _num(r.get("achieved_fraction"), 2)),
+    ("ideal ms", lambda r: _ms_like_frame(r, "ideal_frame_ms")),
+    ("achieved", lambda r: _rate(r, "achieved_fraction", 2)),
     ("compile s", lambda r: _num(r["compile_s"], 1)),
 )
 
@@ -209,10 +243,10 @@ def _records_md(records: Sequence[Mapping]) -> str:
 def _sweep_md(records: Sequence[Mapping], var: str) -> str:
     rows = sorted(records, key=lambda r: (r[var] or 0, _sort_key(r)))
     return _table(
-        (var, "setting", "frame ms p50", "action Hz", "tokens/s", "avg batch", "req. latency (frames)", "speedup",
+        (var, "setting", _FRAME_HEADER, "action Hz", "tokens/s", "avg batch", "req. latency (frames)", _SPEEDUP_HEADER,
          "ideal speedup"),
-        [(r[var], _setting_label(r), _num(r["frame_ms_median"], 2), _num(r["action_hz"]), _num(r["tokens_per_s"]),
-          _num(r.get("avg_batch")), _num(r.get("request_latency_frames_mean")), _num(r["speedup_vs_isolated"], 2),
+        [(r[var], _setting_label(r), _frame_ms(r), _rate(r, "action_hz"), _rate(r, "tokens_per_s"),
+          _num(r.get("avg_batch")), _num(r.get("request_latency_frames_mean")), _speedup(r),
           _num(r["ideal_speedup"], 2)) for r in rows],
     )
 
@@ -231,8 +265,8 @@ def _adapter_md(components: Mapping, adapter_recs: Sequence[Mapping], base: Sequ
         rows = []
         for b in sorted(c["decode_step_ms"], key=int):
             t0, ta, tm = c["decode_step_ms"][b], c["adapter_step_ms"].get(b), c["mixed_step_ms"].get(b)
-            rows.append([b, _num(t0, 2), _num(ta, 2), _num(ta / t0 if ta else None, 3), _num(tm, 2),
-                         _num(tm / t0 if tm else None, 3)])
+            rows.append([b, _sig3(t0), _sig3(ta), _num(ta / t0 if ta else None, 2), _sig3(tm),
+                         _num(tm / t0 if tm else None, 2)])
         lines += [f"Decode step, `{workload}` (ms; every slot on the adapter / half the slots on it, vs no bank):", "",
                   _table(["B", "base", "all on adapter", "ratio", "half on adapter", "ratio"], rows), ""]
     rows = []
@@ -241,9 +275,11 @@ def _adapter_md(components: Mapping, adapter_recs: Sequence[Mapping], base: Sequ
                      and b.get("k") == r.get("k")), None)
         if twin is None:
             continue
+        width = max(r.get("frame_rel_width") or 0, twin.get("frame_rel_width") or 0) or None  # the noisier run's
         rows.append([f"{r['workload']} S={r['S']} N={r['N']} k={r['k']}", _num(r["adapter_share"], 2),
-                     _num(twin["frame_ms_mean"]), _num(r["frame_ms_mean"]), _num(r["frame_ms_mean"] / twin["frame_ms_mean"], 3),
-                     _num(twin["tokens_per_s"]), _num(r["tokens_per_s"])])
+                     _ms_like_frame(twin, "frame_ms_mean"), _ms_like_frame(r, "frame_ms_mean"),
+                     spread.rounded(r["frame_ms_mean"] / twin["frame_ms_mean"], width),
+                     _rate(twin, "tokens_per_s"), _rate(r, "tokens_per_s")])
     if rows:
         lines += ["Continuous batching frames with a share of the requests on the adapter (same requests, same run):",
                   "", _table(["point", "adapter share", "base frame ms", "with adapter", "ratio", "base tokens/s",
@@ -251,14 +287,56 @@ def _adapter_md(components: Mapping, adapter_recs: Sequence[Mapping], base: Sequ
     return "\n".join(lines)
 
 
+def _load(env: Mapping) -> str:
+    """The machine load over the run (os.getloadavg, 1 / 5 / 15 min) against the cores, or that it was not recorded."""
+    start, end = env.get("loadavg_start"), env.get("loadavg_end")
+    if not start:
+        return "machine load not recorded (a run from before `eval.bench` recorded it)"
+    at_end = f", at the end {' / '.join(_num(v, 1) for v in end)}" if end else ""
+    return (f"machine load average (1 / 5 / 15 min) at the start {' / '.join(_num(v, 1) for v in start)}{at_end}, "
+            f"on {env.get('cpu_count', '?')} cores (the bench itself adds about 1; more means other processes shared "
+            "the machine and slowed and spread the frames)")
+
+
+def _measured_md(env: Mapping, summary: Sequence[Mapping]) -> str:
+    """What the figures are of: model size, device, machine load, frames, how spreads and rounding read."""
+    preset = env.get("preset", summary[0].get("preset"))
+    params = f"{env['parameters'] / 1e6:,.1f} M parameters" if env.get("parameters") else "parameter count not recorded"
+    model = f"`{preset}`" + (f" from `{env['ckpt']}`" if env.get("ckpt") else " preset, random weights")
+    cpu = env.get("cpu_model") or "CPU model not recorded"
+    device = (f"{env.get('backend', '?')} backend, {env.get('device_count', '?')} × {env.get('device_kind', '?')}; "
+              f"host {cpu}, {env.get('cpu_count', '?')} cores")
+    frames = sorted({r.get("frames_measured") for r in summary if r.get("frames_measured")})
+    fallback = any(r.get("spread") == "min–max" for r in summary)
+    lines = [
+        f"- **model**: {model}, {params}, `{env.get('dtype', summary[0].get('dtype'))}`",
+        f"- **device**: {device}",
+        f"- **load**: {_load(env)}",
+        f"- **frames**: {', '.join(map(str, frames)) or '?'} measured per setting and grid point; "
+        f"{env.get('timestamp', 'time not recorded')}, commit `{env.get('commit', '?')}`",
+        "- **spread and rounding**: a frame time is the median over the measured frames with their "
+        + ("p25–p75 (min–max where a run file is missing)" if fallback else "interquartile range p25–p75")
+        + " in parentheses; a speedup is the ratio of mean frame times with the p25–p75 of the per-frame ratios "
+        "(isolated frame f / this setting's frame f). Each figure is rounded so that its last digit is the "
+        "leading digit of its spread; Hz, tokens/s and *achieved* carry the frames' relative spread. Component "
+        "times are medians of `--component-repeats` runs whose spread is not recorded: three significant digits.",
+    ]
+    if preset == "tiny":
+        lines.append("- **tiny preset: these figures measure per-call overhead, not the method.** A tiny frame takes "
+                     "milliseconds, so dispatch and host work dominate it and the settings' ratios are not those of a "
+                     "real model; the quick run checks that every setting compiles, runs and reports.")
+    return "\n".join(lines)
+
+
 def markdown(results: Mapping, plots: Sequence[str]) -> str:
-    summary, adapter_recs = _split_adapter(results["summary"])
+    runs = results.get("run_files") or {}
+    summary, adapter_recs = _split_adapter(spread.annotate(results["summary"], runs))
     ref = reference_point(summary)
     env = results["environment"]
     fanout = _fanout_md(summary)
     out = [
         "# OxyGen benchmark report", "",
-        f"Preset `{env.get('preset', summary[0].get('preset'))}`, dtype `{env.get('dtype', summary[0].get('dtype'))}`, "
+        "## What was measured", "", _measured_md(env, summary), "",
         f"{len(summary)} records. Frame times are wall time from the frame's tick to actions and tokens on the "
         "host, over measured frames (warm-up excluded); Hz and tokens/s are ratios of sums; request latency runs "
         "from the arrival frame's tick to the end of the frame emitting the last token. *speedup* = isolated mean "
@@ -300,10 +378,6 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
     if fanout:
         notes.append("several heads: action Hz is the chunk rate (frames per second; every head delivers one chunk "
                      "per frame); S = each head's own means XR0 5, StarVLA heads 4 denoise steps")
-        if env.get("loadavg_start"):
-            notes.append("machine load average (1, 5, 15 min) at the start / end of the run: "
-                         f"{', '.join(_num(v, 2) for v in env['loadavg_start'])} / "
-                         f"{', '.join(_num(v, 2) for v in env.get('loadavg_end') or [])}")
     adapter = _adapter_md(results["components"], adapter_recs, summary)
     if adapter:
         out += ["## Language adapter overhead", "", adapter, ""]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -124,6 +125,7 @@ def test_bench_writes_summary_components_environment_and_run_files(tiny_run):
                 "timestamp"):
         assert env[key] not in (None, "")
     assert (env["dtype"], env["preset"], env["backend"]) == ("float32", "tiny", "cpu")
+    assert env["parameters"] > 0 and len(env["loadavg_start"]) == len(env["loadavg_end"]) == 3  # size and load
 
 
 def test_run_file_holds_frames_and_requests_of_every_setting(tiny_run):
@@ -160,6 +162,13 @@ def test_report_writes_tables_and_plots(tiny_run, tmp_path):
     for label in ("isolated", "parallel", "shared KV", f"continuous batching (k={_K})"):
         assert label in md
     assert "## Ablation" in md and "## Component times" in md and "tradeoff.png" in md
+    # what the figures are of (size, device, load), and each frame time with its spread over the measured frames
+    env = json.loads((tiny_run / "environment.json").read_text())
+    assert f"`tiny` preset, random weights, {env['parameters'] / 1e6:,.1f} M parameters" in md
+    assert "cpu backend" in md and "machine load average (1 / 5 / 15 min) at the start" in md
+    assert "tiny preset: these figures measure per-call overhead, not the method" in md
+    rows = [ln for ln in md.splitlines() if ln.startswith("| shared KV |")]
+    assert rows and all(re.match(r"\| shared KV \| [\d,.]+ \([\d,.]+–[\d,.]+\) \|", ln) for ln in rows)
     assert "## Language adapter overhead" in md and "half on adapter" in md
 
 

@@ -77,6 +77,17 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo on Linux, else `platform.processor()`), or "" when unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 _ENV_VARS = ("XLA_FLAGS", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "CUDA_VISIBLE_DEVICES")
 
 
@@ -87,11 +98,13 @@ def environment(args: argparse.Namespace, dtype: str, preset: str, family_facts:
         "jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
         "backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
-        "cpu_count": os.cpu_count(), "dtype": dtype, "preset": preset,
+        "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "dtype": dtype, "preset": preset,
         "ckpt": str(args.ckpt) if args.ckpt else None, "commit": _git_commit(),
         "command": " ".join([Path(sys.executable).name, "-m", "eval.bench", *sys.argv[1:]]),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "env": {k: os.environ[k] for k in _ENV_VARS if k in os.environ},
+        # other processes share the machine: the report prints the load beside every figure (end: `run`)
+        "loadavg_start": list(os.getloadavg()),
         **family_facts,
     }
 
@@ -504,6 +517,7 @@ def run(args: argparse.Namespace, family: Family, groups: Sequence[Group]) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     env = environment(args, dtype, preset, family.environment(args))
     env["fixed_length_decode"] = not args.eos
+    env["parameters"] = int(sum(getattr(leaf, "size", 0) for leaf in jax.tree.leaves(params)))
     write_json(out / "environment.json", env)
 
     ctx = RunContext(args=args, family=family, model=model, params=params, env=env, compile_log={}, components={},
@@ -530,8 +544,7 @@ def run(args: argparse.Namespace, family: Family, groups: Sequence[Group]) -> Pa
                 # keeps a long grid under the kernel's memory-map limit (XLA CPU maps every executable).
                 jax.clear_caches()
             ctx.observations[workload].clear()
-    if "loadavg_start" in env:  # the family records the machine load seen over the run (other processes share it)
-        env["loadavg_end"] = list(os.getloadavg())
-        write_json(out / "environment.json", env)
+    env["loadavg_end"] = list(os.getloadavg())  # the machine load seen over the run (other processes share it)
+    write_json(out / "environment.json", env)
     print(f"wrote {len(summary)} records to {out / 'summary.json'}", file=sys.stderr)
     return out
