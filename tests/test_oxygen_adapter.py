@@ -16,7 +16,7 @@ from helpers import openpi_fixture
 from oxygen_jax import serve
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import base_fingerprint, load_adapter, save_adapter
-from oxygen_jax.ckpts.oxygen_adapter import CONFIG_FILE, export_oxygen, import_oxygen, load_named_bank, main
+from oxygen_jax.ckpts.oxygen_adapter import CONFIG_FILE, base_config, export_oxygen, import_oxygen, load_named_bank, main
 from oxygen_jax.ckpts.safetensors import write_safetensors
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.config import model_config
@@ -59,6 +59,7 @@ def _oxygen_arrays(params, rank: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _write_oxygen(folder, arrays, rank, alpha, fmt="npz", changes=None):
+    """An OxyGen release folder: adapter_step_1500.<fmt> and an adapter_config.json with its fields."""
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / f"adapter_step_1500.{fmt}"
     if fmt == "npz":
@@ -131,6 +132,12 @@ def test_import_then_export_gives_back_the_same_bytes(case, tmp_path, fmt):
     assert file.name == f"adapter_step_1500.{fmt}"
     assert file.read_bytes() == (src / file.name).read_bytes()
     assert (file.parent / CONFIG_FILE).read_bytes() == (src / CONFIG_FILE).read_bytes()
+    other = {"npz": "safetensors", "safetensors": "npz"}[fmt]  # the other format: same keys, a new sha256
+    converted = export_oxygen(dest, tmp_path / "other", base=base, fmt=other)
+    assert json.loads((converted.parent / CONFIG_FILE).read_text())["suffix_seed"] == "Memory: "
+    a, _ = load_adapter(import_oxygen(converted, tmp_path / "again", base=base), params.config, base=base)
+    b, _ = load_adapter(dest, params.config, base=base)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def test_an_adapter_trained_here_exports_to_oxygens_keys_and_imports_back_bit_identical(case, tmp_path):
@@ -222,3 +229,24 @@ def test_the_cli_imports_and_exports_and_its_help_names_both(case, tmp_path, cap
         main(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "{import,export}" in out
+
+
+def test_training_memory_takes_an_openpi_checkpoint_as_base_and_its_adapter_goes_out_and_back(tmp_path, capsys):
+    from training.memory.__main__ import main as train_main
+    from training.memory_data import write_memory_dataset
+    from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
+
+    fixture = openpi_fixture()
+    config = base_config(fixture)  # from the checkpoint's metadata
+    frames = synthetic_splits(SyntheticMemoryConfig(image_size=config.siglip.image_size, num_inits=2, num_train_inits=1))
+    data = write_memory_dataset(tmp_path / "syn", frames, image_size=config.siglip.image_size, name="syn")
+    out = tmp_path / "run"
+    assert train_main(["--data", str(data), "--out", str(out), "--base", str(fixture), "--steps", "1", "--batch-size", "1",
+                       "--rank", "2", "--prompt-len", "32", "--eval-split", "", "--devices", "1", "--no-progress"]) == 0
+    assert "adapter: openpi checkpoint" in capsys.readouterr().out
+    adapter, meta = load_adapter(out / "adapter", config, base=fixture)
+    assert meta["base_fingerprint"] == base_fingerprint(fixture) == base_fingerprint(fixture / "params")
+    assert adapter.attn_rank == 2 and np.abs(np.asarray(adapter.q.b)).max() > 0  # one step moved B off zero
+    file = export_oxygen(out / "adapter", tmp_path / "ox", base=fixture)
+    back, _ = load_adapter(import_oxygen(file.parent, tmp_path / "again", base=fixture), config, base=fixture)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(adapter)))

@@ -49,7 +49,9 @@ from oxygen_jax.ckpts import limits
 from oxygen_jax.ckpts.adapters import (
     DEFAULT_ADAPTER_NAME, MAX_ALPHA, MAX_LEAF_ABS, base_fingerprint, load_adapter, save_adapter,
 )
+from oxygen_jax.ckpts.openpi import read_openpi_config
 from oxygen_jax.ckpts.openpi_lora import openpi_paths
+from oxygen_jax.ckpts.own import stored_config
 from oxygen_jax.ckpts.safetensors import read_safetensors, write_safetensors
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import lora as pi05_lora
@@ -216,9 +218,6 @@ def adapter_meta(ox: OxygenAdapter, name: str = DEFAULT_ADAPTER_NAME) -> dict:
 
 def base_config(base: str | os.PathLike) -> ModelConfig:
     """The π0.5 config of a base checkpoint (ours or openpi's) from its metadata, no weights read."""
-    from oxygen_jax.ckpts.openpi import read_openpi_config
-    from oxygen_jax.ckpts.own import stored_config
-
     p = Path(base).expanduser()
     if not p.is_dir():
         raise FileNotFoundError(f"base checkpoint {p.resolve()} is not a directory")
@@ -279,12 +278,14 @@ def export_oxygen(src: str | os.PathLike, dest: str | os.PathLike, *, base: str 
     else:
         write_safetensors(file, flat)
     text = ox.get("config_text")
-    if not isinstance(text, str):
-        config_json = {"adapter_type": ADAPTER_TYPE, "alpha": adapter.alpha, "rank": adapter.attn_rank,
-                       "base_checkpoint": meta.get("base"), "language_target": extra.get("label_key"),
-                       "sha256": hashlib.sha256(file.read_bytes()).hexdigest(), "suffix_seed": meta.get("prompt"),
-                       **({"suffix_length": extra["suffix_len"] - 1} if isinstance(extra.get("suffix_len"), int) else {}),
-                       **({"training_step": extra["steps"]} if isinstance(extra.get("steps"), int) else {})}
+    if not (isinstance(text, str) and name == ox.get("file")):  # verbatim only beside the very file it describes
+        config_json = json.loads(text) if isinstance(text, str) else {
+            "adapter_type": ADAPTER_TYPE, "alpha": adapter.alpha, "rank": adapter.attn_rank,
+            "base_checkpoint": meta.get("base"), "language_target": extra.get("label_key"),
+            "suffix_seed": meta.get("prompt"),
+            **({"suffix_length": extra["suffix_len"] - 1} if isinstance(extra.get("suffix_len"), int) else {}),
+            **({"training_step": extra["steps"]} if isinstance(extra.get("steps"), int) else {})}
+        config_json["sha256"] = hashlib.sha256(file.read_bytes()).hexdigest()
         text = json.dumps(config_json, indent=2) + "\n"
     (out / CONFIG_FILE).write_text(text)
     return file
