@@ -250,3 +250,25 @@ def test_training_memory_takes_an_openpi_checkpoint_as_base_and_its_adapter_goes
     file = export_oxygen(out / "adapter", tmp_path / "ox", base=fixture)
     back, _ = load_adapter(import_oxygen(file.parent, tmp_path / "again", base=fixture), config, base=fixture)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(adapter)))
+
+
+def test_openpis_own_vlm_lora_imported_as_an_oxygen_file_merges_to_openpis_merged_weights(tmp_path):
+    """The openpi LoRA fixture's VLM factors (written by openpi) as an OxyGen file on that checkpoint: the merged
+    VLM weights equal the fixture's merged_params.npz (openpi's equations in float64, rounded to float32)."""
+    from oxygen_jax.ckpts.openpi import load_openpi_lora, load_openpi_params
+    from oxygen_jax.ckpts.openpi_lora import to_openpi
+
+    fixture = openpi_fixture().parent / "openpi_tiny_pi05_lora"
+    if not fixture.exists():
+        pytest.skip(f"../shared fixtures not present: {fixture}")
+    vlm = load_openpi_lora(fixture).vlm
+    arrays = {k: np.asarray(v) for k, v in to_openpi(pi05_lora.ModelLora(vlm=vlm, action_expert=None)).items()}
+    rank = int(arrays[f"{W}/attn/q_einsum/lora_a"].shape[-1])
+    dest = import_oxygen(_write_oxygen(tmp_path / "ox", arrays, rank, rank), tmp_path / "ours", base=fixture)
+    _, params = load_openpi_params(fixture, lora="ignore")
+    adapter, _ = load_adapter(dest, params.config, base=fixture)
+    merged = to_openpi_dict(pi05_lora.merge(params, pi05_lora.ModelLora(vlm=adapter, action_expert=None)))
+    want, before = np.load(fixture / "merged_params.npz"), to_openpi_dict(params)
+    for w in WEIGHTS:
+        np.testing.assert_allclose(np.asarray(merged[w]), want[w], rtol=1e-6, atol=1e-6, err_msg=w)
+        assert not np.allclose(np.asarray(before[w]), want[w], atol=1e-4), w  # the LoRA matters
