@@ -135,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=_positive_int, default=32, help="token cap per language request")
     ap.add_argument("--prompt-capacity", type=int_at_least(0), default=16, help="request-prompt tokens after the prefix")
     ap.add_argument("--tokens-per-frame", type=_positive_int, default=4, help="k: language tokens per request per step")
+    ap.add_argument("--speculate", type=int_at_least(0), default=0, metavar="GAMMA",
+                    help="speculative decoding: each of the k steps checks up to GAMMA drafted tokens (drafts from the "
+                         "robot's earlier answers; the same text, actions unchanged); 0 = off")
     ap.add_argument("--batch-sizes", type=_buckets, default=",".join(map(str, BUCKETS)),
                     help="robots per step, each compiled at start-up (on a CPU each size can take a minute); "
                          "one robot needs only --batch-sizes 1")
@@ -263,7 +266,7 @@ def build(args: argparse.Namespace):
         vla = jax.device_put(vla, NamedSharding(mesh, PartitionSpec()))
     engine = Engine(vla, EngineConfig(
         num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=args.prompt_capacity,
-        tokens_per_frame=args.tokens_per_frame, action_horizon=robot.action_horizon,
+        tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=names)
     # With a tokenizer.json the rows of an XR0 / StarVLA head are its native prompts (`serving.codec`), and
     # language requests are text in that tokenizer (or token ids); their answers come back as text and ids.

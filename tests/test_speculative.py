@@ -172,3 +172,14 @@ def test_engine_actions_are_bit_identical_and_repeated_requests_draft_from_the_l
     assert max(f.tokens_per_step for f in spec) > 2.0  # later requests draft the robot's previous answer
     latency = lambda frames: [r.latency_frames for f in frames for r in f.finished]  # noqa: E731
     assert len(latency(spec)) > len(latency(plain)) and np.mean(latency(spec)) < np.mean(latency(plain))
+
+
+def test_serve_takes_speculate_as_a_non_negative_gamma():
+    from oxygen_jax.serve import _parser
+
+    assert _parser().parse_args([]).speculate == 0
+    assert _parser().parse_args(["--speculate", "4"]).speculate == 4
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--speculate", "-1"])
+    with pytest.raises(ValueError, match="speculate"):
+        EngineConfig(speculate=-1)
