@@ -272,3 +272,25 @@ def test_openpis_own_vlm_lora_imported_as_an_oxygen_file_merges_to_openpis_merge
     for w in WEIGHTS:
         np.testing.assert_allclose(np.asarray(merged[w]), want[w], rtol=1e-6, atol=1e-6, err_msg=w)
         assert not np.allclose(np.asarray(before[w]), want[w], atol=1e-4), w  # the LoRA matters
+
+
+def test_the_full_size_train_step_traces_with_a_bf16_base_and_a_float32_adapter_of_oxygens_size():
+    """eval_shape (no memory): π0.5 at full size, bf16 base, rank 16 on every VLM target at OxyGen's shapes
+    (B 2, Tp 100, T 29) is what eval/device_check.sh times; its trainable leaves are float32 and as many as
+    OxyGen's released file holds (its trainer checks 18 layers x rank x 96,768)."""
+    from eval.memory_train_bench import random_batch
+    from oxygen_jax.ckpts.oxygen_adapter import expected_shapes
+    from oxygen_jax.models.pi05.params import abstract_params
+    from training.memory.config import TrainConfig
+    from training.memory.model import init_state, make_train_step
+
+    cfg = model_config("pi05", dtype="bfloat16")
+    config = TrainConfig(batch_size=2, suffix_len=29, rank=16)
+    step = make_train_step(config)
+    params = abstract_params(cfg)
+    state = jax.eval_shape(lambda p: init_state(config, p, step.optimizer), params)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), random_batch(cfg, 2, 3, 100, 29))
+    new_state, metrics = jax.eval_shape(step.fn, state, params, batch)
+    leaves = jax.tree.leaves(new_state.trainable)
+    assert {x.dtype for x in leaves} == {np.dtype(np.float32)} and metrics["loss"].shape == ()
+    assert sum(x.size for x in leaves) == sum(np.prod(s) for s in expected_shapes(cfg, 16).values()) == 18 * 16 * 96_768
