@@ -36,6 +36,7 @@ from training.memory.export_demo import main as export_main
 from training.memory.loop import NonFiniteStepError, train
 from training.memory.model import load_base, make_mesh, with_base_trainable
 from training.memory_data import MEMORY_PROMPT, frame_texts, open_memory_dataset
+from training.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
 
 
 def _robot(prompt_len: int) -> RobotConfig:
@@ -88,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                "metrics.jsonl, run.json. Assemble the embedded demo folder from a base and an adapter run with "
                "`python -m training.memory export-demo --help`.",
     )
-    p.add_argument("--data", type=Path, required=True, help="memory dataset version folder (tfds, array_record)")
+    p.add_argument("--data", type=Path, required=True,
+                   help="memory dataset version folder (tfds, array_record), or a LeRobot dataset folder (meta/info.json: "
+                        "splits by episode, see --target, --heldout-episodes, --empty-label; docs/lerobot.md)")
     p.add_argument("--libero-hdf5", type=Path, default=None, metavar="DIR",
                    help="LIBERO's raw <suite>/<task>_demo.hdf5 folder; --data is then OxyGen's annotations folder, split, "
                         "sampled and evaluated as OxyGen does (training.oxygen_libero; --eval-split '' skips evaluation)")
@@ -111,7 +114,13 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--prompt-len", type=int_at_least(1), default=DEMO_PROMPT_LEN, help="Tp: task-prompt tokens in the prefix")
     t = p.add_argument_group("task")
     t.add_argument("--prompt", default=None, help="request prompt (default 'Memory: ', or 'Scene: ' in base mode)")
-    t.add_argument("--label-key", default=None, help="frame field to predict (default memory, or scene in base mode)")
+    t.add_argument("--label-key", "--target", dest="label_key", default=None,
+                   help="frame field to predict (default memory, or scene in base mode); LeRobot: memory, subtask, plan, "
+                        "interjection, speech or a string column")
+    t.add_argument("--heldout-episodes", default=None, metavar="LIST",
+                   help="LeRobot data: held-out episodes, e.g. 3,7,10-12 (the eval split; train is every other episode)")
+    t.add_argument("--empty-label", default=None, metavar="TEXT",
+                   help="LeRobot data: label of frames with none active yet (default: such frames are left out)")
     t.add_argument("--train-split", default="train")
     t.add_argument("--eval-split", default="heldout")
     t.add_argument("--suffix-len", type=int_at_least(2), default=None, help="T (default: longest prompt + label + EOS in train)")
@@ -181,7 +190,12 @@ def _run(args, argv: list[str]) -> int:
     if args.batch_size % devices:
         raise _Refused(f"--batch-size {args.batch_size} is not a multiple of the {devices} data-parallel device(s)")
     try:
-        if args.libero_hdf5 is not None:  # their split, task/target-balanced batches, 10 greedy-eval frames per task
+        if is_lerobot_dataset(args.data):  # splits by episode; frames without an active label left out or filled
+            heldout = parse_episodes(args.heldout_episodes) if args.heldout_episodes is not None else None
+            opened = {s: open_lerobot_split(args.data, s, target=label_key, heldout=heldout, empty_label=args.empty_label)
+                      for s in (args.train_split, args.eval_split) if s}
+            train_src, eval_src = opened[args.train_split], opened.get(args.eval_split)
+        elif args.libero_hdf5 is not None:  # their split, task/target-balanced batches, 10 greedy-eval frames per task
             from training.oxygen_libero import open_oxygen_libero
             oxygen = open_oxygen_libero(args.data, args.libero_hdf5)
             train_src, eval_src = oxygen.train, (oxygen.eval if args.eval_split else None)

@@ -1,0 +1,142 @@
+"""LeRobot datasets as training / held-out splits of labelled frames for the text trainer and evaluator
+(`python -m training.memory --data DIR --target memory`, `python -m eval.memory_eval --data DIR`).
+
+Splits are episode lists, never frame lists, so no episode is seen in both:
+
+    "train"                 every episode not held out
+    "heldout"               the held-out episodes (`heldout=` / --heldout-episodes "3,7,10-12")
+    "all"                   every episode
+    a key of info.json `splits` (LeRobot writes {"train": "0:E"}: episode ranges "a:b", end exclusive), used
+                            when no held-out list is given
+
+The target (`target=`) is the frame field to predict: `memory`, `subtask`, `plan` (active at the frame's
+time in `language_persistent`), `interjection`, `speech` (emitted on the frame), or any string column of the
+dataset by name (e.g. a `subtask` column some exports carry instead of language columns).
+
+Frames without an active label. LeRobot's annotator writes no memory before the first subtask boundary, so the
+first subtask's frames have `memory == ''`; training "Memory: " -> EOS on them would teach the adapter to
+answer nothing. The choice here, as LeRobot's recipes make it (a sample whose required binding is missing is
+dropped): such frames are left out of both splits (`empty_label=None`, the default). `empty_label="..."`
+keeps them with that text as their label instead (e.g. "nothing yet"). Either way every frame of the split
+has a non-empty label, and `texts(i)` answers from a table built once per split (no parquet read per frame).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from training.lerobot import language
+from training.lerobot.dataset import LeRobotDataset
+from training.lerobot.keys import KeyMap
+from training.lerobot.meta import read_meta
+from training.lerobot.source import LeRobotSource
+
+_ACTIVE = ("subtask", "plan", "memory")
+
+
+def is_lerobot_dataset(path: str | Path) -> bool:
+    """A folder with `meta/info.json` (a LeRobot dataset root)."""
+    return (Path(path) / "meta" / "info.json").is_file()
+
+
+def parse_episodes(text: str) -> list[int]:
+    """'3,7,10-12' -> [3, 7, 10, 11, 12] (ranges inclusive); a one-line ValueError on anything else."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            out += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
+        except ValueError:
+            raise ValueError(f"episode list {text!r}: {part!r} is not an episode index or a range a-b") from None
+    return out
+
+
+def split_episodes(root: str | Path, split: str, heldout: Sequence[int] | None = None) -> list[int]:
+    """The episode indices of `split` (see the module docstring)."""
+    meta = read_meta(root)
+    every = [e.index for e in meta.episodes]
+    if heldout is not None:
+        unknown = sorted(set(heldout) - set(every))
+        if unknown:
+            raise ValueError(f"--heldout-episodes: episode {unknown[0]} is not in {meta.root} (episodes "
+                             f"{min(every)}..{max(every)})")
+        if split in ("train", "heldout"):
+            keep = set(heldout)
+            return [e for e in every if (e in keep) == (split == "heldout")]
+    if split == "all":
+        return every
+    ranges = meta.info.get("splits") or {}
+    if split in ranges:
+        lo, _, hi = str(ranges[split]).partition(":")
+        return [e for e in every if int(lo) <= e < int(hi)]
+    raise ValueError(f"split {split!r} of {meta.root}: give the held-out episodes (--heldout-episodes 3,7,10-12) "
+                     f"for 'train' / 'heldout', or use 'all' or one of info.json's splits {sorted(ranges)}")
+
+
+def _labels(ds: LeRobotDataset, target: str) -> tuple[list[str], np.ndarray]:
+    """(label per frame, task_index int64 [N]) of the selected episodes, one parquet read per episode."""
+    feats = ds.meta.features
+    if target in feats:
+        if feats[target].get("dtype") != "string":
+            raise ValueError(f"{ds.root / 'meta/info.json'}: features.{target} has dtype "
+                             f"{feats[target].get('dtype')!r}; a text target must be a string column")
+        cols = [target]
+    elif target in _ACTIVE or target in ("interjection", "speech"):
+        cols = [c for c in (language.PERSISTENT, language.EVENTS) if c in feats]
+    else:
+        raise ValueError(f"--target {target!r}: not memory / subtask / plan / interjection / speech nor a string "
+                         f"column of {ds.root} (features: {sorted(feats)})")
+    labels, tasks = [], []
+    for ep in ds.episodes:
+        block = ds.rows.read(ep.data_file, ep.row_offset, ep.row_offset + ep.length,
+                             ["timestamp", "task_index", *cols])
+        tasks.append(np.asarray(block["task_index"], np.int64))
+        if target in feats:
+            labels += [str(x or "") for x in block[target]]
+            continue
+        where = f"{ds.root / ep.data_file} episode {ep.index}"
+        for r in range(ep.length):
+            texts = language.frame_texts(block.get(language.PERSISTENT, [None] * ep.length)[r],
+                                         block.get(language.EVENTS, [None] * ep.length)[r],
+                                         float(block["timestamp"][r]), where)
+            labels.append(texts[target])
+    return labels, np.concatenate(tasks) if tasks else np.zeros([0], np.int64)
+
+
+class LabelledFrames(Sequence):
+    """The frames of a `LeRobotSource` that have a label for `target` (see the module docstring)."""
+
+    def __init__(self, source: LeRobotSource, target: str, empty_label: str | None = None):
+        self.source, self.target, self.empty_label = source, target, empty_label
+        labels, task_index = _labels(source.dataset, target)
+        if empty_label is not None:
+            labels = [x or empty_label for x in labels]
+        self.indices = np.asarray([i for i, x in enumerate(labels) if x], np.int64)
+        self._labels = [labels[i] for i in self.indices]
+        self._tasks = [source.meta.tasks[int(task_index[i])] for i in self.indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, k: int) -> dict:
+        frame = self.source[int(self.indices[k])]
+        frame[self.target] = self._labels[k]
+        return frame
+
+    def texts(self, k: int) -> dict:
+        """The label and the instruction of frame k from the split's table (nothing is read)."""
+        return {"language_instruction": self._tasks[k], "task": self._tasks[k], self.target: self._labels[k]}
+
+
+def open_lerobot_split(root: str | Path, split: str, *, target: str = "memory", heldout: Sequence[int] | None = None,
+                       empty_label: str | None = None, key_map: KeyMap = KeyMap()) -> LabelledFrames:
+    """Frames of one split with a label for `target` (see the module docstring)."""
+    episodes = split_episodes(root, split, heldout)
+    if not episodes:
+        raise ValueError(f"split {split!r} of {root} has no episodes")
+    return LabelledFrames(LeRobotSource(root, episodes=episodes, key_map=key_map), target, empty_label)
