@@ -66,7 +66,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class OxygenAdapter(NamedTuple):
-    """An OxyGen adapter as read: `arrays` {key: float32 array} in the file's key order, the parsed config,
+    """An OxyGen adapter as read: `arrays` {key: float array} in the file's key order, the parsed config,
     its raw text, and the adapter file."""
 
     arrays: dict[str, np.ndarray]
