@@ -1,6 +1,7 @@
 """Held-out evaluation of a language adapter as it is served: greedy answers from the slot pool.
 
     python -m eval.memory_eval --base CKPT --adapter DIR --data DS [--split heldout] [--out DIR]
+    python -m eval.memory_eval --base CKPT --adapter DIR --data ANNOTATIONS --libero-hdf5 HDF5  # OxyGen's split + metric
 
 Reports (JSON + markdown):
 
@@ -162,6 +163,7 @@ def evaluate_adapter(
     wrong = [{"frame": i, "instruction": meta[i]["language_instruction"], "expected": refs[i], "got": on.texts[i]}
              for i in range(n) if normalize_answer(on.texts[i]) != normalize_answer(refs[i])]
     report["wrong_examples"] = wrong[:examples]
+    report["answers"] = list(on.texts)  # greedy answers in source order (for other metrics, e.g. OxyGen's)
     return report
 
 
@@ -231,6 +233,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", type=Path, required=True,
                    help="adapter directory (training.memory output or oxygen_adapter import) or OxyGen's released folder")
     p.add_argument("--data", type=Path, required=True, help="memory dataset version folder")
+    p.add_argument("--libero-hdf5", type=Path, default=None, metavar="DIR",
+                   help="LIBERO's raw <suite>/<task>_demo.hdf5 folder; --data is then OxyGen's annotations folder and the "
+                        "report adds their metric (training.oxygen_libero)")
+    p.add_argument("--libero-frames", choices=("eval", "heldout"), default="eval",
+                   help="with --libero-hdf5: their 10 greedy-evaluation frames per task, or every held-out frame")
     p.add_argument("--split", default="heldout")
     p.add_argument("--train-split", default="train", help="split for the majority baselines ('' to skip)")
     p.add_argument("--tokenizer", type=Path, default=None,
@@ -264,8 +271,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         params, _ = load_base(args.base, args.base_dtype)
         adapter, meta = load_any(args.adapter, params.config, base=args.base)
-        source = open_memory_dataset(args.data, args.split)
-        train_source = open_memory_dataset(args.data, args.train_split) if args.train_split else None
+        if args.libero_hdf5 is not None:  # OxyGen's split and evaluation frames (seed 7)
+            from training.oxygen_libero import open_oxygen_libero
+            oxygen = open_oxygen_libero(args.data, args.libero_hdf5)
+            source = getattr(oxygen, args.libero_frames)
+            train_source = oxygen.train if args.train_split else None
+        else:
+            source = open_memory_dataset(args.data, args.split)
+            train_source = open_memory_dataset(args.data, args.train_split) if args.train_split else None
     except (FileNotFoundError, ValueError) as e:
         print(f"python -m eval.memory_eval: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -278,6 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                               batch_size=args.batch_size, limit=args.limit, num_steps=args.num_steps)
     report["base"], report["adapter"], report["data"] = str(args.base), str(args.adapter), f"{args.data} [{args.split}]"
     md = to_markdown(report)
+    if args.libero_hdf5 is not None:
+        from training.oxygen_libero import oxygen_metrics
+        refs = [str(source.texts(i)[task.label_key]) for i in range(report["n"])]
+        report["oxygen"] = {"frames": args.libero_frames, **oxygen_metrics(report["answers"], refs)}
+        md += (f"\nOxyGen's metric ({report['n']} {args.libero_frames} frames of their split): normalized exact match "
+               f"**{_pct(report['oxygen']['normalized_exact'])}**, word F1 {_pct(report['oxygen']['word_f1'])}\n")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "memory_eval.json").write_text(json.dumps(report, indent=1) + "\n")
