@@ -41,9 +41,10 @@ def test_eval_parity_command_dispatches_a_lerobot_fixture(capsys):
 # ------------------------------------------------------------------------------------------------------------
 
 CASES = {
-    # v3.0, LeRobot's canonical names, three cameras (two videos of other sizes, one PNG), roll-over every 2 episodes
+    # v3.0, LeRobot's canonical names, three cameras (two videos of other sizes, one PNG); data files roll over
+    # every 2 episodes, videos every 3
     "v30_lerobot_names_rollover": dict(
-        version="v3.0", lengths=[5, 7, 4, 6, 3], fps=15, episodes_per_file=2, language=True,
+        version="v3.0", lengths=[5, 7, 4, 6, 3], fps=15, episodes_per_file=2, video_episodes_per_file=3, language=True,
         cameras={"observation.images.image": ("video", 48, 80), "observation.images.image2": ("image", 24, 40),
                  "observation.images.side": ("video", 64, 48)},
         state_key="observation.state", action_key="action", state_dim=6, action_dim=3),

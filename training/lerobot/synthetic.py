@@ -5,9 +5,9 @@ measurements (any camera count, sizes, fps, key names, several episodes per file
                           cameras={"observation.images.front": ("video", 48, 80), "wrist": ("image", 32, 32)},
                           episodes_per_file=2, language=True)
 
-Layout as LeRobot writes it (`../docs/lerobot.md`): v3.0 puts `episodes_per_file` consecutive episodes in one
-data parquet (one row group per episode) and one mp4 per camera (frames concatenated, so pts continue and each
-episode's `from_timestamp` is the duration before it); v2.1 writes one parquet and one mp4 per episode with
+Layout as LeRobot writes it (docs/lerobot.md): v3.0 puts `episodes_per_file` consecutive episodes in one data
+parquet (one row group per episode) and `video_episodes_per_file` (default: the same) in one mp4 per camera
+(frames concatenated, so pts continue and each episode's `from_timestamp` is the duration before it); v2.1 writes one parquet and one mp4 per episode with
 `meta/episodes.jsonl`, `tasks.jsonl` and `episodes_stats.jsonl`. Videos are AV1 (libsvtav1, yuv420p, a key
 frame every 2 frames: LeRobot's defaults), image cameras PNG bytes in the parquet.
 
@@ -104,7 +104,8 @@ def write_dataset(root: str | Path, *, version: str = "v3.0", lengths: Sequence[
                   cameras: Mapping[str, tuple[str, int, int]] = {"image": ("video", 32, 48),
                                                                    "wrist_image": ("image", 32, 32)},
                   state_key: str = "state", action_key: str = "actions", state_dim: int = 8, action_dim: int = 7,
-                  episodes_per_file: int = 1000, language: bool = False, seed: int = 0) -> dict:
+                  episodes_per_file: int = 1000, video_episodes_per_file: int | None = None, language: bool = False,
+                  seed: int = 0) -> dict:
     """Writes a dataset under `root` (see the module docstring) and returns its truth arrays."""
     if version not in ("v3.0", "v2.1"):
         raise ValueError(f"version must be 'v3.0' or 'v2.1', got {version!r}")
@@ -162,7 +163,8 @@ def write_dataset(root: str | Path, *, version: str = "v3.0", lengths: Sequence[
             "splits": {"train": f"0:{len(lengths)}"}}
     (root / "meta").mkdir(parents=True, exist_ok=True)
     if version == "v3.0":
-        _write_v3(root, info, tables, lengths, starts, frames, video_keys, fps, episodes_per_file, ep_task, task_index,
+        _write_v3(root, info, tables, lengths, starts, frames, video_keys, fps, episodes_per_file,
+                  video_episodes_per_file or episodes_per_file, ep_task, task_index,
                   state_key, action_key, state, actions)
     else:
         _write_v2(root, info, tables, lengths, frames, video_keys, fps, ep_task, task_index, state_key, action_key,
@@ -170,42 +172,39 @@ def write_dataset(root: str | Path, *, version: str = "v3.0", lengths: Sequence[
     return truth
 
 
-def _write_v3(root, info, tables, lengths, starts, frames, video_keys, fps, per_file, ep_task, task_index, state_key,
-              action_key, state, actions):
+def _groups(n: int, per_file: int) -> list[list[int]]:
+    return [list(range(s, min(s + per_file, n))) for s in range(0, n, per_file)]
+
+
+def _write_v3(root, info, tables, lengths, starts, frames, video_keys, fps, per_file, video_per_file, ep_task,
+              task_index, state_key, action_key, state, actions):
     info.update(data_path="data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
                 video_path="videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4" if video_keys else None,
                 data_files_size_in_mb=100, video_files_size_in_mb=200)
-    groups = [list(range(s, min(s + per_file, len(lengths)))) for s in range(0, len(lengths), per_file)]
-    episodes = {k: [] for k in ("episode_index", "tasks", "length", "data/chunk_index", "data/file_index",
-                                "dataset_from_index", "dataset_to_index")}
-    for k in video_keys:
-        for f in ("chunk_index", "file_index", "from_timestamp", "to_timestamp"):
-            episodes[f"videos/{k}/{f}"] = []
-    for file_index, group in enumerate(groups):
+    n = len(lengths)
+    episodes = {"episode_index": list(range(n)), "tasks": [[t] for t in ep_task], "length": list(lengths),
+                "data/chunk_index": [0] * n, "data/file_index": [0] * n,
+                "dataset_from_index": [int(s) for s in starts[:-1]], "dataset_to_index": [int(s) for s in starts[1:]]}
+    for file_index, group in enumerate(_groups(n, per_file)):
         path = root / info["data_path"].format(chunk_index=0, file_index=file_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         with pq.ParquetWriter(path, tables[group[0]].schema) as writer:
             for e in group:  # one row group per episode, as LeRobot writes
                 writer.write_table(tables[e])
-        before = 0
-        for e in group:
-            episodes["episode_index"].append(e)
-            episodes["tasks"].append([ep_task[e]])
-            episodes["length"].append(lengths[e])
-            episodes["data/chunk_index"].append(0)
-            episodes["data/file_index"].append(file_index)
-            episodes["dataset_from_index"].append(int(starts[e]))
-            episodes["dataset_to_index"].append(int(starts[e + 1]))
-            for k in video_keys:
-                episodes[f"videos/{k}/chunk_index"].append(0)
-                episodes[f"videos/{k}/file_index"].append(file_index)
-                episodes[f"videos/{k}/from_timestamp"].append(before / fps)
-                episodes[f"videos/{k}/to_timestamp"].append((before + lengths[e]) / fps)
-            before += lengths[e]
-        for k in video_keys:
+                episodes["data/file_index"][e] = file_index
+    for k in video_keys:  # videos roll over on their own schedule (LeRobot: 200 MB vs 100 MB for data)
+        cols = {f: [0.0] * n for f in ("chunk_index", "file_index", "from_timestamp", "to_timestamp")}
+        for file_index, group in enumerate(_groups(n, video_per_file)):
+            before = 0
+            for e in group:
+                cols["chunk_index"][e], cols["file_index"][e] = 0, file_index
+                cols["from_timestamp"][e], cols["to_timestamp"][e] = before / fps, (before + lengths[e]) / fps
+                before += lengths[e]
             rows = slice(starts[group[0]], starts[group[-1] + 1])
             _encode(root / info["video_path"].format(video_key=k, chunk_index=0, file_index=file_index),
                     frames[k][rows], fps)
+        for f, values in cols.items():
+            episodes[f"videos/{k}/{f}"] = [int(v) for v in values] if f.endswith("index") else values
     (root / "meta" / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(episodes), root / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
     pq.write_table(pa.table({"task_index": list(task_index.values()), "task": list(task_index)}),
