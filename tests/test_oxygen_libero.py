@@ -217,3 +217,15 @@ def test_normalize_lowercases_collapses_whitespace_and_drops_final_periods():
     m = oxygen_metrics(["The stove is on.", "the plate"], ["the stove is on", "The bowl is on the plate."])
     assert m["n"] == 2 and m["normalized_exact"] == 0.5
     assert m["word_f1"] == pytest.approx((1.0 + 2 * (2 / 2) * (2 / 6) / (1 + 2 / 6)) / 2)
+
+
+def test_split_command_writes_the_split_and_the_evaluation_frames(roots, data, tmp_path, capsys):
+    from training.oxygen_libero.__main__ import main
+
+    assert main([str(roots[0]), "--out", str(tmp_path / "split.json")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["validation_samples"] == len(data.split.heldout) and printed["evaluation_samples"] == len(data.eval)
+    written = json.loads((tmp_path / "split.json").read_text())
+    assert [(r["demo"], r["frame"]) for r in written["evaluation"]] == [(r.demo, r.frame) for r in data.eval.refs]
+    assert main([str(tmp_path / "nothing")]) == 2
+    assert "no such annotations directory" in capsys.readouterr().err

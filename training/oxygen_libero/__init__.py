@@ -16,6 +16,9 @@ Modules, in the order data flows:
     hdf5          frames from the raw HDF5 files (rotation, state), `OxygenLiberoSource`
     dataset       `open_oxygen_libero`: all of the above in one call
     metric        `normalize`, exact match, word F1
+    __main__      `python -m training.oxygen_libero ANNOTATIONS`: the split's manifest (and frame lists as JSON)
+    synthetic     small LIBERO-layout HDF5 + annotation files, for tests and trying the commands
+    recipe.sh     the whole recipe on an openpi π0.5 base: train, then evaluate (docs/memory_lora.md)
 """
 
 # The data
