@@ -156,7 +156,13 @@ def _environment_md(env: Mapping) -> str:
         return "_environment.json missing_"
     keys = ("preset", "parameters", "dtype", "backend", "device_kind", "device_count", "cpu_model", "cpu_count",
             "loadavg_start", "loadavg_end", "jax", "jaxlib", "commit", "fixed_length_decode", "timestamp", "command")
-    rows = [(k, f"`{env[k]}`" if k == "command" else env[k]) for k in keys if k in env]
+    def value(k):
+        v = env[k]
+        if k == "command":
+            return f"`{v}`"
+        return " / ".join(_num(x, 2) for x in v) if k.startswith("loadavg") and isinstance(v, list) else v
+
+    rows = [(k, value(k)) for k in keys if k in env]
     return _table(("item", "value"), rows)
 
 
@@ -301,7 +307,9 @@ def _load(env: Mapping) -> str:
 def _measured_md(env: Mapping, summary: Sequence[Mapping]) -> str:
     """What the figures are of: model size, device, machine load, frames, how spreads and rounding read."""
     preset = env.get("preset", summary[0].get("preset"))
-    params = f"{env['parameters'] / 1e6:,.1f} M parameters" if env.get("parameters") else "parameter count not recorded"
+    n = env.get("parameters")
+    params = ("parameter count not recorded" if not n else f"{n / 1e9:.2f} B parameters" if n >= 1e9
+              else f"{n / 1e6:.1f} M parameters" if n >= 1e6 else f"{n:,} parameters")
     model = f"`{preset}`" + (f" from `{env['ckpt']}`" if env.get("ckpt") else " preset, random weights")
     cpu = env.get("cpu_model") or "CPU model not recorded"
     device = (f"{env.get('backend', '?')} backend, {env.get('device_count', '?')} × {env.get('device_kind', '?')}; "
