@@ -239,6 +239,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--libero-frames", choices=("eval", "heldout"), default="eval",
                    help="with --libero-hdf5: their 10 greedy-evaluation frames per task, or every held-out frame")
     p.add_argument("--split", default="heldout")
+    p.add_argument("--heldout-episodes", default=None, metavar="LIST",
+                   help="LeRobot --data: the held-out episodes, e.g. 3,7,10-12 (--split heldout; train: the others)")
+    p.add_argument("--empty-label", default=None, metavar="TEXT",
+                   help="LeRobot --data: label of frames with none active yet (default: such frames are left out)")
     p.add_argument("--train-split", default="train", help="split for the majority baselines ('' to skip)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="SentencePiece model (default: tokenizer.model beside the base or the adapter, else the demo tokenizer)")
@@ -266,12 +270,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from oxygen_jax.models.pi05.config import robot_config
     from oxygen_jax.models.pi05.params import for_backend
     from training.memory.config import DEMO_PROMPT_LEN
+    from training.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
     from training.memory_data import open_memory_dataset
 
     try:
         params, _ = load_base(args.base, args.base_dtype)
         adapter, meta = load_any(args.adapter, params.config, base=args.base)
-        if args.libero_hdf5 is not None:  # OxyGen's split and evaluation frames (seed 7)
+        if is_lerobot_dataset(args.data):  # splits by episode, the adapter's target (training.lerobot.splits)
+            heldout = parse_episodes(args.heldout_episodes) if args.heldout_episodes is not None else None
+            kw = dict(target=meta.get("extra", {}).get("label_key", "memory"), heldout=heldout,
+                      empty_label=args.empty_label)
+            source = open_lerobot_split(args.data, args.split, **kw)
+            train_source = open_lerobot_split(args.data, args.train_split, **kw) if args.train_split else None
+        elif args.libero_hdf5 is not None:  # OxyGen's split and evaluation frames (seed 7)
             from training.oxygen_libero import open_oxygen_libero
             oxygen = open_oxygen_libero(args.data, args.libero_hdf5)
             source = getattr(oxygen, args.libero_frames)
