@@ -134,5 +134,6 @@ def prepare(auto: AutoLanguage | None, engine, *, max_prompt_chars: int) -> Auto
         (req,) = requests.tokenize_requests([req], tokenizer, prompt_capacity=e.prompt_capacity)
     except requests.BadRequest as err:
         what = str(err).replace("language_requests[0].", "the automatic request's ")
-        raise ValueError(f"--auto-language: {what}; shorten the prompt or raise --prompt-capacity") from None
+        cap = "--max-prompt-chars" if "characters" in what else "--prompt-capacity"
+        raise ValueError(f"--auto-language: {what}; shorten the prompt or raise {cap}") from None
     return AutoRequests(auto, dataclasses.replace(req, tag=auto.tag, auto=True))
