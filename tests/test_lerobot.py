@@ -247,3 +247,23 @@ def test_bad_files_are_one_line_errors_naming_file_and_field(tmp_path):
     with pytest.raises(ValueError, match=r"file-000.mp4: no frame within 0.0001 s") as e:
         LeRobotDataset(shifted).item(0)
     assert "\n" not in str(e.value)
+    # a data file without a column every LeRobot data file has
+    dropped = tmp_path / "dropped"
+    shutil.copytree(root, dropped)
+    data = dropped / "data/chunk-000/file-000.parquet"
+    pq.write_table(pq.read_table(data).drop_columns(["task_index"]), data)
+    with pytest.raises(ValueError, match=r"file-000.parquet: column 'task_index' is missing") as e:
+        LeRobotDataset(dropped).texts(0)
+    assert "\n" not in str(e.value)
+
+
+def test_a_used_source_pickles_without_its_open_files_and_reads_the_same(written):
+    import pickle
+
+    spec, root, _ = written
+    src = LeRobotSource(root)
+    first = src[len(src) - 1]
+    copy = pickle.loads(pickle.dumps(src))
+    assert not copy.dataset.video._cache and not copy.dataset.rows._files
+    again = copy[len(src) - 1]
+    assert all(np.array_equal(np.asarray(first[k]), np.asarray(again[k])) for k in first)

@@ -68,6 +68,9 @@ class RowReader:
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cached_bytes = 0
 
+    def __getstate__(self) -> dict:  # workers (grain, multiprocessing) get a copy without open files or cache
+        return {**self.__dict__, "_files": {}, "_cache": collections.OrderedDict(), "_cached_bytes": 0}
+
     def _file(self, file: str) -> tuple[pq.ParquetFile, np.ndarray]:
         if file not in self._files:
             path = self.root / file

@@ -24,6 +24,7 @@ import numpy as np
 from training.lerobot import language
 from training.lerobot.dataset import LANGUAGE_TEXT_KEYS, LeRobotDataset
 from training.lerobot.keys import KeyMap
+from training.lerobot.meta import read_meta
 
 _META_KEYS = ("episode_index", "frame_index", "index", "task_index", "timestamp")
 
@@ -46,18 +47,18 @@ class LeRobotSource(Sequence):
 
     def __init__(self, root: str | Path, *, episodes: Sequence[int] | None = None, key_map: KeyMap = KeyMap(),
                  action_horizon: int | None = None, video_cache_mb: float = 512, row_cache_mb: float = 256):
-        probe = LeRobotDataset(root, episodes=episodes, video_cache_mb=0, row_cache_mb=0)
-        self.keys = key_map.resolve(probe.meta.features)
+        meta = read_meta(root)
+        self.keys = key_map.resolve(meta.features)
         if "image" not in self.keys:
-            raise ValueError(f"{probe.root / 'meta/info.json'}: no feature matches the key map's image candidates "
-                             f"{key_map.image} (cameras: {list(probe.meta.camera_keys)}); pass "
+            raise ValueError(f"{meta.root / 'meta/info.json'}: no feature matches the key map's image candidates "
+                             f"{key_map.image} (cameras: {list(meta.camera_keys)}); pass "
                              "KeyMap(image=('<camera feature>',)) or --key-map image=<camera feature>")
         delta = None
         if action_horizon is not None:
             if action_horizon < 1 or "actions" not in self.keys:
                 raise ValueError(f"action_horizon={action_horizon} needs H >= 1 and an action feature (the key map "
-                                 f"found {self.keys.get('actions')!r} among {sorted(probe.meta.features)})")
-            delta = {self.keys["actions"]: [k / probe.meta.fps for k in range(action_horizon)]}
+                                 f"found {self.keys.get('actions')!r} among {sorted(meta.features)})")
+            delta = {self.keys["actions"]: [k / meta.fps for k in range(action_horizon)]}
         self.dataset = LeRobotDataset(root, episodes=episodes, delta_timestamps=delta, video_cache_mb=video_cache_mb,
                                       row_cache_mb=row_cache_mb)
         self.meta = self.dataset.meta

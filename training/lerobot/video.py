@@ -60,6 +60,10 @@ class VideoFrames:
         self.decoded_frames = 0  # frames decoded so far (for measurements)
         self.seeks = 0
 
+    def __getstate__(self) -> dict:  # workers (grain, multiprocessing) get a copy without open files or cache
+        return {**self.__dict__, "_cursors": collections.OrderedDict(), "_cache": collections.OrderedDict(),
+                "_cached_bytes": 0}
+
     def _open(self, path: str, t: float) -> _Cursor:
         old = self._cursors.pop(path, None)
         if old is not None:
