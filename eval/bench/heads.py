@@ -31,15 +31,14 @@ record S = 0 for "each head's own".
 Components (`components.json`, measured alone, warm medians): the prefix pass of the whole model
 (`prefill_ms`), each head's prepare + denoise on that prefix (`heads_ms`), one decode step t(B).
 
-`environment.json` also records the heads, the image size and the machine load (`os.getloadavg`) at the start
-and end of the run, since other processes share the CPU.
+`environment.json` also records the heads and the image size (the harness records the machine load for every
+family).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
 import time
 from collections.abc import Sequence
 
@@ -97,8 +96,8 @@ def load_model(args: argparse.Namespace, dtype: str) -> tuple[mot.ModelSpec, mot
 
 
 def environment(args: argparse.Namespace) -> dict:
-    """The heads, the image size and the machine load at the start (the harness adds it at the end)."""
-    return {"heads": list(args.heads), "image_size": args.image_size, "loadavg_start": list(os.getloadavg())}
+    """The heads and the image size."""
+    return {"heads": list(args.heads), "image_size": args.image_size}
 
 
 # --- inputs ---------------------------------------------------------------------------------------
