@@ -397,6 +397,8 @@ class PolicyServer:
                 received = time.perf_counter()
                 stream.observe_arrival(received)
                 reply = await self._answer(stream, message)
+                if isinstance(reply, str):  # logged before it is sent: the client never sees one the log has not
+                    self._refusals.note(stream.id, peer, reply)
                 self._replying += 1
                 try:
                     sent = await self._send(ws, stream, reply)
@@ -404,8 +406,6 @@ class PolicyServer:
                     self._replying -= 1
                 if not sent:
                     return
-                if isinstance(reply, str):
-                    self._refusals.note(stream.id, peer, reply)
                 if isinstance(reply, bytes):  # a robot that got actions is expected back within its period
                     stream.last_reply = time.perf_counter()
                     self.metrics.total_s.observe(stream.last_reply - received)
