@@ -18,9 +18,10 @@ from helpers import REPO
 
 # Runs in the child: argv[1] is the comma-separated allow-list, argv[2] the code to run under it.
 _BLOCKER = r"""
-import importlib.machinery, json, sys, sysconfig
+import importlib.machinery, json, site, sys, sysconfig
 ALLOWED = set(sys.argv[1].split(","))
-SITE = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+SITE = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages(),
+              site.getusersitepackages()})
 REFUSED = []
 
 class _RobotMachine:
