@@ -294,3 +294,14 @@ def test_the_full_size_train_step_traces_with_a_bf16_base_and_a_float32_adapter_
     leaves = jax.tree.leaves(new_state.trainable)
     assert {x.dtype for x in leaves} == {np.dtype(np.float32)} and metrics["loss"].shape == ()
     assert sum(x.size for x in leaves) == sum(np.prod(s) for s in expected_shapes(cfg, 16).values()) == 18 * 16 * 96_768
+
+
+def test_an_export_never_writes_a_stale_config_the_rank_and_alpha_are_the_adapters(case, tmp_path):
+    params, base, rank, alpha = case
+    dest = import_oxygen(_write_oxygen(tmp_path / "ox", _oxygen_arrays(params, rank), rank, alpha), tmp_path / "ours",
+                         base=base)
+    meta = json.loads((dest / "adapter.json").read_text())
+    (dest / "adapter.json").write_text(json.dumps({**meta, "alpha": 2 * alpha}))  # re-scaled after the import
+    file = export_oxygen(dest, tmp_path / "back", base=base)
+    config = json.loads((file.parent / CONFIG_FILE).read_text())
+    assert (config["rank"], config["alpha"], config["suffix_seed"]) == (rank, 2 * alpha, "Memory: ")

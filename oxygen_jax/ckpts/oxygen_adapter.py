@@ -278,8 +278,11 @@ def export_oxygen(src: str | os.PathLike, dest: str | os.PathLike, *, base: str 
     else:
         write_safetensors(file, flat)
     text = ox.get("config_text")
-    if not (isinstance(text, str) and name == ox.get("file")):  # verbatim only beside the very file it describes
-        config_json = json.loads(text) if isinstance(text, str) else {
+    recorded = json.loads(text) if isinstance(text, str) else None
+    verbatim = (recorded is not None and name == ox.get("file")  # only beside the very file it describes, and
+                and (recorded.get("rank"), recorded.get("alpha")) == (adapter.attn_rank, adapter.alpha))  # still true
+    if not verbatim:
+        config_json = {**recorded, "rank": adapter.attn_rank, "alpha": adapter.alpha} if recorded is not None else {
             "adapter_type": ADAPTER_TYPE, "alpha": adapter.alpha, "rank": adapter.attn_rank,
             "base_checkpoint": meta.get("base"), "language_target": extra.get("label_key"),
             "suffix_seed": meta.get("prompt"),
