@@ -116,16 +116,18 @@ def _nucleus(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax
 
 def _judge(logits: jax.Array, draft: jax.Array, length: jax.Array, sampling: Sampling, generated: jax.Array):
     """Accept / reject per block entry: (accept bool [Ns, γ], token int32 [Ns, T]: what entry i emits when the
-    draft is rejected there or ends before it). logits float32 [Ns, T, V]."""
-    ns, t, v = logits.shape
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    draft is rejected there or ends before it). logits: vocabulary-major float32 [V, Ns T] (greedy rows read
+    them in place; only sampled rows pay for the transpose)."""
+    ns, t = draft.shape[0], draft.shape[1] + 1
+    v = logits.shape[0]
+    greedy = jnp.argmax(logits, axis=0).astype(jnp.int32).reshape(ns, t)
     stochastic = sampling.temperature > 0
     drafted = jnp.concatenate([draft, jnp.zeros((ns, 1), jnp.int32)], axis=1)  # [Ns, T]: entry γ has no draft
     has_draft = jnp.arange(t)[None, :] < length[:, None]
 
     def draw(_):
         flat = lambda a: jnp.repeat(a, t, axis=0)  # noqa: E731 - per slot -> per entry
-        p = _nucleus(logits.reshape(ns * t, v), flat(sampling.temperature), flat(sampling.top_p)).reshape(ns, t, v)
+        p = _nucleus(logits.T, flat(sampling.temperature), flat(sampling.top_p)).reshape(ns, t, v)
         index = generated[:, None] + jnp.arange(t)[None, :]
         keys = jax.vmap(lambda k, i: jax.vmap(lambda j: jax.random.fold_in(jax.random.wrap_key_data(k), j))(i))(
             sampling.key, index)
@@ -162,7 +164,7 @@ def _verify_step(lm: LanguageDecoder, pool: DecodePool, bank=None) -> tuple[Deco
     positions = (pool.base_position + pool.length)[:, None] + entry
 
     def judge(h):
-        logits = lm.logits_vocab_major(lm.final_norm(h).reshape(ns * t, -1)).T.reshape(ns, t, -1)
+        logits = lm.logits_vocab_major(lm.final_norm(h).reshape(ns * t, -1))
         accept, token = _judge(logits, draft, length, pool.sampling, g)
         accepted = _first_true(~(accept & (entry[:, :-1] < length[:, None])))  # leading accepted drafts
         own = jnp.take_along_axis(token, accepted[:, None], axis=1)  # the model's token after them
