@@ -74,7 +74,8 @@ def main(argv=None) -> int:
                 rows.append((order, what, _child(root, order, cache_mb)))
     n = args.episodes * args.length
     load = os.getloadavg()
-    lines = [f"LeRobot v3.0 dataset: {args.episodes} episodes x {args.length} frames = {n} frames, 2 AV1 cameras "
+    lines = [f"Command: python -m eval.lerobot_read_bench {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
+             f"LeRobot v3.0 dataset: {args.episodes} episodes x {args.length} frames = {n} frames, 2 AV1 cameras "
              f"{args.size}x{args.size} (written in {written:.1f} s), 4 episodes per file.",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
              f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) at the end.",
