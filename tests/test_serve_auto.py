@@ -42,20 +42,38 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _server(params, auto: AutoLanguage) -> ServerThread:
+    """A tiny π0.5 server of batch size 1 (every server of this module runs the same compiled programs)."""
+    tok = train_demo_tokenizer()
+    engine = Engine(as_vla(params, 2), EngineConfig(num_slots=8, max_new_tokens=6, prompt_capacity=8,
+                                                    tokens_per_frame=2, action_horizon=ROBOT.action_horizon),
+                    tokenizer=tok)
+    handle = ServerThread(PolicyServer(engine, tok, ROBOT, ServeConfig(
+        host="127.0.0.1", port=0, buckets=(1,), deadline_ms=1000, auto_language=auto))).start()
+    handle.wait_ready(timeout=600)
+    return handle
+
+
+def _frames(port: int, n: int) -> list[dict]:
+    """The "language" of n replies to one robot sending the same observation (openpi's wire format)."""
+    sample = transforms.synthetic_sample(ROBOT, np.random.default_rng(3), prompt="put the bowl on the plate")
+    with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
+        ws.recv()
+        out = []
+        for _ in range(n):
+            ws.send(wire.pack(sample))
+            out.append(wire.unpack(ws.recv(timeout=60))["language"])
+    return out
+
+
 @pytest.fixture(scope="module")
 def served(tiny_params):
     """(server thread, log lines of oxygen_jax.serve): tiny π0.5, automatic 'Memory: ' requests, new_each_call."""
-    tok = train_demo_tokenizer()
-    engine = Engine(as_vla(tiny_params, 2), EngineConfig(num_slots=8, max_new_tokens=6, prompt_capacity=8,
-                                                         tokens_per_frame=2, action_horizon=ROBOT.action_horizon),
-                    tokenizer=tok)
     records, logger = _Records(), logging.getLogger("oxygen_jax.serve")
     logger.addHandler(records)
     level = logger.level
     logger.setLevel(logging.INFO)
-    handle = ServerThread(PolicyServer(engine, tok, ROBOT, ServeConfig(
-        host="127.0.0.1", port=0, buckets=(1,), deadline_ms=1000, auto_language=AUTO))).start()
-    handle.wait_ready(timeout=600)
+    handle = _server(tiny_params, AUTO)
     yield handle, records.lines
     handle.stop()
     logger.removeHandler(records)
@@ -106,6 +124,24 @@ def test_a_refused_frame_leaves_one_log_line(served):
         ws.send(wire.pack({"observation/state": np.zeros(8)}))
         assert ws.recv(timeout=30).startswith("BadRequest")
     assert any(" frame refused: BadRequest" in line for line in log_lines)
+
+
+@pytest.mark.parametrize("mode", ["keep", "replace"])
+def test_keep_waits_for_the_running_request_and_replace_cancels_it_each_with_one_final_result(served, tiny_params,
+                                                                                              mode):
+    handle = _server(tiny_params, AutoLanguage(prompt="Memory: ", max_tokens=5, mode=mode))
+    try:
+        replies = _frames(handle.port, 4)
+    finally:
+        handle.stop()
+    opened = [[a["id"] for a in lang["accepted"]] for lang in replies]
+    finals = [d for lang in replies for d in lang["finished"] + lang["failed"]]
+    if mode == "keep":  # a request lives two frames: a new one opens only after it finished
+        assert opened == [[0], [], [1], []] and [d["id"] for d in finals] == [0, 1]
+        assert all("error" not in d for d in finals)
+    else:  # every observation opens one and cancels the one before it
+        assert opened == [[0], [1], [2], [3]]
+        assert [(d["id"], d.get("error")) for d in finals] == [(0, REPLACED), (1, REPLACED), (2, REPLACED)]
 
 
 # -------------------------------------------------------------------------------------------------
