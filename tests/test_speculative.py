@@ -26,6 +26,7 @@ from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.models.vla import MultiHead
 from oxygen_jax.runtime import decode, frame, speculative
+from oxygen_jax.runtime.draft_book import DraftBook
 from oxygen_jax.runtime.engine import Engine, EngineConfig
 
 Q, M, NS, G = 3, 10, 4, 3  # request-prompt capacity, new tokens, slots, γ (one pool shape per kind)
@@ -84,6 +85,41 @@ def _refs(answers: np.ndarray) -> np.ndarray:
     ref = np.full((answers.shape[0], R), -1, np.int32)
     ref[:, :M] = answers
     return ref
+
+
+def test_draft_book_writes_the_previous_answer_then_recent_answers_then_the_prompt():
+    book = DraftBook(16)
+    assert book.reference(0, [7], 0).tolist() == [-1, 7, -1] + [-1] * 13  # nothing answered yet
+    book.record(0, [7], 0, [1, 2, 3])
+    book.record(0, [8], 0, [4, 5])
+    book.record(1, [7], 0, [9])  # another robot
+    book.record(0, [7], 1, [6])  # another adapter
+    assert book.reference(0, [7], 0).tolist() == [1, 2, 3, -1, 6, -1, 4, 5, -1, 7, -1] + [-1] * 5
+    assert book.reference(1, [7], 0).tolist()[:4] == [9, -1, 7, -1]
+    assert DraftBook(4).reference(0, [7], 0).tolist() == [-1, 7, -1, -1]  # cut to the width
+
+
+def test_drafts_continue_the_previous_answer_else_an_ngram_within_the_budget(dense):
+    lm, prefix, _ = dense
+    pool = decode.init_pool(lm, 5, decode.prefix_length(prefix), M, Q, speculate=G)
+    ref = np.full((5, R), -1, np.int32)
+    tokens = np.full((5, M), -1, np.int32)
+    cases = [  # (reference, tokens so far, budget, active) -> draft
+        ([5, 6, 7, 8, 9], [5, 6], M, True),  # agrees with the previous answer: its next tokens
+        ([5, 6, 7, -1, 1, 2, 3, 4], [1, 2], M, True),  # disagrees: where "1 2" occurs in the reference
+        ([5, 6, 7, 8, 9], [5, 6], 4, True),  # budget 4, 2 generated: at most 1 draft token
+        ([], [9, 4, 1, 9, 4], M, True),  # no reference: where "9 4" occurred in its own tokens
+        ([5, 6, 7, 8, 9], [5, 6], M, False),  # inactive: no draft
+    ]
+    for i, (r, t, _, _) in enumerate(cases):
+        ref[i, :len(r)], tokens[i, :len(t)] = r, t
+    pool = dataclasses.replace(
+        pool, draft_ref=jnp.asarray(ref), tokens=jnp.asarray(tokens), active=jnp.asarray([c[3] for c in cases]),
+        num_generated=jnp.asarray([len(c[1]) for c in cases], jnp.int32),
+        sampling=dataclasses.replace(pool.sampling, budget=jnp.asarray([c[2] for c in cases], jnp.int32)))
+    draft, length = jax.device_get(speculative.propose(pool))
+    got = [draft[i, :n].tolist() for i, n in enumerate(length)]
+    assert got == [[7, 8, 9], [3, 4], [7], [1, 9, 4], []]
 
 
 def test_greedy_speculation_emits_the_plain_greedy_tokens_whatever_the_drafts(kind):
