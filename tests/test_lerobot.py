@@ -267,3 +267,36 @@ def test_a_used_source_pickles_without_its_open_files_and_reads_the_same(written
     assert not copy.dataset.video._cache and not copy.dataset.rows._files
     again = copy[len(src) - 1]
     assert all(np.array_equal(np.asarray(first[k]), np.asarray(again[k])) for k in first)
+
+
+def _reference(root, items, cams):
+    ref = {k: np.asarray([it[k] for it in items]) for k in ("index", "episode_index", "frame_index", "task_index",
+                                                            "timestamp", "task", "memory", "subtask")}
+    ref["state"] = np.stack([it["observation.state"] for it in items])
+    for n, key in enumerate(cams):
+        ref[f"cam{n}"] = np.stack([it[key] for it in items])
+    return ref
+
+
+def test_parity_tool_catches_one_wrong_pixel_or_string_and_accepts_either_lerobot_backend(tmp_path):
+    fx = tmp_path / "fixture"
+    cams = {"observation.images.front": ("video", 32, 48), "wrist": ("image", 16, 16)}
+    write_dataset(fx / "dataset", lengths=[4, 3], cameras=cams, state_key="observation.state", action_key="action",
+                  language=True)
+    (fx / "reference.json").write_text(json.dumps({"camera_npz_prefix": {k: f"cam{n}" for n, k in enumerate(cams)},
+                                                   "state_key": "observation.state", "action_key": "action"}))
+    ds = LeRobotDataset(fx / "dataset")
+    good = _reference(fx, [ds.item(i) for i in range(len(ds))], cams)
+
+    def run(**changes):
+        np.savez(fx / "reference.npz", **{**good, **changes})
+        return {r.quantity.split(" ")[0]: r.ok for r in lerobot_parity.run_fixture(fx)}
+
+    assert all(run().values()) and lerobot_parity.is_lerobot_fixture(fx)
+    cam0 = good["cam0"].copy()
+    cam0[5, 3, 4, 1] ^= 1
+    assert run(cam0=cam0)["cam0"] is False
+    assert run(cam0=cam0, cam0_pyav=good["cam0"])["cam0"] is True  # the frames of LeRobot's other backend
+    memory = good["memory"].copy()
+    memory[-1] = memory[-1] + "x"
+    assert run(memory=memory)["memory"] is False
