@@ -22,8 +22,10 @@ Compiles are timed apart (first frames of each engine); warm-up frames cover the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -72,7 +74,7 @@ def _components(params, obs, slots: int, m: int, gamma: int, repeats: int = 5) -
             req = decode.make_requests(slots, 0, list(range(slots)), budgets=[m] * slots, stop_ids=[-1] * slots)
             if speculate:
                 ref = np.full((slots, pool.draft_ref.shape[1]), 7, np.int32)  # drafts "7 7 7 ...": all slots draft γ
-                req = decode.Requests(**{**{f: getattr(req, f) for f in req.__dataclass_fields__}, "draft_ref": ref})
+                req = dataclasses.replace(req, draft_ref=ref)
             pool, _, _ = decode.admit(lm, pool, cache, req)
             jax.block_until_ready(pool)
             start = time.perf_counter()
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     vla = as_vla(loaded.params, args.num_steps)
     cfg = EngineConfig(num_slots=slots, max_new_tokens=args.decode_len, prompt_capacity=1,
                        admissions_per_frame=args.robots, tokens_per_frame=args.k, action_horizon=robot.action_horizon)
-    engines = {"plain": Engine(vla, cfg), "speculative": Engine(vla, EngineConfig(**{**cfg.__dict__, "speculate": args.gamma}))}
+    engines = {"plain": Engine(vla, cfg), "speculative": Engine(vla, dataclasses.replace(cfg, speculate=args.gamma))}
     compile_s = {name: eng.warmup(obs) for name, eng in engines.items()}
     comp = _components(loaded.params, obs, slots, args.decode_len, args.gamma)
     results = []
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     record = {"preset": args.preset, "dtype": args.dtype, "N": args.decode_len, "k": args.k, "gamma": args.gamma,
               "S": args.num_steps, "robots": args.robots, "slots": slots, "frames": args.frames,
               "backend": jax.default_backend(), "compile_s": compile_s, "components": comp,
-              "loadavg": list(__import__("os").getloadavg()), "results": results}
+              "loadavg": list(os.getloadavg()), "results": results}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "repeat.json").write_text(json.dumps(record, indent=1) + "\n")
