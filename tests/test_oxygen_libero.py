@@ -229,3 +229,13 @@ def test_split_command_writes_the_split_and_the_evaluation_frames(roots, data, t
     assert [(r["demo"], r["frame"]) for r in written["evaluation"]] == [(r.demo, r.frame) for r in data.eval.refs]
     assert main([str(tmp_path / "nothing")]) == 2
     assert "no such annotations directory" in capsys.readouterr().err
+
+
+def test_training_command_reads_annotations_with_libero_hdf5_and_names_a_missing_file(roots, tmp_path, capsys):
+    from training.memory.__main__ import main
+
+    argv = ["--data", str(roots[0]), "--libero-hdf5", str(tmp_path / "no_hdf5"), "--out", str(tmp_path / "o"),
+            "--mode", "base", "--preset", "tiny", "--label-key", "memory"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "_demo.hdf5: missing LIBERO demonstration file" in err, err
