@@ -80,7 +80,9 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "(default" in text or "default:" in text or action.default in (None, False, [], argparse.SUPPRESS):
+        d = action.default
+        unset = d is None or d is False or d == argparse.SUPPRESS or (isinstance(d, list) and not d)
+        if "(default" in text or "default:" in text or unset:  # (0 and 0.0 are defaults to show)
             return text
         return super()._get_help_string(action)
 

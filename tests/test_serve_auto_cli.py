@@ -48,10 +48,13 @@ def test_help_prints_each_default_once_and_the_default_argparse_applies():
     for action in parser._actions:
         shown = formatter._expand_help(action) if action.help else ""
         assert len(re.findall(r"\(default\b|\bdefault:", shown)) <= 1, action.option_strings
-        if action.default not in (None, False, [], argparse.SUPPRESS) and not re.search(r"\(default|default:",
-                                                                                         action.help or ""):
+        d = action.default
+        unset = d is None or d is False or d == argparse.SUPPRESS or d == []  # `0 in (None, False)` is True
+        if not unset and not re.search(r"\(default|default:", action.help or ""):
             assert f"(default: {action.default})" in shown, action.option_strings  # the value argparse applies
-    assert "(default: 1,2,4,8)" in " ".join(text.split()) and parser.parse_args([]).batch_sizes == (1, 2, 4, 8)
+    flat = " ".join(text.split())
+    assert "(default: 1,2,4,8)" in flat and parser.parse_args([]).batch_sizes == (1, 2, 4, 8)
+    assert "noise seed (default: 0)" in flat and "0 is greedy (default: 0.0)" in flat
 
 
 def test_library_info_lines_are_quiet_at_the_default_level_and_shown_at_debug():
