@@ -9,7 +9,8 @@ Layout as LeRobot writes it (docs/lerobot.md): v3.0 puts `episodes_per_file` con
 parquet (one row group per episode) and `video_episodes_per_file` (default: the same) in one mp4 per camera
 (frames concatenated, so pts continue and each episode's `from_timestamp` is the duration before it); v2.1 writes one parquet and one mp4 per episode with
 `meta/episodes.jsonl`, `tasks.jsonl` and `episodes_stats.jsonl`. Videos are AV1 (libsvtav1, yuv420p, a key
-frame every 2 frames: LeRobot's defaults), image cameras PNG bytes in the parquet.
+frame every 2 frames: LeRobot's defaults; `vcodec="libx264"`: H.264 with B-frames and a key frame every 6
+frames, as older recorders wrote), image cameras PNG bytes in the parquet.
 
 Pixels identify their frame: every channel of global frame g is a ramp plus 37 * g (mod 256) in the blue channel,
 and a bright square moves 3 px per frame, so a neighbouring frame differs by far more than codec noise.
@@ -52,13 +53,13 @@ def _png(img: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _encode(path: Path, frames: Sequence[np.ndarray], fps: int) -> None:
+def _encode(path: Path, frames: Sequence[np.ndarray], fps: int, vcodec: str = "libsvtav1") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     h, w = frames[0].shape[:2]
     with av.open(str(path), "w") as out:
-        stream = out.add_stream("libsvtav1", rate=fps)
+        stream = out.add_stream(vcodec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"g": "2", "crf": "30", "preset": "12"}
+        stream.options = {"g": "2", "crf": "30", "preset": "12"} if vcodec == "libsvtav1" else {"crf": "20", "g": "6"}
         for k, img in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(img, format="rgb24")
             frame.pts = k
@@ -105,7 +106,7 @@ def write_dataset(root: str | Path, *, version: str = "v3.0", lengths: Sequence[
                                                                    "wrist_image": ("image", 32, 32)},
                   state_key: str = "state", action_key: str = "actions", state_dim: int = 8, action_dim: int = 7,
                   episodes_per_file: int = 1000, video_episodes_per_file: int | None = None, language: bool = False,
-                  seed: int = 0) -> dict:
+                  vcodec: str = "libsvtav1", seed: int = 0) -> dict:
     """Writes a dataset under `root` (see the module docstring) and returns its truth arrays."""
     if version not in ("v3.0", "v2.1"):
         raise ValueError(f"version must be 'v3.0' or 'v2.1', got {version!r}")
@@ -165,10 +166,10 @@ def write_dataset(root: str | Path, *, version: str = "v3.0", lengths: Sequence[
     if version == "v3.0":
         _write_v3(root, info, tables, lengths, starts, frames, video_keys, fps, episodes_per_file,
                   video_episodes_per_file or episodes_per_file, ep_task, task_index,
-                  state_key, action_key, state, actions)
+                  state_key, action_key, state, actions, vcodec)
     else:
         _write_v2(root, info, tables, lengths, frames, video_keys, fps, ep_task, task_index, state_key, action_key,
-                  state, actions, starts)
+                  state, actions, starts, vcodec)
     return truth
 
 
@@ -177,7 +178,7 @@ def _groups(n: int, per_file: int) -> list[list[int]]:
 
 
 def _write_v3(root, info, tables, lengths, starts, frames, video_keys, fps, per_file, video_per_file, ep_task,
-              task_index, state_key, action_key, state, actions):
+              task_index, state_key, action_key, state, actions, vcodec):
     info.update(data_path="data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
                 video_path="videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4" if video_keys else None,
                 data_files_size_in_mb=100, video_files_size_in_mb=200)
@@ -202,7 +203,7 @@ def _write_v3(root, info, tables, lengths, starts, frames, video_keys, fps, per_
                 before += lengths[e]
             rows = slice(starts[group[0]], starts[group[-1] + 1])
             _encode(root / info["video_path"].format(video_key=k, chunk_index=0, file_index=file_index),
-                    frames[k][rows], fps)
+                    frames[k][rows], fps, vcodec)
         for f, values in cols.items():
             episodes[f"videos/{k}/{f}"] = [int(v) for v in values] if f.endswith("index") else values
     (root / "meta" / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
@@ -214,7 +215,7 @@ def _write_v3(root, info, tables, lengths, starts, frames, video_keys, fps, per_
 
 
 def _write_v2(root, info, tables, lengths, frames, video_keys, fps, ep_task, task_index, state_key, action_key, state,
-              actions, starts):
+              actions, starts, vcodec):
     info.update(data_path="data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
                 video_path="videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
                 if video_keys else None, total_chunks=1, total_videos=len(video_keys) * len(lengths))
@@ -225,7 +226,8 @@ def _write_v2(root, info, tables, lengths, frames, video_keys, fps, ep_task, tas
         pq.write_table(table, path)
         rows = slice(starts[e], starts[e + 1])
         for k in video_keys:
-            _encode(root / info["video_path"].format(episode_chunk=0, video_key=k, episode_index=e), frames[k][rows], fps)
+            _encode(root / info["video_path"].format(episode_chunk=0, video_key=k, episode_index=e), frames[k][rows],
+                    fps, vcodec)
         lines.append(json.dumps({"episode_index": e, "tasks": [ep_task[e]], "length": lengths[e]}))
         stat_lines.append(json.dumps({"episode_index": e, "stats": {state_key: _stats(state[rows]),
                                                                      action_key: _stats(actions[rows])}}))
