@@ -301,3 +301,18 @@ def test_parity_tool_catches_one_wrong_pixel_or_string_and_accepts_either_lerobo
     memory = good["memory"].copy()
     memory[-1] = memory[-1] + "x"
     assert run(memory=memory)["memory"] is False
+
+
+def test_camera_shapes_are_read_through_their_names_and_the_key_map_parses_overrides(tmp_path):
+    write_dataset(tmp_path, lengths=[2], cameras={"image": ("image", 8, 8)})
+    meta = read_meta(tmp_path)
+    chw = {"dtype": "video", "shape": [3, 48, 80], "names": ["channel", "height", "width"]}
+    hwc = {"dtype": "image", "shape": [48, 80, 3], "names": ["height", "width", "channel"]}
+    meta = type(meta)(**{**meta.__dict__, "features": {"a": chw, "b": hwc}})
+    assert meta.image_shape("a") == meta.image_shape("b") == (48, 80)
+    km = KeyMap.parse(["image=observation.images.top", "state=obs"])
+    assert km.image == ("observation.images.top",) and km.state == ("obs",) and km.actions == KeyMap().actions
+    with pytest.raises(ValueError, match="FIELD=FEATURE"):
+        KeyMap.parse(["camera=x"])
+    with pytest.raises(ValueError, match="KeyMap.image must be a tuple"):
+        KeyMap(image="image")
