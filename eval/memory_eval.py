@@ -243,6 +243,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="LeRobot --data: the held-out episodes, e.g. 3,7,10-12 (--split heldout; train: the others)")
     p.add_argument("--empty-label", default=None, metavar="TEXT",
                    help="LeRobot --data: label of frames with none active yet (default: such frames are left out)")
+    p.add_argument("--key-map", action="append", default=[], metavar="FIELD=FEATURE",
+                   help="LeRobot --data: the feature feeding image / wrist_image / state / actions (repeatable)")
     p.add_argument("--train-split", default="train", help="split for the majority baselines ('' to skip)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="SentencePiece model (default: tokenizer.model beside the base or the adapter, else the demo tokenizer)")
@@ -270,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from oxygen_jax.models.pi05.config import robot_config
     from oxygen_jax.models.pi05.params import for_backend
     from training.memory.config import DEMO_PROMPT_LEN
+    from training.lerobot.keys import KeyMap
     from training.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
     from training.memory_data import open_memory_dataset
 
@@ -279,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if is_lerobot_dataset(args.data):  # splits by episode, the adapter's target (training.lerobot.splits)
             heldout = parse_episodes(args.heldout_episodes) if args.heldout_episodes is not None else None
             kw = dict(target=meta.get("extra", {}).get("label_key", "memory"), heldout=heldout,
-                      empty_label=args.empty_label)
+                      empty_label=args.empty_label, key_map=KeyMap.parse(args.key_map))
             source = open_lerobot_split(args.data, args.split, **kw)
             train_source = open_lerobot_split(args.data, args.train_split, **kw) if args.train_split else None
         elif args.libero_hdf5 is not None:  # OxyGen's split and evaluation frames (seed 7)

@@ -67,7 +67,7 @@ def trained(tiny_params, tmp_path_factory):
     base = own.save_params(root / "base", tiny_params)
     out = root / "run"
     rc = train_main(["--data", str(data), "--out", str(out), "--base", str(base), "--target", "memory",
-                     "--heldout-episodes", "1", "--eval-split", "", "--steps", "3", "--batch-size", "2", "--rank", "2",
+                     "--heldout-episodes", "1", "--key-map", "wrist_image=wrist_image", "--eval-split", "", "--steps", "3", "--batch-size", "2", "--rank", "2",
                      "--prompt-len", "24", "--devices", "1", "--no-progress"])
     eval_rc = eval_main(["--base", str(base), "--adapter", str(out / "adapter"), "--data", str(data),
                          "--heldout-episodes", "1", "--out", str(root / "report"), "--batch-size", "2", "--limit", "2",

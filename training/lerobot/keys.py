@@ -8,8 +8,9 @@ candidate feature names in order of preference; `resolve(features)` picks the fi
     KeyMap().resolve({"observation.images.image": ..., "observation.state": ..., "action": ...})
       -> {"image": "observation.images.image", "state": "observation.state", "actions": "action"}
 
-Override a field with your dataset's name: `KeyMap(wrist_image=("observation.images.hand",))`, or from the
-command line `--key-map wrist_image=observation.images.hand` (`KeyMap.parse`). Fields the dataset lacks are
+Override a field with your dataset's name: `KeyMap(wrist_image=("observation.images.hand",))`, or on the
+command line of `training.memory` / `eval.memory_eval`: `--key-map wrist_image=observation.images.hand`
+(`KeyMap.parse`). Fields the dataset lacks are
 left out of the result (a frame without a wrist camera has no `wrist_image`).
 """
 

@@ -36,6 +36,7 @@ from training.memory.export_demo import main as export_main
 from training.memory.loop import NonFiniteStepError, train
 from training.memory.model import load_base, make_mesh, with_base_trainable
 from training.memory_data import MEMORY_PROMPT, frame_texts, open_memory_dataset
+from training.lerobot.keys import KeyMap
 from training.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
 
 
@@ -121,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="LeRobot data: held-out episodes, e.g. 3,7,10-12 (the eval split; train is every other episode)")
     t.add_argument("--empty-label", default=None, metavar="TEXT",
                    help="LeRobot data: label of frames with none active yet (default: such frames are left out)")
+    t.add_argument("--key-map", action="append", default=[], metavar="FIELD=FEATURE",
+                   help="LeRobot data: the feature feeding image / wrist_image / state / actions, e.g. "
+                        "wrist_image=observation.images.hand (repeatable; default: openpi's and LeRobot's names)")
     t.add_argument("--train-split", default="train")
     t.add_argument("--eval-split", default="heldout")
     t.add_argument("--suffix-len", type=int_at_least(2), default=None, help="T (default: longest prompt + label + EOS in train)")
@@ -192,8 +196,8 @@ def _run(args, argv: list[str]) -> int:
     try:
         if is_lerobot_dataset(args.data):  # splits by episode; frames without an active label left out or filled
             heldout = parse_episodes(args.heldout_episodes) if args.heldout_episodes is not None else None
-            opened = {s: open_lerobot_split(args.data, s, target=label_key, heldout=heldout, empty_label=args.empty_label)
-                      for s in (args.train_split, args.eval_split) if s}
+            kw = dict(target=label_key, heldout=heldout, empty_label=args.empty_label, key_map=KeyMap.parse(args.key_map))
+            opened = {s: open_lerobot_split(args.data, s, **kw) for s in (args.train_split, args.eval_split) if s}
             train_src, eval_src = opened[args.train_split], opened.get(args.eval_split)
         elif args.libero_hdf5 is not None:  # their split, task/target-balanced batches, 10 greedy-eval frames per task
             from training.oxygen_libero import open_oxygen_libero
