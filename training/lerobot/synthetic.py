@@ -7,8 +7,8 @@ measurements (any camera count, sizes, fps, key names, several episodes per file
 
 Layout as LeRobot writes it (docs/lerobot.md): v3.0 puts `episodes_per_file` consecutive episodes in one data
 parquet (one row group per episode) and `video_episodes_per_file` (default: the same) in one mp4 per camera
-(frames concatenated, so pts continue and each episode's `from_timestamp` is the duration before it); v2.1 writes one parquet and one mp4 per episode with
-`meta/episodes.jsonl`, `tasks.jsonl` and `episodes_stats.jsonl`. Videos are AV1 (libsvtav1, yuv420p, a key
+(frames concatenated, so pts continue and each episode's `from_timestamp` is the duration before it); v2.1
+writes one parquet and one mp4 per episode with `meta/episodes.jsonl`, `tasks.jsonl` and `episodes_stats.jsonl`. Videos are AV1 (libsvtav1, yuv420p, a key
 frame every 2 frames: LeRobot's defaults; `vcodec="libx264"`: H.264 with B-frames and a key frame every 6
 frames, as older recorders wrote), image cameras PNG bytes in the parquet.
 
