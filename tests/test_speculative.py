@@ -156,18 +156,18 @@ def dense(tiny_params):
 def test_speculative_sampling_follows_the_plain_sampling_distribution(dense):
     # The accept / reject rule does not depend on the decoder kind: the dense kind checks it.
     lm, prefix, bank = dense
-    n, budget, rounds = 64, 4, 8
+    budget, rounds = 4, 128  # the greedy test's pool shape: its compiled programs, 512 draws per setting
     greedy, _ = _run(lm, prefix, bank, _requests([budget] * NS, [-1] * NS), speculate=False)
-    # n copies of request 0 (temperature 0.2, top-p 0.9: its first tokens have 2-4 likely values), drafting
+    # NS copies of request 0 (temperature 0.2, top-p 0.9: its first tokens have 2-4 likely values), drafting
     # its greedy answer: likely tokens, so drafts are accepted about half the time and the residual matters.
-    ref = _refs(np.tile(greedy[:1], (n, 1)))
+    ref = _refs(np.tile(greedy[:1], (NS, 1)))
     draws = {}
     for speculate in (False, True):
         rows = []
         for r in range(rounds):
-            req = decode.make_requests(n, Q, list(range(n)), prompts=[[11, 12]] * n, budgets=[budget] * n,
-                                       temperatures=[0.2] * n, top_ps=[0.9] * n, seeds=range(r * n, (r + 1) * n))
-            tokens, _ = _run(lm, prefix, bank, dataclasses.replace(req, draft_ref=ref), speculate, slots=n)
+            req = decode.make_requests(NS, Q, list(range(NS)), prompts=[[11, 12]] * NS, budgets=[budget] * NS,
+                                       temperatures=[0.2] * NS, top_ps=[0.9] * NS, seeds=range(r * NS, (r + 1) * NS))
+            tokens, _ = _run(lm, prefix, bank, dataclasses.replace(req, draft_ref=ref), speculate)
             rows.append(tokens[:, :3])
         draws[speculate] = np.concatenate(rows)
     # Two-sample chi-square on the joint of tokens 0..2 (outcomes seen fewer than 10 times pooled into one).
