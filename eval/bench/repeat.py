@@ -7,7 +7,10 @@ Each robot (a batch row of one LIBERO observation) opens a memory request every 
 the request repeats the robot's usual prompt, whose greedy answer on the same observation is the answer it
 gave last time (the robot's "The soup is in the basket."); otherwise it asks a prompt never seen before
 (a fresh token), whose answer the robot has not given. Requests decode exactly N tokens (no stop id: random
-weights), greedy.
+weights), greedy. Random π0.5 weights answer a prompt token by repeating it (a tied head reads back the input
+embedding), which any n-gram drafter predicts at every p; the VLM expert's attention and MLP outputs are
+therefore scaled (`--text-scale`, as the tests' `diverse_text_params`) so that answers vary with the prompt and
+the observation and do not repeat one token. Actions use the same scaled weights in both settings.
 
 Two `Engine`s serve the same frames, interleaved frame by frame (order alternating) on the same observation,
 noise and requests: continuous batching with k decode steps per frame, and the same with speculation
@@ -57,10 +60,20 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--slots", type=int_at_least(1), default=None, help="decode slots (default: enough for plain)")
     ap.add_argument("--frames", type=int_at_least(1), default=20, help="measured frames per p")
     ap.add_argument("--warmup", type=int_at_least(0), default=None, help="warm-up frames (default: ceil(N/k) + 1)")
+    ap.add_argument("--text-scale", type=float, default=20.0,
+                    help="scale of the VLM expert's MLP output (attention out: half, q and k: 3); 0 = the random weights")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write repeat.json there")
     return ap
+
+
+def _varied_text(params, scale: float):
+    """Stacked π0.5 `Params` whose random VLM expert does not just echo its input token (see the docstring)."""
+    layers = params.vlm.layers
+    layers = dataclasses.replace(layers, q=layers.q * 3, kv=layers.kv.at[:, 0].multiply(3), linear=layers.linear * scale,
+                                 out=layers.out * (scale / 2))
+    return dataclasses.replace(params, vlm=dataclasses.replace(params.vlm, layers=layers))
 
 
 def _components(params, obs, slots: int, m: int, gamma: int, repeats: int = 5) -> dict:
@@ -131,18 +144,21 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from oxygen_jax.ckpts import load
 
-    loaded = load.load_model(None, preset=args.preset, family="pi05", dtype=args.dtype, seed=args.seed)
+    from oxygen_jax.models.pi05.params import for_backend
+
+    loaded = load.load_model(None, preset=args.preset, family="pi05", dtype=args.dtype, seed=args.seed, backend="gpu")
+    params = for_backend(_varied_text(loaded.params, args.text_scale) if args.text_scale else loaded.params)
     robot = oxygen_benchmark_robot("libero")
     rng = np.random.default_rng(args.seed)
     samples = [synthetic_sample(robot, rng, image_size=224) for _ in range(args.robots)]
     obs = jax.device_put(make_observation(robot, loaded.config, train_demo_tokenizer(), samples))
     slots = args.slots or args.robots * (math.ceil((args.decode_len - 1) / args.k) + 1)
-    vla = as_vla(loaded.params, args.num_steps)
+    vla = as_vla(params, args.num_steps)
     cfg = EngineConfig(num_slots=slots, max_new_tokens=args.decode_len, prompt_capacity=1,
                        admissions_per_frame=args.robots, tokens_per_frame=args.k, action_horizon=robot.action_horizon)
     engines = {"plain": Engine(vla, cfg), "speculative": Engine(vla, dataclasses.replace(cfg, speculate=args.gamma))}
     compile_s = {name: eng.warmup(obs) for name, eng in engines.items()}
-    comp = _components(loaded.params, obs, slots, args.decode_len, args.gamma)
+    comp = _components(params, obs, slots, args.decode_len, args.gamma)
     results = []
     for p in args.p:
         res = _run_p(p, engines, obs, args, np.random.default_rng([args.seed, int(p * 1000)]), robot.action_horizon)
@@ -153,7 +169,7 @@ def main(argv=None) -> int:
               f"{sp['tokens_per_s']:.1f}, latency {pl['latency_frames_mean']:.2f} / {sp['latency_frames_mean']:.2f} "
               f"frames, tokens per step {pl['tokens_per_step']:.2f} / {sp['tokens_per_step']:.2f} (plain / speculative)"
               f"{'' if res['same_tokens'] else '  TOKENS DIFFER'}", file=sys.stderr)
-    record = {"preset": args.preset, "dtype": args.dtype, "N": args.decode_len, "k": args.k, "gamma": args.gamma,
+    record = {"preset": args.preset, "dtype": args.dtype, "text_scale": args.text_scale, "N": args.decode_len, "k": args.k, "gamma": args.gamma,
               "S": args.num_steps, "robots": args.robots, "slots": slots, "frames": args.frames,
               "backend": jax.default_backend(), "compile_s": compile_s, "components": comp,
               "loadavg": list(os.getloadavg()), "results": results}
