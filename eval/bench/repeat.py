@@ -45,7 +45,7 @@ from oxygen_jax.robots.transforms import make_observation, synthetic_sample
 from oxygen_jax.runtime import decode, speculative
 from oxygen_jax.runtime.engine import Engine, EngineConfig
 
-_USUAL, _FRESH0 = 5, 1000  # the usual prompt token; fresh prompts count up from here
+_USUAL, _FRESH0 = 5, 10  # the usual prompt token; fresh prompts count up from here (never reused in a run)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,10 +98,9 @@ def _components(params, obs, slots: int, m: int, gamma: int, repeats: int = 5) -
     return out
 
 
-def _run_p(p: float, engines: dict[str, Engine], obs, args, rng, horizon: int) -> dict:
+def _run_p(p: float, engines: dict[str, Engine], obs, args, rng, horizon: int, fresh) -> dict:
     warm = args.warmup if args.warmup is not None else math.ceil(args.decode_len / args.k) + 1
     total, drain = warm + args.frames, math.ceil(args.decode_len / args.k) + 1
-    fresh = iter(range(_FRESH0, 10**9))
     arrivals = [[[_USUAL] if rng.random() < p else [next(fresh)] for _ in range(args.robots)] for _ in range(total)]
     rows = list(range(args.robots))
     rec: dict[str, dict] = {name: {"frames": [], "requests": {}} for name in engines}
@@ -158,10 +157,12 @@ def main(argv=None) -> int:
                        admissions_per_frame=args.robots, tokens_per_frame=args.k, action_horizon=robot.action_horizon)
     engines = {"plain": Engine(vla, cfg), "speculative": Engine(vla, dataclasses.replace(cfg, speculate=args.gamma))}
     compile_s = {name: eng.warmup(obs) for name, eng in engines.items()}
+    fresh = iter(range(_FRESH0, vla.vocab_size))  # the engines remember answers across p: a fresh prompt is new
     comp = _components(params, obs, slots, args.decode_len, args.gamma)
     results = []
     for p in args.p:
-        res = _run_p(p, engines, obs, args, np.random.default_rng([args.seed, int(p * 1000)]), robot.action_horizon)
+        res = _run_p(p, engines, obs, args, np.random.default_rng([args.seed, int(p * 1000)]), robot.action_horizon,
+                     fresh)
         results.append(res)
         pl, sp = res["plain"], res["speculative"]
         print(f"p={p:g}: frame {pl['frame_ms_median']:.1f} / {sp['frame_ms_median']:.1f} ms, action Hz "

@@ -51,6 +51,8 @@ _NGRAM = 2  # the n of lookup (b)
 def _first_true(x: jax.Array) -> jax.Array:
     """Index of the first True along the last axis, or its length where there is none."""
     n = x.shape[-1]
+    if n == 0:
+        return jnp.zeros(x.shape[:-1], jnp.int32)
     return jnp.min(jnp.where(x, jnp.arange(n), n), axis=-1)
 
 
@@ -148,11 +150,11 @@ def _stops(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == stop_ids[:, None, :], axis=-1)
 
 
-def _verify_step(lm: LanguageDecoder, pool: DecodePool, bank=None) -> tuple[DecodePool, jax.Array]:
-    """One verify step of every active slot: (pool, emitted int32 [Ns, T], -1 past what a slot emitted)."""
-    gamma, cap, ns = pool.draft_len, pool.capacity, pool.num_slots
-    t = gamma + 1
-    draft, length = propose(pool)
+def _verify_block(lm: LanguageDecoder, pool: DecodePool, draft: jax.Array, length: jax.Array, bank=None):
+    """Verifies draft [Ns, T - 1] (valid up to `length` [Ns]) after every active slot's pending token: (pool,
+    emitted int32 [Ns, T], -1 past what a slot emitted)."""
+    cap, ns = pool.capacity, pool.num_slots
+    t = draft.shape[1] + 1
     act, g = pool.active, pool.num_generated
     block = jnp.concatenate([pool.last_token[:, None], draft], axis=1)
     entry = jnp.arange(t)[None, :]
@@ -192,6 +194,19 @@ def _verify_step(lm: LanguageDecoder, pool: DecodePool, bank=None) -> tuple[Deco
         active=act & ~stopped & (n < pool.sampling.budget),
     )
     return pool, jnp.where(kept, emitted, -1)
+
+
+def _verify_step(lm: LanguageDecoder, pool: DecodePool, bank=None) -> tuple[DecodePool, jax.Array]:
+    """One verify step of every active slot: (pool, emitted int32 [Ns, γ + 1]). When no slot has a draft, the
+    step runs as a plain decode step (a [Ns, 1] block): the γ + 1 query rows cost only where drafts exist."""
+    draft, length = propose(pool)
+    pad = pool.draft_len
+
+    def single(p):
+        p, out = _verify_block(lm, p, draft[:, :0], jnp.zeros_like(length), bank)
+        return p, jnp.pad(out, ((0, 0), (0, pad)), constant_values=-1)
+
+    return jax.lax.cond(jnp.any(length > 0), lambda p: _verify_block(lm, p, draft, length, bank), single, pool)
 
 
 def _maybe_verify(lm: LanguageDecoder, pool: DecodePool, bank=None):
