@@ -77,7 +77,7 @@ def _varied_text(params, scale: float):
 
 
 def _components(params, obs, slots: int, m: int, gamma: int, repeats: int = 5) -> dict:
-    """Warm medians of one decode step and one verify step at γ with every slot active (drafts all right)."""
+    """Warm medians of one decode step and one verify step at γ with every slot active, every slot drafting γ tokens."""
     lm, cache = language_model(params), prefill(params, obs)
     out = {}
     for name, speculate in (("decode_step_ms", 0), ("verify_step_ms", gamma)):
@@ -85,10 +85,10 @@ def _components(params, obs, slots: int, m: int, gamma: int, repeats: int = 5) -
         for _ in range(repeats + 1):
             pool = decode.init_pool(lm, slots, cache.length, m, 0, speculate=speculate)
             req = decode.make_requests(slots, 0, list(range(slots)), budgets=[m] * slots, stop_ids=[-1] * slots)
-            if speculate:
-                ref = np.full((slots, pool.draft_ref.shape[1]), 7, np.int32)  # drafts "7 7 7 ...": all slots draft γ
-                req = dataclasses.replace(req, draft_ref=ref)
             pool, _, _ = decode.admit(lm, pool, cache, req)
+            if speculate:  # every slot drafts γ tokens ("7 7 ..." after its token 0): the full [Ns, γ + 1] block
+                ref = pool.draft_ref.at[:, 1:].set(7).at[:, 0].set(pool.tokens[:, 0])
+                pool = dataclasses.replace(pool, draft_ref=ref)
             jax.block_until_ready(pool)
             start = time.perf_counter()
             burst = speculative.verify_burst if speculate else decode.decode_burst
