@@ -98,11 +98,14 @@ def test_written_dataset_reads_back_as_written(written):
                 assert _nearest_is_own(item[key], truth["frames"][key], i, starts), (key, i)
 
 
+_VIDEO_CASES = sorted(name for name, spec in CASES.items() if any(c[0] == "video" for c in spec["cameras"].values()))
+
+
+@pytest.mark.parametrize("written", _VIDEO_CASES, indirect=True)
 def test_video_cache_on_and_off_give_identical_frames_and_the_cache_is_bounded(written):
     spec, root, _ = written
     video = [k for k, (kind, _, _) in spec["cameras"].items() if kind == "video"]
-    if not video:
-        pytest.skip("this dataset has no video camera")
+    assert video
     on, off = LeRobotDataset(root), LeRobotDataset(root, video_cache_mb=0)
     order = np.random.default_rng(0).permutation(len(on))
     for i in order:
