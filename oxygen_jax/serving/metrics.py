@@ -6,6 +6,7 @@ and by `on_step` after every engine step; gauges read the server's state when sc
 
 from __future__ import annotations
 
+from oxygen_jax.serving import health
 from oxygen_jax.serving.batcher import StepOutput
 
 
@@ -40,6 +41,7 @@ class Metrics:
         Gauge("oxygen_ready", "1 when warm and not draining", registry=r).set_function(lambda: float(server.healthy))
         Gauge("oxygen_compiles_after_warmup", "XLA compilations on the engine thread after warm-up",
               registry=r).set_function(lambda: server.compiles_after_warmup)
+        health.add_gauges(r, server)  # slots free, accepting, draining: what a load balancer reads
         self.lang_active = Gauge("oxygen_language_active", "Language requests decoding", registry=r)
         self.lang_queued = Gauge("oxygen_language_queued", "Language requests waiting for a slot", registry=r)
 

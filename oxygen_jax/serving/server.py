@@ -17,8 +17,9 @@ Protocol (openpi's `WebsocketPolicyServer`, so an unmodified `openpi_client.Webs
    "busy: ...". An internal error is logged with its traceback under an error id; the client gets
    "Internal server error (id ...)" as text, then a 1011 close (openpi sends the traceback itself: we
    do not send source paths to a client). A frame larger than --max-message-mb closes with 1009.
-4. `GET /healthz`: 200 "OK" once every batch size is compiled and a robot can connect; 503 "warming
-   up", "draining", or "full" (every robot slot or connection taken). `GET /metrics`: Prometheus.
+4. `GET /healthz`: JSON (`serving.health`: robots, slots free, ready, draining); 200 once every batch
+   size is compiled and a robot can connect, 503 while warming up, draining, or full (every robot slot
+   or connection taken). `GET /metrics`: Prometheus.
 
 Connections (`ServeConfig`): a connection takes a robot slot (`max_robots`) with its first frame, so
 open handshakes lock nobody out; a connection that sends no frame for `first_frame_timeout_s` (before
@@ -81,7 +82,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from oxygen_jax.models.pi05.config import RobotConfig
-from oxygen_jax.serving import auto_language, requests, rtc_session, wire
+from oxygen_jax.serving import auto_language, health, requests, rtc_session, wire
 from oxygen_jax.serving.auto_language import AutoLanguage
 from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, Stream
 from oxygen_jax.serving.codec import make_codec
@@ -215,7 +216,7 @@ class PolicyServer:
     @property
     def full(self) -> bool:
         """No new robot can connect: every robot slot or every connection is taken."""
-        return len(self._robots) >= self.config.max_robots or len(self._streams) >= self.config.max_connections
+        return health.of_server(self).robot_slots_free == 0
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -317,13 +318,7 @@ class PolicyServer:
     def _http(self, connection, request):
         path = request.path.split("?", 1)[0]
         if path == "/healthz":
-            if self.healthy and not self.full:
-                return connection.respond(200, "OK\n")
-            if self.healthy:
-                return connection.respond(503, f"full: {len(self._robots)} of {self.config.max_robots} robots "
-                                               f"streaming, {len(self._streams)} of {self.config.max_connections} "
-                                               "connections open\n")
-            return connection.respond(503, "draining\n" if self._draining else "warming up\n")
+            return health.respond(connection, health.of_server(self))
         if path == "/metrics":
             text, content_type = self.metrics.render()
             response = connection.respond(200, text)
