@@ -180,6 +180,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="persistent XLA compilation cache directory, the one `run` uses ($OXYGEN_JAX_CACHE_DIR, else "
                          "~/.cache/oxygen_jax/xla); 'none' disables")
     ap.add_argument("--no-shard", action="store_true", help="use one device even when several are visible")
+    ap.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="T",
+                    help="split each weight over T devices by attention heads / MLP columns (a model larger than one "
+                         "device); the devices form a (robots = devices / T, model = T) mesh, --slots a multiple of "
+                         "devices / T (docs/serving.md)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     help="the server's log lines on stderr (absl / orbax / jax INFO lines only at DEBUG)")
     auto = ap.add_argument_group(
@@ -261,15 +265,20 @@ def build(args: argparse.Namespace):
         raise ValueError("argument --rtc: real-time chunking blends action chunks, and this model has no action head "
                          "(language only): drop --rtc")
     mesh = None
-    if len(jax.devices()) > 1 and not args.no_shard:
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    if args.tensor_parallel > 1 and args.no_shard:
+        raise ValueError("--tensor-parallel splits the model over several devices: drop --no-shard")
+    if len(jax.devices()) > 1 and not args.no_shard or args.tensor_parallel > 1:
+        from oxygen_jax.runtime import slot_mesh
 
-        mesh = Mesh(np.array(jax.devices()), ("robots",))
-        vla = jax.device_put(vla, NamedSharding(mesh, PartitionSpec()))
+        mesh = slot_mesh.serving_mesh(jax.devices(), args.tensor_parallel)
+        if args.slots % slot_mesh.robots_size(mesh):
+            raise ValueError(f"--slots {args.slots} must be a multiple of the {slot_mesh.robots_size(mesh)} devices "
+                             "the slots are split over (devices / --tensor-parallel), or pass --no-shard")
+        vla = slot_mesh.place_model(vla, mesh)
     engine = Engine(vla, EngineConfig(
         num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=args.prompt_capacity,
         tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, action_horizon=robot.action_horizon,
-        seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=names)
+        seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=names, mesh=mesh)
     # With a tokenizer.json the rows of an XR0 / StarVLA head are its native prompts (`serving.codec`), and
     # language requests are text in that tokenizer (or token ids); their answers come back as text and ids.
     return engine, toks.rows, robot, norm_stats, mesh, rows

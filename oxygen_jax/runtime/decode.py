@@ -53,6 +53,7 @@ from oxygen_jax.models.decoder import MAX_STOP_IDS, LanguageDecoder, PrefixRows,
 from oxygen_jax.models.lora import LoraBank
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.sampling import sample_tokens
+from oxygen_jax.runtime import slot_mesh
 
 _STATIC = dict(static=True)
 
@@ -126,6 +127,8 @@ class DecodePool:
       draft_ref: int32 [Ns, R] tokens each slot drafts from under speculative decoding (`runtime.speculative`;
         -1 separates segments), set at admission from `Requests.draft_ref`; None without speculation.
       draft_len: static γ, the most draft tokens one verify step checks (0: no speculation).
+      mesh: static device mesh whose `robots` axis splits the slots (`runtime.slot_mesh`: each device holds
+        Ns / Dr slots, admits into them and runs their bursts), or None (one device).
 
     Bytes per slot: `slot_bytes` (K/V grow with C; a carry is fixed, at Qwen3.5-0.8B / 2B in bfloat16 as
     much as the K/V of about 1,600 entries).
@@ -148,6 +151,7 @@ class DecodePool:
     carry: dict[str, jax.Array] | None = None
     draft_ref: jax.Array | None = None
     draft_len: int = dataclasses.field(default=0, metadata=_STATIC)
+    mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, metadata=_STATIC)
 
     @property
     def num_slots(self) -> int:
@@ -281,21 +285,23 @@ def draft_capacity(max_new_tokens: int, prompt_len: int) -> int:
 
 
 def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0,
-              speculate: int = 0) -> DecodePool:
+              speculate: int = 0, mesh: jax.sharding.Mesh | None = None) -> DecodePool:
     """An empty pool of `num_slots` slots for prefixes of `prefix_len` tokens.
 
     Take `prefix_len` from the prefix the pool will serve (`Prefix.length`, `prefix_length`, or
     `model.prefix_length(params, observation)` before any prefill). `speculate` = γ > 0 makes a pool for
-    speculative decoding (`runtime.speculative`): it keeps each slot's draft reference.
+    speculative decoding (`runtime.speculative`): it keeps each slot's draft reference. `mesh` (a
+    `slot_mesh.serving_mesh`) splits the slots over its `robots` axis: `num_slots` must be a multiple of it.
     """
     if speculate < 0:
         raise ValueError(f"speculate must be >= 0 (γ draft tokens per verify step), got {speculate}")
+    slot_mesh.check_slots(num_slots, mesh)
     lm = _decoder(lm)
     cap = prefix_len + prompt_len + max_new_tokens
     kv_shape = (len(lm.kv_layers), num_slots, cap, lm.num_kv_heads, lm.head_dim)
     # Every field gets its own buffer: donation rejects a pool whose fields alias one array.
     ints = lambda fill=0: jnp.full((num_slots,), fill, jnp.int32)  # noqa: E731
-    return DecodePool(
+    pool = DecodePool(
         k=jnp.zeros(kv_shape, lm.dtype), v=jnp.zeros(kv_shape, lm.dtype),
         mask=jnp.zeros((num_slots, cap), bool), base_position=ints(), length=ints(), last_token=ints(),
         num_generated=ints(), sampling=_empty_sampling(num_slots), request_id=ints(-1),
@@ -303,7 +309,9 @@ def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_toke
         tokens=jnp.full((num_slots, max_new_tokens), -1, jnp.int32), prefix_len=prefix_len, prompt_len=prompt_len,
         carry=lm.init_carry(num_slots), draft_len=speculate,
         draft_ref=jnp.full((num_slots, draft_capacity(max_new_tokens, prompt_len)), -1, jnp.int32) if speculate else None,
+        mesh=mesh,
     )
+    return pool if mesh is None else jax.device_put(pool, slot_mesh.shardings(mesh, slot_mesh.pool_specs(pool)))
 
 
 def pool_slot_bytes(pool: DecodePool) -> dict[str, int]:
@@ -421,8 +429,7 @@ def _extend_with_prompts(lm: LanguageDecoder, view: PrefixRows, req: Requests, q
 
 
 def _admit(lm: LanguageDecoder, pool: DecodePool, prefix: Prefix, req: Requests, bank=None):
-    s, g = pool.num_slots, pool.max_new_tokens
-    p, q_cap = pool.prefix_len, pool.prompt_len
+    s, p, q_cap = pool.num_slots, pool.prefix_len, pool.prompt_len
     if prefix_length(prefix) != p:
         raise ValueError(f"prefix cache has {prefix_length(prefix)} positions but the pool was built for {p}")
     if req.prompt.shape[1] != q_cap:
@@ -434,7 +441,18 @@ def _admit(lm: LanguageDecoder, pool: DecodePool, prefix: Prefix, req: Requests,
     slot = jnp.where(admitted, free_slots[jnp.minimum(rank, s - 1)], s)  # s = out of range: dropped
 
     lm.check_bank(bank)
-    view = lm.rows(prefix, req.row)
+    if pool.mesh is not None and slot_mesh.manual(pool.mesh):  # each device fills its own slots
+        new, first = slot_mesh.admit_per_device(_write, lm, pool, prefix, req, slot, bank)
+    else:
+        new, first = _write(pool, lm.rows(prefix, req.row), req, slot, lm, bank)
+        new = new if pool.mesh is None else slot_mesh.pin(new)
+    return new, admitted, first
+
+
+def _write(pool: DecodePool, view: PrefixRows, req: Requests, slot, lm: LanguageDecoder, bank=None):
+    """Fills slots `slot` (int32 [J], >= Ns: dropped) from the requests' prefix rows `view`: runs their prompts,
+    samples token 0. Returns (pool, first_token int32 [Ns])."""
+    s, g, p, q_cap = pool.num_slots, pool.max_new_tokens, pool.prefix_len, pool.prompt_len
     ck, cv, seed, carry = _extend_with_prompts(lm, view, req, q_cap, bank)
     logits = lm.logits_vocab_major(seed)
     sampling = dataclasses.replace(req.sampling, budget=jnp.clip(req.sampling.budget, 1, g))
@@ -472,7 +490,7 @@ def _admit(lm: LanguageDecoder, pool: DecodePool, prefix: Prefix, req: Requests,
         draft_ref=None if pool.draft_ref is None else put(pool.draft_ref, _draft_rows(pool, req)),
     )
     first = jnp.full((s,), -1, jnp.int32).at[slot].set(token0, mode="drop")
-    return new, admitted, first
+    return new, first
 
 
 def _draft_rows(pool: DecodePool, req: Requests) -> jax.Array:
@@ -556,7 +574,8 @@ def _decode_step(lm: LanguageDecoder, pool: DecodePool, bank=None) -> tuple[Deco
 
 
 decode_step = functools.partial(jax.jit, donate_argnames=("pool",))(_decode_step)
-"""Jitted single step: (pool, token [Ns], logits float32 [Ns, V]). Donates `pool`."""
+"""Jitted single step: (pool, token [Ns], logits float32 [Ns, V]). Donates `pool`. (A meshed pool runs it under
+the SPMD partitioner's layout, not per device: `decode_burst` is the per-device program.)"""
 
 
 def _maybe_step(lm: LanguageDecoder, pool: DecodePool, bank=None):
@@ -575,14 +594,22 @@ def decode_burst(lm: LanguageDecoder, pool: DecodePool, num_tokens: int, bank=No
     Returns:
       (pool, tokens int32 [Ns, num_tokens]: what each slot emitted per step, -1 when it did not).
     """
-    pool, toks = jax.lax.scan(lambda p, _: _maybe_step(lm, p, bank), pool, None, length=num_tokens)
-    return pool, toks.T
+    def burst(pool, lm, bank):
+        pool, toks = jax.lax.scan(lambda p, _: _maybe_step(lm, p, bank), pool, None, length=num_tokens)
+        return pool, toks.T
+
+    return slot_mesh.on_slot_devices(burst, pool, lm, bank)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def decode_to_completion(lm: LanguageDecoder, pool: DecodePool, bank=None) -> DecodePool:
-    """Steps until no slot is active (at most max_new_tokens - 1 steps). Donates `pool`."""
-    return jax.lax.while_loop(lambda p: jnp.any(p.active), lambda p: _decode_step(lm, p, bank)[0], pool)
+    """Steps until no slot is active (at most max_new_tokens - 1 steps; on a mesh, each device until its own
+    slots are done). Donates `pool`."""
+    def run(pool, lm, bank):
+        pool = jax.lax.while_loop(lambda p: jnp.any(p.active), lambda p: _decode_step(lm, p, bank)[0], pool)
+        return pool, pool.num_generated
+
+    return slot_mesh.on_slot_devices(run, pool, lm, bank)[0]
 
 
 @jax.tree_util.register_dataclass

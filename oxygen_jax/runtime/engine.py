@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from oxygen_jax.runtime import decode
+from oxygen_jax.runtime import decode, slot_mesh
 from oxygen_jax.models.decoder import MAX_STOP_IDS
 from oxygen_jax.models.lora import LoraBank
 from oxygen_jax.models.vla import MultiHead
@@ -182,7 +182,7 @@ class Engine:
     """Continuous-batching engine over `runtime.frame.frame_step` (one compiled program per frame shape)."""
 
     def __init__(self, vla: MultiHead, config: EngineConfig = EngineConfig(), tokenizer=None, *,
-                 bank: LoraBank | None = None, adapter_names: Sequence[str] = ()):
+                 bank: LoraBank | None = None, adapter_names: Sequence[str] = (), mesh=None):
         """Args:
           vla: a `models.vla.MultiHead` with a language decoder (π0.5 `Params`: `pi05.model.as_vla(params,
             num_steps)`); `for_backend` weights recommended.
@@ -192,12 +192,15 @@ class Engine:
             model; E stored adapters), served per request on the suffix path only; actions and the
             prefix cache never see them.
           adapter_names: names of the bank's adapters 1..E (id 0 is "base", the model's own weights).
+          mesh: a `runtime.slot_mesh.serving_mesh` to split the slot pool over (its `robots` axis; num_slots a
+            multiple of it); `vla` placed on it (`slot_mesh.place_model`). None: one device.
         """
         if not isinstance(vla, MultiHead):
             raise ValueError(f"Engine runs a models.vla.MultiHead, got {type(vla).__name__} (π0.5 Params: pass "
                              "pi05.model.as_vla(params, num_steps); a checkpoint: load_model(...).vla)")
         self.vla: MultiHead = vla
-        self.config, self.tokenizer, self.bank = config, tokenizer, bank
+        self.config, self.tokenizer, self.bank, self.mesh = config, tokenizer, bank, mesh
+        slot_mesh.check_slots(config.num_slots, mesh)
         if not self.vla.has_language:
             raise ValueError("Engine decodes language from the shared prefix: build the ModelSpec with language=True")
         self._unk = None if tokenizer is None else tokenizer.unk_id
@@ -398,7 +401,7 @@ class Engine:
 
     def _new_pool(self, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int) -> decode.DecodePool:
         return decode.init_pool(self.vla.language(), num_slots, prefix_len, max_new_tokens, prompt_len,
-                                speculate=self.config.speculate)
+                                speculate=self.config.speculate, mesh=self.mesh)
 
     def warmup(self, observation, states=None, rtc=None) -> float:
         """Compiles the frame program for this observation's shapes without touching any request.

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from oxygen_jax.models.decoder import LanguageDecoder, row_adapters
+from oxygen_jax.runtime import slot_mesh
 from oxygen_jax.runtime.decode import DecodePool, Sampling
 
 _NGRAM = 2  # the n of lookup (b)
@@ -226,5 +227,9 @@ def verify_burst(lm: LanguageDecoder, pool: DecodePool, num_steps: int, bank=Non
     """
     if pool.draft_len < 1 or pool.draft_ref is None:
         raise ValueError("verify_burst needs a speculative pool: build it with decode.init_pool(..., speculate=γ >= 1)")
-    pool, toks = jax.lax.scan(lambda p, _: _maybe_verify(lm, p, bank), pool, None, length=num_steps)
-    return pool, jnp.moveaxis(toks, 0, 1).reshape(pool.num_slots, -1)
+
+    def burst(pool, lm, bank):  # on a meshed pool, every device on its own slots (`slot_mesh.on_slot_devices`)
+        pool, toks = jax.lax.scan(lambda p, _: _maybe_verify(lm, p, bank), pool, None, length=num_steps)
+        return pool, jnp.moveaxis(toks, 0, 1).reshape(pool.num_slots, -1)
+
+    return slot_mesh.on_slot_devices(burst, pool, lm, bank)

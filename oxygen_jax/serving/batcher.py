@@ -209,7 +209,8 @@ class EngineWorker:
 
     Every public method runs on that thread: call them through `run(loop, method, *args)`.
     With a `mesh` (several devices), each step's rows are sharded over the mesh axis "robots" when the
-    bucket divides evenly, and replicated otherwise; params must already be replicated on the mesh.
+    bucket divides evenly, and replicated otherwise; params must already be on the mesh
+    (`runtime.slot_mesh.place_model`), and the engine's slot pool is split over the same axis (`Engine(mesh=)`).
     """
 
     def __init__(self, engine, codec, *, seed: int = 0, mesh=None):
@@ -244,7 +245,7 @@ class EngineWorker:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
-        spec = PartitionSpec("robots") if rows % self.mesh.size == 0 else PartitionSpec()
+        spec = PartitionSpec("robots") if rows % self.mesh.shape["robots"] == 0 else PartitionSpec()
         return jax.device_put(tree, NamedSharding(self.mesh, spec))
 
     def warmup(self, example, buckets: Sequence[int], cancel: threading.Event | None = None) -> dict[int, float]:
