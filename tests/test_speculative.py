@@ -7,7 +7,8 @@
 * Sampling: the emitted tokens follow plain sampling's distribution (temperature and top-p): a two-sample
   chi-square over many seeds on the first three tokens does not reject equality at significance 0.001.
 * Through `Engine`: actions are bit-identical with speculation on and off, a robot repeating a request
-  drafts from its previous answer (more tokens per step), and the frame program compiles once.
+  drafts from its previous answer (more tokens per step), and the frame program compiles once; with a verify
+  step charged 2 of a frame's 4 decode steps (`verify_cost`), a frame runs two verify steps or four decode steps.
 """
 
 from __future__ import annotations
@@ -187,11 +188,11 @@ def test_engine_actions_are_bit_identical_and_repeated_requests_draft_from_the_l
     params = diverse_text_params(tiny_params)
     vla = as_vla(params, 1)
     obs = make_obs(params.config, batch=1, cameras=2, lengths=[6])
-    cfg = EngineConfig(num_slots=2, max_new_tokens=8, prompt_capacity=2, admissions_per_frame=1, tokens_per_frame=2,
+    cfg = EngineConfig(num_slots=2, max_new_tokens=8, prompt_capacity=2, admissions_per_frame=1, tokens_per_frame=4,
                        action_horizon=4)
     runs = {}
-    for gamma in (0, 3):
-        engine = Engine(vla, dataclasses.replace(cfg, speculate=gamma))
+    for gamma in (0, 3):  # the speculative engine charges a verify step 2 of the frame's 4 decode steps
+        engine = Engine(vla, dataclasses.replace(cfg, speculate=gamma, verify_cost=2.0 if gamma else 1.0))
         compiled = frame.frame_step._cache_size()
         frames = []
         for f in range(6):  # the same memory request every frame (greedy: the same answer every time)
@@ -206,6 +207,8 @@ def test_engine_actions_are_bit_identical_and_repeated_requests_draft_from_the_l
     assert answers(spec)[: len(answers(plain))] == answers(plain) and len(set(map(tuple, answers(plain)))) == 1
     assert max(f.tokens_per_step for f in plain) == 1.0
     assert max(f.tokens_per_step for f in spec) > 2.0  # later requests draft the robot's previous answer
+    assert [f.steps for f in plain] == [4] * 6
+    assert spec[0].steps == 4 and max(f.steps for f in spec if f.tokens_per_step > 1) == 2  # charged 1, one ran 3
     latency = lambda frames: [r.latency_frames for f in frames for r in f.finished]  # noqa: E731
     assert len(latency(spec)) > len(latency(plain)) and np.mean(latency(spec)) < np.mean(latency(plain))
 
@@ -219,3 +222,5 @@ def test_serve_takes_speculate_as_a_non_negative_gamma():
         _parser().parse_args(["--speculate", "-1"])
     with pytest.raises(ValueError, match="speculate"):
         EngineConfig(speculate=-1)
+    with pytest.raises(ValueError, match="verify_cost"):
+        EngineConfig(speculate=2, verify_cost=0.5)

@@ -127,6 +127,8 @@ class DecodePool:
       draft_ref: int32 [Ns, R] tokens each slot drafts from under speculative decoding (`runtime.speculative`;
         -1 separates segments), set at admission from `Requests.draft_ref`; None without speculation.
       draft_len: static γ, the most draft tokens one verify step checks (0: no speculation).
+      verify_cost: static, decode steps one verify step with drafts is charged against a frame's budget
+        (`speculative.verify_burst`; 1: k verify steps per frame).
       mesh: static device mesh whose `robots` axis splits the slots (`runtime.slot_mesh`: each device holds
         Ns / Dr slots, admits into them and runs their bursts), or None (one device).
 
@@ -151,6 +153,7 @@ class DecodePool:
     carry: dict[str, jax.Array] | None = None
     draft_ref: jax.Array | None = None
     draft_len: int = dataclasses.field(default=0, metadata=_STATIC)
+    verify_cost: float = dataclasses.field(default=1.0, metadata=_STATIC)
     mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, metadata=_STATIC)
 
     @property
@@ -285,7 +288,7 @@ def draft_capacity(max_new_tokens: int, prompt_len: int) -> int:
 
 
 def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0,
-              speculate: int = 0, mesh: jax.sharding.Mesh | None = None) -> DecodePool:
+              speculate: int = 0, verify_cost: float = 1.0, mesh: jax.sharding.Mesh | None = None) -> DecodePool:
     """An empty pool of `num_slots` slots for prefixes of `prefix_len` tokens.
 
     Take `prefix_len` from the prefix the pool will serve (`Prefix.length`, `prefix_length`, or
@@ -295,6 +298,8 @@ def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_toke
     """
     if speculate < 0:
         raise ValueError(f"speculate must be >= 0 (γ draft tokens per verify step), got {speculate}")
+    if verify_cost < 1:
+        raise ValueError(f"verify_cost must be >= 1 (decode steps one verify step costs), got {verify_cost}")
     slot_mesh.check_slots(num_slots, mesh)
     lm = _decoder(lm)
     cap = prefix_len + prompt_len + max_new_tokens
@@ -307,7 +312,7 @@ def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_toke
         num_generated=ints(), sampling=_empty_sampling(num_slots), request_id=ints(-1),
         adapter=ints(), active=jnp.zeros((num_slots,), bool),
         tokens=jnp.full((num_slots, max_new_tokens), -1, jnp.int32), prefix_len=prefix_len, prompt_len=prompt_len,
-        carry=lm.init_carry(num_slots), draft_len=speculate,
+        carry=lm.init_carry(num_slots), draft_len=speculate, verify_cost=float(verify_cost),
         draft_ref=jnp.full((num_slots, draft_capacity(max_new_tokens, prompt_len)), -1, jnp.int32) if speculate else None,
         mesh=mesh,
     )

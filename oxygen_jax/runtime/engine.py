@@ -70,6 +70,7 @@ class EngineConfig:
     admissions_per_frame: int = 4  # J: requests admitted per frame at most
     tokens_per_frame: int = 5  # k: decode steps per frame (verify steps under speculation)
     speculate: int = 0  # γ: draft tokens checked per verify step (0: plain decoding; runtime.speculative)
+    verify_cost: float = 1.0  # under speculation k is a budget in decode steps; a verify step with drafts costs this
     action_horizon: int = 10  # π0.5's Ha, for the noise the engine draws when step() gets none
     seed: int = 0  # noise seed (frame f uses fold_in(seed, f))
 
@@ -81,6 +82,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.prompt_capacity must be >= 0")
         if self.speculate < 0:
             raise ValueError(f"EngineConfig.speculate must be >= 0 (0 = no speculative decoding), got {self.speculate}")
+        if self.verify_cost < 1:
+            raise ValueError(f"EngineConfig.verify_cost must be >= 1 (decode steps a verify step costs), got {self.verify_cost}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +404,7 @@ class Engine:
 
     def _new_pool(self, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int) -> decode.DecodePool:
         return decode.init_pool(self.vla.language(), num_slots, prefix_len, max_new_tokens, prompt_len,
-                                speculate=self.config.speculate, mesh=self.mesh)
+                                speculate=self.config.speculate, verify_cost=self.config.verify_cost, mesh=self.mesh)
 
     def warmup(self, observation, states=None, rtc=None) -> float:
         """Compiles the frame program for this observation's shapes without touching any request.

@@ -32,6 +32,11 @@ A stop id among the emitted tokens ends the request there. The pool keeps the fe
 emitted token's predecessor (the last emitted token is the next pending one), so K/V past them are masked
 and later overwritten (roll-back by position, no copies); a decoder with a carry leaves it at the last kept
 entry (`HybridDecoder.verify`).
+
+**Budget.** A frame's k (`num_steps`) counts decode-step equivalents: a verify step in which some slot drafts
+costs the pool's static `verify_cost` (about 1 where a decode step is bound by reading weights and K/V, as on a
+GPU; the measured verify / decode ratio on a compute-bound CPU), a step without drafts costs 1 and runs as a
+plain decode step. One compile per (γ, k, cost).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from oxygen_jax.runtime import slot_mesh
 from oxygen_jax.runtime.decode import DecodePool, Sampling
 
 _NGRAM = 2  # the n of lookup (b)
+_SLACK = 1e-4  # float tolerance of the budget test (costs are sums of a few decimals)
 
 
 def _first_true(x: jax.Array) -> jax.Array:
@@ -197,29 +203,42 @@ def _verify_block(lm: LanguageDecoder, pool: DecodePool, draft: jax.Array, lengt
     return pool, jnp.where(kept, emitted, -1)
 
 
-def _verify_step(lm: LanguageDecoder, pool: DecodePool, bank=None) -> tuple[DecodePool, jax.Array]:
-    """One verify step of every active slot: (pool, emitted int32 [Ns, γ + 1]). When no slot has a draft, the
-    step runs as a plain decode step (a [Ns, 1] block): the γ + 1 query rows cost only where drafts exist."""
+def _budgeted_step(lm: LanguageDecoder, carry, budget: float, bank=None):
+    """One step of a frame's language budget. carry: (pool, spent decode-step equivalents float32 []).
+
+    A verify step when some slot drafts and its cost (`pool.verify_cost`) fits in what is left of `budget`; else a
+    plain decode step (a [Ns, 1] block, drafts ignored: exact as well) when 1 fits; else nothing. The γ + 1
+    query rows are thus paid only where drafts exist. Returns ((pool, spent), emitted int32 [Ns, γ + 1]).
+    """
+    pool, spent = carry
     draft, length = propose(pool)
-    pad = pool.draft_len
+    t = pool.draft_len + 1
+    live = jnp.any(pool.active)
+    verify = live & jnp.any(length > 0) & (spent + pool.verify_cost <= budget + _SLACK)
+    plain = live & ~verify & (spent + 1 <= budget + _SLACK)
+
+    def skip(p):
+        return p, jnp.full((p.num_slots, t), -1, jnp.int32)
 
     def single(p):
         p, out = _verify_block(lm, p, draft[:, :0], jnp.zeros_like(length), bank)
-        return p, jnp.pad(out, ((0, 0), (0, pad)), constant_values=-1)
+        return p, jnp.pad(out, ((0, 0), (0, t - 1)), constant_values=-1)
 
-    return jax.lax.cond(jnp.any(length > 0), lambda p: _verify_block(lm, p, draft, length, bank), single, pool)
-
-
-def _maybe_verify(lm: LanguageDecoder, pool: DecodePool, bank=None):
-    t = pool.draft_len + 1
-    return jax.lax.cond(jnp.any(pool.active), lambda p: _verify_step(lm, p, bank),
-                        lambda p: (p, jnp.full((p.num_slots, t), -1, jnp.int32)), pool)
+    branch = jnp.where(verify, 2, jnp.where(plain, 1, 0))
+    pool, out = jax.lax.switch(branch, (skip, single, lambda p: _verify_block(lm, p, draft, length, bank)), pool)
+    return (pool, spent + jnp.where(verify, pool.verify_cost, jnp.where(plain, 1.0, 0.0))), out
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",), donate_argnames=("pool",))
 def verify_burst(lm: LanguageDecoder, pool: DecodePool, num_steps: int, bank=None) -> tuple[DecodePool, jax.Array]:
     """Up to `num_steps` verify steps of every active slot in one scan (a speculative pool: `init_pool(...,
     speculate=γ)`). Donates `pool`.
+
+    `num_steps` is the frame's language budget in decode-step equivalents: a step in which no slot drafts costs 1
+    (it runs as a decode step), a verify step costs the pool's `verify_cost` (static, >= 1; 1 by default: up to
+    `num_steps` verify steps). With `verify_cost` = c > 1 a frame runs at most floor(num_steps / c) verify steps,
+    then decode steps while 1 fits: e.g. num_steps 5, c 2.5: two verify steps, or five decode steps when nothing
+    drafts (`_budgeted_step`). The budget changes when tokens come, never which tokens.
 
     Returns:
       (pool, tokens int32 [Ns, num_steps (γ + 1)]: step s emitted columns s (γ + 1) ... in order, -1 where
@@ -229,7 +248,8 @@ def verify_burst(lm: LanguageDecoder, pool: DecodePool, num_steps: int, bank=Non
         raise ValueError("verify_burst needs a speculative pool: build it with decode.init_pool(..., speculate=γ >= 1)")
 
     def burst(pool, lm, bank):  # on a meshed pool, every device on its own slots (`slot_mesh.on_slot_devices`)
-        pool, toks = jax.lax.scan(lambda p, _: _maybe_verify(lm, p, bank), pool, None, length=num_steps)
+        (pool, _), toks = jax.lax.scan(lambda c, _: _budgeted_step(lm, c, num_steps, bank), (pool, jnp.float32(0)),
+                                       None, length=num_steps)
         return pool, jnp.moveaxis(toks, 0, 1).reshape(pool.num_slots, -1)
 
     return slot_mesh.on_slot_devices(burst, pool, lm, bank)
