@@ -13,6 +13,19 @@ if os.environ.get("OXYGEN_JAX_TEST_XLA_DEFAULTS") != "1":
             _flags = f"{_flags} {_flag}"
     os.environ["XLA_FLAGS"] = _flags.strip()
 
+# Test modules compile many of the same programs (a tiny engine step, the pool's burst) in separate worker
+# processes and after each module's `jax.clear_caches()`. One persistent compilation cache per test run,
+# shared by the xdist workers and the command-line subprocesses the tests start, compiles each program once
+# (a fresh directory per run: nothing carries over between runs). OXYGEN_JAX_TEST_COMPILE_CACHE=0 turns it off.
+if os.environ.get("OXYGEN_JAX_TEST_COMPILE_CACHE") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    _CACHE = os.path.join(tempfile.gettempdir(), f"oxygen_jax_test_xla_{_run}")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ.setdefault("OXYGEN_JAX_CACHE_DIR", _CACHE)
+
 import pytest  # noqa: E402
 
 from oxygen_jax.models.pi05.config import model_config# noqa: E402
