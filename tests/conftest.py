@@ -17,16 +17,42 @@ if os.environ.get("OXYGEN_JAX_TEST_XLA_DEFAULTS") != "1":
 # processes and after each module's `jax.clear_caches()`. One persistent compilation cache per test run,
 # shared by the xdist workers and the command-line subprocesses the tests start, compiles each program once
 # (a fresh directory per run: nothing carries over between runs). OXYGEN_JAX_TEST_COMPILE_CACHE=0 turns it off.
-if os.environ.get("OXYGEN_JAX_TEST_COMPILE_CACHE") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+_CACHE = None
+
+
+def _use_cache(run_id: str) -> str:
     import tempfile
 
-    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    _CACHE = os.path.join(tempfile.gettempdir(), f"oxygen_jax_test_xla_{_run}")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    cache = os.path.join(tempfile.gettempdir(), f"oxygen_jax_test_xla_{run_id}")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ.setdefault("OXYGEN_JAX_CACHE_DIR", _CACHE)
+    os.environ["OXYGEN_JAX_CACHE_DIR"] = cache
+    return cache
+
+
+if os.environ.get("OXYGEN_JAX_TEST_COMPILE_CACHE") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = _use_cache(os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}")
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    """The controller of an xdist run names the run id itself, so it knows the workers' cache and can remove it."""
+    global _CACHE
+    if _CACHE is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "testrunuid", "") is None:
+        import uuid
+
+        config.option.testrunuid = uuid.uuid4().hex
+        _CACHE = _use_cache(config.option.testrunuid)
+
+
+def pytest_unconfigure(config):
+    if _CACHE is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import shutil
+
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 from oxygen_jax.models.pi05.config import model_config# noqa: E402
 from oxygen_jax.models.pi05.params import init_params# noqa: E402
