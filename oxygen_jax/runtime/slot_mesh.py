@@ -14,9 +14,10 @@ The serving mesh is 2-D, (`robots`, `model`):
 The decode burst runs in a `shard_map` that is manual over `robots` only (`per_device`): each device advances
 its own slots with no cross-device traffic, decides alone whether any of its slots is active (a device whose
 slots are idle skips the step), and the pool cannot be regathered by sharding propagation inside the scan.
-The `model` axis stays automatic inside, so tensor parallelism composes with it. Sharding annotations alone
-(GSPMD over the whole burst) would compute the same numbers but turn each step's "any slot active" into an
-all-reduce and leave the pool's layout inside the loop to the partitioner.
+Sharding annotations alone (GSPMD over the whole burst) would compute the same numbers but turn each step's
+"any slot active" into an all-reduce and leave the pool's layout inside the loop to the partitioner. With
+tensor parallelism (T > 1) the slot programs do run that way, the pool's layout pinned (`manual`, `pin`): a
+per-device branch around a `model`-axis collective would leave its partner devices waiting.
 
 Admission picks free slots as on one device (lowest index first, a global choice over Ns flags), then
 `route` hands each device the requests that landed in its slots (at most Jd, a static shape): the device
