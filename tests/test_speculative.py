@@ -213,13 +213,15 @@ def test_engine_actions_are_bit_identical_and_repeated_requests_draft_from_the_l
     assert len(latency(spec)) > len(latency(plain)) and np.mean(latency(spec)) < np.mean(latency(plain))
 
 
-def test_serve_takes_speculate_as_a_non_negative_gamma():
-    from oxygen_jax.serve import _parser
+@pytest.mark.parametrize("command", ["serve", "run"])
+def test_serve_and_run_take_speculate_as_a_non_negative_gamma(command):
+    import importlib
 
-    assert _parser().parse_args([]).speculate == 0
-    assert _parser().parse_args(["--speculate", "4"]).speculate == 4
+    parser = importlib.import_module(f"oxygen_jax.{command}")._parser
+    assert parser().parse_args([]).speculate == 0
+    assert parser().parse_args(["--speculate", "4"]).speculate == 4
     with pytest.raises(SystemExit):
-        _parser().parse_args(["--speculate", "-1"])
+        parser().parse_args(["--speculate", "-1"])
     with pytest.raises(ValueError, match="speculate"):
         EngineConfig(speculate=-1)
     with pytest.raises(ValueError, match="verify_cost"):
