@@ -204,6 +204,8 @@ class Engine:
         self.vla: MultiHead = vla
         self.config, self.tokenizer, self.bank, self.mesh = config, tokenizer, bank, mesh
         slot_mesh.check_slots(config.num_slots, mesh)
+        if mesh is not None and bank is not None:  # replicated beside the weights, as every device's slots read it
+            self.bank = jax.device_put(bank, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         if not self.vla.has_language:
             raise ValueError("Engine decodes language from the shared prefix: build the ModelSpec with language=True")
         self._unk = None if tokenizer is None else tokenizer.unk_id
