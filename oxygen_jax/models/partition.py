@@ -76,12 +76,3 @@ def param_specs(tree, axis_name: str, size: int):
 
     return jax.tree_util.tree_map_with_path(spec, tree)
 
-
-def split_fraction(tree, size: int) -> float:
-    """The fraction of `tree`'s weight bytes that `param_specs` splits over `size` devices (the rest is
-    replicated): a model's bytes per device are total * (1 - fraction + fraction / size)."""
-    specs = jax.tree.leaves(param_specs(tree, "model", size), is_leaf=lambda x: isinstance(x, PartitionSpec))
-    leaves = jax.tree.leaves(tree)
-    nbytes = [leaf.size * leaf.dtype.itemsize for leaf in leaves]
-    split = sum(b for b, s in zip(nbytes, specs) if any(a is not None for a in s))
-    return split / max(sum(nbytes), 1)
