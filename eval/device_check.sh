@@ -16,6 +16,10 @@
 #   serve     python -m eval.serve_bench: 1 / 4 / 8 robots, batched against one robot at a time
 #   adapter   python -m eval.bench --adapter-rank 16: decode steps and a continuous frame with a
 #             language adapter against the base weights
+#   speculate python -m eval.bench.repeat: the repeat workload (one LIBERO robot, a memory request every
+#             frame repeating its prompt with probability p = 0 / 0.5 / 0.9, N = 20, k = 5), plain
+#             continuous batching against speculative decoding at γ = 4 (k verify steps per frame), with
+#             one decode step and one verify step measured alone (the verify / decode ratio)
 #   train     python -m eval.memory_train_bench: the memory-adapter training step (bf16 base, float32
 #             rank-16 adapter, B = 2, Tp = 100, T = 29), compile time apart, then 5 timed steps
 #
@@ -28,7 +32,8 @@
 #
 # Without a GPU (nvidia-smi lists none) the script says so in one line and exits 0, unless --smoke.
 # --smoke runs every step on the CPU with the tiny preset and tiny sizes (its numbers measure nothing)
-# into --out DIR (default: a new temporary folder); tests/test_device_check.py runs it.
+# into --out DIR (default: a new temporary folder); tests/test_device_check.py runs it. The smoke run leaves
+# out the speculate step (its compiles would double the test) unless DEVICE_CHECK_SPECULATE=1.
 #
 # PYTHON=/path/to/python skips the setup and uses that interpreter.
 set -u -o pipefail
@@ -43,7 +48,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
     --tar) TAR=${2:?--tar needs a file name}; shift ;;
-    -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,38p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "device_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -148,7 +153,8 @@ if [ "$SMOKE" = 1 ]; then
   ADAPTER=(--k 1 --adapter-rank 2 --component-batches 1)
   SERVE=(--robots 1 2 --frames 2 --warmup-frames 1 --repeats 1 --steps 1 --max-tokens 2 --tokens-per-frame 1 --slots 2)
   TRAIN=(--rank 2 --batch-size 1 --cameras 2 --prompt-len 8 --suffix-len 8 --steps 2)
-  CAP_WEIGHTS=120 CAP_SETTINGS=120 CAP_SERVE=120 CAP_ADAPTER=120 CAP_TRAIN=120
+  SPECULATE=(--p 0.9 --frames 1 --warmup 0 --N 2 --k 1 --S 1 --spec 1)
+  CAP_WEIGHTS=120 CAP_SETTINGS=120 CAP_SERVE=120 CAP_ADAPTER=120 CAP_TRAIN=120 CAP_SPECULATE=120
 else
   CACHE="$WORK/xla"  # fresh: the first compile of each program is a real one
   PRESET=pi05 DTYPE=bfloat16
@@ -157,7 +163,8 @@ else
   ADAPTER=(--k 5 --frames 10 --adapter-rank 16 --component-batches 1,6,64)
   SERVE=(--robots 1 4 8 --frames 10 --warmup-frames 2 --repeats 1)
   TRAIN=(--rank 16 --batch-size 2 --cameras 3 --prompt-len 100 --suffix-len 29 --steps 5)  # OxyGen's recipe shapes
-  CAP_WEIGHTS=100 CAP_SETTINGS=190 CAP_SERVE=130 CAP_ADAPTER=60 CAP_TRAIN=100
+  SPECULATE=(--p 0 0.5 0.9 --frames 20 --N 20 --k 5 --S 10 --spec 4)  # the CPU run's workload (docs/benchmarks.md)
+  CAP_WEIGHTS=100 CAP_SETTINGS=190 CAP_SERVE=130 CAP_ADAPTER=60 CAP_TRAIN=100 CAP_SPECULATE=120
 fi
 DEADLINE=$(( $(date +%s) + BUDGET ))
 export JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
@@ -179,6 +186,12 @@ save_params(sys.argv[1], init_params(model_config(sys.argv[2], dtype=sys.argv[3]
     --out "$OUT_DIR/settings"
   if [ "$SMOKE" = 1 ]; then wait "$SERVE_PID"; else serve_step; fi
   step adapter "$CAP_ADAPTER" "$PY" "${BENCH[@]}" "${ADAPTER[@]}" --settings continuous --out "$OUT_DIR/adapter"
+  if [ "$SMOKE" = 0 ] || [ "${DEVICE_CHECK_SPECULATE:-0}" = 1 ]; then
+    SPEC_MODEL=(--preset "$PRESET")
+    [ -d "$WEIGHTS" ] && SPEC_MODEL=(--ckpt "$WEIGHTS")
+    step speculate "$CAP_SPECULATE" "$PY" -m eval.bench.repeat "${SPEC_MODEL[@]}" --dtype "$DTYPE" "${SPECULATE[@]}" \
+      --out "$OUT_DIR/speculate"
+  fi
   step train "$CAP_TRAIN" "$PY" -m eval.memory_train_bench "${MODEL[@]}" --dtype "$DTYPE" "${TRAIN[@]}" \
     --out "$OUT_DIR/train"
 fi
@@ -191,7 +204,7 @@ import datetime, json, sys
 from pathlib import Path
 
 out, smoke, total_s, budget, gpu, py, preset, dtype = Path(sys.argv[1]), sys.argv[2] == "1", *sys.argv[3:9]
-ORDER = ["setup", "weights", "settings", "decode", "serve", "adapter", "train"]
+ORDER = ["setup", "weights", "settings", "decode", "serve", "adapter", "speculate", "train"]
 WHAT = {
     "setup": "GPU extra installed, interpreter chosen",
     "weights": "random weights (seed 0) drawn once and saved",
@@ -199,6 +212,7 @@ WHAT = {
     "decode": "one decode step t(B) against batch B (in the settings run)",
     "serve": "R robots on one server, batched vs one at a time",
     "adapter": "language adapter against the base weights",
+    "speculate": "repeat workload: speculative decoding against continuous batching",
     "train": "memory-adapter training step (base in the model dtype, float32 adapter)",
 }
 steps = {}
@@ -295,6 +309,23 @@ if t:
               f"| {f(t['load_s'])} | {f(t['compile_s'])} | {f(t['first_run_s'], '.2f')} | {f(t['step_ms_median'])} | "
               f"{len(t['step_ms'])} | {f(None if t.get('peak_bytes') is None else t['peak_bytes'] / 2**30, '.1f')} | "
               f"{t['finite']} |", ""]
+
+r = load("speculate/repeat.json")
+if r:
+    c = r["components"]
+    ratios = ", ".join(f"γ = {k.rsplit('g', 1)[1]}: {v / c['decode_step_ms']:.2f}" for k, v in c.items()
+                       if k.startswith("verify_step_ms_g"))
+    lines += [f"## speculative decoding (repeat workload, N = {r['N']}, k = {r['k']})", "",
+              f"One decode step {f(c['decode_step_ms'], '.2f')} ms; verify step / decode step: {ratios}. "
+              f"Same tokens in every setting: {all(x['same_tokens'] for x in r['results'])}.", "",
+              "| p | setting | frame p50 ms | action Hz | tokens/s | latency (frames) | tokens per step |",
+              "|---|---|---|---|---|---|---|"]
+    for res in r["results"]:
+        for name in ["plain", *r["specs"]]:
+            x = res[name]
+            lines.append(f"| {res['p']:g} | {name} | {f(x['frame_ms_median'])} | {f(x['action_hz'])} | "
+                         f"{f(x['tokens_per_s'])} | {f(x['latency_frames_mean'], '.2f')} | {f(x['tokens_per_step'], '.2f')} |")
+    lines.append("")
 
 lines += ["## commands", ""] + [f"- {n}: `{steps[n][2]}`" for n in ORDER if n in steps and n != "decode"]
 (out / "summary.md").write_text("\n".join(lines) + "\n")

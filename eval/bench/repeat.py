@@ -2,6 +2,7 @@
 
     python -m eval.bench.repeat --preset tiny --p 0 0.9 --frames 10 --out /tmp/repeat     # a smoke run
     python -m eval.bench.repeat --preset bench --p 0 0.5 0.9 --out eval/results/cpu_bench_repeat
+    python -m eval.bench.repeat --preset bench --spec 4 4:5:1.66 9:5:2.5 --out DIR   # several budgets, one run
 
 Each robot (a batch row of one LIBERO observation) opens a memory request every frame. With probability p
 the request repeats the robot's usual prompt, whose greedy answer on the same observation is the answer it
@@ -12,20 +13,26 @@ embedding), which any n-gram drafter predicts at every p; the VLM expert's atten
 therefore scaled (`--text-scale`, as the tests' `diverse_text_params`) so that answers vary with the prompt and
 the observation and do not repeat one token. Actions use the same scaled weights in both settings.
 
-Two `Engine`s serve the same frames, interleaved frame by frame (order alternating) on the same observation,
-noise and requests: continuous batching with k decode steps per frame, and the same with speculation
-(`EngineConfig.speculate` = γ: k verify steps per frame, drafts from the robot's earlier answers). Both emit
-the same tokens (checked). Per p and setting: frame time (median, p90), action Hz (Ha / median frame), tokens
-per second, request latency in frames (arrival to last token, requests arriving in measured frames), tokens
-per (slot, step), and the components: one decode step and one verify step at γ (all slots active) measured
-alone, warm, with the ideal frame time the plain and speculative settings would take from them.
+Several `Engine`s serve the same frames, interleaved frame by frame (order rotating) on the same observation,
+noise and requests: continuous batching with k decode steps per frame, and one speculative engine per `--spec
+γ[:k[:c]]` (`EngineConfig.speculate` = γ, a language budget of k decode-step equivalents per frame of which a
+verify step with drafts costs c = `verify_cost`: c = 1 is k verify steps, c = 2.5 at k = 5 two verify steps or
+five decode steps; drafts from the robot's earlier answers). All emit the same tokens (checked). Per p and
+setting: frame time (median, p90), action Hz (Ha · frames / Σ frame time), tokens per second, request latency
+in frames (arrival to last token, requests arriving in measured frames; repeated and fresh apart), tokens per
+(slot, step), and the ideal frame from the components: the actions-only frame (prefix and denoise), one decode
+step and one verify step per γ (every slot active and drafting γ tokens), measured alone, warm, interleaved
+(median); a frame's verify steps are counted as min(steps, floor(k / c)) when some slot took more than one
+token per step, else none (a verify step whose drafts were all rejected counts as a decode step).
 Compiles are timed apart (first frames of each engine); warm-up frames cover the plain ramp.
+`python -m eval.bench.repeat_report DIR` draws the plots.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -42,7 +49,7 @@ from oxygen_jax.models.pi05.config import oxygen_benchmark_robot
 from oxygen_jax.models.pi05.model import as_vla, language_model, prefill
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from oxygen_jax.robots.transforms import make_observation, synthetic_sample
-from oxygen_jax.runtime import decode, speculative
+from oxygen_jax.runtime import decode, frame, speculative
 from oxygen_jax.runtime.engine import Engine, EngineConfig
 
 _USUAL, _FRESH0 = 5, 10  # the usual prompt token; fresh prompts count up from here (never reused in a run)
@@ -51,10 +58,12 @@ _USUAL, _FRESH0 = 5, 10  # the usual prompt token; fresh prompts count up from h
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eval.bench.repeat", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=("tiny", "bench", "pi05"), default="tiny")
+    ap.add_argument("--ckpt", type=Path, default=None, help="a π0.5 checkpoint folder instead of the preset's random weights")
     ap.add_argument("--p", nargs="+", type=float, default=[0.0, 0.5, 0.9], help="repeat probabilities")
     ap.add_argument("--N", type=int_at_least(2), default=20, dest="decode_len", help="tokens per request")
     ap.add_argument("--k", type=int_at_least(1), default=5, help="decode (verify) steps per frame")
-    ap.add_argument("--gamma", type=int_at_least(1), default=4, help="draft tokens per verify step")
+    ap.add_argument("--spec", nargs="+", type=_spec, default=None, metavar="G[:K[:C]]",
+                    help="speculative settings: γ draft tokens, budget K (default --k), verify cost C (default 1)")
     ap.add_argument("--S", type=int_at_least(1), default=10, dest="num_steps", help="denoise steps")
     ap.add_argument("--robots", type=int_at_least(1), default=1, help="batch rows; each opens a request per frame")
     ap.add_argument("--slots", type=int_at_least(1), default=None, help="decode slots (default: enough for plain)")
@@ -68,6 +77,28 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    gamma: int  # draft tokens per verify step
+    k: int | None  # the frame's language budget in decode steps (None: --k)
+    cost: float  # decode steps a verify step with drafts is charged
+
+    def name(self, k: int) -> str:
+        return f"spec g{self.gamma} k{self.k or k} c{self.cost:g}"
+
+
+def _spec(text: str) -> _Spec:
+    """'4', '4:5' or '4:5:1.66' -> _Spec (γ >= 1, k >= 1, c >= 1)."""
+    parts = text.split(":")
+    try:
+        gamma, k, cost = int(parts[0]), int(parts[1]) if len(parts) > 1 else None, float(parts[2]) if len(parts) > 2 else 1.0
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"--spec wants G[:K[:C]] (e.g. 4 or 9:5:2.5), got {text!r}") from None
+    if len(parts) > 3 or gamma < 1 or (k is not None and k < 1) or cost < 1:
+        raise argparse.ArgumentTypeError(f"--spec wants γ >= 1, K >= 1, C >= 1 in G[:K[:C]], got {text!r}")
+    return _Spec(gamma, k, cost)
+
+
 def _varied_text(params, scale: float):
     """Stacked π0.5 `Params` whose random VLM expert does not just echo its input token (see the docstring)."""
     layers = params.vlm.layers
@@ -76,36 +107,57 @@ def _varied_text(params, scale: float):
     return dataclasses.replace(params, vlm=dataclasses.replace(params.vlm, layers=layers))
 
 
-def _components(params, obs, slots: int, m: int, gamma: int, repeats: int = 5) -> dict:
-    """Warm medians of one decode step and one verify step at γ with every slot active, every slot drafting γ tokens."""
+def _components(vla, params, obs, slots: int, m: int, gammas, horizon: int, repeats: int = 5) -> dict:
+    """Warm medians (ms), measured interleaved: the actions-only frame (prefix and denoise), one decode step, and
+    one verify step per γ with every slot active and drafting γ tokens (the full [Ns, γ + 1] block)."""
     lm, cache = language_model(params), prefill(params, obs)
-    out = {}
-    for name, speculate in (("decode_step_ms", 0), ("verify_step_ms", gamma)):
-        times = []
-        for _ in range(repeats + 1):
-            pool = decode.init_pool(lm, slots, cache.length, m, 0, speculate=speculate)
-            req = decode.make_requests(slots, 0, list(range(slots)), budgets=[m] * slots, stop_ids=[-1] * slots)
-            pool, _, _ = decode.admit(lm, pool, cache, req)
-            if speculate:  # every slot drafts γ tokens ("7 7 ..." after its token 0): the full [Ns, γ + 1] block
-                ref = pool.draft_ref.at[:, 1:].set(7).at[:, 0].set(pool.tokens[:, 0])
-                pool = dataclasses.replace(pool, draft_ref=ref)
-            jax.block_until_ready(pool)
+    noise = {n: jax.random.normal(jax.random.key(0), (1, *vla.action_shape(n, horizon))) for n in vla.heads}
+
+    def pool_for(speculate):
+        pool = decode.init_pool(lm, slots, cache.length, m, 0, speculate=speculate)
+        req = decode.make_requests(slots, 0, list(range(slots)), budgets=[m] * slots, stop_ids=[-1] * slots)
+        pool, _, _ = decode.admit(lm, pool, cache, req)
+        if speculate:  # every slot drafts γ tokens ("7 7 ..." after its token 0)
+            pool = dataclasses.replace(pool, draft_ref=pool.draft_ref.at[:, 1:].set(7).at[:, 0].set(pool.tokens[:, 0]))
+        return jax.block_until_ready(pool)
+
+    calls = {"actions_frame_ms": lambda: (lambda: frame.actions_program(vla, obs, noise)),
+             "decode_step_ms": lambda: functools.partial(decode.decode_burst, lm, pool_for(0), 1)}
+    for g in gammas:
+        calls[f"verify_step_ms_g{g}"] = lambda g=g: functools.partial(speculative.verify_burst, lm, pool_for(g), 1)
+    times = {name: [] for name in calls}
+    for r in range(repeats + 1):  # round 0 compiles
+        for name in (list(calls) if r % 2 else list(reversed(calls))):
+            call = calls[name]()
             start = time.perf_counter()
-            burst = speculative.verify_burst if speculate else decode.decode_burst
-            jax.block_until_ready(burst(lm, pool, 1))
-            times.append((time.perf_counter() - start) * 1e3)
-        out[name] = statistics.median(times[1:])
-    return out
+            jax.block_until_ready(call())
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(ts[1:]) for name, ts in times.items()}
 
 
-def _run_p(p: float, engines: dict[str, Engine], obs, args, rng, horizon: int, fresh) -> dict:
+def _ideal_ms(frames: list[dict], comp: dict, spec: _Spec | None, k: int) -> float:
+    """Mean ideal frame (ms) from the components and each frame's steps (see the module docstring)."""
+    total = 0.0
+    for fr in frames:
+        verify = 0
+        if spec is not None and fr["steps"] and fr["tokens_per_step"] > 1:
+            verify = min(fr["steps"], int((spec.k or k) / spec.cost + 1e-4))
+        step_ms = comp[f"verify_step_ms_g{spec.gamma}"] if spec is not None else 0.0
+        total += comp["actions_frame_ms"] + verify * step_ms + (fr["steps"] - verify) * comp["decode_step_ms"]
+    return total / len(frames)
+
+
+def _run_p(p: float, engines: dict[str, Engine], specs: dict[str, _Spec], comp: dict, obs, args, rng, horizon: int,
+           fresh) -> dict:
     warm = args.warmup if args.warmup is not None else math.ceil(args.decode_len / args.k) + 1
     total, drain = warm + args.frames, math.ceil(args.decode_len / args.k) + 1
     arrivals = [[[_USUAL] if rng.random() < p else [next(fresh)] for _ in range(args.robots)] for _ in range(total)]
     rows = list(range(args.robots))
     rec: dict[str, dict] = {name: {"frames": [], "requests": {}} for name in engines}
+    names = list(engines)
     for f in range(total + drain):
-        order = list(engines) if f % 2 == 0 else list(reversed(engines))
+        order = names[f % len(names):] + names[:f % len(names)]
+        order = order if f % 2 == 0 else order[::-1]
         for name in order:
             eng, r = engines[name], rec[name]
             if f < total:
@@ -119,23 +171,28 @@ def _run_p(p: float, engines: dict[str, Engine], obs, args, rng, horizon: int, f
                 r["frames"].append({"ms": res.frame_ms, "tokens": sum(map(len, res.new_tokens.values())), "steps": res.steps,
                                     "tokens_per_step": res.tokens_per_step, "batch": res.batch})
     out = {}
+    mean = lambda xs: statistics.mean(xs) if xs else math.nan  # noqa: E731
     for name, r in rec.items():
         measured = [q for q in r["requests"].values() if warm <= q["arrival"] < total]
         done = [q for q in measured if "latency" in q]
         ms = [fr["ms"] for fr in r["frames"]]
         emitted = sum(fr["tokens"] for fr in r["frames"])
-        tps = [fr["tokens_per_step"] for fr in r["frames"] if fr["steps"]]
+        stepped = [fr for fr in r["frames"] if fr["steps"]]
         out[name] = {
             "frame_ms_median": statistics.median(ms), "frame_ms_p90": float(np.percentile(ms, 90)),
-            "action_hz": horizon * 1e3 / statistics.median(ms),
+            "frame_ms_mean": statistics.mean(ms), "action_hz": horizon * len(ms) * 1e3 / sum(ms),
             "tokens_per_s": emitted / (sum(ms) / 1e3), "requests": len(measured), "finished": len(done),
-            "latency_frames_mean": statistics.mean(q["latency"] for q in done) if done else math.nan,
+            "latency_frames_mean": mean([q["latency"] for q in done]),
             "latency_frames_p90": float(np.percentile([q["latency"] for q in done], 90)) if done else math.nan,
-            "tokens_per_step": statistics.mean(tps) if tps else math.nan,
-            "repeat_share": statistics.mean(q["repeat"] for q in measured) if measured else math.nan,
+            "latency_repeat_mean": mean([q["latency"] for q in done if q["repeat"]]),
+            "latency_fresh_mean": mean([q["latency"] for q in done if not q["repeat"]]),
+            "tokens_per_step": mean([fr["tokens_per_step"] for fr in stepped]),
+            "steps_per_frame": mean([fr["steps"] for fr in r["frames"]]),
+            "ideal_frame_ms": _ideal_ms(r["frames"], comp, specs.get(name), args.k),
+            "repeat_share": mean([q["repeat"] for q in measured]),
         }
-    same = all(rec["plain"]["requests"][i].get("tokens") == rec["speculative"]["requests"][i].get("tokens")
-               for i in rec["plain"]["requests"])
+    plain = rec["plain"]["requests"]
+    same = all(plain[i].get("tokens") == rec[n]["requests"][i].get("tokens") for n in rec for i in plain)
     return {"p": p, "same_tokens": same, **out}
 
 
@@ -145,7 +202,7 @@ def main(argv=None) -> int:
 
     from oxygen_jax.models.pi05.params import for_backend
 
-    loaded = load.load_model(None, preset=args.preset, family="pi05", dtype=args.dtype, seed=args.seed, backend="gpu")
+    loaded = load.load_model(args.ckpt, preset=None if args.ckpt else args.preset, family="pi05", dtype=args.dtype, seed=args.seed, backend="gpu")
     params = for_backend(_varied_text(loaded.params, args.text_scale) if args.text_scale else loaded.params)
     robot = oxygen_benchmark_robot("libero")
     rng = np.random.default_rng(args.seed)
@@ -155,29 +212,41 @@ def main(argv=None) -> int:
     vla = as_vla(params, args.num_steps)
     cfg = EngineConfig(num_slots=slots, max_new_tokens=args.decode_len, prompt_capacity=1,
                        admissions_per_frame=args.robots, tokens_per_frame=args.k, action_horizon=robot.action_horizon)
-    engines = {"plain": Engine(vla, cfg), "speculative": Engine(vla, dataclasses.replace(cfg, speculate=args.gamma))}
+    specs = {s.name(args.k): s for s in (args.spec or [_Spec(4, None, 1.0)])}
+    engines = {"plain": Engine(vla, cfg)}
+    for name, s in specs.items():
+        engines[name] = Engine(vla, dataclasses.replace(cfg, speculate=s.gamma, tokens_per_frame=s.k or args.k,
+                                                        verify_cost=s.cost))
+    load_start = list(os.getloadavg())
     compile_s = {name: eng.warmup(obs) for name, eng in engines.items()}
     fresh = iter(range(_FRESH0, vla.vocab_size))  # the engines remember answers across p: a fresh prompt is new
-    comp = _components(params, obs, slots, args.decode_len, args.gamma)
+    comp = _components(vla, params, obs, slots, args.decode_len, sorted({s.gamma for s in specs.values()}),
+                       robot.action_horizon)
+    print(f"components (ms): {json.dumps({k: round(v, 1) for k, v in comp.items()})}", file=sys.stderr)
     results = []
     for p in args.p:
-        res = _run_p(p, engines, obs, args, np.random.default_rng([args.seed, int(p * 1000)]), robot.action_horizon,
-                     fresh)
+        res = _run_p(p, engines, specs, comp, obs, args, np.random.default_rng([args.seed, int(p * 1000)]),
+                     robot.action_horizon, fresh)
+        res["loadavg"] = list(os.getloadavg())
         results.append(res)
-        pl, sp = res["plain"], res["speculative"]
-        print(f"p={p:g}: frame {pl['frame_ms_median']:.1f} / {sp['frame_ms_median']:.1f} ms, action Hz "
-              f"{pl['action_hz']:.1f} / {sp['action_hz']:.1f}, tokens/s {pl['tokens_per_s']:.1f} / "
-              f"{sp['tokens_per_s']:.1f}, latency {pl['latency_frames_mean']:.2f} / {sp['latency_frames_mean']:.2f} "
-              f"frames, tokens per step {pl['tokens_per_step']:.2f} / {sp['tokens_per_step']:.2f} (plain / speculative)"
-              f"{'' if res['same_tokens'] else '  TOKENS DIFFER'}", file=sys.stderr)
-    record = {"preset": args.preset, "dtype": args.dtype, "text_scale": args.text_scale, "N": args.decode_len, "k": args.k, "gamma": args.gamma,
+        for name in engines:
+            r = res[name]
+            print(f"p={p:g} {name:>16}: frame {r['frame_ms_median']:.0f} ms (ideal {r['ideal_frame_ms']:.0f}), action Hz "
+                  f"{r['action_hz']:.2f}, tokens/s {r['tokens_per_s']:.1f}, latency {r['latency_frames_mean']:.2f} frames, "
+                  f"tokens per step {r['tokens_per_step']:.2f}", file=sys.stderr)
+        print(f"p={p:g}: {'same tokens' if res['same_tokens'] else 'TOKENS DIFFER'}, load {res['loadavg'][0]:.1f}",
+              file=sys.stderr)
+    record = {"preset": args.preset, "dtype": args.dtype, "text_scale": args.text_scale, "N": args.decode_len, "k": args.k,
+              "specs": {name: dataclasses.asdict(s) for name, s in specs.items()},
               "S": args.num_steps, "robots": args.robots, "slots": slots, "frames": args.frames,
-              "backend": jax.default_backend(), "compile_s": compile_s, "components": comp,
-              "loadavg": list(os.getloadavg()), "results": results}
+              "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "compile_s": compile_s,
+              "components": comp, "loadavg_start": load_start, "loadavg": list(os.getloadavg()),
+              "command": "python -m eval.bench.repeat " + " ".join(sys.argv[1:] if argv is None else argv),
+              "results": results}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "repeat.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({"components": comp, "compile_s": compile_s}))
+    print(json.dumps({"components": comp, "compile_s": compile_s, "same_tokens": all(r["same_tokens"] for r in results)}))
     return 0
 
 
