@@ -7,21 +7,23 @@ Defaults follow openpi's π0.5 fine-tuning recipe: AdamW (b1 0.9, b2 0.95, eps 1
 1e-10) after global-norm clipping at 1.0, with a cosine schedule (linear warm-up to the peak, then
 cosine decay). Noise and time are drawn per step the way openpi draws them
 (`model.sample_noise_and_time`) from the key the caller passes for the step (openpi uses
-`fold_in(run_key, step)`).
+`fold_in(run_key, step)`). Data parallel, on one process or several: `make_sharded_train_step`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.models.pi05.params import Params
+from training import distributed
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,8 +77,7 @@ def init_train_state(params: Params, optimizer: optax.GradientTransformation) ->
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), optimizer=optimizer)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def train_step(state: TrainState, rng: jax.Array, observation: Observation, actions: jax.Array):
+def _train_step(state: TrainState, rng: jax.Array, observation: Observation, actions: jax.Array):
     """One optimisation step on the mean flow-matching loss. Donates `state`.
 
     Args:
@@ -93,3 +94,25 @@ def train_step(state: TrainState, rng: jax.Array, observation: Observation, acti
     params = optax.apply_updates(state.params, updates)
     new = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state)
     return new, step_metrics(loss, grads, (params, opt_state))
+
+
+train_step = jax.jit(_train_step, donate_argnames=("state",))
+
+
+def make_sharded_train_step(mesh: Mesh, state: TrainState, *, fsdp_min_size: int | None = None):
+    """`train_step` over a data-parallel mesh (one process or several, `training.distributed`), and `state` placed.
+
+    The batch (`observation`, `actions`: global [B, ...] arrays, e.g. `distributed.global_batch` of each process's
+    rows) is split over the mesh's "data" axis and XLA all-reduces the gradients; parameters and optimizer
+    state are replicated, or, with `fsdp_min_size`, leaves of at least that many elements are sharded (FSDP,
+    `distributed.fsdp_spec`). Noise and time are drawn for the global batch (`jax_threefry_partitionable`), so
+    the step computes what `train_step` computes on the whole batch, up to float32 summation order.
+
+    Returns:
+      (step(state, rng, observation, actions) -> (state, metrics), the state placed on the mesh). Donates `state`.
+    """
+    shardings = distributed.state_shardings(state, mesh, fsdp_min_size)
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(distributed.DATA))
+    step = jax.jit(_train_step, donate_argnames=("state",), in_shardings=(shardings, rep, rows, rows),
+                   out_shardings=(shardings, rep))
+    return step, distributed.put(state, shardings)

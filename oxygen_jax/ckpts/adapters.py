@@ -137,7 +137,10 @@ def save_adapter(
         **({"extra": dict(extra)} if extra else {}),
     }
     dest.mkdir(parents=True)
-    ocp.PyTreeCheckpointer().save(dest / "lora", unflatten_dict(flat, sep="/"))  # openpi's nested layout
+    # This process alone (in a multi-process run the others never reach orbax's barriers).
+    only_me = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(), active_processes={jax.process_index()})
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=only_me), multiprocessing_options=only_me).save(
+        dest / "lora", unflatten_dict(flat, sep="/"))  # openpi's nested layout
     (dest / "adapter.json").write_text(json.dumps(meta, indent=1) + "\n")
     return dest
 

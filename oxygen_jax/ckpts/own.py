@@ -125,7 +125,10 @@ def save_params(
     flat = {k: np.asarray(v) for k, v in flat.items()}  # one device-to-host copy, hashed and written
     # The synchronous Checkpointer has finished writing when save() returns (the async ones need
     # wait_until_finished()).
-    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    # Written by this process alone (in a multi-process run the others never reach orbax's barriers).
+    only_me = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(), active_processes={jax.process_index()})
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(multiprocessing_options=only_me)), multiprocessing_options=only_me)
     try:
         checkpointer.save(
             dest,
