@@ -34,7 +34,18 @@ trainable leaves, optimizer state) is saved by an orbax `CheckpointManager` with
 verifies them, falls back past damaged steps and is bit-identical. A step whose loss, gradient norm or state is
 not finite stops the run: nothing is evaluated, checkpointed or saved from it.
 Data parallelism: the batch is sharded over the `data` axis of a `jax.sharding.Mesh`, parameters, bank and
-optimizer state are replicated (`model.make_mesh`).
+optimizer state are replicated (`model.make_mesh`), or leaves above `--fsdp-min-size` elements are sharded (FSDP).
+Several processes (hosts) train one run (`training.distributed`, docs/multihost.md; measured on CPU with gloo
+only, never on GPUs):
+
+    for i in 0 1; do python -m training.memory --base B/base --data DS --out A --coordinator localhost:12345 \\
+        --num-processes 2 --process-id $i & done; wait
+    srun python -m training.memory --base B/base --data DS --out A      # SLURM / Open MPI: detected
+
+Each process decodes only its rows of every batch; process 0 alone writes files, logs and the adapter or base;
+every process writes its shards of the checkpoints, which resume on any process count; the evaluation's
+batches are split over the processes; `--fixed-order-reduction` makes the gradient sum bit-identical across
+process layouts; `--heartbeat-timeout` bounds how long the others run after one process dies.
 
 Held-out evaluation decodes greedily through the real slot pool (`oxygen_jax.runtime.engine.Engine`, one frame per
 batch), not by teacher forcing.

@@ -6,6 +6,10 @@ steps are moved to checkpoints.rejected/), metrics.jsonl and run.json. Bad input
 --out, a batch larger than the training split, a --suffix-len too short for a split, checkpoints of another
 run or none intact) is one line on stderr and exit status 2; a run whose loss, gradients or state become
 non-finite stops at that step with one line and exit status 1, writing no adapter, base or checkpoint from it. Axes (`oxygen_jax.axes`): T suffix tokens, Tp prompt tokens in the prefix, V vocabulary.
+
+Several processes (`--coordinator HOST:PORT --num-processes N --process-id I`, or nothing under SLURM / Open MPI,
+see `training.distributed`) train one data-parallel run: each decodes its own rows, every process writes its shards
+of the checkpoints, and only process 0 writes the tokenizer, run.json, metrics.jsonl and the adapter or base.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from oxygen_jax.models.pi05.params import Params, for_backend, init_params
 from oxygen_jax.robots.tokenizer import (
     MIN_TRAINED_VOCAB, Tokenizer, encode_suffix_prompt, train_demo_tokenizer, train_text_tokenizer,
 )
+from training import distributed
 from training.memory.checkpoints import CheckpointError, first_non_finite
 from training.memory.config import DEMO_PROMPT_LEN, TrainConfig, checkpoint_config_json, preset_config
 from training.memory.data import TextTask, task_texts
@@ -144,6 +149,18 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--augment", type=float_in(0), default=d.augment,
                    help="image augmentation: random shift up to this fraction of the side, brightness x(1 +- it)")
     o.add_argument("--devices", type=int_at_least(1), default=None, help="data-parallel devices (default: all)")
+    o.add_argument("--fixed-order-reduction", action="store_true",
+                   help="sum gradients over devices in a fixed order (all-gather, then device 0 first): the same bits "
+                        "for any process layout of the same number of devices (slower; for bit-exact comparisons)")
+    o.add_argument("--fsdp-min-size", type=int_at_least(1), default=None, metavar="ELEMENTS",
+                   help="FSDP: shard trainable and optimizer leaves of at least this many elements over the devices "
+                        "(default: everything replicated)")
+    g = p.add_argument_group("multi-process (see docs/multihost.md; none under SLURM / Open MPI: detected)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address and a free port")
+    g.add_argument("--num-processes", type=int_at_least(1), default=None, metavar="N")
+    g.add_argument("--process-id", type=int_at_least(0), default=None, metavar="I")
+    g.add_argument("--heartbeat-timeout", type=int_at_least(1), default=100, metavar="SECONDS",
+                   help="a process silent this long counts as dead: every other process exits non-zero")
     e = p.add_argument_group("evaluation and checkpoints")
     e.add_argument("--eval-every", type=int_at_least(0), default=100, help="held-out greedy exact match every N steps (0: at the end)")
     e.add_argument("--eval-frames", type=int_at_least(1), default=None, help="held-out frames per evaluation (default: all)")
@@ -160,6 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["export-demo"]:
         return export_main(argv[1:])
     args = _parser().parse_args(argv)
+    try:
+        distributed.initialize(distributed.DistributedConfig(
+            coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
+            heartbeat_timeout_s=args.heartbeat_timeout))
+    except ValueError as e:
+        print(f"python -m training.memory: error: {e}", file=sys.stderr)
+        return 2
     try:
         return _run(args, argv)
     except (_Refused, CheckpointError) as e:
@@ -237,51 +261,71 @@ def _run(args, argv: list[str]) -> int:
     run = {"argv": argv, "base": what, "data": str(args.data.resolve()),
            "train_frames": len(train_src), "eval_frames": len(eval_src) if eval_src is not None else 0,
            "tokenizer_vocab": tokenizer.vocab_size, "prompt_len": args.prompt_len, "config": config.to_json(),
-           "model": checkpoint_config_json(params.config), "devices": devices}
-    print(f"{args.mode}: {what}; {len(train_src)} train / {len(eval_src) if eval_src else 0} eval frames; "
-          f"task {prompt!r} -> {label_key!r}, T={suffix_len}; {devices} device(s)", flush=True)
+           "model": checkpoint_config_json(params.config), "devices": devices, "processes": jax.process_count(),
+           "fixed_order_reduction": args.fixed_order_reduction, "fsdp_min_size": args.fsdp_min_size}
+    primary = distributed.is_primary()
+    if primary:
+        print(f"{args.mode}: {what}; {len(train_src)} train / {len(eval_src) if eval_src else 0} eval frames; "
+              f"task {prompt!r} -> {label_key!r}, T={suffix_len}; {devices} device(s), {jax.process_count()} process(es)",
+              flush=True)
     digest_before = tree_digest(params)  # identifies the base a checkpoint continues (base mode trains from it)
     run_meta = {"base_digest": digest_before, "prompt_len": args.prompt_len, "tokenizer_vocab": tokenizer.vocab_size}
     def write_run_files():  # on a fresh start, or once a checkpoint was accepted (a refused resume changes nothing)
+        if not primary:
+            return
         tok_file.write_bytes(tokenizer.to_bytes())
         (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
 
     ckpt_dir = out / "checkpoints"
     if not (ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())):
         write_run_files()
-    with open(out / "metrics.jsonl", "a") as metrics_file:
+    distributed.barrier("training_memory_started")  # every process has seen the checkpoints before any writes one
+    with open(out / "metrics.jsonl", "a") if primary else open(os.devnull, "w") as metrics_file:
         def log(entry):
             if entry["event"] == "resumed":
                 write_run_files()
             metrics_file.write(json.dumps(entry) + "\n")
             metrics_file.flush()
-            if entry["event"] != "train":
+            if entry["event"] != "train" and primary:
                 print(json.dumps(entry), flush=True)
 
+        try:
+            mesh = make_mesh(None if jax.process_count() > 1 and args.devices is None else devices)
+        except ValueError as e:
+            raise _Refused(str(e)) from None
         result = train(config, params, task, train_src, eval_source=eval_src, eval_every=args.eval_every,
                        eval_frames=args.eval_frames, checkpoint_dir=ckpt_dir,
-                       checkpoint_every=args.checkpoint_every, stop_at=args.stop_at, mesh=make_mesh(devices),
-                       progress=not args.no_progress, log=log, run_meta=run_meta)
-    if not base_mode:  # the frozen base, checked rather than assumed
+                       checkpoint_every=args.checkpoint_every, stop_at=args.stop_at, mesh=mesh,
+                       fixed_order=args.fixed_order_reduction, fsdp_min_size=args.fsdp_min_size,
+                       progress=primary and not args.no_progress, log=log, run_meta=run_meta)
+    # One line per process (tests count them): the frames this process read and decoded.
+    print(f"process {jax.process_index()} of {jax.process_count()}: decoded {result.frames_decoded} training frames",
+          flush=True)
+    if not base_mode and primary:  # the frozen base, checked rather than assumed
         unchanged = tree_digest(params) == digest_before
         with open(out / "metrics.jsonl", "a") as metrics_file:
             metrics_file.write(json.dumps({"event": "base_check", "base_leaves_bit_identical": unchanged}) + "\n")
         print(f"base leaves bit-identical after training: {unchanged}")
-    if int(result.state.step) < config.steps:
-        print(f"stopped at step {int(result.state.step)} of {config.steps}; rerun the same command to resume")
+    step = int(distributed.host(result.state.step))
+    if step < config.steps:
+        if primary:
+            print(f"stopped at step {step} of {config.steps}; rerun the same command to resume")
         return 0
-    if base_mode:
-        final = with_base_trainable(params, jax.device_get(result.state.trainable))
-        _require_finite(final, f"the trained base of step {config.steps}")
-        dest = own.save_params(out / "base", final, overwrite=True)
-    else:
-        adapter = jax.device_get(result.state.trainable).adapter(1)
-        _require_finite(adapter, f"the adapter of step {config.steps}")
-        dest = save_adapter(out / "adapter", adapter, name=DEFAULT_ADAPTER_NAME, prompt=prompt, base=args.base,
-                            extra={"label_key": label_key, "suffix_len": suffix_len, "prompt_len": args.prompt_len,
-                                   "steps": config.steps}, overwrite=True)
+    trainable = distributed.host(result.state.trainable)  # full values (gathered when FSDP-sharded), every process
+    final = with_base_trainable(params, trainable) if base_mode else trainable.adapter(1)
+    _require_finite(final, f"the {'trained base' if base_mode else 'adapter'} of step {config.steps}")  # every process
+    dest = None
+    if primary:  # one writer: no race on the folder, no barrier the others never reach
+        if base_mode:
+            dest = own.save_params(out / "base", final, overwrite=True)
+        else:
+            dest = save_adapter(out / "adapter", final, name=DEFAULT_ADAPTER_NAME, prompt=prompt, base=args.base,
+                                extra={"label_key": label_key, "suffix_len": suffix_len, "prompt_len": args.prompt_len,
+                                       "steps": config.steps}, overwrite=True)
+    distributed.barrier("training_memory_saved")  # no process exits before the weights are on disk
     evals = [h for h in result.history if h["event"] == "eval"]
-    print(f"saved {dest}" + (f"; held-out greedy exact match {evals[-1]['exact_match']:.3f}" if evals else ""))
+    if primary:
+        print(f"saved {dest}" + (f"; held-out greedy exact match {evals[-1]['exact_match']:.3f}" if evals else ""))
     return 0
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from training import distributed
+
 STATE_FORMAT = 2  # 2: per-leaf and per-file SHA-256 (format 1, before verification, had neither)
 DIGESTS_FILE = "digests.json"  # in each step folder, beside orbax's items
 
@@ -175,18 +177,22 @@ class StateCheckpoints:
         return self.manager.latest_step()
 
     def save(self, state, meta: Mapping) -> None:
-        """Writes `state` (host copies, exact bytes) with its digests as step `state.step`.
+        """Writes `state` (exact bytes) with its digests as step `state.step`; every process calls it.
+
+        The arrays are written as they are laid out: with several processes each writes its own shards (FSDP
+        leaves are never gathered into one file), and the step restores onto any number of processes. The
+        digests are of the full values (gathered on every process); process 0 writes the file digests.
 
         Raises:
           ValueError: a float leaf is NaN or ±inf (nothing is written).
         """
-        names = leaf_names(state)
-        host = {n: np.asarray(x) for n, x in zip(names, jax.device_get(jax.tree.leaves(state)))}
-        step = int(np.asarray(jax.device_get(state.step)))
+        names, leaves = leaf_names(state), jax.tree.leaves(state)
+        host = dict(zip(names, distributed.host(leaves)))
+        step = int(distributed.host(state.step))
         bad = first_non_finite(host)
         if bad is not None:
             raise ValueError(f"refusing to save the training state of step {step}: {bad} is not finite")
-        flat = {f"{i:04d}": x for i, x in enumerate(host.values())}
+        flat = {f"{i:04d}": x for i, x in enumerate(leaves)}
         info = {**meta, "format": STATE_FORMAT, "leaves": names, "step": step,
                 "sha256": [leaf_sha256(x) for x in host.values()]}
         info["json_sha256"] = _json_sha256(info)
@@ -194,7 +200,10 @@ class StateCheckpoints:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(info)),
                           force=True)
         self.manager.wait_until_finished()
-        _write_file_digests(self._step_dir(step))
+        distributed.barrier(f"state_checkpoint_written_{step}")
+        if distributed.is_primary():
+            _write_file_digests(self._step_dir(step))
+        distributed.barrier(f"state_checkpoint_digested_{step}")
 
     def restore(self, template, meta: Mapping, step: int | None = None):
         """The verified state of `step` (default the latest), shaped like `template`.
@@ -233,9 +242,12 @@ class StateCheckpoints:
                 if report is not None:
                     report(step, str(why))
                 continue
-            for bad, _ in rejected:
-                self._move_aside(bad)
             if rejected:
+                distributed.barrier("state_checkpoint_verified")
+                if distributed.is_primary():
+                    for bad, _ in rejected:
+                        self._move_aside(bad)
+                distributed.barrier("state_checkpoint_moved_aside")
                 with _quiet_orbax():
                     self.manager.reload()
             return state
@@ -276,12 +288,16 @@ class StateCheckpoints:
         digests = info.get("sha256")
         if not isinstance(digests, list) or len(digests) != len(leaves):
             raise _Rejected("its JSON item has no digest per leaf")
-        abstract = {f"{i:04d}": jax.ShapeDtypeStruct(np.shape(x), x.dtype) for i, x in enumerate(leaves)}
+        # Restored with the template's layout (e.g. this run's mesh), whatever layout wrote the step.
+        abstract = {f"{i:04d}": jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                     sharding=x.sharding if isinstance(x, jax.Array) else None)
+                    for i, x in enumerate(leaves)}
         with _quiet_orbax():
             try:
                 restored = self.manager.restore(
                     step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-                host = [np.asarray(restored[f"{i:04d}"]) for i in range(len(leaves))]
+                arrays = [restored[f"{i:04d}"] for i in range(len(leaves))]
+                host = distributed.host(arrays)
             except Exception as e:  # truncated, emptied or missing array files
                 raise _Rejected(f"its arrays do not read ({_one_line(e)})") from None
         for name, x, want in zip(names, host, digests):
@@ -290,7 +306,8 @@ class StateCheckpoints:
         bad = first_non_finite(dict(zip(names, host)))
         if bad is not None:
             raise _Rejected(f"leaf {bad} is not finite")
-        return jax.tree_util.tree_unflatten(treedef, host)
+        keep = [a if isinstance(x, jax.Array) else h for a, h, x in zip(arrays, host, leaves)]
+        return jax.tree_util.tree_unflatten(treedef, keep)
 
     def _move_aside(self, step: int) -> None:
         src = self._step_dir(step)

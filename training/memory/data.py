@@ -39,12 +39,20 @@ class StepBatches:
     """The batch of every step as a pure function of (seed, step): epoch = step // batches per epoch, rows from
     `epoch_batches(..., seed, epoch)` (full batches only), unless the source draws its own rows with a
     `batch_indices(step, batch_size, seed)` method (OxyGen's balanced sampler, `training.oxygen_libero`). Resuming
-    at any step needs no iterator state."""
+    at any step needs no iterator state.
+
+    `rows` = (start, stop): materialise only those rows of every global batch (one process's share,
+    `training.distributed.process_rows`); which frames they are and how they are augmented does not depend on
+    the number of processes. `frames_decoded` counts the frames read from the source so far."""
 
     def __init__(self, source: Sequence[Mapping], task: TextTask, model_config: ModelConfig, *, batch_size: int,
-                 seed: int, augment: float = 0.0):
+                 seed: int, augment: float = 0.0, rows: tuple[int, int] | None = None):
         self.source, self.task, self.model_config = source, task, model_config
         self.batch_size, self.seed, self.augment = batch_size, seed, augment
+        self.rows = (0, batch_size) if rows is None else rows
+        if not 0 <= self.rows[0] < self.rows[1] <= batch_size:
+            raise ValueError(f"StepBatches.rows must be a non-empty range within [0, {batch_size}), got {rows}")
+        self.frames_decoded = 0
         self.per_epoch = len(source) // batch_size
         if self.per_epoch == 0:
             raise ValueError(f"the training split has {len(source)} frames, fewer than batch_size={batch_size}")
@@ -60,10 +68,13 @@ class StepBatches:
         return self._epoch[1][i]
 
     def __call__(self, step: int) -> MemoryBatch:
-        idx = self.indices(step)
+        """The rows `self.rows` of step `step`'s batch."""
+        start, stop = self.rows
+        idx = self.indices(step)[start:stop]
         frames = [self.source[int(i)] for i in idx]
-        if self.augment:
-            frames = [augment_frame(f, self.augment, np.random.default_rng([self.seed, int(step), r]))
+        self.frames_decoded += len(frames)
+        if self.augment:  # drawn per global row: the same pixels whatever the process layout
+            frames = [augment_frame(f, self.augment, np.random.default_rng([self.seed, int(step), start + r]))
                       for r, f in enumerate(frames)]
         try:
             return self.task.batch(frames, self.model_config)

@@ -21,7 +21,7 @@ from oxygen_jax.models.pi05.params import Params
 from oxygen_jax.robots.tokenizer import Tokenizer
 from oxygen_jax.runtime.engine import Engine, EngineConfig
 from training.memory.data import TextTask, fixed_batches
-from training.memory_data import MemoryBatch, frame_texts
+from training.memory_data import MemoryBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +100,23 @@ def greedy_exact_match(params: Params, task: TextTask, source: Sequence[Mapping]
                        limit: int | None = None) -> float:
     """Held-out greedy exact match (normalised) of `task` answers decoded by the slot pool (adapter id 1 when
     a bank is given)."""
-    batches = fixed_batches(source, task, params.config, batch_size, limit)
+    hits, count = exact_match_hits(params, task, source, bank=bank, batch_size=batch_size, limit=limit)
+    return hits / count
+
+
+def exact_match_hits(params: Params, task: TextTask, source: Sequence[Mapping], *, bank=None, batch_size: int = 16,
+                     limit: int | None = None, part: tuple[int, int] = (0, 1)) -> tuple[int, int]:
+    """(exact matches, frames judged) of batches part[0], part[0] + part[1], ... of `greedy_exact_match`'s in-order
+    batches: part = (process index, process count) splits an evaluation over processes, and the sums of the
+    parts are the whole evaluation's (each batch is decoded alone, so its answers do not depend on the split)."""
+    index, count = part
+    n = len(source) if limit is None else min(limit, len(source))
+    starts = list(range(0, n, batch_size))[index::count]
+    if not starts:
+        return 0, 0
+    chunks = [[source[i] for i in range(start, min(start + batch_size, n))] for start in starts]
+    batches = [b for frames in chunks for b in fixed_batches(frames, task, params.config, batch_size)]
     out = engine_answers(params, task, batches, bank=bank, adapter="base" if bank is None else DEFAULT_ADAPTER_NAME,
                          num_steps=1)
-    refs = [str(f[task.label_key]) for f in frame_texts(source, (task.label_key,), len(out.texts))]
-    return float(np.mean([normalize_answer(p) == normalize_answer(r) for p, r in zip(out.texts, refs)]))
+    refs = [str(f[task.label_key]) for frames in chunks for f in frames]
+    return sum(normalize_answer(p) == normalize_answer(r) for p, r in zip(out.texts, refs)), len(refs)

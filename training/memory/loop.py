@@ -18,10 +18,11 @@ import jax
 from jax.sharding import Mesh
 
 from oxygen_jax.models.pi05.params import Params
+from training import distributed
 from training.memory.checkpoints import StateCheckpoints
 from training.memory.config import TrainConfig, checkpoint_config_json
 from training.memory.data import StepBatches, TextTask
-from training.memory.evaluate import greedy_exact_match
+from training.memory.evaluate import exact_match_hits
 from training.memory.model import TrainState, init_state, make_train_step, place, with_base_trainable
 
 
@@ -40,6 +41,7 @@ class NonFiniteStepError(ArithmeticError):
 class TrainResult:
     state: TrainState
     history: list[dict]  # logged metrics and evaluations, one dict per event
+    frames_decoded: int = 0  # training frames this process read and decoded (its rows of every step)
 
 
 def train(
@@ -55,6 +57,8 @@ def train(
     checkpoint_every: int = 0,
     stop_at: int | None = None,
     mesh: Mesh | None = None,
+    fixed_order: bool = False,
+    fsdp_min_size: int | None = None,
     log_every: int = 10,
     progress: bool = False,
     log: Callable[[dict], None] | None = None,
@@ -72,7 +76,12 @@ def train(
         reported ("checkpoint_rejected" events) and moved aside.
       stop_at: stop after this step (< config.steps) as if killed there (for resume tests); the schedule
         still spans `config.steps`.
-      mesh: data-parallel mesh (`make_mesh`); None: one device.
+      mesh: data-parallel mesh (`make_mesh`, over the devices of every process of a `training.distributed` run);
+        None: one device. Each process decodes only its rows of every batch (`distributed.process_rows`).
+      fixed_order: sum gradients in a fixed order (`distributed.fixed_order_sum`): the same bits for any process
+        layout of the mesh's devices (needs a mesh).
+      fsdp_min_size: shard trainable and optimizer leaves of at least this many elements over the mesh (FSDP,
+        `distributed.fsdp_spec`); None: everything replicated.
       log: called with every history entry (e.g. a JSONL writer).
       run_meta: JSON-able identity of the run beyond the configs (e.g. the base's fingerprint, the prompt
         length), recorded with every checkpoint; resuming one recorded with other values is refused.
@@ -86,10 +95,17 @@ def train(
         raise ValueError("the TextTask's prompt/label_key/suffix_len differ from the TrainConfig's")
     if mesh is not None and config.batch_size % mesh.devices.size:
         raise ValueError(f"batch_size {config.batch_size} is not a multiple of the {mesh.devices.size} devices of the mesh")
-    step_fn, optimizer = make_train_step(config, mesh)
+    rows = None if mesh is None else distributed.process_rows(mesh, config.batch_size)
     batches = StepBatches(train_source, task, params.config, batch_size=config.batch_size, seed=config.seed,
-                          augment=config.augment)
+                          augment=config.augment, rows=rows)
+    optimizer = config.optimizer()
     state = init_state(config, params, optimizer)
+    shardings = None
+    if mesh is not None:
+        shardings = distributed.state_shardings(state, mesh, fsdp_min_size) if fsdp_min_size is not None else None
+        state = place(state, mesh) if shardings is None else distributed.put(state, shardings)
+    step_fn, _ = make_train_step(config, mesh, fixed_order=fixed_order, state_sharding=shardings)
+    local_params = params  # this process's own copy: evaluation runs per process, on its share of the batches
     meta = {"train": config.to_json(), "model": checkpoint_config_json(params.config), **(run_meta or {})}
     ckpt = None if checkpoint_dir is None else StateCheckpoints(checkpoint_dir)
     history: list[dict] = []
@@ -108,7 +124,6 @@ def train(
                 state = restored
                 emit({"event": "resumed", "step": int(state.step), "from": str(ckpt.directory),
                       **({"rejected_moved_to": str(ckpt.rejected_dir)} if rejected else {})})
-        state = place(state, mesh)
         params = place(params, mesh)
         start, end = int(state.step), config.steps if stop_at is None else min(stop_at, config.steps)
         pending: list[tuple[int, dict]] = []  # steps dispatched whose metrics were not read yet
@@ -138,12 +153,16 @@ def train(
             if eval_source is None:
                 return
             t0 = time.perf_counter()
+            part = (jax.process_index(), jax.process_count())
+            trainable = distributed.host(state.trainable)
             if config.mode == "adapter":
-                em = greedy_exact_match(params, task, eval_source, bank=state.trainable, batch_size=config.batch_size,
-                                        limit=eval_frames)
+                hits, judged = exact_match_hits(local_params, task, eval_source, bank=trainable,
+                                                batch_size=config.batch_size, limit=eval_frames, part=part)
             else:
-                em = greedy_exact_match(with_base_trainable(params, state.trainable), task, eval_source,
-                                        batch_size=config.batch_size, limit=eval_frames)
+                hits, judged = exact_match_hits(with_base_trainable(local_params, trainable), task, eval_source,
+                                                batch_size=config.batch_size, limit=eval_frames, part=part)
+            total = distributed.sum_over_processes({"hits": hits, "judged": judged})
+            em = total["hits"] / total["judged"]
             emit({"event": "eval", "step": step, "exact_match": em, "eval_s": round(time.perf_counter() - t0, 2)})
 
         if progress:
@@ -153,7 +172,9 @@ def train(
                        dynamic_ncols=True)
         try:
             for step in range(start, end):
-                state, metrics = step_fn(state, params, place(batches(step), mesh, sharded=True))
+                batch = batches(step)
+                batch = place(batch, None) if mesh is None else distributed.global_batch(batch, mesh, config.batch_size)
+                state, metrics = step_fn(state, params, batch)
                 pending.append((step + 1, metrics))
                 done = step + 1
                 save = ckpt is not None and checkpoint_every and done % checkpoint_every == 0 and done != end
@@ -174,7 +195,7 @@ def train(
             ckpt.save(state, meta)
         if end == config.steps and end > start:
             evaluate(end)
-        return TrainResult(state=state, history=history)
+        return TrainResult(state=state, history=history, frames_decoded=batches.frames_decoded)
     finally:
         if ckpt is not None:
             ckpt.close()

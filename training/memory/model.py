@@ -5,7 +5,8 @@ tokens, V vocabulary, D VLM width, L layers, E stored adapters (1 here: adapter 
 
 Adapter mode differentiates a `lora.LoraBank` only (the prefix is computed before `jax.grad` and the base
 parameters are a plain argument of the step); base mode differentiates `BaseTrainable` (embedding, VLM
-expert, SigLIP). Data parallelism: `make_mesh` and `place` (rows over the mesh's "data" axis).
+expert, SigLIP). Data parallelism: `make_mesh` and `place` (rows over the mesh's "data" axis), one process
+or several (`training.distributed`); the gradient all-reduced by XLA or summed in a fixed order.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.params import Expert, Params
 from oxygen_jax.models.siglip import Siglip
 from oxygen_jax.runtime import decode
+from training import distributed
 from training.memory.config import Mode, TrainConfig
 from training.memory_data import MemoryBatch
 from training.train_step import step_metrics
@@ -130,33 +132,42 @@ def suffix_logits(params: Params, prefix, tokens: jax.Array, bank: lora.LoraBank
     return jax.lax.map(position, jnp.swapaxes(h, 0, 1)).transpose(2, 0, 1)  # [T, V, B] -> [B, T, V]
 
 
-def answer_loss(logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, dict]:
-    """Mean cross-entropy of the answer tokens (targets `tokens[:, 1:]` where `loss_mask[:, 1:]`).
+def answer_sums(logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(summed cross-entropy, answer tokens counted, teacher-forced argmax hits) over the answer tokens
+    (targets `tokens[:, 1:]` where `loss_mask[:, 1:]`): sums, so shards of a batch add up to the whole.
 
     Args:
       logits: float32 [B, T, V] (`suffix_logits`); tokens int32 [B, T]; loss_mask bool [B, T].
-    Returns:
-      (loss [], {"tokens": answer tokens counted, "correct": teacher-forced argmax hits}).
     """
     lg, targets = logits[:, :-1], tokens[:, 1:]
     w = loss_mask[:, 1:].astype(jnp.float32)
     logp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    n = jnp.sum(w)
-    loss = jnp.sum(nll * w) / jnp.maximum(n, 1.0)
     correct = jnp.sum((jnp.argmax(lg, axis=-1) == targets) * w)
-    return loss, {"tokens": n, "correct": correct}
+    return jnp.sum(nll * w), jnp.sum(w), correct
+
+
+def answer_loss(logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, dict]:
+    """Mean cross-entropy of the answer tokens (`answer_sums` divided by the tokens counted).
+
+    Returns:
+      (loss [], {"tokens": answer tokens counted, "correct": teacher-forced argmax hits}).
+    """
+    total, n, correct = answer_sums(logits, tokens, loss_mask)
+    return total / jnp.maximum(n, 1.0), {"tokens": n, "correct": correct}
+
+
+def _batch_logits(mode: Mode, trainable, params: Params, batch: MemoryBatch, prefix=None) -> jax.Array:
+    if mode == "adapter":
+        ids = jnp.ones((batch.suffix_tokens.shape[0],), jnp.int32)
+        return suffix_logits(params, prefix, batch.suffix_tokens, trainable, ids)
+    params = with_base_trainable(params, trainable)
+    return suffix_logits(params, model.prefill(params, batch.observation), batch.suffix_tokens)
 
 
 def batch_loss(mode: Mode, trainable, params: Params, batch: MemoryBatch, prefix=None):
     """(loss, stats) of one batch; `prefix` (adapter mode) is the base model's cache of `batch.observation`."""
-    if mode == "adapter":
-        ids = jnp.ones((batch.suffix_tokens.shape[0],), jnp.int32)
-        logits = suffix_logits(params, prefix, batch.suffix_tokens, trainable, ids)
-    else:
-        params = with_base_trainable(params, trainable)
-        logits = suffix_logits(params, model.prefill(params, batch.observation), batch.suffix_tokens)
-    return answer_loss(logits, batch.suffix_tokens, batch.loss_mask)
+    return answer_loss(_batch_logits(mode, trainable, params, batch, prefix), batch.suffix_tokens, batch.loss_mask)
 
 
 def _train_step(mode: Mode, optimizer, state: TrainState, params: Params, batch: MemoryBatch):
@@ -172,14 +183,47 @@ def _train_step(mode: Mode, optimizer, state: TrainState, params: Params, batch:
     return TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state), metrics
 
 
+def _fixed_order_train_step(mode: Mode, optimizer, mesh: Mesh, state: TrainState, params: Params, batch: MemoryBatch):
+    """`_train_step` with the gradient summed in a fixed order (`distributed.fixed_order_sum`): each device
+    differentiates the summed loss of its rows; the sums over devices, device 0 first, are divided by the
+    answer tokens of the whole batch. Same bits for any process layout of the same number of devices."""
+
+    def local(trainable, params, batch):
+        trainable = distributed.as_varying(trainable)  # per-device gradients, not already summed ones
+        prefix = None
+        if mode == "adapter":
+            prefix = jax.lax.stop_gradient(model.prefill(params, batch.observation))
+
+        def sums(t):
+            total, n, correct = answer_sums(_batch_logits(mode, t, params, batch, prefix), batch.suffix_tokens,
+                                            batch.loss_mask)
+            return total, (n, correct)
+
+        (total, (n, correct)), grads = jax.value_and_grad(sums, has_aux=True)(trainable)
+        n = distributed.fixed_order_sum(n)
+        scale = jnp.maximum(n, 1.0)
+        grads = jax.tree.map(lambda g: distributed.fixed_order_sum(g) / scale, grads)
+        return distributed.fixed_order_sum(total) / scale, grads, n, distributed.fixed_order_sum(correct)
+
+    loss, grads, n, correct = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(distributed.DATA)),
+                                            out_specs=P())(state.trainable, params, batch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
+    trainable = optax.apply_updates(state.trainable, updates)
+    metrics = {**step_metrics(loss, grads, (trainable, opt_state)), "tokens": n, "correct": correct}
+    return TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state), metrics
+
+
 def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh with axis "data" over the first `num_devices` devices (default: all)."""
+    """A 1-D mesh with axis "data" over the first `num_devices` devices (default: all, of every process)."""
     devices = jax.devices()
     n = len(devices) if num_devices is None else num_devices
     if not 1 <= n <= len(devices):
         raise ValueError(f"asked for {n} devices but {len(devices)} exist; on CPU simulate more with "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=N (set before jax starts)")
-    return Mesh(np.asarray(devices[:n]), ("data",))
+    if jax.process_count() > 1 and n != len(devices):
+        raise ValueError(f"asked for {n} of the {len(devices)} devices of a {jax.process_count()}-process run; a "
+                         "multi-process mesh uses every device (leave --devices out)")
+    return Mesh(np.asarray(devices[:n]), (distributed.DATA,))
 
 
 class TrainStep(NamedTuple):
@@ -191,19 +235,39 @@ class TrainStep(NamedTuple):
     optimizer: optax.GradientTransformation
 
 
-@functools.lru_cache(maxsize=16)
-def make_train_step(config: TrainConfig, mesh: Mesh | None = None) -> TrainStep:
-    """The jitted train step of `config` (cached per config and mesh, so repeated runs compile once).
+def make_train_step(config: TrainConfig, mesh: Mesh | None = None, *, fixed_order: bool = False,
+                    state_sharding=None) -> TrainStep:
+    """The jitted train step of `config` (cached per config, mesh and reduction when the state is replicated,
+    so repeated runs compile once).
 
-    With a mesh, the batch is sharded over its "data" axis (rows), and state, parameters and metrics are
-    replicated: each device runs its rows and XLA all-reduces the gradients.
+    With a mesh, the batch is sharded over its "data" axis (rows), parameters and metrics are replicated and
+    the state is replicated or, given `state_sharding` (a tree of shardings matching the state, e.g.
+    `distributed.state_shardings`: FSDP), laid out so: each device runs its rows and XLA all-reduces the
+    gradients, or, `fixed_order`, sums them in a fixed order (`_fixed_order_train_step`: bit-identical for
+    any process layout of the same number of devices).
     """
+    if state_sharding is None:
+        return _cached_train_step(config, mesh, fixed_order)
+    return _build_train_step(config, mesh, fixed_order, state_sharding)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_train_step(config: TrainConfig, mesh: Mesh | None, fixed_order: bool) -> TrainStep:
+    return _build_train_step(config, mesh, fixed_order, None)
+
+
+def _build_train_step(config: TrainConfig, mesh: Mesh | None, fixed_order: bool, state_sharding) -> TrainStep:
     optimizer = config.optimizer()
-    fn = functools.partial(_train_step, config.mode, optimizer)
     if mesh is None:
-        return TrainStep(jax.jit(fn, donate_argnums=0), optimizer)
-    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    return TrainStep(jax.jit(fn, donate_argnums=0, in_shardings=(rep, rep, rows), out_shardings=(rep, rep)), optimizer)
+        if fixed_order:
+            raise ValueError("the fixed-order gradient reduction needs a mesh (make_mesh)")
+        return TrainStep(jax.jit(functools.partial(_train_step, config.mode, optimizer), donate_argnums=0), optimizer)
+    fn = (functools.partial(_fixed_order_train_step, config.mode, optimizer, mesh) if fixed_order
+          else functools.partial(_train_step, config.mode, optimizer))
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(distributed.DATA))
+    state_sh = rep if state_sharding is None else state_sharding
+    return TrainStep(jax.jit(fn, donate_argnums=0, in_shardings=(state_sh, rep, rows), out_shardings=(state_sh, rep)),
+                     optimizer)
 
 
 def place(tree, mesh: Mesh | None, *, sharded: bool = False):
