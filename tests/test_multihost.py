@@ -33,9 +33,9 @@ from training.memory_data import write_memory_dataset
 from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
 
 # The suite runs the 2-process cases of the CLI and the kill test; OXYGEN_JAX_MULTIHOST_FULL=1 adds the 4-process
-# resume and the flow-matching step (about 80 s more on 2 cores: every worker compiles its own program).
+# resume and the flow-matching step (about 100 s more on 2 cores: every worker compiles its own program).
 FULL = pytest.mark.skipif(os.environ.get("OXYGEN_JAX_MULTIHOST_FULL") != "1",
-                          reason="4-process resume and flow-matching: set OXYGEN_JAX_MULTIHOST_FULL=1 (~80 s)")
+                          reason="4-process resume and flow-matching: set OXYGEN_JAX_MULTIHOST_FULL=1 (~100 s)")
 STEPS, BATCH = 3, 4
 PEAK_LR = 2e-2
 # 3 adapter steps on the tiny preset, checkpoints after steps 2 and 3, no evaluation (its split is tested apart).
@@ -166,6 +166,18 @@ def test_evaluation_split_over_processes_judges_every_frame_once_and_sums_to_the
         parts = [evaluate.exact_match_hits(params, task, frames, batch_size=3, part=(i, n)) for i in range(n)]
         assert sorted(seen) == list(range(11))  # every frame judged by exactly one process
         assert tuple(map(sum, zip(*parts))) == whole == (6, 11)
+
+
+def test_fsdp_splits_the_largest_divisible_axis_of_leaves_at_or_above_the_threshold():
+    from jax.sharding import PartitionSpec as P
+
+    from training.distributed import fsdp_spec
+
+    assert fsdp_spec((4, 128, 512), 2, 1024) == P(None, None, "data")
+    assert fsdp_spec((6, 128, 10), 4, 1024) == P(None, "data", None)  # 6 and 10 do not split over 4
+    assert fsdp_spec((512,), 2, 513) == P()  # below the threshold
+    assert fsdp_spec((3, 5), 2, 1) == P()  # nothing divisible
+    assert fsdp_spec((), 2, 1) == P() and fsdp_spec((4, 4), 2, None) == P() and fsdp_spec((8, 8), 1, 1) == P()
 
 
 def _stopped_after_2(root, name):

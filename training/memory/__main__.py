@@ -277,9 +277,9 @@ def _run(args, argv: list[str]) -> int:
         (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
 
     ckpt_dir = out / "checkpoints"
+    distributed.barrier("training_memory_read")  # every process has read --out (tokenizer) before process 0 writes
     if not (ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())):
         write_run_files()
-    distributed.barrier("training_memory_started")  # every process has seen the checkpoints before any writes one
     with open(out / "metrics.jsonl", "a") if primary else open(os.devnull, "w") as metrics_file:
         def log(entry):
             if entry["event"] == "resumed":
