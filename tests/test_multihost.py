@@ -222,9 +222,8 @@ _HEARTBEAT = textwrap.dedent("""
     i = sys.argv.index("--coordinator")
     distributed.initialize(distributed.DistributedConfig(coordinator=sys.argv[i + 1], num_processes=int(sys.argv[i + 3]),
                                                          process_id=int(sys.argv[i + 5]), heartbeat_timeout_s=5))
-    import jax, jax.numpy as jnp, numpy as np
-    from training.memory.model import make_mesh
-    mesh = make_mesh()
+    import jax, numpy as np
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), (distributed.DATA,))
     x = distributed.global_batch(np.ones((1, 4), np.float32), mesh, jax.device_count())
     total = jax.jit(lambda x: x.sum(), out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     while True:  # collectives forever, until a peer dies
