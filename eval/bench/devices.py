@@ -19,6 +19,10 @@ Tensor parallelism (`--tensor-parallel T`, default 2): the same burst on a (robo
 `Engine` frame (actions and language) on it against one device: the largest action difference and whether
 the greedy tokens agree. The VLM expert's MLP and attention outputs are scaled (`--text-scale`) so that random
 weights do not answer every request with one repeated token (which any equality check would pass).
+
+`--qwen35-check` also runs Qwen3.5's hybrid pool (its conv windows and recurrent states split by slot beside the
+K/V) through admissions, bursts and releases on 2 devices, at TP = 2 and with speculative decoding, against one
+device (greedy tokens).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--text-scale", type=float, default=20.0, help="scale of the VLM expert's MLP output (0: off)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--qwen35-check", action="store_true",
+                    help="also check Qwen3.5's hybrid pool (carry split by slot) on 2 devices, TP = 2 and speculative")
     ap.add_argument("--out", type=Path, default=None, help="write devices.json there")
     return ap
 
@@ -124,6 +130,50 @@ def _engine_frames(params, obs, mesh, args) -> dict:
     return dict(actions=np.stack(actions), tokens=tokens, seconds=time.perf_counter() - start)
 
 
+def _qwen35_check(devices: list) -> dict:
+    """Qwen3.5's hybrid pool (K/V of the full layers plus each linear layer's carry, split by slot) through a schedule
+    of admissions, 2-token bursts and releases: greedy tokens on robots = 2, on TP = 2 and speculative (γ = 2) on
+    robots = 2, each against one device (`qwen35_tiny`, random weights)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from oxygen_jax.models import backbone, qwen35, qwen35_decoder
+    from oxygen_jax.runtime import decode, slot_mesh, speculative
+
+    spec, p, q, m, slots = qwen35.preset("qwen35_tiny"), 12, 3, 8, 4
+    dec = qwen35.init_decoder(spec, seed=3)
+    ids = np.random.default_rng(0).integers(4, 500, (3, p)).astype(np.int32)
+    mask = np.arange(p)[None] >= np.array([0, 3, 6])[:, None]
+    pos = np.where(mask, np.cumsum(mask, -1) - 1, 0).astype(np.int32)
+    prefix = qwen35.prefix_pass(spec, dec, backbone.embed_tokens(spec.backbone, dec, jnp.asarray(ids)), jnp.asarray(pos),
+                                jnp.asarray(mask), language=True)
+    lm = qwen35_decoder.language_model(spec, dec)
+    asks = {0: [(0, [5, 6], 8), (1, [], 2)], 1: [(2, [7], 8), (0, [9, 10, 11], 6)], 2: [(1, [3], 8)]}
+
+    def run(mesh, gamma=0):
+        lm_d = lm if mesh is None else slot_mesh.place_model(lm, mesh)
+        pool = decode.init_pool(lm_d, slots, p, m, q, speculate=gamma, mesh=mesh)
+        done, rid = {}, 0
+        for f in range(8):
+            new = asks.get(f, [])
+            req = decode.make_requests(slots, q, list(range(rid, rid + len(new))), rows=[r for r, _, _ in new],
+                                       prompts=[t for _, t, _ in new], budgets=[n for _, _, n in new],
+                                       stop_ids=[-1] * len(new))
+            rid += len(new)
+            pool, _, _ = decode.admit(lm_d, pool, prefix, req)
+            pool, _ = speculative.verify_burst(lm_d, pool, 2) if gamma else decode.decode_burst(lm_d, pool, 2)
+            pool, out = decode.release_finished(pool)
+            for s in np.flatnonzero(np.asarray(out.done)):
+                done[int(out.request_id[s])] = np.asarray(out.tokens[s])[: int(out.num_generated[s])].tolist()
+        return done
+
+    one = run(None)
+    return dict(requests=len(one), robots2=run(slot_mesh.serving_mesh(devices[:2])) == one,
+                tp2=run(slot_mesh.serving_mesh(devices[:2], tensor_parallel=2)) == one,
+                robots2_speculative=run(slot_mesh.serving_mesh(devices[:2]), gamma=2) == one)
+
+
 def _replicated(tree, mesh):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -134,7 +184,9 @@ def _replicated(tree, mesh):
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     tp = max(args.tensor_parallel, 1)
-    _simulate(max(max(args.devices), tp))
+    # XLA:CPU runs every simulated device's program on one thread pool; Qwen3.5's nested loops on a mesh that uses
+    # every simulated device were seen to starve it (2 of 2 devices hung; 2 of 4 ran), so its check keeps spares.
+    _simulate(max(max(args.devices), tp, 4 if args.qwen35_check else 1))
 
     import jax
     import numpy as np
@@ -186,14 +238,21 @@ def main(argv=None) -> int:
         print(f"TP = {tp} engine frames: max |actions - one device| {frames['max_abs_action_diff']:.2e} "
               f"(max |a| {frames['max_abs_action']:.2f}); {frames['tokens_compared']} greedy tokens "
               f"{'equal' if frames['same_tokens'] else 'DIFFER'}", file=sys.stderr)
+    hybrid = None
+    if args.qwen35_check:
+        hybrid = _qwen35_check(jax.devices())
+        print(f"Qwen3.5 hybrid pool, {hybrid['requests']} requests: greedy tokens vs one device: robots 2 "
+              f"{hybrid['robots2']}, TP 2 {hybrid['tp2']}, speculative on robots 2 {hybrid['robots2_speculative']}",
+              file=sys.stderr)
     record = dict(preset=args.preset, dtype=args.dtype, slots=args.slots, robots=args.robots, k=args.k,
                   decode_len=args.decode_len, text_scale=args.text_scale, backend=jax.default_backend(),
                   simulated_devices=jax.device_count(), cpu_count=os.cpu_count(), loadavg=list(os.getloadavg()),
-                  bursts=rows, tensor_parallel_frames=frames)
+                  bursts=rows, tensor_parallel_frames=frames, qwen35_check=hybrid)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "devices.json").write_text(json.dumps(record, indent=1) + "\n")
     ok = all(r["same_tokens"] for r in rows) and (frames is None or frames["same_tokens"])
+    ok = ok and (hybrid is None or all(v for k, v in hybrid.items() if k != "requests"))
     return 0 if ok else 1
 
 
