@@ -62,8 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--p", nargs="+", type=float, default=[0.0, 0.5, 0.9], help="repeat probabilities")
     ap.add_argument("--N", type=int_at_least(2), default=20, dest="decode_len", help="tokens per request")
     ap.add_argument("--k", type=int_at_least(1), default=5, help="decode (verify) steps per frame")
-    ap.add_argument("--spec", nargs="+", type=_spec, default=None, metavar="G[:K[:C]]",
-                    help="speculative settings: γ draft tokens, budget K (default --k), verify cost C (default 1)")
+    ap.add_argument("--spec", nargs="+", type=_spec, default=None, metavar="G[:K[:C[:NS]]]",
+                    help="speculative settings: γ draft tokens, budget K (default --k), verify cost C (default 1), "
+                         "slots NS (default: the plain engine's)")
     ap.add_argument("--S", type=int_at_least(1), default=10, dest="num_steps", help="denoise steps")
     ap.add_argument("--robots", type=int_at_least(1), default=1, help="batch rows; each opens a request per frame")
     ap.add_argument("--slots", type=int_at_least(1), default=None, help="decode slots (default: enough for plain)")
@@ -82,21 +83,26 @@ class _Spec:
     gamma: int  # draft tokens per verify step
     k: int | None  # the frame's language budget in decode steps (None: --k)
     cost: float  # decode steps a verify step with drafts is charged
+    slots: int | None = None  # decode slots (None: --slots or the plain engine's)
 
     def name(self, k: int) -> str:
-        return f"spec g{self.gamma} k{self.k or k} c{self.cost:g}"
+        return f"spec g{self.gamma} k{self.k or k} c{self.cost:g}" + (f" s{self.slots}" if self.slots else "")
+
+    def component(self, slots: int) -> str:
+        return f"verify_step_ms_g{self.gamma}" + (f"_s{self.slots}" if self.slots and self.slots != slots else "")
 
 
 def _spec(text: str) -> _Spec:
-    """'4', '4:5' or '4:5:1.66' -> _Spec (γ >= 1, k >= 1, c >= 1)."""
+    """'4', '4:5', '4:5:1.66' or '4:5:1.25:3' -> _Spec (γ >= 1, k >= 1, c >= 1, slots >= 1)."""
     parts = text.split(":")
     try:
         gamma, k, cost = int(parts[0]), int(parts[1]) if len(parts) > 1 else None, float(parts[2]) if len(parts) > 2 else 1.0
+        slots = int(parts[3]) if len(parts) > 3 else None
     except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"--spec wants G[:K[:C]] (e.g. 4 or 9:5:2.5), got {text!r}") from None
-    if len(parts) > 3 or gamma < 1 or (k is not None and k < 1) or cost < 1:
-        raise argparse.ArgumentTypeError(f"--spec wants γ >= 1, K >= 1, C >= 1 in G[:K[:C]], got {text!r}")
-    return _Spec(gamma, k, cost)
+        raise argparse.ArgumentTypeError(f"--spec wants G[:K[:C[:NS]]] (e.g. 4 or 9:5:2.5), got {text!r}") from None
+    if len(parts) > 4 or gamma < 1 or (k is not None and k < 1) or cost < 1 or (slots is not None and slots < 1):
+        raise argparse.ArgumentTypeError(f"--spec wants γ >= 1, K >= 1, C >= 1, NS >= 1 in G[:K[:C[:NS]]], got {text!r}")
+    return _Spec(gamma, k, cost, slots)
 
 
 def _varied_text(params, scale: float):
@@ -107,15 +113,15 @@ def _varied_text(params, scale: float):
     return dataclasses.replace(params, vlm=dataclasses.replace(params.vlm, layers=layers))
 
 
-def _components(vla, params, obs, slots: int, m: int, gammas, horizon: int, repeats: int = 5) -> dict:
+def _components(vla, params, obs, slots: int, m: int, specs, horizon: int, repeats: int = 5) -> dict:
     """Warm medians (ms), measured interleaved: the actions-only frame (prefix and denoise), one decode step, and
     one verify step per γ with every slot active and drafting γ tokens (the full [Ns, γ + 1] block)."""
     lm, cache = language_model(params), prefill(params, obs)
     noise = {n: jax.random.normal(jax.random.key(0), (1, *vla.action_shape(n, horizon))) for n in vla.heads}
 
-    def pool_for(speculate):
-        pool = decode.init_pool(lm, slots, cache.length, m, 0, speculate=speculate)
-        req = decode.make_requests(slots, 0, list(range(slots)), budgets=[m] * slots, stop_ids=[-1] * slots)
+    def pool_for(speculate, ns=slots):
+        pool = decode.init_pool(lm, ns, cache.length, m, 0, speculate=speculate)
+        req = decode.make_requests(ns, 0, list(range(ns)), budgets=[m] * ns, stop_ids=[-1] * ns)
         pool, _, _ = decode.admit(lm, pool, cache, req)
         if speculate:  # every slot drafts γ tokens ("7 7 ..." after its token 0)
             pool = dataclasses.replace(pool, draft_ref=pool.draft_ref.at[:, 1:].set(7).at[:, 0].set(pool.tokens[:, 0]))
@@ -123,8 +129,9 @@ def _components(vla, params, obs, slots: int, m: int, gammas, horizon: int, repe
 
     calls = {"actions_frame_ms": lambda: (lambda: frame.actions_program(vla, obs, noise)),
              "decode_step_ms": lambda: functools.partial(decode.decode_burst, lm, pool_for(0), 1)}
-    for g in gammas:
-        calls[f"verify_step_ms_g{g}"] = lambda g=g: functools.partial(speculative.verify_burst, lm, pool_for(g), 1)
+    for s in specs:
+        calls[s.component(slots)] = lambda s=s: functools.partial(speculative.verify_burst, lm,
+                                                                  pool_for(s.gamma, s.slots or slots), 1)
     times = {name: [] for name in calls}
     for r in range(repeats + 1):  # round 0 compiles
         for name in (list(calls) if r % 2 else list(reversed(calls))):
@@ -135,14 +142,14 @@ def _components(vla, params, obs, slots: int, m: int, gammas, horizon: int, repe
     return {name: statistics.median(ts[1:]) for name, ts in times.items()}
 
 
-def _ideal_ms(frames: list[dict], comp: dict, spec: _Spec | None, k: int) -> float:
+def _ideal_ms(frames: list[dict], comp: dict, spec: _Spec | None, k: int, slots: int) -> float:
     """Mean ideal frame (ms) from the components and each frame's steps (see the module docstring)."""
     total = 0.0
     for fr in frames:
         verify = 0
         if spec is not None and fr["steps"] and fr["tokens_per_step"] > 1:
             verify = min(fr["steps"], int((spec.k or k) / spec.cost + 1e-4))
-        step_ms = comp[f"verify_step_ms_g{spec.gamma}"] if spec is not None else 0.0
+        step_ms = comp[spec.component(slots)] if spec is not None else 0.0
         total += comp["actions_frame_ms"] + verify * step_ms + (fr["steps"] - verify) * comp["decode_step_ms"]
     return total / len(frames)
 
@@ -188,7 +195,7 @@ def _run_p(p: float, engines: dict[str, Engine], specs: dict[str, _Spec], comp: 
             "latency_fresh_mean": mean([q["latency"] for q in done if not q["repeat"]]),
             "tokens_per_step": mean([fr["tokens_per_step"] for fr in stepped]),
             "steps_per_frame": mean([fr["steps"] for fr in r["frames"]]),
-            "ideal_frame_ms": _ideal_ms(r["frames"], comp, specs.get(name), args.k),
+            "ideal_frame_ms": _ideal_ms(r["frames"], comp, specs.get(name), args.k, engines["plain"].config.num_slots),
             "repeat_share": mean([q["repeat"] for q in measured]),
         }
     plain = rec["plain"]["requests"]
@@ -216,11 +223,12 @@ def main(argv=None) -> int:
     engines = {"plain": Engine(vla, cfg)}
     for name, s in specs.items():
         engines[name] = Engine(vla, dataclasses.replace(cfg, speculate=s.gamma, tokens_per_frame=s.k or args.k,
-                                                        verify_cost=s.cost))
+                                                        verify_cost=s.cost, num_slots=s.slots or slots))
     load_start = list(os.getloadavg())
     compile_s = {name: eng.warmup(obs) for name, eng in engines.items()}
     fresh = iter(range(_FRESH0, vla.vocab_size))  # the engines remember answers across p: a fresh prompt is new
-    comp = _components(vla, params, obs, slots, args.decode_len, sorted({s.gamma for s in specs.values()}),
+    unique = {s.component(slots): s for s in specs.values()}  # one verify component per (γ, slots)
+    comp = _components(vla, params, obs, slots, args.decode_len, list(unique.values()),
                        robot.action_horizon)
     print(f"components (ms): {json.dumps({k: round(v, 1) for k, v in comp.items()})}", file=sys.stderr)
     results = []
