@@ -198,9 +198,11 @@ def _run_p(p: float, engines: dict[str, Engine], specs: dict[str, _Spec], comp: 
             "ideal_frame_ms": _ideal_ms(r["frames"], comp, specs.get(name), args.k, engines["plain"].config.num_slots),
             "repeat_share": mean([q["repeat"] for q in measured]),
         }
-    plain = rec["plain"]["requests"]
-    same = all(plain[i].get("tokens") == rec[n]["requests"][i].get("tokens") for n in rec for i in plain)
-    return {"p": p, "same_tokens": same, **out}
+    plain = rec["plain"]["requests"]  # requests left unfinished (a queue behind fewer slots) are not compared
+    both = [(i, n) for n in rec for i in plain if "tokens" in plain[i] and "tokens" in rec[n]["requests"][i]]
+    same = all(plain[i]["tokens"] == rec[n]["requests"][i]["tokens"] for i, n in both)
+    unfinished = {n: sum("tokens" not in q for q in r["requests"].values()) for n, r in rec.items()}
+    return {"p": p, "same_tokens": same, "compared": len(both), "unfinished": unfinished, **out}
 
 
 def main(argv=None) -> int:
