@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import openpi_fixture
+from helpers import make_obs, openpi_fixture
 from oxygen_jax import serve
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import base_fingerprint, load_adapter, save_adapter
@@ -171,6 +171,17 @@ def test_serve_adapter_name_equals_dir_serves_ours_and_an_oxygen_folder_by_name(
                 np.testing.assert_array_equal(np.asarray(getattr(pair, c))[:, adapter_id - 1], arrays[prefix[target] + c])
     with pytest.raises(ValueError, match="share a name"):
         load_named_bank([str(dest), str(src)], params.config, base=base)  # both are "memory"
+    # Served: a request on each name decodes in one engine step; both names hold the same arrays, the base does not.
+    ids = {name: engine.submit(prompt_tokens=[5, 6, 7], max_tokens=6, stop_ids=(), adapter=name)
+           for name in ("base", "memory", "raw")}
+    obs = make_obs(params.config, batch=1)
+    done = {}
+    for _ in range(6):
+        done.update({f.request_id: list(f.tokens) for f in engine.step(obs).finished})
+        if len(done) == len(ids):
+            break
+    text = {name: done[i] for name, i in ids.items()}
+    assert len(text["raw"]) == 6 and text["raw"] == text["memory"] and text["raw"] != text["base"], text
 
 
 def _damage(arrays, rank, alpha, how):
