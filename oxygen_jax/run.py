@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--speculate", type=int_at_least(0), default=0, metavar="GAMMA",
                    help="speculative decoding: up to GAMMA draft tokens checked per step, from each robot's earlier "
                         "answers; --tokens-per-frame then counts verify steps (default: 0, off)")
+    t.add_argument("--verify-cost", type=float_in(1.0), default=1.0, metavar="C",
+                     help="with --speculate: k counts decode steps and a verify step with drafts costs C of them "
+                          "(about 1 on a GPU, 1.5-2 on a CPU: keeps the frame time; default: 1)")
     ap.add_argument("--cache-dir", type=Path, default=None,
                     help="persistent compilation cache (default: $OXYGEN_JAX_CACHE_DIR or ~/.cache/oxygen_jax/xla)")
     ap.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
@@ -223,7 +226,7 @@ def main(argv=None) -> int:
     eng = Engine(vla, EngineConfig(
         num_slots=args.slots, max_new_tokens=max_new,
         prompt_capacity=max(len(ids) if ids is not None else len(toks.text.encode(prompt)), 1),
-        tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, action_horizon=robot.action_horizon,
+        tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names)
     codec = make_codec(eng, robot, toks.rows, norm_stats, **rows)  # the server's: client sample -> model rows
 

@@ -140,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculate", type=int_at_least(0), default=0, metavar="GAMMA",
                     help="speculative decoding: each of the k steps checks up to GAMMA drafted tokens (drafts from the "
                          "robot's earlier answers; the same text, actions unchanged); 0 = off")
+    ap.add_argument("--verify-cost", type=float_in(1.0), default=1.0, metavar="C",
+                      help="with --speculate: k counts decode steps and a verify step with drafts costs C of them "
+                           "(about 1 on a GPU, 1.5-2 on a CPU: keeps the frame time)")
     ap.add_argument("--batch-sizes", type=_buckets, default=",".join(map(str, BUCKETS)),
                     help="robots per step, each compiled at start-up (on a CPU each size can take a minute); "
                          "one robot needs only --batch-sizes 1")
@@ -277,7 +280,7 @@ def build(args: argparse.Namespace):
         vla = slot_mesh.place_model(vla, mesh)
     engine = Engine(vla, EngineConfig(
         num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=args.prompt_capacity,
-        tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, action_horizon=robot.action_horizon,
+        tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=names, mesh=mesh)
     # With a tokenizer.json the rows of an XR0 / StarVLA head are its native prompts (`serving.codec`), and
     # language requests are text in that tokenizer (or token ids); their answers come back as text and ids.

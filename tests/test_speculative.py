@@ -222,6 +222,10 @@ def test_serve_and_run_take_speculate_as_a_non_negative_gamma(command):
     assert parser().parse_args(["--speculate", "4"]).speculate == 4
     with pytest.raises(SystemExit):
         parser().parse_args(["--speculate", "-1"])
+    assert parser().parse_args([]).verify_cost == 1.0
+    assert parser().parse_args(["--speculate", "3", "--verify-cost", "1.66"]).verify_cost == 1.66
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--verify-cost", "0.5"])  # a verify step costs at least one decode step
     with pytest.raises(ValueError, match="speculate"):
         EngineConfig(speculate=-1)
     with pytest.raises(ValueError, match="verify_cost"):
