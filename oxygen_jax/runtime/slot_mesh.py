@@ -79,8 +79,7 @@ def place_model(tree, mesh: Mesh):
     replicated over `robots`."""
     specs = param_specs(tree, MODEL, model_size(mesh)) if MODEL in mesh.axis_names else \
         jax.tree.map(lambda _: PartitionSpec(), tree)
-    return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                                             is_leaf=lambda x: isinstance(x, PartitionSpec)))
+    return jax.device_put(tree, shardings(mesh, specs))
 
 
 def kv_spec(mesh: Mesh, num_kv_heads: int) -> PartitionSpec:
@@ -128,7 +127,6 @@ def route(slot: jax.Array, num_slots: int, devices: int) -> tuple[jax.Array, jax
     taken = jnp.take_along_axis(mine, index, axis=1)
     local = jnp.where(taken, slot[index] - jnp.arange(devices)[:, None] * n, n)
     return index.reshape(-1), local.reshape(-1).astype(jnp.int32)
-
 
 
 # --- the slot pool on the mesh (`runtime.decode.DecodePool`, read by its fields) ---------------------------

@@ -214,11 +214,6 @@ class PolicyServer:
         return self.batcher.ready and not self._draining
 
     @property
-    def full(self) -> bool:
-        """No new robot can connect: every robot slot or every connection is taken."""
-        return health.of_server(self).robot_slots_free == 0
-
-    @property
     def compiles_after_warmup(self) -> int:
         if self._compiles_at_warm is None:
             return 0
