@@ -230,3 +230,5 @@ def test_serve_and_run_take_speculate_as_a_non_negative_gamma(command):
         EngineConfig(speculate=-1)
     with pytest.raises(ValueError, match="verify_cost"):
         EngineConfig(speculate=2, verify_cost=0.5)
+    with pytest.raises(ValueError, match="verify_cost"):
+        EngineConfig(speculate=2, verify_cost=float("nan"))  # NaN compares False with everything

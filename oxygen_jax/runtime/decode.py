@@ -298,8 +298,8 @@ def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_toke
     """
     if speculate < 0:
         raise ValueError(f"speculate must be >= 0 (γ draft tokens per verify step), got {speculate}")
-    if verify_cost < 1:
-        raise ValueError(f"verify_cost must be >= 1 (decode steps one verify step costs), got {verify_cost}")
+    if not 1 <= verify_cost < float("inf"):  # NaN fails this too
+        raise ValueError(f"verify_cost must be a finite number >= 1 (decode steps one verify step costs), got {verify_cost}")
     slot_mesh.check_slots(num_slots, mesh)
     lm = _decoder(lm)
     cap = prefix_len + prompt_len + max_new_tokens

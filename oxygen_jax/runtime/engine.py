@@ -82,8 +82,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.prompt_capacity must be >= 0")
         if self.speculate < 0:
             raise ValueError(f"EngineConfig.speculate must be >= 0 (0 = no speculative decoding), got {self.speculate}")
-        if self.verify_cost < 1:
-            raise ValueError(f"EngineConfig.verify_cost must be >= 1 (decode steps a verify step costs), got {self.verify_cost}")
+        if not 1 <= self.verify_cost < float("inf"):  # NaN fails this too
+            raise ValueError(f"EngineConfig.verify_cost must be a finite number >= 1 (decode steps a verify step costs), got {self.verify_cost}")
 
 
 @dataclasses.dataclass(frozen=True)
