@@ -295,3 +295,14 @@ def test_the_flow_matching_step_on_two_processes_equals_two_simulated_devices(tm
     for name in a.files:  # two devices: a two-term all-reduce is the same sum in either order
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     assert a["losses"][1] != a["losses"][0]  # the step moved the parameters
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(coordinator="nohostport", num_processes=2, process_id=0), "must be HOST:PORT"),
+    (dict(coordinator="host:70000", num_processes=2, process_id=0), "must be HOST:PORT"),
+    (dict(coordinator="host:1234", num_processes=2, process_id=2), r"process_id must be in \[0, 2\)"),
+    (dict(coordinator="host:1234"), "together"),
+])
+def test_a_bad_distributed_setting_is_refused_in_one_line_before_any_connection(given, message):
+    with pytest.raises(ValueError, match=message):
+        distributed.DistributedConfig(**given)

@@ -57,6 +57,11 @@ class DistributedConfig:
         if any(given) and not all(given):
             raise ValueError("DistributedConfig: give coordinator, num_processes and process_id together "
                              "(--coordinator HOST:PORT --num-processes N --process-id I), or none under a launcher")
+        if self.coordinator is not None:
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"DistributedConfig.coordinator must be HOST:PORT (e.g. 10.0.0.1:12345), "
+                                 f"got {self.coordinator!r}")
         if self.num_processes is not None and not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"DistributedConfig.process_id must be in [0, {self.num_processes}), got {self.process_id}")
         if self.heartbeat_timeout_s < 1 or self.init_timeout_s < 1:
