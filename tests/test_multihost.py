@@ -29,6 +29,7 @@ from helpers import REPO
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import load_adapter
 from oxygen_jax.models.pi05.params import for_backend
+from training import distributed
 from training.memory_data import write_memory_dataset
 from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
 
