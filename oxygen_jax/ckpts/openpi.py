@@ -1,8 +1,9 @@
-"""openpi π0.5 checkpoints: config inference, restore (both layouts, LoRA), norm statistics.
+"""openpi π0.5 and π0 checkpoints: config inference, restore (both layouts, LoRA), norm statistics.
 
 An openpi checkpoint (`load_openpi_params`, `load_openpi_lora`) is an orbax PyTree item directory
 `params/` whose tree is `{"params": <nested dict>}` with "/"-joined leaf paths such as
-`PaliGemma/llm/layers/attn/q_einsum/w` (see `params.OPENPI_PATHS`). Two layouts exist:
+`PaliGemma/llm/layers/attn/q_einsum/w` (see `params.openpi_paths`; π0, openpi's `Pi0Config(pi05=False)`,
+is recognised by its `state_proj` leaf, `params.variant_of`). Two layouts exist:
 
 - released (`gs://openpi-assets/checkpoints/<model>/params`): plain paths;
 - training (`<exp>/<step>/params`, written by an orbax CheckpointManager from an `nnx.State`):
@@ -54,9 +55,9 @@ from oxygen_jax.ckpts.orbax_io import (
 from oxygen_jax.ckpts import openpi_lora
 from oxygen_jax.models import lora as lora_lib
 from oxygen_jax.models.pi05 import lora as pi05_lora
-from oxygen_jax.models.pi05.config import DType, ExpertConfig, ModelConfig, PromptAttention
+from oxygen_jax.models.pi05.config import DType, ExpertConfig, ModelConfig, PromptAttention, model_config
 from oxygen_jax.models.pi05.params import (
-    LAYER_STACKED, OPENPI_PATHS, Params, from_layer_pieces, from_openpi_dict, stack_layers, unstack_layers,
+    LAYER_STACKED, Params, from_layer_pieces, from_openpi_dict, openpi_paths, stack_layers, unstack_layers, variant_of,
 )
 from oxygen_jax.models.siglip import SiglipConfig
 from oxygen_jax.robots.normalize import NormStats, load_norm_stats
@@ -159,8 +160,8 @@ def infer_model_config(
     list every mismatch with both shapes.
 
     Args:
-      shapes: {openpi path: shape}, paths as in `params.OPENPI_PATHS` (no `params/` prefix, no
-        trailing `value`). Extra keys are ignored.
+      shapes: {openpi path: shape}, paths as in `params.openpi_paths` (no `params/` prefix, no
+        trailing `value`). Extra keys are ignored; a `state_proj` leaf makes it π0 (`variant` "pi0").
       dtype: `ModelConfig.dtype` of the result.
       prompt_attention: `ModelConfig.prompt_attention` of the result.
 
@@ -184,7 +185,7 @@ def infer_model_config(
     try:
         return ModelConfig(
             vlm=vlm, action_expert=act, siglip=siglip, vocab_size=vocab, action_dim=action_dim,
-            dtype=dtype, prompt_attention=prompt_attention,
+            dtype=dtype, prompt_attention=prompt_attention, variant=variant_of(shapes),
         )
     except ValueError as e:
         raise ValueError(f"checkpoint shapes give an invalid ModelConfig: {e}") from e
@@ -233,6 +234,7 @@ class _OpenpiItem:
 
 
 EmbedScale = Literal["stored", "restored"]
+_NAMES = {"pi05": "π0.5", "pi0": "π0"}
 
 
 def _stored_dtype(meta: Mapping[str, Any], key: str) -> str | None:
@@ -247,7 +249,9 @@ def _open_openpi(path: PathLike, dtype: DType, prompt_attention: PromptAttention
         raise ValueError(f"embed_scale must be 'stored' or 'restored', got {embed_scale!r}")
     item = resolve_params_item(path)
     meta, has_value = _read_openpi_metadata(item)
-    missing = [k for k in OPENPI_PATHS if k not in meta]
+    variant = variant_of(meta)
+    paths = openpi_paths(model_config("tiny", variant=variant))  # the variant's path list (dims do not matter)
+    missing = [k for k in paths if k not in meta]
     shapes = {k: tuple(m.shape) for k, m in meta.items()}
     try:
         config = infer_model_config(shapes, dtype=dtype, prompt_attention=prompt_attention)
@@ -257,12 +261,12 @@ def _open_openpi(path: PathLike, dtype: DType, prompt_attention: PromptAttention
     except ValueError as e:
         if missing:  # report every missing key, not only the first one inference tripped on
             report = _missing_report(missing)
-            raise ValueError(f"openpi checkpoint {item} does not match the π0.5 tree:\n{report}") from e
+            raise ValueError(f"openpi checkpoint {item} does not match the {_NAMES[variant]} tree:\n{report}") from e
         raise ValueError(f"openpi checkpoint {item}: {e}") from e
     # Check keys and shapes from the metadata before reading any array.
     np_dtype = np.dtype(config.jnp_dtype)
     try:
-        from_openpi_dict({k: jax.ShapeDtypeStruct(shapes[k], np_dtype) for k in OPENPI_PATHS if k in meta}, config)
+        from_openpi_dict({k: jax.ShapeDtypeStruct(shapes[k], np_dtype) for k in paths if k in meta}, config)
     except ValueError as e:
         raise ValueError(f"openpi checkpoint {item}: {e}") from e
     lora_problems = openpi_lora.check_openpi_shapes(shapes, config)
@@ -293,12 +297,13 @@ def _resolve_layout(layout: str) -> str:
 def _stream_params(ck: _OpenpiItem, dtype: np.dtype, unstacked: bool, max_abs: float | None) -> Params:
     """Every leaf streamed from disk into its final buffers (one per layer when `unstacked`)."""
     suffix = ("value",) if ck.has_value else ()
-    shapes = {k: tuple(ck.meta[k].shape) for k in OPENPI_PATHS}
-    split = {k for k in OPENPI_PATHS if unstacked and k in LAYER_STACKED}
+    paths = openpi_paths(ck.config)
+    shapes = {k: tuple(ck.meta[k].shape) for k in paths}
+    split = {k for k in paths if unstacked and k in LAYER_STACKED}
     piece = lambda k: math.prod(shapes[k][1:] if k in split else shapes[k]) * np.dtype(ck.meta[k].dtype).itemsize  # noqa: E731
     reader, values = LeafReader(ck.item), {}
     # A host piece and its device copy coexist for a moment: the largest pieces go first, while least is resident.
-    for k in sorted(OPENPI_PATHS, key=piece, reverse=True):
+    for k in sorted(paths, key=piece, reverse=True):
         pieces = reader.pieces(("params", *k.split("/"), *suffix), k, shapes[k], dtype, k in split, max_abs)
         # device_put copies once (jnp.asarray stages a second host copy); each host piece is freed once copied.
         arrays = [jax.block_until_ready(jax.device_put(p)) for p in pieces]
@@ -368,7 +373,7 @@ def load_openpi_params(
     merging = lora == "merge" and bool(ck.lora_paths)
     if not merging and (ck.item / "manifest.ocdbt").is_file():
         return config, _stream_params(ck, np_dtype, unstacked, max_abs)
-    dtypes = {k: np_dtype for k in OPENPI_PATHS}
+    dtypes = {k: np_dtype for k in openpi_paths(config)}
     if merging:  # merge in float32; the merged weights are cast to `dtype` by from_openpi_dict
         targets = {openpi_lora.openpi_weight_path(t, sfx) for _, sfx in pi05_lora.EXPERTS for t in lora_lib.TARGETS}
         dtypes.update({k: np.dtype(np.float32) for k in (*targets, *ck.lora_paths) if k in ck.meta})
@@ -376,7 +381,7 @@ def load_openpi_params(
     if merging:
         adapters = openpi_lora.from_openpi(arrays, config, alpha=lora_alpha, rslora=lora_rslora)
         arrays = openpi_lora.merge_openpi(arrays, adapters, dtype=np_dtype)
-    flat = {k: arrays.pop(k) for k in OPENPI_PATHS}
+    flat = {k: arrays.pop(k) for k in openpi_paths(config)}
     del arrays  # `flat` holds the only references: each host array is freed once converted
     params = from_openpi_dict(flat, config, consume=True)
     return config, unstack_layers(params) if unstacked else stack_layers(params)

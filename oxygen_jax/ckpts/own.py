@@ -6,6 +6,14 @@ too), `config/` (the `ModelConfig` as JSON) and `checksums/` (JSON: a SHA-256 of
 bytes), so a restore needs only the path and verifies every array. The dtype of the result comes
 from the target config, not from what was stored. Reads go through `orbax_io`: a damaged
 directory or array is a one-line `CheckpointError`.
+
+Parameters holding `nn.quant.QArray` leaves (`python -m oxygen_jax.quantize`) add two items:
+`quantized/` ({"values": tree, "scales": tree}, openpi paths; int8 or float8_e4m3fn values, float32
+scales) and `quantization/` (JSON: format, weights "int8" | "fp8", the quantized leaves, provenance).
+Those leaves are absent from `params/`, so a reader that knows no quantization (openpi's, an older
+`restore_params`) refuses the directory for its missing leaves instead of reading integers as weights.
+Their checksums are keyed `quantized/values/<path>` and `quantized/scales/<path>`; `restore_params`
+returns them as `QArray`s (values as stored, scales in the target dtype).
 """
 
 from __future__ import annotations
@@ -18,14 +26,18 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from oxygen_jax.ckpts.orbax_io import CheckpointError, PathLike, read_json_item, read_tree_metadata, restore_arrays
+from oxygen_jax.ckpts.orbax_io import (CheckpointError, PathLike, check_block, read_json_item, read_tree_metadata,
+                                       restore_arrays)
 from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig
-from oxygen_jax.models.pi05.params import OPENPI_PATHS, Params, from_openpi_dict, openpi_shapes, to_openpi_dict
+from oxygen_jax.models.pi05.params import (Params, from_layer_pieces, from_openpi_dict, openpi_paths, openpi_shapes,
+                                           to_openpi_dict)
 from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.nn.quant import QMAX, STORED_DTYPE, QArray, weight_dtype_of
 
 
 def _config_to_json(config: ModelConfig) -> dict:
@@ -53,7 +65,72 @@ def _nested_openpi(flat: Mapping[str, Any]) -> dict[str, Any]:
     return unflatten_dict({("params", *k.split("/")): v for k, v in flat.items()})
 
 
+def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+    return unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
+
+
 _CHECKSUM_FORMAT = 1
+_QUANT_FORMAT = 1
+_SCALE_MAX_WEIGHT = 1e4  # a scale whose largest weight (scale * QMAX) passes this is damaged (the weights' bound)
+
+
+def _quantized_flat(quant: Mapping[str, QArray]) -> dict[str, np.ndarray]:
+    """The quantized leaves' arrays under their checksum keys."""
+    out = {}
+    for k, q in quant.items():
+        out[f"quantized/values/{k}"], out[f"quantized/scales/{k}"] = q.values, q.scale
+    return out
+
+
+def _read_quantization(src: Path, paths: set[str]) -> dict | None:
+    """The `quantization/` item, checked against the config's leaf paths; None when the checkpoint has none."""
+    if not (src / "quantization").exists():
+        if (src / "quantized").exists():
+            raise CheckpointError(f"{src}: a quantized/ item without its quantization/ description; the checkpoint is damaged")
+        return None
+    info = read_json_item(src, "quantization")
+    leaves = info.get("leaves") if isinstance(info, Mapping) else None
+    if not isinstance(info, Mapping) or info.get("format") != _QUANT_FORMAT or info.get("weights") not in STORED_DTYPE:
+        raise CheckpointError(f"{src / 'quantization'}: unknown quantization format or weights "
+                              f"({info.get('format') if isinstance(info, Mapping) else info!r}); damaged or newer than this code")
+    if not isinstance(leaves, list) or not leaves or not all(isinstance(k, str) for k in leaves):
+        raise CheckpointError(f"{src / 'quantization'}: 'leaves' must list the quantized leaf paths; the checkpoint is damaged")
+    unknown = sorted(set(leaves) - paths)
+    if unknown:
+        raise CheckpointError(f"{src / 'quantization'}: {len(unknown)} quantized leaves are no leaves of this model "
+                              f"(e.g. {unknown[0]!r}); the checkpoint is damaged or of another model")
+    if not (src / "quantized").is_dir():
+        raise CheckpointError(f"{src}: the quantization/ item names {len(leaves)} leaves but quantized/ is missing; "
+                              "the checkpoint is damaged")
+    return dict(info)
+
+
+def _restore_quantized(src: Path, info: Mapping[str, Any]) -> dict[str, QArray]:
+    """The quantized leaves as stored, host `QArray`s (`_check_quantized` checks them)."""
+    keys = [tuple(k.split("/")) for k in info["leaves"]]
+    flat = restore_arrays(src / "quantized", {(part, *k): None for part in ("values", "scales") for k in keys},
+                          partial=False)
+    return {"/".join(k): QArray(values=flat[("values", *k)], scale=flat[("scales", *k)]) for k in keys}
+
+
+def _check_quantized(src: Path, quant: Mapping[str, QArray], weights: str, shapes: Mapping[str, tuple]) -> None:
+    """Refuses, in one line, a quantized leaf unless its values have the declared dtype and the config's shape,
+    and its scale the values' rank, per axis 1 or the values' size, and finite values in (0, 1e4 / QMAX]."""
+    item = src / "quantized"
+    for path, q in quant.items():
+        values, scale = q.values, q.scale
+        if values.dtype != STORED_DTYPE[weights] or tuple(values.shape) != shapes[path]:
+            raise CheckpointError(f"{item}: values of {path!r} are {values.dtype.name}{list(values.shape)}, expected "
+                                  f"{STORED_DTYPE[weights].name}{list(shapes[path])} ({weights}); the checkpoint is damaged")
+        if (scale.dtype != np.float32 or scale.ndim != values.ndim
+                or any(s not in (1, n) for s, n in zip(scale.shape, values.shape))):
+            raise CheckpointError(f"{item}: the scale of {path!r} is {scale.dtype.name}{list(scale.shape)}, which does not "
+                                  f"fit its values {list(values.shape)} (float32, each axis 1 or the values' size); "
+                                  "the scales are of another checkpoint or damaged")
+        check_block(item, f"scales/{path}", scale, _SCALE_MAX_WEIGHT / QMAX[weights])
+        if not (scale > 0).all():
+            raise CheckpointError(f"{item}: the scale of {path!r} holds {int(np.count_nonzero(scale <= 0))} value(s) <= 0; "
+                                  "the checkpoint is damaged")
 
 
 def _array_sha256(x) -> str:
@@ -97,7 +174,8 @@ def _verify_checksums(src: Path, arrays: Mapping[str, np.ndarray], sums: Mapping
 
 
 def save_params(
-    path: PathLike, params: Params, config: ModelConfig | None = None, *, overwrite: bool = False
+    path: PathLike, params: Params, config: ModelConfig | None = None, *, overwrite: bool = False,
+    provenance: Mapping[str, Any] | None = None,
 ) -> Path:
     """Saves `params`, its config and per-array checksums to the new directory `path`.
 
@@ -112,6 +190,8 @@ def save_params(
       config: stored as JSON beside the arrays, so `restore_params(path)` needs nothing else.
         Default: `params.config`.
       overwrite: replace an existing directory.
+      provenance: JSON-able facts stored in the `quantization/` item (e.g. the float source and the
+        layer kinds); only with quantized leaves.
 
     Returns:
       The absolute checkpoint path.
@@ -122,7 +202,21 @@ def save_params(
     config = params.config if config is None else config
     flat = to_openpi_dict(params)
     from_openpi_dict({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in flat.items()}, config)  # shapes
-    flat = {k: np.asarray(v) for k, v in flat.items()}  # one device-to-host copy, hashed and written
+    quant = {k: QArray(values=np.asarray(v.values), scale=np.asarray(v.scale, np.float32))
+             for k, v in flat.items() if isinstance(v, QArray)}
+    if provenance is not None and not quant:
+        raise ValueError("provenance= describes quantized leaves, and these parameters have none")
+    flat = {k: np.asarray(v) for k, v in flat.items() if k not in quant}  # one device-to-host copy, hashed and written
+    items = {}
+    if quant:
+        kinds = {weight_dtype_of(q.values.dtype) for q in quant.values()}
+        if len(kinds) > 1:
+            raise ValueError(f"a checkpoint holds one kind of quantized weights, these mix {sorted(kinds)}")
+        items["quantized"] = ocp.args.StandardSave({
+            "values": _nested({k: q.values for k, q in quant.items()}),
+            "scales": _nested({k: q.scale for k, q in quant.items()})})
+        items["quantization"] = ocp.args.JsonSave({
+            "format": _QUANT_FORMAT, "weights": kinds.pop(), "leaves": sorted(quant), "provenance": dict(provenance or {})})
     # The synchronous Checkpointer has finished writing when save() returns (the async ones need
     # wait_until_finished()).
     # Written by this process alone (in a multi-process run the others never reach orbax's barriers).
@@ -135,7 +229,8 @@ def save_params(
             args=ocp.args.Composite(
                 params=ocp.args.StandardSave(_nested_openpi(flat)),
                 config=ocp.args.JsonSave(_config_to_json(config)),
-                checksums=ocp.args.JsonSave(_checksums(flat)),
+                checksums=ocp.args.JsonSave(_checksums(flat | _quantized_flat(quant))),
+                **items,
             ),
             force=overwrite,
         )
@@ -154,12 +249,14 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
         `restore_params(p, stored.replace(dtype="bfloat16"))`.
 
     Returns:
-      (config, `Params` of `jax.Array` leaves in `config.dtype`).
+      (config, `Params` of `jax.Array` leaves in `config.dtype`); a quantized checkpoint's quantized
+      leaves are `nn.quant.QArray`s (values as stored, scales in `config.dtype`), which the layer loop
+      dequantizes, so the result serves like any other.
 
     Raises:
       FileNotFoundError: `path` does not exist.
-      CheckpointError: a damaged directory or an array whose bytes differ from its checksum (one
-        line naming the file or leaf). Checkpoints written before checksums existed load with a
+      CheckpointError: a damaged directory or an array whose bytes differ from its checksum, or a
+        quantized leaf whose values or scale do not fit (one line naming the file or leaf). Checkpoints written before checksums existed load with a
         UserWarning and unverified arrays.
       ValueError: not our checkpoint, or `config` dimensions differ from the stored ones.
     """
@@ -175,10 +272,12 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
         config = stored
     elif stored is not None:
         want, have = openpi_shapes(config), openpi_shapes(stored)
-        diff = [f"    {k}: stored {have[k]}, requested {want[k]}" for k in want if want[k] != have[k]]
+        diff = [f"    {k}: stored {have.get(k)}, requested {want[k]}" for k in want if want[k] != have.get(k)]
         if diff:
             lines = "\n".join(diff)
             raise ValueError(f"{src}: the requested config's dimensions differ from the stored ones:\n{lines}")
+    quant_info = _read_quantization(src, set(openpi_paths(config)))
+    quantized = set(quant_info["leaves"]) if quant_info else set()
     sums = read_json_item(src, "checksums") if (src / "checksums").exists() else None
     if sums is None:
         warnings.warn(
@@ -189,7 +288,7 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
     item = src / "params"
     tree = read_tree_metadata(item)
     meta = flatten_dict(tree.get("params", {})) if isinstance(tree.get("params"), Mapping) else {}
-    want_paths = {tuple(k.split("/")) for k in OPENPI_PATHS}
+    want_paths = {tuple(k.split("/")) for k in openpi_paths(config) if k not in quantized}
     missing = sorted("/".join(k) for k in want_paths - set(meta))
     if missing:
         raise CheckpointError(
@@ -198,7 +297,14 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
     # Restore as stored (the checksums are of the stored bytes), then cast to the target dtype.
     flat = restore_arrays(item, {("params", *k): None for k in want_paths}, partial=len(meta) > len(want_paths))
     arrays = {"/".join(k[1:]): v for k, v in flat.items()}
-    if sums is not None:
-        _verify_checksums(src, arrays, sums)
+    quant = _restore_quantized(src, quant_info) if quant_info else {}
+    if sums is not None:  # first, so that damaged bytes are named as such
+        _verify_checksums(src, arrays | _quantized_flat(quant), sums)
     np_dtype = np.dtype(config.jnp_dtype)  # cast on the host: no device program per leaf shape
-    return config, from_openpi_dict({k: v.astype(np_dtype, copy=False) for k, v in arrays.items()}, config)
+    if not quant:
+        return config, from_openpi_dict({k: v.astype(np_dtype, copy=False) for k, v in arrays.items()}, config)
+    _check_quantized(src, quant, quant_info["weights"], openpi_shapes(config))
+    from_openpi_dict({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in (arrays | quant).items()}, config)  # shapes
+    values = {k: jnp.asarray(v.astype(np_dtype, copy=False)) for k, v in arrays.items()}
+    values |= {k: QArray(values=jnp.asarray(q.values), scale=jnp.asarray(q.scale.astype(np_dtype))) for k, q in quant.items()}
+    return config, from_layer_pieces(values, config)

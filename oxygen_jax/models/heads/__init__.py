@@ -13,6 +13,7 @@ kinds differ only in what they read and how:
 | `cross_last`   | the last `hidden_states` entry only           | every cross block's K/V              | QwenGR00T   |
 | `adarms_joint` | post-RoPE K/V of every backbone layer (layer  | none (the layers' K/V, mask and next | π0.5        |
 |                | l reads layer l), prefix mask, next position  | position as they are)                |             |
+| `time_mlp_joint` | as adarms_joint, plus a robot state token   | the state token                      | π0          |
 
 Per frame: `state = prepare(head_params, spec, prefix)` once, then
 `actions = denoise(head_params, spec, state, noise)`, `flow.integrate` over a static step count that
@@ -44,8 +45,9 @@ import zlib
 import jax
 
 from oxygen_jax.models import backbone as bb
-from oxygen_jax.models.heads import adarms, cross, joint
+from oxygen_jax.models.heads import adarms, cross, joint, time_mlp
 from oxygen_jax.models.heads.adarms import AdaRmsHead, AdaRmsSpec, AdaRmsState
+from oxygen_jax.models.heads.time_mlp import TimeMlpHead, TimeMlpSpec, TimeMlpState
 from oxygen_jax.models.heads.cross import BlockPair, CrossHead, CrossHiddenSpec, CrossLastSpec, CrossSpec
 from oxygen_jax.models.heads.joint import JointHead, JointKvSpec
 from oxygen_jax.models.heads.parts import HeadState
@@ -54,24 +56,26 @@ from oxygen_jax.models.heads.spec import DitSpec, HeadSpec, Kind
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import param_count
 
-HeadParams = JointHead | CrossHead | AdaRmsHead
+HeadParams = JointHead | CrossHead | AdaRmsHead | TimeMlpHead
 
 __all__ = [
     # specs, one type per kind
-    "HeadSpec", "DitSpec", "JointKvSpec", "CrossSpec", "CrossHiddenSpec", "CrossLastSpec", "AdaRmsSpec", "Kind",
+    "HeadSpec", "DitSpec", "JointKvSpec", "CrossSpec", "CrossHiddenSpec", "CrossLastSpec", "AdaRmsSpec", "TimeMlpSpec",
+    "Kind",
     # weights and per-frame state
-    "HeadParams", "JointHead", "CrossHead", "AdaRmsHead", "BlockPair", "HeadState", "AdaRmsState",
+    "HeadParams", "JointHead", "CrossHead", "AdaRmsHead", "TimeMlpHead", "BlockPair", "HeadState", "AdaRmsState",
+    "TimeMlpState",
     "head_tree", "init_head", "abstract_head", "param_count", "unstack_head", "stack_head",
     # running a head
     "prepare", "velocity", "denoise", "sample",
     # presets and the kinds' modules
-    "preset", "xr0", "starvla_qwenpi_v3", "gr00t", "joint", "cross", "adarms",
+    "preset", "xr0", "starvla_qwenpi_v3", "gr00t", "joint", "cross", "adarms", "time_mlp",
 ]
 
 
 def _check_params(params: HeadParams) -> None:
     if not isinstance(params, HeadParams):
-        raise ValueError(f"expected head weights (JointHead, CrossHead or AdaRmsHead), got {type(params).__name__}")
+        raise ValueError(f"expected head weights (JointHead, CrossHead, AdaRmsHead or TimeMlpHead), got {type(params).__name__}")
 
 
 def head_tree(spec: HeadSpec, draw: bb.Draw) -> HeadParams:

@@ -7,6 +7,7 @@ step-index flow of the DiT kinds. Each kind's own spec lives beside its maths an
 | `CrossHiddenSpec` (`heads.cross`) | `cross_hidden` | StarVLA QwenPI_v3              |
 | `CrossLastSpec` (`heads.cross`)   | `cross_last`   | StarVLA QwenGR00T              |
 | `AdaRmsSpec` (`heads.adarms`)     | `adarms_joint` | π0.5's action expert           |
+| `TimeMlpSpec` (`heads.time_mlp`)  | `time_mlp_joint` | π0's action expert           |
 
 Every kind answers, beside the fields below: `kind` (its label), `kv_layers` (backbone layers whose K/V it
 reads), `hidden_layers` (HF hidden-state indices it reads), `extra_tokens` / `state_dim` (its tokens before
@@ -29,7 +30,7 @@ import jax
 from oxygen_jax.models import flow
 from oxygen_jax.models.backbone import BackboneSpec
 
-Kind = Literal["joint_kv", "cross_hidden", "cross_last", "adarms_joint"]
+Kind = Literal["joint_kv", "cross_hidden", "cross_last", "adarms_joint", "time_mlp_joint"]
 
 
 def require(cond: bool, msg: str) -> None:

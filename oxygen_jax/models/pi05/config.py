@@ -29,6 +29,7 @@ PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
 
 DType = Literal["float32", "bfloat16"]
 PromptAttention = Literal["bidirectional", "causal"]
+Variant = Literal["pi05", "pi0"]
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -60,7 +61,13 @@ class ExpertConfig:
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """π0.5: VLM expert (expert 0, with embedder), action expert (expert 1, adaRMS), SigLIP."""
+    """π0.5 or π0: VLM expert (expert 0, with embedder), action expert (expert 1), SigLIP.
+
+    `variant` is openpi's `Pi0Config.pi05`: "pi05" conditions the action expert on the flow time through
+    adaRMSNorm and reads the state as prompt tokens; "pi0" mixes the time into each action token with an MLP
+    (`action_time_mlp_*`), has plain RMSNorms in both experts and reads the state as one suffix token
+    (`state_proj`). Everything else (SigLIP, the VLM expert, the prefix, language decoding) is the same.
+    """
 
     vlm: ExpertConfig
     action_expert: ExpertConfig
@@ -72,6 +79,7 @@ class ModelConfig:
     # dtype sqrt(D_vlm) is rounded to before it scales token embeddings; None = `dtype`. openpi rounds it to the
     # embedding's stored dtype, so a training-layout checkpoint (bfloat16 table) restored in float32 sets "bfloat16".
     embed_scale_dtype: DType | None = None
+    variant: Variant = "pi05"  # "pi05" (adaRMS time, state in the prompt) or "pi0" (time MLP, state token)
 
     def __post_init__(self):
         v, a = self.vlm, self.action_expert
@@ -89,6 +97,7 @@ class ModelConfig:
             f"ModelConfig.prompt_attention must be 'bidirectional' or 'causal', got {self.prompt_attention!r}",
         )
         _require(self.vocab_size > 3, "ModelConfig.vocab_size must hold pad/eos/bos/unk")
+        _require(self.variant in ("pi05", "pi0"), f"ModelConfig.variant must be 'pi05' or 'pi0', got {self.variant!r}")
 
     @property
     def jnp_dtype(self):

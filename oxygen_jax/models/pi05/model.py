@@ -36,7 +36,7 @@ from oxygen_jax.models import backbone, mot, siglip_prefix
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models.backbone import Decoder
 from oxygen_jax.models.decoder import AttentionDecoder
-from oxygen_jax.models.heads import AdaRmsHead, HeadSpec, adarms
+from oxygen_jax.models.heads import AdaRmsHead, HeadSpec, TimeMlpHead, adarms, time_mlp
 from oxygen_jax.models.mot import ModelParams, ModelSpec
 from oxygen_jax.models.pi05.config import EOS_ID, ModelConfig
 from oxygen_jax.models.pi05.observation import Observation
@@ -58,20 +58,26 @@ def vlm_decoder(params: Params) -> Decoder:
 
 
 def head_spec(config: ModelConfig, num_steps: int = 10, horizon: int = 0) -> HeadSpec:
-    """The action expert as an `adarms_joint` head "actions": layer l reads the VLM expert's layer l.
+    """The action expert as head "actions": `adarms_joint` (π0.5) or `time_mlp_joint` (π0, with the state
+    token); layer l reads the VLM expert's layer l.
 
-    `horizon` 0 (default): the chunk length is the caller's (the noise's Ha); π0.5's expert is
-    position-free in the horizon (its RoPE continues the prefix).
+    `horizon` 0 (default): the chunk length is the caller's (the noise's Ha); the expert is position-free in
+    the horizon (its RoPE continues the prefix).
     """
     e = config.action_expert
-    return adarms.head_spec(HEAD, width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
-                            head_dim=e.head_dim, mlp_dim=e.mlp_dim, action_dim=config.action_dim, num_steps=num_steps,
-                            horizon=horizon)
+    kind = adarms if config.variant == "pi05" else time_mlp
+    return kind.head_spec(HEAD, width=e.width, depth=e.depth, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
+                          head_dim=e.head_dim, mlp_dim=e.mlp_dim, action_dim=config.action_dim, num_steps=num_steps,
+                          horizon=horizon)
 
 
-def head_params(params: Params) -> AdaRmsHead:
+def head_params(params: Params) -> AdaRmsHead | TimeMlpHead:
     """The action expert's weights as the head's parameters (the same arrays, no copy)."""
     ae = params.action_expert
+    if params.config.variant == "pi0":
+        return TimeMlpHead(action_in=params.action_in, state_in=params.state_proj, time_mlp_in=params.time_mlp_in,
+                           time_mlp_out=params.time_mlp_out, action_out=params.action_out, layers=ae.layers,
+                           final_norm=ae.final_norm)
     return AdaRmsHead(action_in=params.action_in, time_mlp_in=params.time_mlp_in, time_mlp_out=params.time_mlp_out,
                       action_out=params.action_out, layers=ae.layers, final_norm=ae.final_norm)
 
@@ -177,24 +183,32 @@ posemb_sincos = adarms.posemb_sincos
 
 
 def time_condition(params: Params, t: jax.Array) -> jax.Array:
-    """adaRMS condition [B, Da] = swish(time_mlp_out(swish(time_mlp_in(sincos(t))))) (`adarms.time_condition`)."""
+    """π0.5's adaRMS condition [B, Da] = swish(time_mlp_out(swish(time_mlp_in(sincos(t))))) (`adarms.time_condition`)."""
     return adarms.time_condition(head_params(params), t)
 
 
-def velocity(params: Params, cache: Prefix, x_t: jax.Array, t: jax.Array) -> jax.Array:
+def _head_state(params: Params, cache: Prefix, state: jax.Array | None, num_steps: int = 10):
+    head, spec = head_params(params), head_spec(params.config, num_steps)
+    if params.config.variant == "pi05" and state is not None:
+        raise ValueError("π0.5 reads the robot state as prompt tokens: pass state=None (π0 takes it as a token)")
+    return head, spec, hd.prepare(head, spec, cache, state)
+
+
+def velocity(params: Params, cache: Prefix, x_t: jax.Array, t: jax.Array, state: jax.Array | None = None) -> jax.Array:
     """Flow-matching velocity v(x_t, t) [B, Ha, Ad] from the action expert reading the prefix cache.
 
     Args:
       cache: read-only prefix cache.
       x_t: noisy actions [B, Ha, Ad].
-      t: times [B], or one per action token [B, Ha] (per-token adaRMS conditioning, training-time RTC).
+      t: times [B], or one per action token [B, Ha] (π0.5's per-token adaRMS conditioning, training-time RTC).
+      state: π0: the normalised robot state zero-padded to Ad, [B, Ad] (its state token); π0.5: None.
     """
-    head, spec = head_params(params), head_spec(params.config)
-    return adarms.velocity(head, spec, adarms.prepare(head, spec, cache), x_t, t)
+    head, spec, st = _head_state(params, cache, state)
+    return hd.velocity(head, spec, st, x_t, t)
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
-def denoise(params: Params, cache: Prefix, noise: jax.Array, num_steps: int = 10) -> jax.Array:
+def denoise(params: Params, cache: Prefix, noise: jax.Array, num_steps: int = 10, state: jax.Array | None = None) -> jax.Array:
     """Euler integration of the flow from t = 1 (noise) to t = 0 (actions): `heads.denoise` of the head "actions".
 
     The cache is read, never written, and not donated: text decoding can share it.
@@ -202,33 +216,36 @@ def denoise(params: Params, cache: Prefix, noise: jax.Array, num_steps: int = 10
     Args:
       noise: x(t=1) [B, Ha, Ad].
       num_steps: static step count.
+      state: π0's state [B, Ad] (normalised, zero-padded); None for π0.5.
     Returns:
       normalised, padded actions float32 [B, Ha, Ad].
     """
-    head, spec = head_params(params), head_spec(params.config, num_steps)
-    return hd.denoise(head, spec, hd.prepare(head, spec, cache), noise)
+    head, spec, st = _head_state(params, cache, state, num_steps)
+    return hd.denoise(head, spec, st, noise)
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
-def sample_actions(params: Params, observation: Observation, noise: jax.Array, num_steps: int = 10) -> jax.Array:
-    """`denoise(prefill(observation))`: one action chunk [B, Ha, Ad] per observation row."""
-    return denoise(params, prefill(params, observation), noise, num_steps)
+def sample_actions(params: Params, observation: Observation, noise: jax.Array, num_steps: int = 10,
+                   state: jax.Array | None = None) -> jax.Array:
+    """`denoise(prefill(observation))`: one action chunk [B, Ha, Ad] per observation row (π0: `state` [B, Ad])."""
+    return denoise(params, prefill(params, observation), noise, num_steps, state)
 
 
 @jax.jit
-def compute_loss(params: Params, observation: Observation, actions: jax.Array, noise: jax.Array, time: jax.Array) -> jax.Array:
+def compute_loss(params: Params, observation: Observation, actions: jax.Array, noise: jax.Array, time: jax.Array,
+                 state: jax.Array | None = None) -> jax.Array:
     """Flow-matching loss with explicit noise and time.
 
     x_t = t * noise + (1 - t) * actions; target u_t = noise - actions.
 
     Args:
-      actions, noise: [B, Ha, Ad]; time: [B] in (0, 1].
+      actions, noise: [B, Ha, Ad]; time: [B] in (0, 1]; state: π0's [B, Ad], None for π0.5.
     Returns:
       per-step loss [B, Ha] = mean over A of (v_t - u_t)^2.
     """
     t = time[:, None, None]
     x_t = t * noise + (1 - t) * actions
-    v_t = velocity(params, prefill(params, observation), x_t, time)
+    v_t = velocity(params, prefill(params, observation), x_t, time, state)
     return jnp.mean(jnp.square(v_t - (noise - actions)), axis=-1)
 
 
@@ -240,7 +257,8 @@ def sample_noise_and_time(rng: jax.Array, shape: tuple[int, ...]) -> tuple[jax.A
     return noise, time
 
 
-def compute_loss_rng(params: Params, rng: jax.Array, observation: Observation, actions: jax.Array) -> jax.Array:
+def compute_loss_rng(params: Params, rng: jax.Array, observation: Observation, actions: jax.Array,
+                     state: jax.Array | None = None) -> jax.Array:
     """`compute_loss` with noise and time drawn from `rng` the way openpi draws them."""
     noise, time = sample_noise_and_time(rng, actions.shape)
-    return compute_loss(params, observation, actions, noise, time)
+    return compute_loss(params, observation, actions, noise, time, state)

@@ -5,10 +5,15 @@ heads, K KV heads, H head dim, V vocabulary, W SigLIP width, Fv SigLIP MLP, Nv S
 head dim, p patch size, Np patches per image, Ad model action dim, Dc adaRMS condition width (= action
 expert width).
 
-`_SPEC` is the single description of every leaf: its openpi checkpoint path, its attribute path in
-`Params`, its shape as a function of the config, and its initialiser. `init_params`,
+`_spec(config)` is the single description of every leaf of a variant: its openpi checkpoint path, its
+attribute path in `Params`, its shape as a function of the config, and its initialiser. `init_params`,
 `abstract_params`, `to_openpi_dict` and `from_openpi_dict` are all derived from it, so the
 checkpoint mapping, the random init and the abstract shapes cannot disagree.
+
+The two variants (`ModelConfig.variant`, openpi's `Pi0Config.pi05`) share every leaf but the action
+expert's time input: π0.5 has adaRMS norms (`*_norm_1/Dense_0`) and `time_mlp_in/out` [Da, Da]; π0 has
+plain norm scales, `action_time_mlp_in` [2 Da, Da] / `action_time_mlp_out` [Da, Da] (held in the same
+`time_mlp_in` / `time_mlp_out` fields) and `state_proj` [Ad, Da] (51 and 50 leaves).
 """
 
 from __future__ import annotations
@@ -53,10 +58,11 @@ class Params:
     action_expert: Expert  # expert 1: action suffix (adaRMSNorm)
     siglip: Siglip
     action_in: Dense  # [Ad, Da]
-    time_mlp_in: Dense  # [Da, Da]
+    time_mlp_in: Dense  # π0.5 [Da, Da]; π0 (action_time_mlp_in) [2 Da, Da]
     time_mlp_out: Dense  # [Da, Da]
     action_out: Dense  # [Da, Ad]
     config: ModelConfig = dataclasses.field(metadata=dict(static=True))  # static: part of the treedef
+    state_proj: Dense | None = None  # π0 only: [Ad, Da], the state token
 
     def replace(self, **changes) -> "Params":
         return dataclasses.replace(self, **changes)
@@ -140,28 +146,54 @@ def _dense_leaves(name: str, attr: str, shape) -> list[_Leaf]:
     ]
 
 
-_SPEC: tuple[_Leaf, ...] = tuple(
-    [_Leaf("PaliGemma/llm/embedder/input_embedding", ("embedding",), lambda c: (c.vocab_size, c.vlm.width), "embed")]
-    + _expert_leaves("", "vlm", "", lambda c: c.vlm, adaptive=False)
-    + _expert_leaves("", "action_expert", "_1", lambda c: c.action_expert, adaptive=True)
-    + _siglip_leaves()
-    + _dense_leaves("action_in_proj", "action_in", lambda c: (c.action_dim, c.action_expert.width))
-    + _dense_leaves("time_mlp_in", "time_mlp_in", lambda c: (c.action_expert.width, c.action_expert.width))
-    + _dense_leaves("time_mlp_out", "time_mlp_out", lambda c: (c.action_expert.width, c.action_expert.width))
-    + _dense_leaves("action_out_proj", "action_out", lambda c: (c.action_expert.width, c.action_dim))
-)
+def _variant_leaves(pi05: bool) -> tuple[_Leaf, ...]:
+    da = lambda c: c.action_expert.width  # noqa: E731
+    if pi05:
+        time = (_dense_leaves("time_mlp_in", "time_mlp_in", lambda c: (da(c), da(c)))
+                + _dense_leaves("time_mlp_out", "time_mlp_out", lambda c: (da(c), da(c))))
+    else:  # π0: [action tokens ‖ sincos(t)] mixed by an MLP, and the state as one suffix token
+        time = (_dense_leaves("state_proj", "state_proj", lambda c: (c.action_dim, da(c)))
+                + _dense_leaves("action_time_mlp_in", "time_mlp_in", lambda c: (2 * da(c), da(c)))
+                + _dense_leaves("action_time_mlp_out", "time_mlp_out", lambda c: (da(c), da(c))))
+    return tuple(
+        [_Leaf("PaliGemma/llm/embedder/input_embedding", ("embedding",), lambda c: (c.vocab_size, c.vlm.width), "embed")]
+        + _expert_leaves("", "vlm", "", lambda c: c.vlm, adaptive=False)
+        + _expert_leaves("", "action_expert", "_1", lambda c: c.action_expert, adaptive=pi05)
+        + _siglip_leaves()
+        + _dense_leaves("action_in_proj", "action_in", lambda c: (c.action_dim, da(c)))
+        + time
+        + _dense_leaves("action_out_proj", "action_out", lambda c: (da(c), c.action_dim))
+    )
 
-OPENPI_PATHS: tuple[str, ...] = tuple(leaf.openpi for leaf in _SPEC)
-"""Every openpi parameter path (51 for π0.5), in table order."""
+
+_SPECS = {"pi05": _variant_leaves(True), "pi0": _variant_leaves(False)}
 
 
-LAYER_STACKED: frozenset[str] = frozenset(leaf.openpi for leaf in _SPEC if "layers" in leaf.attr)
-"""The openpi paths whose leaves carry a leading layer axis L."""
+def _spec(config: ModelConfig) -> tuple[_Leaf, ...]:
+    return _SPECS[config.variant]
+
+
+def openpi_paths(config: ModelConfig) -> tuple[str, ...]:
+    """Every openpi parameter path of `config`'s variant (51 for π0.5, 50 for π0), in table order."""
+    return tuple(leaf.openpi for leaf in _spec(config))
+
+
+OPENPI_PATHS: tuple[str, ...] = tuple(leaf.openpi for leaf in _SPECS["pi05"])
+"""Every openpi parameter path of π0.5 (51), in table order (`openpi_paths` for either variant)."""
+
+
+LAYER_STACKED: frozenset[str] = frozenset(leaf.openpi for spec in _SPECS.values() for leaf in spec if "layers" in leaf.attr)
+"""The openpi paths (of either variant) whose leaves carry a leading layer axis L."""
+
+
+def variant_of(paths) -> str:
+    """Which variant a set of openpi paths holds: "pi0" when it has π0's `state_proj`, else "pi05"."""
+    return "pi0" if "state_proj/kernel" in set(paths) else "pi05"
 
 
 def openpi_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Expected shape of every openpi parameter path for `config`."""
-    return {leaf.openpi: tuple(leaf.shape(config)) for leaf in _SPEC}
+    return {leaf.openpi: tuple(leaf.shape(config)) for leaf in _spec(config)}
 
 
 def _build(values: dict[tuple[str, ...], jax.Array], config: ModelConfig) -> Params:
@@ -201,6 +233,7 @@ def _build(values: dict[tuple[str, ...], jax.Array], config: ModelConfig) -> Par
         embedding=values[("embedding",)], vlm=expert("vlm"), action_expert=expert("action_expert"),
         siglip=siglip, action_in=dense(("action_in",)), time_mlp_in=dense(("time_mlp_in",)),
         time_mlp_out=dense(("time_mlp_out",)), action_out=dense(("action_out",)), config=config,
+        state_proj=dense(("state_proj",)) if ("state_proj", "kernel") in values else None,
     )
 
 
@@ -244,7 +277,7 @@ def init_params(config: ModelConfig, seed: int | jax.Array = 0) -> Params:
         seed = int(np.asarray(jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed).sum())
     dtype = config.jnp_dtype
     values = {}
-    for i, leaf in enumerate(_SPEC):
+    for i, leaf in enumerate(_spec(config)):
         rng = np.random.default_rng([int(seed), i])
         values[leaf.attr] = jnp.asarray(_init_leaf(leaf, tuple(leaf.shape(config)), rng), dtype)
     return _build(values, config)
@@ -253,7 +286,7 @@ def init_params(config: ModelConfig, seed: int | jax.Array = 0) -> Params:
 def abstract_params(config: ModelConfig) -> Params:
     """`jax.ShapeDtypeStruct` leaves for `config`, without allocating anything."""
     dtype = config.jnp_dtype
-    return _build({leaf.attr: jax.ShapeDtypeStruct(tuple(leaf.shape(config)), dtype) for leaf in _SPEC}, config)
+    return _build({leaf.attr: jax.ShapeDtypeStruct(tuple(leaf.shape(config)), dtype) for leaf in _spec(config)}, config)
 
 
 def _map_layer_stacks(params: Params, fn) -> Params:
@@ -288,7 +321,7 @@ def for_backend(params: Params, backend: str | None = None) -> Params:
 def to_openpi_dict(params: Params) -> dict[str, jax.Array]:
     """Flat {openpi path: array} view of `params` (the layout openpi's `restore_params` returns)."""
     params = stack_layers(params)
-    return {leaf.openpi: _get(params, leaf.attr) for leaf in _SPEC}
+    return {leaf.openpi: _get(params, leaf.attr) for leaf in _spec(params.config)}
 
 
 def from_openpi_dict(flat: dict[str, jax.Array], config: ModelConfig, *, consume: bool = False) -> Params:
@@ -310,16 +343,16 @@ def from_openpi_dict(flat: dict[str, jax.Array], config: ModelConfig, *, consume
         if tuple(flat[k].shape) != expected[k]
     )
     if missing or unexpected or misshaped:
-        lines = ["parameters do not match the π0.5 tree for this config:"]
+        lines = [f"parameters do not match the {'π0.5' if config.variant == 'pi05' else 'π0'} tree for this config:"]
         for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
             if items:
                 lines.append(f"  {title} ({len(items)}):")
                 lines += [f"    {i}" for i in items]
         raise ValueError("\n".join(lines))
     if not consume:
-        return _build({leaf.attr: _as_dtype(flat[leaf.openpi], config.jnp_dtype) for leaf in _SPEC}, config)
+        return _build({leaf.attr: _as_dtype(flat[leaf.openpi], config.jnp_dtype) for leaf in _spec(config)}, config)
     values = {}
-    for leaf in _SPEC:
+    for leaf in _spec(config):
         values[leaf.attr] = jax.block_until_ready(_as_dtype(flat.pop(leaf.openpi), config.jnp_dtype))
     return _build(values, config)
 
@@ -331,7 +364,7 @@ def from_layer_pieces(values: dict[str, jax.Array | list[jax.Array]], config: Mo
     array; every stack given that way becomes `Unstacked` (the CPU layout, `unstack_layers`), and
     no stacked copy is ever made. A stack's leaves must all be given the same way.
     """
-    built = _build({leaf.attr: values[leaf.openpi] for leaf in _SPEC}, config)
+    built = _build({leaf.attr: values[leaf.openpi] for leaf in _spec(config)}, config)
     is_list = lambda x: isinstance(x, list)  # noqa: E731
 
     def unstack(layers):
