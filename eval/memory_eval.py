@@ -269,7 +269,7 @@ def _find_tokenizer(args):
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from oxygen_jax.ckpts.oxygen_adapter import load_any
-    from oxygen_jax.models.pi05.config import robot_config
+    from oxygen_jax.robots.config import robot_config
     from oxygen_jax.models.pi05.params import for_backend
     from training.memory.config import DEMO_PROMPT_LEN
     from training.lerobot.keys import KeyMap

@@ -126,7 +126,7 @@ class Robot:
 
     def __init__(self, rid: str, balancer_port: int):
         from openpi_client import websocket_client_policy
-        from oxygen_jax.models.pi05.config import robot_config
+        from oxygen_jax.robots.config import robot_config
         from oxygen_jax.robots import transforms
 
         self.rid = rid

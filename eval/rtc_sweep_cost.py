@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from oxygen_jax.ckpts import load
-from oxygen_jax.models.pi05.config import oxygen_benchmark_robot
+from oxygen_jax.robots.config import oxygen_benchmark_robot
 from oxygen_jax.robots import transforms
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from oxygen_jax.runtime import rtc

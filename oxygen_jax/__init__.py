@@ -10,8 +10,8 @@ import importlib
 # public name -> the module that defines it, in commented groups
 _EXPORTS = {
     # Configuration
-    **dict.fromkeys(("ModelConfig", "RobotConfig", "model_config", "robot_config", "oxygen_benchmark_robot"),
-                    "oxygen_jax.models.pi05.config"),
+    **dict.fromkeys(("ModelConfig", "model_config"), "oxygen_jax.models.pi05.config"),
+    **dict.fromkeys(("RobotConfig", "robot_config", "oxygen_benchmark_robot"), "oxygen_jax.robots.config"),
     # Parameters and checkpoints
     **dict.fromkeys(("Params", "init_params", "abstract_params", "for_backend", "stack_layers", "unstack_layers"),
                     "oxygen_jax.models.pi05.params"),

@@ -26,7 +26,8 @@ import numpy as np
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import load_bank
 from oxygen_jax.models import lora
-from oxygen_jax.models.pi05.config import ModelConfig, RobotConfig, robot_config
+from oxygen_jax.models.pi05.config import ModelConfig
+from oxygen_jax.robots.config import RobotConfig, robot_config
 from oxygen_jax.models.pi05.params import Params, for_backend
 from oxygen_jax.robots.tokenizer import Tokenizer
 

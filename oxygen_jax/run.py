@@ -159,7 +159,7 @@ def main(argv=None) -> int:
 
     from oxygen_jax.runtime import compile_cache
     from oxygen_jax.robots import transforms
-    from oxygen_jax.models.pi05.config import robot_config
+    from oxygen_jax.robots.config import robot_config
     from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
     from oxygen_jax.nn.layers import param_count
     from oxygen_jax.serving.codec import make_codec

@@ -226,7 +226,7 @@ def build(args: argparse.Namespace):
     """
     import jax
 
-    from oxygen_jax.models.pi05.config import robot_config
+    from oxygen_jax.robots.config import robot_config
     from oxygen_jax.runtime.engine import Engine, EngineConfig
 
     robot = robot_config(args.robot)

@@ -173,7 +173,7 @@ def test_against_oxygen_jax_server_each_chunk_continues_the_executed_actions(tin
     """Training-time RTC, s = 4, announced delay 2, replies taken after 2 consumed actions: every new chunk's
     first 2 actions are exactly the 2 actions the robot executed while it was computed, so the executed stream
     continues the old chunk through the splice; the server names no fallback after the first chunk."""
-    from oxygen_jax.models.pi05.config import robot_config
+    from oxygen_jax.robots.config import robot_config
     from oxygen_jax.robots import transforms
     from oxygen_jax.robots.tokenizer import train_demo_tokenizer
     from oxygen_jax.runtime.engine import Engine, EngineConfig

@@ -20,7 +20,7 @@ import pytest
 from helpers import make_obs
 from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.nn import sampling
-from oxygen_jax.models.pi05.config import robot_config
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.robots.transforms import normalize_state, robot_inputs
 from oxygen_jax.runtime.engine import MAX_STREAM, Engine, EngineConfig, RequestError

@@ -47,7 +47,7 @@ from websockets.uri import parse_uri
 from helpers import fixture
 from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax import serve
-from oxygen_jax.models.pi05.config import robot_config
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots import native_prompts as npr
 from oxygen_jax.robots import transforms
 from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from helpers import shared_dir
-from oxygen_jax.models.pi05.config import model_config, robot_config
+from oxygen_jax.models.pi05.config import model_config
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from training import memory_data, rlds_tfrecord
 from training.memory_data import (

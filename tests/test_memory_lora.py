@@ -23,7 +23,7 @@ from oxygen_jax.ckpts.adapters import load_adapter, load_bank, save_adapter
 from oxygen_jax.runtime import decode
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05 import model
-from oxygen_jax.models.pi05.config import robot_config
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.models.pi05.params import for_backend
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from training.memory.__main__ import main
@@ -237,7 +237,8 @@ def test_cli_rejects_a_bad_flag_by_name_in_one_line_before_loading_anything(tmp_
 _DATA_PARALLEL = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
-    from oxygen_jax.models.pi05.config import model_config, robot_config
+    from oxygen_jax.models.pi05.config import model_config
+    from oxygen_jax.robots.config import robot_config
     from oxygen_jax.models.pi05.params import for_backend, init_params
     from oxygen_jax.robots.tokenizer import train_demo_tokenizer
     from training.memory_data import open_memory_dataset

@@ -92,7 +92,7 @@ def _unseen_lora_fixture(root, params, adapters, alpha_in_config, training_layou
     and 2, alpha != rank; references from the merged model with the true alpha."""
     from oxygen_jax.models.pi05 import lora as pi05_lora
     from oxygen_jax.models.pi05 import model
-    from oxygen_jax.models.pi05.config import CAMERA_SLOTS
+    from oxygen_jax.robots.config import CAMERA_SLOTS
     from helpers import make_obs
     from test_lora import _write_lora_checkpoint
 

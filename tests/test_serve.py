@@ -33,7 +33,8 @@ from oxygen_jax.robots import transforms
 from oxygen_jax.serving import wire
 from oxygen_jax.serving.batcher import Frame, Stream, bucket_for, expected_streams, fire_delay
 from oxygen_jax.serving.codec import Pi05Codec, frame_noise
-from oxygen_jax.models.pi05.config import model_config, robot_config
+from oxygen_jax.models.pi05.config import model_config
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
 from oxygen_jax.serve import _parser, main, serve_config
 from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from oxygen_jax import serve
-from oxygen_jax.models.pi05.config import robot_config
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots import transforms
 from oxygen_jax.runtime.engine import Engine
 from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread

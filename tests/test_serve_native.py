@@ -27,7 +27,7 @@ from helpers import fixture as _fixture
 from oxygen_jax import serve
 from oxygen_jax.ckpts import starvla
 from oxygen_jax.ckpts.load import load_model
-from oxygen_jax.models.pi05.config import robot_config
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots import transforms
 from oxygen_jax.runtime.engine import Engine
 from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from oxygen_jax.models.pi05.model import as_vla
-from oxygen_jax.models.pi05.config import robot_config
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots import transforms
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from oxygen_jax.runtime.engine import Engine, EngineConfig

@@ -6,7 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from oxygen_jax.models.pi05.config import model_config, robot_config
+from oxygen_jax.models.pi05.config import model_config
+
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.models.pi05.observation import validate_observation
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer

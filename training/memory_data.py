@@ -46,7 +46,9 @@ import jax
 import numpy as np
 from PIL import Image
 
-from oxygen_jax.models.pi05.config import ModelConfig, RobotConfig
+from oxygen_jax.models.pi05.config import ModelConfig
+
+from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt

@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from oxygen_jax.ckpts import load
-    from oxygen_jax.models.pi05.config import oxygen_benchmark_robot
+    from oxygen_jax.robots.config import oxygen_benchmark_robot
     from oxygen_jax.models.pi05.model import language_model, prefill
     from oxygen_jax.models.pi05.params import for_backend
     from oxygen_jax.robots.tokenizer import train_demo_tokenizer

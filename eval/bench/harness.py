@@ -43,7 +43,8 @@ from tqdm import tqdm
 from eval import arrivals as arrivals_lib
 from eval import metrics
 from eval.bench.grid import Group
-from oxygen_jax.models.pi05.config import EOS_ID, oxygen_benchmark_robot
+from oxygen_jax.models.pi05.config import EOS_ID
+from oxygen_jax.robots.config import oxygen_benchmark_robot
 from oxygen_jax.runtime import decode
 from oxygen_jax.runtime import frame as schedule
 from oxygen_jax.runtime.scheduler import Scheduler, Ticket

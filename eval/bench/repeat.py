@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from oxygen_jax.cli import int_at_least
-from oxygen_jax.models.pi05.config import oxygen_benchmark_robot
+from oxygen_jax.robots.config import oxygen_benchmark_robot
 from oxygen_jax.models.pi05.model import as_vla, language_model, prefill
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from oxygen_jax.robots.transforms import make_observation, synthetic_sample

@@ -46,7 +46,7 @@ from oxygen_jax.ckpts.openpi import load_openpi_lora, load_openpi_params
 from oxygen_jax.runtime import decode
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models import siglip
-from oxygen_jax.models.pi05.config import CAMERA_SLOTS
+from oxygen_jax.robots.config import CAMERA_SLOTS
 from oxygen_jax.models.pi05.lora import EXPERTS
 from oxygen_jax.nn.masks import last_valid_index
 from oxygen_jax.models.pi05.observation import Observation

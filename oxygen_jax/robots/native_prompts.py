@@ -55,7 +55,7 @@ import numpy as np
 
 from oxygen_jax.models import mot, qwen3_vl
 from oxygen_jax.models.mot import ModelSpec
-from oxygen_jax.models.pi05.config import RobotConfig
+from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots import transforms
 
 FAMILIES = ("xr0", "starvla_qwenpi_v3", "starvla_gr00t")

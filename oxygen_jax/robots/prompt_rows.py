@@ -23,7 +23,7 @@ import numpy as np
 
 from oxygen_jax.models import mot, qwen3_vl
 from oxygen_jax.models.mot import ModelSpec, PrefixInputs
-from oxygen_jax.models.pi05.config import RobotConfig
+from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots import transforms
 from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.robots.tokenizer import Tokenizer

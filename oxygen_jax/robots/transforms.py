@@ -33,7 +33,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from PIL import Image
 
-from oxygen_jax.models.pi05.config import CAMERA_SLOTS, ModelConfig, RobotConfig
+from oxygen_jax.models.pi05.config import ModelConfig
+
+from oxygen_jax.robots.config import CAMERA_SLOTS, RobotConfig
 from oxygen_jax.models.backbone import BackboneSpec
 from oxygen_jax.robots.normalize import (
     NormStats, quantile_normalize, quantile_unnormalize, zscore_normalize, zscore_unnormalize,

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from oxygen_jax.models.pi05.config import RobotConfig
+from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.robots import native_prompts, prompt_rows, transforms
 from oxygen_jax.runtime.engine import MAX_STATE_ABS

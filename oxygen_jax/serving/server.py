@@ -81,7 +81,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from oxygen_jax.models.pi05.config import RobotConfig
+from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.serving import auto_language, health, requests, rtc_session, wire
 from oxygen_jax.serving.auto_language import AutoLanguage
 from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, Stream

@@ -28,7 +28,7 @@ import numpy as np
 from oxygen_jax.cli import OneLineParser, float_in, int_at_least
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME, save_adapter, tree_digest
-from oxygen_jax.models.pi05.config import RobotConfig, robot_config
+from oxygen_jax.robots.config import RobotConfig, robot_config
 from oxygen_jax.models.pi05.params import Params, for_backend, init_params
 from oxygen_jax.robots.tokenizer import (
     MIN_TRAINED_VOCAB, Tokenizer, encode_suffix_prompt, train_demo_tokenizer, train_text_tokenizer,

@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from oxygen_jax.models.pi05.config import ModelConfig, RobotConfig
+from oxygen_jax.models.pi05.config import ModelConfig
+
+from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
 from training.memory_data import MemoryBatch, epoch_batches, frame_texts, make_memory_batch
 

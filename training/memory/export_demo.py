@@ -23,7 +23,7 @@ from oxygen_jax.cli import OneLineParser, existing, int_at_least
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME, load_bank
 from oxygen_jax.demo import DEMO_DIR, DEMO_MANIFEST
-from oxygen_jax.models.pi05.config import robot_config
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.models.pi05.params import for_backend
 from oxygen_jax.robots.tokenizer import Tokenizer
 from training.memory.data import TextTask, fixed_batches
