@@ -13,7 +13,9 @@ A released-layout Xiaomi-Robotics-0 directory (config.json model_type 'mibot' + 
 'qwen3_5', `eval.parity.qwen35.is_qwen35_fixture`) runs `eval.parity.qwen35`.
 A StarVLA QwenPI_v3 / QwenGR00T checkpoint (config.yaml + StarVLA's state_dict names + reference.npz,
 `eval.parity.starvla.is_starvla_fixture`) runs `eval.parity.starvla`. A LeRobot dataset fixture (dataset/ +
-reference.npz, `eval.parity.lerobot.is_lerobot_fixture`) runs `eval.parity.lerobot`. Exit status 1 on any FAIL.
+reference.npz, `eval.parity.lerobot.is_lerobot_fixture`) runs `eval.parity.lerobot`; a LeRobot π0.5 / π0 checkpoint
+(pretrained_model/ + reference.npz, `eval.parity.lerobot_policy.is_lerobot_policy_fixture`) runs
+`eval.parity.lerobot_policy`. Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from eval.parity import hf, openpi, qwen35, rtc
 from eval.parity import lerobot as lerobot_parity
+from eval.parity import lerobot_policy
 from eval.parity import xr0 as xr0_parity
 from eval.parity import starvla as starvla_parity
 from eval.parity.checks import format_table, summary
@@ -56,6 +59,8 @@ def main(argv=None) -> int:
         ap.error(f"fixture directory not found: {args.fixture}")
     if lerobot_parity.is_lerobot_fixture(args.fixture):  # a LeRobot dataset: dataset/ + reference.npz
         return lerobot_parity.main([str(args.fixture)])
+    if lerobot_policy.is_lerobot_policy_fixture(args.fixture):  # a LeRobot π0.5 / π0 checkpoint: pretrained_model/
+        return lerobot_policy.main([str(args.fixture)])
     if rtc.is_rtc_fixture(args.fixture):
         return rtc.main([str(args.fixture)])
     if xr0_parity.is_xr0_fixture(args.fixture):
