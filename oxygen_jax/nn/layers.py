@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from oxygen_jax.nn.quant import dequantizing
+
 
 def _pytree(cls):
     return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
@@ -80,8 +82,10 @@ def scan_layers(body, carry, layers, extra=None):
     over separate per-layer buffers: XLA's CPU backend copies every dynamic weight slice of a
     scan (3x the bytes of a memory-bound decode step), so on CPUs this is the fast form.
     `extra` (e.g. per-layer cache slices, leaves [L, ...]) is sliced alongside. Returns
-    (carry, ys stacked on a leading L axis, or None).
+    (carry, ys stacked on a leading L axis, or None). Quantized leaves (`nn.quant.QArray`) reach `body`
+    dequantized, one layer at a time.
     """
+    body = dequantizing(body)
     if isinstance(layers, Unstacked):
         ys = []
         for i, lp in enumerate(layers.layers):

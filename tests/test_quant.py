@@ -1,0 +1,217 @@
+"""Quantized weights (`nn.quant`, `ckpts.own`, `python -m oxygen_jax.quantize`): round-trip error bounds per
+dtype, a quantized tiny π0.5 within the documented bounds of float32 (docs/quantization.md), the layer loop's
+dequantization in both layer layouts, the checkpoint round trip and its refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import diverse_text_params, leaves_equal, make_obs
+from oxygen_jax.ckpts.adapters import base_fingerprint
+from oxygen_jax.ckpts.load import load_model
+from oxygen_jax.ckpts.openpi import load_openpi_params
+from oxygen_jax.ckpts.orbax_io import CheckpointError
+from oxygen_jax.ckpts.own import restore_params, save_params
+from oxygen_jax.models import backbone
+from oxygen_jax.models.pi05 import model as pi05_model
+from oxygen_jax.models.pi05.config import model_config
+from oxygen_jax.models.pi05.params import init_params
+from oxygen_jax.models.pi05.spec import pi05_spec
+from oxygen_jax.nn import quant
+from oxygen_jax.nn.layers import Unstacked, unstack_layers
+from oxygen_jax.nn.masks import make_attn_mask
+from oxygen_jax.quantize import main as quantize_main
+
+# Documented bounds (docs/quantization.md) for the tiny preset's random weights made text-diverse: actions
+# against float32, relative to the float32 actions' RMS; teacher-forced greedy tokens identical to float32's.
+BOUNDS = {"int8": {"max": 0.25, "mean": 0.03, "tokens": 0.75}, "fp8": {"max": 0.75, "mean": 0.1, "tokens": 0.4}}
+
+
+def _weight(seed: int, shape=(3, 2, 48, 40)) -> np.ndarray:
+    """Channels of very different magnitudes, one all-zero channel and a few outliers."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32) * np.exp(rng.uniform(-6, 2, shape[:1] + (1,) * 2 + shape[-1:]))
+    w[0, 0, :, 3] = 0.0
+    w[1, 1, 5, 7] = 50.0
+    return w.astype(np.float32)
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_round_trip_error_is_within_the_format_bound(weights):
+    w = _weight(0)
+    q = quant.quantize(w, weights, axes=(-2,))
+    assert q.values.dtype == quant.STORED_DTYPE[weights] and q.scale.shape == (3, 2, 1, 40)
+    assert q.scale.dtype == np.float32 and (q.scale > 0).all()
+    back = np.asarray(quant.dequantize(jax.tree.map(jnp.asarray, q)))
+    err = np.abs(back - w)
+    assert (err <= quant.error_bound(q, w) * (1 + 1e-6) + 1e-30).all(), float((err / quant.error_bound(q, w)).max())
+    # Each channel's absmax lands on the format's largest value, and an all-zero channel stays exactly zero.
+    top = np.max(np.abs(np.asarray(q.values, np.float32)), axis=-2)
+    assert np.allclose(top[np.max(np.abs(w), axis=-2) > 0], quant.QMAX[weights])
+    assert (back[0, 0, :, 3] == 0).all()
+    # The bound is tight enough to mean something: int8 about 0.4 % of a channel's absmax, fp8 about 6 % of |w|.
+    rel = err / np.max(np.abs(w), axis=-2, keepdims=True).clip(1e-30)
+    assert rel.max() <= (0.5 / 127 if weights == "int8" else 2.0 ** -4) * 1.0001
+
+
+def test_quantize_reads_large_leaves_in_blocks_with_the_same_result(monkeypatch):
+    w = _weight(1, (6, 32, 24))
+    whole = quant.quantize(w, "int8", axes=(-2,))
+    monkeypatch.setattr(quant, "_BLOCK", 100)  # a few rows of axis 0 at a time
+    blocked = quant.quantize(w, "int8", axes=(-2,))
+    assert (whole.values == blocked.values).all() and (whole.scale == blocked.scale).all()
+
+
+def test_quantize_refuses_bad_input_in_one_line():
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quant.quantize(np.full((2, 3), np.nan, np.float32), "int8", axes=(-2,))
+    with pytest.raises(ValueError, match="int8' or 'fp8"):
+        quant.quantize(np.ones((2, 3), np.float32), "int4", axes=(-2,))
+    with pytest.raises(ValueError, match="not distinct axes"):
+        quant.quantize(np.ones((2, 3), np.float32), "int8", axes=(-3,))
+    with pytest.raises(ValueError, match="Unstacked"):
+        quant.plan({"vlm": {"layers": Unstacked(layers=({"q": np.ones((2, 3, 2))},))}})
+
+
+def test_plan_selects_layer_weights_by_kind_and_keeps_the_rest(tiny):
+    params = tiny[1]
+    both, mlp = quant.plan(params), quant.plan(params, ("mlp",))
+    assert set(mlp) < set(both) and {r.kind for r in mlp.values()} == {"mlp"}
+    assert {"vlm/layers/q", "vlm/layers/gating", "action_expert/layers/out", "siglip/layers/query/kernel"} <= set(both)
+    assert not any("norm" in p or p.endswith("bias") or "embedding" in p or "time_mlp" in p for p in both)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = model_config("tiny", prompt_attention="causal")
+    return config, diverse_text_params(init_params(config, 0))
+
+
+@jax.jit
+def _actions_and_tokens(params, obs, noise):
+    """One action chunk per row and the teacher-forced greedy token after every prefix position."""
+    out = pi05_model.prefix_forward(params, obs)
+    tokens = jnp.argmax(pi05_model.lm_logits(params, pi05_model.final_norm(params, out["hidden"])), -1)
+    return pi05_model.sample_actions(params, obs, noise, 1), tokens
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_quantized_tiny_model_is_within_the_documented_bounds_of_float32(tiny, weights):
+    config, params = tiny
+    obs = make_obs(config, batch=2, prompt_len=16)
+    noise = jax.random.normal(jax.random.key(1), (2, 10, config.action_dim))
+    ref_a, ref_t = map(np.asarray, _actions_and_tokens(params, obs, noise))
+    qparams = quant.quantize_tree(params, weights)
+    act, tok = map(np.asarray, _actions_and_tokens(qparams, obs, noise))
+    # The quantized run is the float program on the dequantized weights: the layer loop is the only change.
+    deq_a, deq_t = map(np.asarray, _actions_and_tokens(quant.dequantize_tree(qparams), obs, noise))
+    np.testing.assert_allclose(act, deq_a, rtol=1e-5, atol=1e-5 * np.abs(ref_a).max())
+    assert (tok == deq_t).all()
+    scale = np.sqrt(np.mean(ref_a ** 2))
+    err = np.abs(act - ref_a) / scale
+    prompt = np.asarray(obs.token_mask)
+    agree = (tok[:, -prompt.shape[1]:] == ref_t[:, -prompt.shape[1]:])[prompt].mean()
+    bound = BOUNDS[weights]
+    assert 0 < err.mean() <= bound["mean"] and err.max() <= bound["max"], (err.max(), err.mean())
+    assert bound["tokens"] <= agree, agree
+
+
+def test_layer_loop_dequantizes_stacked_and_unstacked_layers_alike(tiny):
+    config, params = tiny
+    layers = quant.quantize_tree(params, "int8").vlm.layers
+    spec = pi05_spec(config)
+    x = jax.random.normal(jax.random.key(2), (1, 6, config.vlm.width))
+    pos = jnp.arange(6)[None]
+    mask = make_attn_mask(jnp.ones((1, 6), bool), jnp.ones(6, bool))
+    run = jax.jit(lambda lay: backbone.forward_prefill(spec, lay, x, pos, mask)[0])
+    stacked = np.asarray(run(layers))
+    np.testing.assert_allclose(np.asarray(run(unstack_layers(layers))), stacked, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(run(quant.dequantize_tree(layers))), stacked, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    config = model_config("tiny")
+    params = init_params(config, 0)
+    root = tmp_path_factory.mktemp("quant")
+    float_dir = save_params(root / "float", params)
+    (root / "tokenizer.model").write_bytes(b"not a real tokenizer")  # copied beside the result, not read
+    assert quantize_main(["--ckpt", str(float_dir), "--out", str(root / "int8"), "--weights", "int8"]) == 0
+    assert quantize_main(["--ckpt", str(float_dir), "--out", str(root / "fp8"), "--weights", "fp8",
+                          "--layers", "mlp"]) == 0
+    return config, params, root
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_quantize_command_writes_a_fingerprinted_checkpoint_that_restores_bit_exact(saved):
+    config, params, root = saved
+    want = quant.quantize_tree(params, "int8")
+    got_config, got = restore_params(root / "int8")
+    assert got_config == config and leaves_equal(got, want)  # values, scales and the float leaves, bit for bit
+    assert isinstance(got.vlm.layers.q, quant.QArray) and got.vlm.layers.q.values.dtype == jnp.int8
+    _, mlp_only = restore_params(root / "fp8", config.replace(dtype="bfloat16"))
+    assert mlp_only.vlm.layers.linear.values.dtype == ml_dtypes.float8_e4m3fn
+    assert mlp_only.vlm.layers.linear.scale.dtype == jnp.bfloat16 and mlp_only.vlm.layers.q.dtype == jnp.bfloat16
+    info = json.loads((root / "int8" / "quantization" / "metadata").read_text())
+    assert info["weights"] == "int8" and info["provenance"]["source_fingerprint"] == base_fingerprint(root / "float")
+    fingerprints = {base_fingerprint(root / n) for n in ("float", "int8", "fp8")}
+    assert len(fingerprints) == 3 and None not in fingerprints
+    assert (root / "int8" / "tokenizer.model").read_bytes() == b"not a real tokenizer"
+    loaded = load_model(root / "int8", family="pi05", backend="cpu")  # what run / serve call
+    assert isinstance(loaded.params.vlm.layers.layers[0].q, quant.QArray)
+
+
+def test_quantized_checkpoint_is_refused_by_readers_that_know_no_quantization(saved):
+    with pytest.raises(ValueError, match="missing"):  # openpi's reader: the quantized leaves are not in params/
+        load_openpi_params(saved[2] / "int8")
+
+
+def test_corrupted_scales_are_refused_in_one_line(tmp_path, saved):
+    path = _copy(saved[2] / "int8", tmp_path / "ckpt")
+    data = max((path / "quantized" / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    for i in range(len(raw) // 2, len(raw) // 2 + 64):
+        raw[i] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError) as e:
+        restore_params(path)
+    assert "\n" not in str(e.value) and "quantized" in str(e.value)
+
+
+def test_scales_of_another_checkpoint_are_refused_in_one_line(tmp_path, saved):
+    path = _copy(saved[2] / "int8", tmp_path / "ckpt")
+    shutil.rmtree(path / "quantized")
+    shutil.copytree(saved[2] / "fp8" / "quantized", path / "quantized")
+    with pytest.raises(CheckpointError) as e:
+        restore_params(path)
+    assert "\n" not in str(e.value) and "damaged" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["shape", "negative", "huge"])
+def test_a_scale_that_does_not_fit_its_values_is_refused_in_one_line(tmp_path, bad):
+    config = model_config("tiny")
+    params = quant.quantize_tree(init_params(config, 0), "int8", ("mlp",))
+    q = params.vlm.layers.linear
+    scale = {"shape": jnp.ones(q.scale.shape[:-1] + (2,)), "negative": -q.scale, "huge": q.scale * 1e6}[bad]
+    layers = params.vlm.layers.__class__(**{**vars(params.vlm.layers), "linear": quant.QArray(q.values, scale)})
+    params = params.replace(vlm=params.vlm.__class__(layers=layers, final_norm=params.vlm.final_norm))
+    path = save_params(tmp_path / "ckpt", params)  # checksums of the bad scale: only the fit checks can refuse it
+    with pytest.raises(CheckpointError, match="mlp/linear") as e:
+        restore_params(path)
+    assert "\n" not in str(e.value)
