@@ -21,6 +21,7 @@ Axes: H chunk rows (delta timestamps), Ds state dims, Da action dims.
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -35,15 +36,23 @@ from training.lerobot.video import TOLERANCE_S, VideoFrames
 LANGUAGE_TEXT_KEYS = ("subtask", "plan", "memory", "interjection", "speech")
 
 
-def decode_image(value, where: str) -> np.ndarray:
-    """A parquet image cell ({bytes, path} struct, or raw bytes) -> uint8 RGB [H, W, 3] via Pillow (lossless)."""
+def decode_image(value, where: str, size: tuple[int, int] | None = None) -> np.ndarray:
+    """A parquet image cell ({bytes, path} struct, or raw bytes) -> uint8 RGB [H, W, 3] via Pillow (lossless).
+
+    `size` (H, W): the image must have exactly this size, read from its header before any pixel is decoded
+    (a 12000 x 12000 PNG in a 64 px camera is refused without allocating its 432 MB)."""
     data = value.get("bytes") if isinstance(value, Mapping) else value
-    if not data:
+    if not data or not isinstance(data, (bytes, bytearray)):
         raise ValueError(f"{where}: the image cell holds no bytes")
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with warnings.catch_warnings():  # Pillow only warns below 2x its pixel limit; no camera comes near it
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+        with img:
+            if size is not None and (img.height, img.width) != tuple(size):
+                raise ValueError(f"the image is {img.height} x {img.width} px but info.json says {size[0]} x {size[1]}")
             return np.asarray(img if img.mode == "RGB" else img.convert("RGB"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ValueError(f"{where}: cannot decode the stored image bytes ({e})") from None
 
 
@@ -58,11 +67,13 @@ class LeRobotDataset:
         each frame once either way; a random access decodes from the key frame before it (`training.lerobot.video`).
       row_cache_mb: parquet row groups kept.
       tolerance_s: largest accepted |video frame time - query time|.
+      finite: numeric features that must hold finite numbers (e.g. the state and action the key map uses);
+        a NaN or inf there is a one-line ValueError naming the file, episode, frame and feature.
     """
 
     def __init__(self, root: str | Path, *, episodes: Sequence[int] | None = None,
                  delta_timestamps: Mapping[str, Sequence[float]] | None = None, video_cache_mb: float = 512,
-                 row_cache_mb: float = 256, tolerance_s: float = TOLERANCE_S):
+                 row_cache_mb: float = 256, tolerance_s: float = TOLERANCE_S, finite: Sequence[str] = ()):
         self.meta: DatasetMeta = read_meta(root)
         self.root = self.meta.root
         by_index = {e.index: e for e in self.meta.episodes}
@@ -82,6 +93,7 @@ class LeRobotDataset:
         self.video = VideoFrames(int(video_cache_mb * (1 << 20)), tolerance_s)
         self.image_keys = tuple(k for k in self.meta.camera_keys if feats[k]["dtype"] == "image")
         self.video_keys = self.meta.video_keys
+        self.finite = tuple(finite)
 
     def _delta_indices(self, delta: Mapping[str, Sequence[float]], tol: float) -> dict[str, np.ndarray]:
         out = {}
@@ -110,6 +122,10 @@ class LeRobotDataset:
         e = int(np.searchsorted(self._starts, i, side="right") - 1)
         return e, i - int(self._starts[e])
 
+    def episode_of(self, frames: np.ndarray) -> np.ndarray:
+        """int64 [N]: the position in `self.episodes` of each frame index in `frames` (in range)."""
+        return np.searchsorted(self._starts, np.asarray(frames, np.int64), side="right") - 1
+
     def _columns(self, file: str, cameras: bool) -> list[str]:
         have = set(self.rows.columns(file))
         wanted = [k for k, f in self.meta.features.items()
@@ -122,6 +138,13 @@ class LeRobotDataset:
     def _read(self, i: int, cameras: bool) -> dict:
         e, r = self.locate(i)
         ep = self.episodes[e]
+        try:
+            return self._read_row(ep, r, cameras)
+        except (ValueError, OSError) as err:  # one line naming the episode and frame; the file and field follow
+            kind = FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError
+            raise kind(f"episode {ep.index} frame {r}: {str(err).splitlines()[0]}") from None
+
+    def _read_row(self, ep, r: int, cameras: bool) -> dict:
         where = f"{self.root / ep.data_file}"
         row = self.rows.read(ep.data_file, ep.row_offset + r, ep.row_offset + r + 1, self._columns(ep.data_file, cameras))
         item = {k: v[0] for k, v in row.items()}
@@ -134,8 +157,9 @@ class LeRobotDataset:
             raise ValueError(f"{where}: field 'task_index' {task_index} has no task in meta/tasks")
         item["task"] = self.meta.tasks[task_index]
         t = float(item["timestamp"])
-        texts = language.frame_texts(item.get(language.PERSISTENT), item.get(language.EVENTS), t,
-                                     f"{where} episode {ep.index} frame {r}")
+        if not 0 <= t < 1e9:
+            raise ValueError(f"{where}: field 'timestamp' is {t}, not a time in seconds")
+        texts = language.frame_texts(item.get(language.PERSISTENT), item.get(language.EVENTS), t, where)
         for key, text in texts.items():  # a plain string column of that name (some exports have one) wins
             item.setdefault(key, text)
         for key, offsets in self.delta_indices.items():
@@ -145,12 +169,18 @@ class LeRobotDataset:
             block = self.rows.read(ep.data_file, ep.row_offset + lo, ep.row_offset + hi, [key])[key]
             item[key] = np.asarray(block)[rows - lo]
             item[f"{key}_is_pad"] = want != rows
+        for key in self.finite:
+            values = np.asarray(item.get(key, 0.0)).reshape(-1)
+            if values.dtype.kind == "f" and not np.isfinite(values).all():
+                raise ValueError(f"{where}: field {key!r} holds {values[~np.isfinite(values)][0]}; non-finite "
+                                 "numbers are refused (the recording is damaged)")
         if cameras:
             for key in self.image_keys:
-                item[key] = decode_image(item[key], f"{where}: column {key!r} row {ep.row_offset + r}")
+                item[key] = decode_image(item[key], f"{where}: column {key!r} row {ep.row_offset + r}",
+                                         self.meta.image_shape(key))
             for key in self.video_keys:
                 path, start = ep.videos[key]
-                item[key] = self.video.frame(self.root / path, start + t, self.meta.fps)
+                item[key] = self.video.frame(self.root / path, start + t, self.meta.fps, self.meta.image_shape(key))
         return item
 
     def item(self, i: int) -> dict:

@@ -59,8 +59,9 @@ class LeRobotSource(Sequence):
                 raise ValueError(f"action_horizon={action_horizon} needs H >= 1 and an action feature (the key map "
                                  f"found {self.keys.get('actions')!r} among {sorted(meta.features)})")
             delta = {self.keys["actions"]: [k / meta.fps for k in range(action_horizon)]}
+        used = tuple(self.keys[f] for f in ("state", "actions") if f in self.keys)  # a NaN there would spread
         self.dataset = LeRobotDataset(root, episodes=episodes, delta_timestamps=delta, video_cache_mb=video_cache_mb,
-                                      row_cache_mb=row_cache_mb)
+                                      row_cache_mb=row_cache_mb, finite=used)
         self.meta = self.dataset.meta
         self.action_horizon = action_horizon
         self._rename = {v: k for k, v in self.keys.items()}

@@ -19,6 +19,11 @@ answer nothing. The choice here, as LeRobot's recipes make it (a sample whose re
 dropped): such frames are left out of both splits (`empty_label=None`, the default). `empty_label="..."`
 keeps them with that text as their label instead (e.g. "nothing yet"). Either way every frame of the split
 has a non-empty label, and `texts(i)` answers from a table built once per split (no parquet read per frame).
+
+Every label is a string of at most `MAX_TEXT_CHARS` characters and every frame's `task_index` names a task,
+checked when the table is built; `LabelledFrames.check_cameras()` decodes one labelled frame of every episode
+(every camera), so a missing or damaged video, an image of the wrong size or a wrong fps is found before
+training starts. Each error is one line naming the file, the episode, the frame and the field.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy as np
 from training.lerobot import language
 from training.lerobot.dataset import LeRobotDataset
 from training.lerobot.keys import KeyMap
-from training.lerobot.meta import read_meta
+from training.lerobot.meta import MAX_TEXT_CHARS, read_meta
 from training.lerobot.source import LeRobotSource
 
 _ACTIVE = ("subtask", "plan", "memory")
@@ -39,7 +44,8 @@ _ACTIVE = ("subtask", "plan", "memory")
 
 def is_lerobot_dataset(path: str | Path) -> bool:
     """A folder with `meta/info.json` (a LeRobot dataset root)."""
-    return (Path(path) / "meta" / "info.json").is_file()
+    info = Path(path) / "meta" / "info.json"
+    return info.exists() or info.is_symlink()  # a special file there is then refused by name, not taken for absent
 
 
 def parse_episodes(text: str) -> list[int]:
@@ -71,9 +77,14 @@ def split_episodes(root: str | Path, split: str, heldout: Sequence[int] | None =
     if split == "all":
         return every
     ranges = meta.info.get("splits") or {}
-    if split in ranges:
-        lo, _, hi = str(ranges[split]).partition(":")
+    if isinstance(ranges, dict) and split in ranges:
+        lo, sep, hi = str(ranges[split]).partition(":")
+        if not (sep and lo.strip().isdigit() and hi.strip().isdigit()):
+            raise ValueError(f"{meta.root / 'meta/info.json'}: splits.{split} is {str(ranges[split])[:40]!r}, expected "
+                             "an episode range 'a:b'")
         return [e for e in every if int(lo) <= e < int(hi)]
+    if not isinstance(ranges, dict):
+        raise ValueError(f"{meta.root / 'meta/info.json'}: splits must be an object of episode ranges")
     raise ValueError(f"split {split!r} of {meta.root}: give the held-out episodes (--heldout-episodes 3,7,10-12) "
                      f"for 'train' / 'heldout', or use 'all' or one of info.json's splits {sorted(ranges)}")
 
@@ -93,18 +104,37 @@ def _labels(ds: LeRobotDataset, target: str) -> tuple[list[str], np.ndarray]:
                          f"column of {ds.root} (features: {sorted(feats)})")
     labels, tasks = [], []
     for ep in ds.episodes:
-        block = ds.rows.read(ep.data_file, ep.row_offset, ep.row_offset + ep.length,
-                             ["timestamp", "task_index", *cols])
-        tasks.append(np.asarray(block["task_index"], np.int64))
-        if target in feats:
-            labels += [str(x or "") for x in block[target]]
-            continue
-        where = f"{ds.root / ep.data_file} episode {ep.index}"
+        where = f"{ds.root / ep.data_file}: episode {ep.index}"
+        try:
+            block = ds.rows.read(ep.data_file, ep.row_offset, ep.row_offset + ep.length,
+                                 ["timestamp", "task_index", *cols])
+        except ValueError as e:
+            raise ValueError(f"episode {ep.index}: {e}") from None
+        task_index = np.asarray(block["task_index"], np.int64)
+        unknown = [int(i) for i in task_index if int(i) not in ds.meta.tasks]
+        if unknown:
+            frame = int(np.flatnonzero(task_index == unknown[0])[0])
+            raise ValueError(f"{where} frame {frame}: field 'task_index' {unknown[0]} has no task in meta/tasks")
+        tasks.append(task_index)
+        times = np.asarray(block["timestamp"], np.float64)
+        if not np.isfinite(times).all():
+            raise ValueError(f"{where} frame {int(np.flatnonzero(~np.isfinite(times))[0])}: field 'timestamp' is not "
+                             "finite")
         for r in range(ep.length):
-            texts = language.frame_texts(block.get(language.PERSISTENT, [None] * ep.length)[r],
-                                         block.get(language.EVENTS, [None] * ep.length)[r],
-                                         float(block["timestamp"][r]), where)
-            labels.append(texts[target])
+            if target in feats:
+                text = block[target][r]
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"{where} frame {r}: field {target!r} holds {type(text).__name__}, expected a "
+                                     "string")
+                text = text or ""
+            else:
+                text = language.frame_texts(block.get(language.PERSISTENT, [None] * ep.length)[r],
+                                            block.get(language.EVENTS, [None] * ep.length)[r], float(times[r]),
+                                            f"{where} frame {r}")[target]
+            if len(text) > MAX_TEXT_CHARS:
+                raise ValueError(f"{where} frame {r}: the {target!r} label has {len(text)} characters, above the cap "
+                                 f"{MAX_TEXT_CHARS}; shorten it or leave the episode out (--heldout-episodes)")
+            labels.append(text)
     return labels, np.concatenate(tasks) if tasks else np.zeros([0], np.int64)
 
 
@@ -131,6 +161,23 @@ class LabelledFrames(Sequence):
     def texts(self, k: int) -> dict:
         """The label and the instruction of frame k from the split's table (nothing is read)."""
         return {"language_instruction": self._tasks[k], "task": self._tasks[k], self.target: self._labels[k]}
+
+    def first_of_each_episode(self) -> list[int]:
+        """k of the first labelled frame of every episode that has one, in order."""
+        episodes = self.source.dataset.episode_of(self.indices)
+        return [int(k) for k in np.flatnonzero(np.diff(episodes, prepend=-1))]
+
+    def check_cameras(self) -> int:
+        """Decodes one labelled frame of every episode, every camera (see the module docstring); returns how many."""
+        firsts = self.first_of_each_episode()
+        for k in firsts:
+            self[k]
+        return len(firsts)
+
+    def digest_parts(self) -> dict:
+        """What identifies the split's data: its episodes, labelled frames, labels and tasks."""
+        return {"episodes": list(self.source.episodes), "frames": self.indices.tolist(), "labels": self._labels,
+                "tasks": self._tasks}
 
 
 def open_lerobot_split(root: str | Path, split: str, *, target: str = "memory", heldout: Sequence[int] | None = None,

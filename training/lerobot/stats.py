@@ -10,7 +10,8 @@ aggregated as LeRobot does on load.
     min, max = elementwise min / max;  count = sum c_e
 
 (quantiles cannot be aggregated and are absent). `norm_stats(stats, key)` turns one feature into the
-project's `NormStats` (mean, std, q01, q99).
+project's `NormStats` (mean, std, q01, q99). A NaN or infinite statistic, or a negative count, is a one-line
+ValueError naming the file, feature and statistic: normalising with it would turn every input into NaN.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def _arrays(stats: dict, where: str) -> dict[str, dict[str, np.ndarray]]:
             out[feature] = {k: np.asarray(v, np.float64) for k, v in per.items()}
         except (TypeError, ValueError):
             raise ValueError(f"{where}: field {feature!r} holds a non-numeric stat") from None
+        for k, v in out[feature].items():
+            if not np.isfinite(v).all():
+                raise ValueError(f"{where}: {feature}.{k} holds {v.reshape(-1)[~np.isfinite(v.reshape(-1))][0]}; "
+                                 "statistics must be finite (recompute them, e.g. with LeRobot's compute_stats)")
+            if k in ("count", "std") and (v < 0).any():
+                raise ValueError(f"{where}: {feature}.{k} is negative")
     return out
 
 
@@ -40,6 +47,8 @@ def _aggregate(episodes: list[dict[str, dict[str, np.ndarray]]], where: str) -> 
         if any(k not in p for p in per for k in ("mean", "std", "count")):
             raise ValueError(f"{where}: feature {feature!r} lacks mean/std/count in some episode")
         c = np.array([float(np.sum(p["count"])) for p in per])
+        if not c.sum() > 0:
+            raise ValueError(f"{where}: feature {feature!r} has no counted frames (every count is 0)")
         means = np.stack([p["mean"] for p in per])
         w = (c / c.sum()).reshape((-1,) + (1,) * (means.ndim - 1))
         mean = np.sum(w * means, axis=0)
