@@ -217,26 +217,24 @@ def rule_for(path: str, ndim: int, kinds=KINDS, rules: tuple[Rule, ...] = RULES)
     return None
 
 
+_UNSTACKED = re.compile(r"(^|/)layers/\d+(/|$)")  # a leaf of `nn.layers.Unstacked`: layers/<i>/...
+
+
 def plan(tree, kinds=KINDS, rules: tuple[Rule, ...] = RULES) -> dict[str, Rule]:
     """{leaf path: its rule} for the leaves `quantize_tree` would quantize (layer stacks must be stacked)."""
-    from oxygen_jax.nn.layers import Unstacked  # layers imports this module
-
-    out = {}
-
-    def visit(path, x):
-        if isinstance(x, Unstacked):
-            raise ValueError(f"quantize stacked layers (stack_layers first): {_path_str(path) or 'the tree'} is Unstacked")
-        if _is_q(x):
-            raise ValueError(f"{_path_str(path)} is already quantized")
-        r = rule_for(_path_str(path), len(getattr(x, "shape", ())), kinds, rules)
-        if r is not None:
-            out[_path_str(path)] = r
-        return x
-
     bad = set(kinds) - set(KINDS)
     if bad or not kinds:
         raise ValueError(f"layer kinds must be a non-empty subset of {list(KINDS)}, got {list(kinds)}")
-    jax.tree_util.tree_map_with_path(visit, tree, is_leaf=lambda x: isinstance(x, Unstacked) or _is_q(x))
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_q)[0]:
+        name = _path_str(path)
+        if _is_q(x):
+            raise ValueError(f"{name} is already quantized")
+        if _UNSTACKED.search(name):
+            raise ValueError(f"quantize stacked layers (stack_layers first): {name} is in an Unstacked stack")
+        r = rule_for(name, len(getattr(x, "shape", ())), kinds, rules)
+        if r is not None:
+            out[name] = r
     return out
 
 
