@@ -383,8 +383,9 @@ def infer_config(tensors: Mapping[str, np.ndarray], variant: str, *, dtype: DTyp
     emb = f"{_LLM}.embed_tokens.weight" if f"{_LLM}.embed_tokens.weight" in tensors else _LM_HEADS[0]
     vocab = limits.int_field(_shape(tensors, emb, 2, where)[0], "vocabulary", where, cap=limits.MAX_VOCAB)
     action_dim = _shape(tensors, "action_in_proj.weight", 2, where)[1]
+    vision = _siglip(tensors, vision_heads, where)
     try:
-        return ModelConfig(vlm=vlm, action_expert=act, siglip=_siglip(tensors, vision_heads, where), vocab_size=vocab,
+        return ModelConfig(vlm=vlm, action_expert=act, siglip=vision, vocab_size=vocab,
                            action_dim=limits.int_field(action_dim, "action dim", where, cap=limits.MAX_ACTION_DIM),
                            dtype=dtype, variant=variant)
     except ValueError as e:
