@@ -222,7 +222,7 @@ _HEARTBEAT = textwrap.dedent("""
     from training import distributed
     i = sys.argv.index("--coordinator")
     distributed.initialize(distributed.DistributedConfig(coordinator=sys.argv[i + 1], num_processes=int(sys.argv[i + 3]),
-                                                         process_id=int(sys.argv[i + 5]), heartbeat_timeout_s=5))
+                                                         process_id=int(sys.argv[i + 5])))  # the default heartbeat
     import jax, numpy as np
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), (distributed.DATA,))
     x = distributed.global_batch(np.ones((1, 4), np.float32), mesh, jax.device_count())
@@ -234,7 +234,7 @@ _HEARTBEAT = textwrap.dedent("""
 """)
 
 
-def test_killing_one_process_makes_every_other_exit_non_zero_within_seconds():
+def test_killing_one_process_makes_every_other_exit_non_zero_within_30_s_by_default():
     procs = _workers(2, ["-c", _HEARTBEAT])
     try:
         lines = iter(procs[1].stdout.readline, "")  # until process 1 runs collectives with process 0 (gloo talks first)
@@ -307,3 +307,35 @@ def test_the_flow_matching_step_on_two_processes_equals_two_simulated_devices(tm
 def test_a_bad_distributed_setting_is_refused_in_one_line_before_any_connection(given, message):
     with pytest.raises(ValueError, match=message):
         distributed.DistributedConfig(**given)
+
+
+def test_two_processes_given_different_data_refuse_in_one_line_before_anything_loads(inputs, tmp_path):
+    """The data digests differ (another label): both processes exit 2 in one line, within 60 s, --out empty."""
+    data, base = inputs
+    frames = synthetic_splits(SyntheticMemoryConfig(image_size=56, num_inits=6, num_train_inits=4))
+    frames["train"][0] = {**frames["train"][0], "memory": frames["train"][0]["memory"] + " Also the lid."}
+    other = write_memory_dataset(tmp_path / "other", frames, image_size=56, name="synthetic_memory")
+    port = _free_port()
+    t0 = time.monotonic()
+    procs = [_start(["-m", "training.memory", "--base", str(base), "--data", str(d), "--out", str(tmp_path / "out"),
+                     *FLAGS, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)])
+             for i, d in enumerate((data, other))]
+    results = _finish(procs, timeout=120)
+    assert time.monotonic() - t0 < 60
+    for rc, _, err in results:
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and "the data (--data: its files, splits and labels) differs between " \
+            "processes: process 1 has another than process 0" in lines[0], err[-2000:]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_an_unreachable_coordinator_is_refused_in_one_line_within_the_init_timeout(tmp_path, capsys):
+    from training.memory.__main__ import main
+
+    port = _free_port()  # nothing listens there
+    t0 = time.monotonic()
+    code = main(["--data", str(tmp_path), "--out", str(tmp_path / "out"), "--coordinator", f"127.0.0.1:{port}",
+                 "--num-processes", "2", "--process-id", "1", "--init-timeout", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and time.monotonic() - t0 < 10
+    assert f"cannot reach the coordinator 127.0.0.1:{port} within 1 s" in err, err

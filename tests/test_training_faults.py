@@ -293,3 +293,40 @@ def _suffix_need(dataset, split: str) -> int:
     tok = train_demo_tokenizer()
     labels = {f["memory"] for f in frame_texts(open_memory_dataset(dataset, split), ("memory",))}
     return len(encode_suffix_prompt(tok, "Memory: ")) + max(len(tok.encode(x)) for x in labels) + 1
+
+
+def _damaged_after(monkeypatch, reads: int) -> None:
+    """Training frames read after the first `reads` cannot be read (a damaged file found during training)."""
+    from training.memory_data import MemoryFrameSource
+
+    real, count = MemoryFrameSource.__getitem__, [0]
+
+    def damaged(self, i):
+        if self.split == "train":
+            count[0] += 1
+            if count[0] > reads:
+                raise ValueError(f"{self.path}: frame {i}: image bytes damaged")
+        return real(self, i)
+
+    monkeypatch.setattr(MemoryFrameSource, "__getitem__", damaged)
+
+
+def test_a_data_error_found_during_a_new_run_is_one_line_and_out_holds_nothing(dataset, base, tmp_path, capsys,
+                                                                              monkeypatch):
+    out = tmp_path / "new"
+    _damaged_after(monkeypatch, 2 * BATCH)  # step 3 fails, after the checkpoint of step 2 was written
+    capsys.readouterr()
+    assert main(_flags(dataset, out, base)) == 2
+    err = _one_line_error(capsys)
+    assert "split 'train' frame" in err and "image bytes damaged" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".new*"))  # the step-2 checkpoint went with the hidden folder
+
+
+def test_a_data_error_during_a_resumed_run_takes_back_what_the_run_added(run, tmp_path, capsys, monkeypatch):
+    out = _copy(run, tmp_path)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    _damaged_after(monkeypatch, 0)
+    capsys.readouterr()
+    assert main(_resume_flags(run, out)) == 2
+    assert "image bytes damaged" in _one_line_error(capsys)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

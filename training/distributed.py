@@ -11,6 +11,13 @@ global rows [start, stop) whose shards live on this process, and `global_batch` 
 array from each process's own rows (`jax.make_array_from_process_local_data`), so a process decodes
 and copies only B / N rows per step and nothing checks the others' data.
 
+Start-up and failure are bounded in time, each ending in one line (exit status 2) instead of a C++ abort:
+a process other than 0 first connects to the coordinator's port by TCP ("cannot reach HOST:PORT within
+N s"); then every process joins within `init_timeout_s` or stops naming what did not happen; once running,
+a process silent for `heartbeat_timeout_s` (default 10 s) counts as dead and the coordination service ends
+every other process (measured here: within seconds). `agree` refuses a run whose processes were given
+different data (their digests differ) before the first step.
+
 Axes (`oxygen_jax.axes`): B batch rows, N devices on the mesh's "data" axis.
 """
 
@@ -18,7 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
+import socket
+import sys
+import threading
+import time
 from collections.abc import Mapping
 
 import jax
@@ -42,14 +54,15 @@ class DistributedConfig:
     Attributes:
       coordinator: "HOST:PORT" of process 0's coordination service (None: from the launcher's environment).
       num_processes, process_id: N and this process's index in 0 .. N-1 (None: from the launcher).
-      heartbeat_timeout_s: a process silent this long counts as dead and every other process exits non-zero.
-      init_timeout_s: how long start-up waits for every process to join.
+      heartbeat_timeout_s: a process silent this long counts as dead and every other process exits non-zero
+        (the default ends the survivors well within 30 s of a peer's death).
+      init_timeout_s: how long start-up waits for the coordinator to be reachable and every process to join.
     """
 
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    heartbeat_timeout_s: int = 100
+    heartbeat_timeout_s: int = 10
     init_timeout_s: int = 300
 
     def __post_init__(self):
@@ -75,28 +88,84 @@ class DistributedConfig:
                 or any(int(os.environ.get(k, "1") or 1) > 1 for k in _LAUNCHER_TASKS))
 
 
+class StartError(RuntimeError):
+    """Start-up did not complete: the coordinator cannot be reached (one line naming it and the wait)."""
+
+
 def initialize(config: DistributedConfig) -> bool:
     """Joins the multi-process run `config` describes (before any other JAX call); False: one process.
 
     CPU collectives go through gloo (so CPU runs, e.g. the tests, work across processes); GPUs use NCCL.
+    Raises `StartError` when a process other than 0 cannot reach the coordinator by TCP within
+    `init_timeout_s`; if the processes then do not all join in the time left, this process prints one line
+    and exits with status 2 (JAX itself would abort with a C++ stack dump).
     """
     if not config.requested:
         return False
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     coordinator, n, i = config.coordinator, config.num_processes, config.process_id
     if coordinator is None and all(os.environ.get(k) for k in _ENV_FLAGS):
         coordinator, n, i = (os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["JAX_NUM_PROCESSES"]),
                              int(os.environ["JAX_PROCESS_ID"]))
-    jax.distributed.initialize(
-        coordinator, n, i,
-        initialization_timeout=config.init_timeout_s, heartbeat_timeout_seconds=config.heartbeat_timeout_s,
-        shutdown_timeout_seconds=max(config.heartbeat_timeout_s, 5))
+    deadline = time.monotonic() + config.init_timeout_s
+    if coordinator is not None and i not in (None, 0):
+        wait_for_coordinator(coordinator, config.init_timeout_s)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    left = max(1.0, deadline - time.monotonic())
+    watchdog = threading.Timer(left, _give_up, args=(coordinator, config.init_timeout_s, i))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(  # JAX's own limit lies beyond the watchdog's, which reports in one line first
+            coordinator, n, i, initialization_timeout=int(left) + 30,
+            heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+            shutdown_timeout_seconds=max(config.heartbeat_timeout_s, 5))
+    finally:
+        watchdog.cancel()
     return True
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Returns once a TCP connection to `address` ("HOST:PORT") succeeds; `StartError` after `timeout_s`."""
+    host, _, port = address.rpartition(":")
+    deadline, last = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, max(timeout_s, 0.1))):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() >= deadline:
+            raise StartError(f"cannot reach the coordinator {address} within {timeout_s:g} s ({last.strerror or last}); "
+                             "start process 0 first, check --coordinator (process 0's host and a free port) and the "
+                             "firewall, or raise --init-timeout")
+        time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+
+
+def _give_up(coordinator, timeout_s: float, process_id) -> None:
+    """The watchdog: every process has not joined in time (JAX would abort with a C++ stack dump instead)."""
+    who = "the coordinator" if process_id not in (None, 0) else "every other process"
+    print(f"error: not every process joined the run at {coordinator or 'the launcher'} within {timeout_s:g} s "
+          f"(this is process {process_id}; waited for {who}); start all --num-processes processes with the same "
+          "--coordinator, or raise --init-timeout", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def is_primary() -> bool:
     """True on process 0: the one process that writes files, logs and exported weights."""
     return jax.process_index() == 0
+
+
+def agree(what: str, digest: str) -> None:
+    """Refuses (one-line ValueError) unless every process passes the same `digest` of `what`, e.g. of the
+    data it was given; a no-op with one process. Collective: every process must call it."""
+    if jax.process_count() == 1:
+        return
+    mine = np.frombuffer(hashlib.sha256(digest.encode()).digest(), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 32]
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise ValueError(f"{what} differs between processes: process {differ[0]} has another than process 0 "
+                         f"({len(differ)} of {every.shape[0]} differ); give every process the same")
 
 
 def barrier(name: str) -> None:

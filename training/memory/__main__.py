@@ -2,14 +2,20 @@
 task (`--mode base`); `python -m training.memory export-demo` assembles the embedded demo folder.
 
 Writes into --out: adapter/ or base/, tokenizer.model, checkpoints/ (verified, resumed when present; damaged
-steps are moved to checkpoints.rejected/), metrics.jsonl and run.json. Bad input (flags, data, an unwritable
---out, a batch larger than the training split, a --suffix-len too short for a split, checkpoints of another
-run or none intact) is one line on stderr and exit status 2; a run whose loss, gradients or state become
-non-finite stops at that step with one line and exit status 1, writing no adapter, base or checkpoint from it. Axes (`oxygen_jax.axes`): T suffix tokens, Tp prompt tokens in the prefix, V vocabulary.
+steps are moved to checkpoints.rejected/), metrics.jsonl and run.json. A new run writes into a hidden folder
+beside --out renamed to --out when it ends (`training.memory.run_folder`). Bad input (flags, data, an unwritable
+--out, a batch larger than the training split, a --suffix-len too short for a split or a label over the caps,
+checkpoints of another run or none intact, a frame that cannot be read, found whenever it is read) is one line
+on stderr and exit status 2, and --out then holds nothing from the run; one labelled frame of every episode is
+decoded before training (LeRobot data), so most data errors come first. A run whose loss, gradients or state
+become non-finite stops at that step with one line and exit status 1, writing no adapter, base or checkpoint
+from it. Axes (`oxygen_jax.axes`): T suffix tokens, Tp prompt tokens in the prefix, V vocabulary.
 
 Several processes (`--coordinator HOST:PORT --num-processes N --process-id I`, or nothing under SLURM / Open MPI,
 see `training.distributed`) train one data-parallel run: each decodes its own rows, every process writes its shards
 of the checkpoints, and only process 0 writes the tokenizer, run.json, metrics.jsonl and the adapter or base.
+Before the first step the processes agree on a digest of their data (`training.memory.data.data_digest`): a
+process given other data is refused in one line.
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,13 +41,18 @@ from oxygen_jax.robots.tokenizer import (
 from training import distributed
 from training.memory.checkpoints import CheckpointError, first_non_finite
 from training.memory.config import DEMO_PROMPT_LEN, TrainConfig, checkpoint_config_json, preset_config
-from training.memory.data import TextTask, task_texts
+from training.memory.data import CheckedSource, DataError, TextTask, data_digest, task_texts
 from training.memory.export_demo import main as export_main
 from training.memory.loop import NonFiniteStepError, train
 from training.memory.model import load_base, make_mesh, with_base_trainable
+from training.memory.run_folder import RunFolder
 from training.memory_data import MEMORY_PROMPT, frame_texts, open_memory_dataset
 from training.lerobot.keys import KeyMap
 from training.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
+
+
+MAX_SUFFIX_LEN = 1024  # T: prompt + label + EOS tokens (one long label sizes every batch of the run)
+MAX_LABEL_CHARS = 4096  # characters of one label, checked before it is tokenized
 
 
 def _robot(prompt_len: int) -> RobotConfig:
@@ -132,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
                         "wrist_image=observation.images.hand (repeatable; default: openpi's and LeRobot's names)")
     t.add_argument("--train-split", default="train")
     t.add_argument("--eval-split", default="heldout")
-    t.add_argument("--suffix-len", type=int_at_least(2), default=None, help="T (default: longest prompt + label + EOS in train)")
+    t.add_argument("--suffix-len", type=int_at_least(2), default=None,
+                   help=f"T (default: longest prompt + label + EOS in train; at most {MAX_SUFFIX_LEN})")
     o = p.add_argument_group("optimisation")
     d = TrainConfig()
     o.add_argument("--steps", type=int_at_least(1), default=d.steps)
@@ -159,8 +170,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address and a free port")
     g.add_argument("--num-processes", type=int_at_least(1), default=None, metavar="N")
     g.add_argument("--process-id", type=int_at_least(0), default=None, metavar="I")
-    g.add_argument("--heartbeat-timeout", type=int_at_least(1), default=100, metavar="SECONDS",
+    dist = distributed.DistributedConfig()
+    g.add_argument("--heartbeat-timeout", type=int_at_least(1), default=dist.heartbeat_timeout_s, metavar="SECONDS",
                    help="a process silent this long counts as dead: every other process exits non-zero")
+    g.add_argument("--init-timeout", type=int_at_least(1), default=dist.init_timeout_s, metavar="SECONDS",
+                   help="how long start-up waits for the coordinator to be reachable (TCP) and every process to join")
     e = p.add_argument_group("evaluation and checkpoints")
     e.add_argument("--eval-every", type=int_at_least(0), default=100, help="held-out greedy exact match every N steps (0: at the end)")
     e.add_argument("--eval-frames", type=int_at_least(1), default=None, help="held-out frames per evaluation (default: all)")
@@ -180,13 +194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         distributed.initialize(distributed.DistributedConfig(
             coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
-            heartbeat_timeout_s=args.heartbeat_timeout))
-    except ValueError as e:
+            heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout))
+    except (ValueError, distributed.StartError) as e:
         print(f"python -m training.memory: error: {e}", file=sys.stderr)
         return 2
     try:
         return _run(args, argv)
-    except (_Refused, CheckpointError) as e:
+    except (_Refused, CheckpointError, DataError) as e:
         print(f"python -m training.memory: error: {e}", file=sys.stderr)
         return 2
     except (NonFiniteStepError, _NotSaved) as e:
@@ -204,13 +218,59 @@ class _NotSaved(ArithmeticError):
 
 def _run(args, argv: list[str]) -> int:
     base_mode = args.mode == "base"
-    prompt = args.prompt if args.prompt is not None else ("Scene: " if base_mode else MEMORY_PROMPT)
-    label_key = args.label_key or ("scene" if base_mode else "memory")
     if not base_mode and args.base is None:
         raise _Refused("adapter mode needs --base (a π0.5 checkpoint: ours or openpi's)")
     if args.base is not None and not args.base.is_dir():
         raise _Refused(f"--base {args.base}: no such directory (a π0.5 checkpoint: ours or openpi's)")
-    out = _writable_out(args.out)
+    try:
+        folder = RunFolder.open(args.out)
+    except OSError as e:
+        raise _Refused(f"--out {args.out}: cannot create or write there ({type(e).__name__}: {e}); choose a writable "
+                       "directory") from None
+    primary = distributed.is_primary()
+    try:
+        code = _run_in(args, argv, folder)
+    except (_Refused, CheckpointError, DataError):
+        if primary:  # nothing from a refused run stays in --out
+            folder.abandon()
+        raise
+    except (NonFiniteStepError, _NotSaved):
+        if primary:  # the run's record up to the step that diverged (its metrics, earlier checkpoints)
+            folder.commit()
+        raise
+    distributed.barrier("training_memory_ended")  # every process has closed its checkpoints before the rename
+    if primary:
+        folder.commit()
+    return code
+
+
+def _open_data(args, label_key: str) -> tuple:
+    """(train source, eval source or None, the folders they come from), each source's read errors one line."""
+    if is_lerobot_dataset(args.data):  # splits by episode; frames without an active label left out or filled
+        heldout = parse_episodes(args.heldout_episodes) if args.heldout_episodes is not None else None
+        kw = dict(target=label_key, heldout=heldout, empty_label=args.empty_label, key_map=KeyMap.parse(args.key_map))
+        opened = {s: open_lerobot_split(args.data, s, **kw) for s in (args.train_split, args.eval_split) if s}
+        for split in opened.values():  # one labelled frame per episode and camera: most data errors come first
+            split.check_cameras()
+        train_src, eval_src, folders = opened[args.train_split], opened.get(args.eval_split), [args.data]
+    elif args.libero_hdf5 is not None:  # their split, task/target-balanced batches, 10 greedy-eval frames per task
+        from training.oxygen_libero import open_oxygen_libero
+        oxygen = open_oxygen_libero(args.data, args.libero_hdf5)
+        train_src, eval_src = oxygen.train, (oxygen.eval if args.eval_split else None)
+        folders = [args.data, args.libero_hdf5]
+    else:
+        train_src = open_memory_dataset(args.data, args.train_split)
+        eval_src = open_memory_dataset(args.data, args.eval_split) if args.eval_split else None
+        folders = [args.data]
+    return (CheckedSource(train_src, args.train_split),
+            CheckedSource(eval_src, args.eval_split) if eval_src is not None else None, folders)
+
+
+def _run_in(args, argv: list[str], folder: RunFolder) -> int:
+    base_mode = args.mode == "base"
+    prompt = args.prompt if args.prompt is not None else ("Scene: " if base_mode else MEMORY_PROMPT)
+    label_key = args.label_key or ("scene" if base_mode else "memory")
+    out = folder.work
     devices = args.devices or jax.device_count()
     if devices > jax.device_count():
         raise _Refused(f"--devices {devices}: only {jax.device_count()} device(s) exist; on CPU simulate more with "
@@ -218,20 +278,15 @@ def _run(args, argv: list[str]) -> int:
     if args.batch_size % devices:
         raise _Refused(f"--batch-size {args.batch_size} is not a multiple of the {devices} data-parallel device(s)")
     try:
-        if is_lerobot_dataset(args.data):  # splits by episode; frames without an active label left out or filled
-            heldout = parse_episodes(args.heldout_episodes) if args.heldout_episodes is not None else None
-            kw = dict(target=label_key, heldout=heldout, empty_label=args.empty_label, key_map=KeyMap.parse(args.key_map))
-            opened = {s: open_lerobot_split(args.data, s, **kw) for s in (args.train_split, args.eval_split) if s}
-            train_src, eval_src = opened[args.train_split], opened.get(args.eval_split)
-        elif args.libero_hdf5 is not None:  # their split, task/target-balanced batches, 10 greedy-eval frames per task
-            from training.oxygen_libero import open_oxygen_libero
-            oxygen = open_oxygen_libero(args.data, args.libero_hdf5)
-            train_src, eval_src = oxygen.train, (oxygen.eval if args.eval_split else None)
-        else:
-            train_src = open_memory_dataset(args.data, args.train_split)
-            eval_src = open_memory_dataset(args.data, args.eval_split) if args.eval_split else None
+        train_src, eval_src, folders = _open_data(args, label_key)
+        splits = {args.train_split: train_src, **({args.eval_split: eval_src} if eval_src is not None else {})}
+        digest = data_digest(folders, splits, label_key)
     except (FileNotFoundError, ValueError) as e:
         raise _Refused(f"--data {args.data}: {str(e).splitlines()[0]}") from None
+    try:  # before anything is loaded or written: processes given other data are refused together
+        distributed.agree("the data (--data: its files, splits and labels)", digest)
+    except ValueError as e:
+        raise _Refused(str(e)) from None
     if len(train_src) < args.batch_size:
         raise _Refused(f"--batch-size {args.batch_size} is larger than the {len(train_src)} frames of split "
                        f"{args.train_split!r}; use --batch-size <= {len(train_src)}")
@@ -239,7 +294,6 @@ def _run(args, argv: list[str]) -> int:
         raise _Refused(f"--eval-split {args.eval_split!r} has no frames; pass --eval-split '' to train without evaluation")
     tok_file = out / "tokenizer.model"
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.is_file() and args.tokenizer is None else _tokenizer(args, train_src)
-    splits = {args.train_split: train_src, **({args.eval_split: eval_src} if eval_src is not None else {})}
     suffix_len = _suffix_len(args.suffix_len, splits, tokenizer, prompt, label_key)
     lr = args.lr if args.lr is not None else (1e-3 if base_mode else 3e-3)
     try:
@@ -293,11 +347,14 @@ def _run(args, argv: list[str]) -> int:
             mesh = make_mesh(None if jax.process_count() > 1 and args.devices is None else devices)
         except ValueError as e:
             raise _Refused(str(e)) from None
-        result = train(config, params, task, train_src, eval_source=eval_src, eval_every=args.eval_every,
-                       eval_frames=args.eval_frames, checkpoint_dir=ckpt_dir,
-                       checkpoint_every=args.checkpoint_every, stop_at=args.stop_at, mesh=mesh,
-                       fixed_order=args.fixed_order_reduction, fsdp_min_size=args.fsdp_min_size,
-                       progress=primary and not args.no_progress, log=log, run_meta=run_meta)
+        try:
+            result = train(config, params, task, train_src, eval_source=eval_src, eval_every=args.eval_every,
+                           eval_frames=args.eval_frames, checkpoint_dir=ckpt_dir,
+                           checkpoint_every=args.checkpoint_every, stop_at=args.stop_at, mesh=mesh,
+                           fixed_order=args.fixed_order_reduction, fsdp_min_size=args.fsdp_min_size,
+                           progress=primary and not args.no_progress, log=log, run_meta=run_meta)
+        except DataError as e:  # a frame read during training (past the checks above)
+            raise DataError(f"--data {args.data}: {e}") from None
     # One line per process (tests count them): the frames this process read and decoded.
     print(f"process {jax.process_index()} of {jax.process_count()}: decoded {result.frames_decoded} training frames",
           flush=True)
@@ -325,29 +382,8 @@ def _run(args, argv: list[str]) -> int:
     distributed.barrier("training_memory_saved")  # no process exits before the weights are on disk
     evals = [h for h in result.history if h["event"] == "eval"]
     if primary:
-        print(f"saved {dest}" + (f"; held-out greedy exact match {evals[-1]['exact_match']:.3f}" if evals else ""))
+        print(f"saved {folder.final_path(dest)}" + (f"; held-out greedy exact match {evals[-1]['exact_match']:.3f}" if evals else ""))
     return 0
-
-
-def _writable_out(path: Path) -> Path:
-    """--out resolved, created if missing and probed by writing a file in it (and in checkpoints/ if present)."""
-    out = path.expanduser().resolve()
-    if out.exists() and not out.is_dir():
-        raise _Refused(f"--out {path}: exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for folder in (out, out / "checkpoints"):
-            if folder.is_dir():
-                fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=folder)
-                os.close(fd)
-                os.remove(probe)
-        for name in ("tokenizer.model", "run.json", "metrics.jsonl"):
-            if (out / name).exists() and not os.access(out / name, os.W_OK):
-                raise PermissionError(f"{out / name} is read-only")
-    except OSError as e:
-        raise _Refused(f"--out {path}: cannot create or write there ({type(e).__name__}: {e}); choose a writable "
-                       "directory") from None
-    return out
 
 
 def _suffix_len(given: int | None, splits, tokenizer: Tokenizer, prompt: str, label_key: str) -> int:
@@ -356,6 +392,9 @@ def _suffix_len(given: int | None, splits, tokenizer: Tokenizer, prompt: str, la
     need = {name: _longest_suffix(src, name, tokenizer, prompt, label_key) for name, src in splits.items()}
     if given is None:
         return max(need.values())
+    if given > MAX_SUFFIX_LEN:
+        raise _Refused(f"--suffix-len {given} is above the cap {MAX_SUFFIX_LEN}; use --suffix-len {max(need.values())} "
+                       "or leave it out")
     short = {name: n for name, n in need.items() if n > given}
     if short:
         name, n = max(short.items(), key=lambda kv: kv[1])
@@ -373,12 +412,27 @@ def _require_finite(tree, what: str) -> None:
 
 
 def _longest_suffix(source, split: str, tokenizer: Tokenizer, prompt: str, label_key: str) -> int:
+    """Prompt + longest label + EOS tokens of `split`; a label over `MAX_LABEL_CHARS` characters or a suffix over
+    `MAX_SUFFIX_LEN` tokens is refused naming the frame (one long label would size every batch of the run)."""
     texts = frame_texts(source, (label_key,))
     missing = next((i for i, f in enumerate(texts) if label_key not in f), None)
     if missing is not None:
         raise _Refused(f"frame {missing} of split {split!r} has no {label_key!r} field; choose another --label-key")
-    labels = {str(f[label_key]) for f in texts}
-    return len(encode_suffix_prompt(tokenizer, prompt)) + max(len(tokenizer.encode(x)) for x in labels) + 1
+    labels = {}
+    for i, f in enumerate(texts):
+        text = f[label_key]
+        if not isinstance(text, str) or len(text) > MAX_LABEL_CHARS:
+            what = f"{len(text)} characters" if isinstance(text, str) else f"a {type(text).__name__}"
+            raise _Refused(f"frame {i} of split {split!r}: its {label_key!r} label is {what}; labels are strings of "
+                           f"at most {MAX_LABEL_CHARS} characters (leave that frame out of the data)")
+        labels.setdefault(text, i)
+    prompt_len = len(encode_suffix_prompt(tokenizer, prompt))
+    longest, frame = max((len(tokenizer.encode(x)), i) for x, i in labels.items())
+    if prompt_len + longest + 1 > MAX_SUFFIX_LEN:
+        raise _Refused(f"frame {frame} of split {split!r}: its {label_key!r} label is {longest} tokens, so the suffix "
+                       f"would be {prompt_len + longest + 1} > {MAX_SUFFIX_LEN} tokens (training.memory's cap); shorten "
+                       "the label or leave that frame out")
+    return prompt_len + longest + 1
 
 
 if __name__ == "__main__":

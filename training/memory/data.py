@@ -1,5 +1,7 @@
 """How memory frames become training and evaluation batches: the suffix task (`TextTask`), the batch of
-every step as a pure function of (seed, step) (`StepBatches`), image augmentation and in-order batches.
+every step as a pure function of (seed, step) (`StepBatches`), image augmentation and in-order batches; a
+source's read errors as one-line `DataError`s (`CheckedSource`) and the digest of the data a run trains on
+(`data_digest`, agreed by every process of a multi-process run).
 
 Axes (`oxygen_jax.axes`): B batch rows, T suffix tokens, Px image side; frames are `training.memory_data` dicts.
 """
@@ -7,7 +9,11 @@ Axes (`oxygen_jax.axes`): B batch rows, T suffix tokens, Px image side; frames a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -16,6 +22,72 @@ from oxygen_jax.models.pi05.config import ModelConfig
 from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
 from training.memory_data import MemoryBatch, epoch_batches, frame_texts, make_memory_batch
+
+_HASHED_FILE = 1 << 20  # files of the data folder hashed whole (metadata, tables); larger ones by name and size
+_MAX_LISTED = 1 << 20  # files listed for the digest (a larger folder is refused: not a dataset this reads)
+
+
+class DataError(ValueError):
+    """A frame of the data could not be read or is invalid (one line naming the split, frame, file and field)."""
+
+
+class CheckedSource(Sequence):
+    """`source` (frames by index) whose read errors, found whenever a frame is read, become one `DataError`
+    naming the split and the frame; every other attribute (e.g. `batch_indices`) is the source's."""
+
+    def __init__(self, source: Sequence[Mapping], split: str):
+        self.source, self.split = source, split
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def _call(self, read, k: int):
+        try:
+            return read(k)
+        except (ValueError, OSError) as e:
+            raise DataError(f"split {self.split!r} frame {k}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                            ) from None
+
+    def __getitem__(self, k: int) -> dict:
+        return self._call(self.source.__getitem__, k)
+
+    def texts(self, k: int) -> dict:
+        return self._call(getattr(self.source, "texts", None) or self.source.__getitem__, k)
+
+    def __getattr__(self, name: str):
+        if name == "source":  # not yet set (copying)
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+
+def _listing(path: Path, h) -> None:
+    """Relative path and size of every file under `path` (and the bytes of small ones) into the hash `h`."""
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    if len(files) > _MAX_LISTED:
+        raise DataError(f"{root}: more than {_MAX_LISTED} files; point --data at one dataset")
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(root).as_posix() if f != root else f.name}\0{size}\0".encode())
+        if size <= _HASHED_FILE:
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+
+
+def data_digest(folders: Sequence[str | os.PathLike], splits: Mapping[str, Sequence[Mapping]], label_key: str) -> str:
+    """SHA-256 of what a run trains and evaluates on: the file listing of each data folder (relative paths and
+    sizes, small files' bytes; not where the folder is), and per split its length, its label table (every
+    frame's `label_key` and instruction) and, where the split says, its episodes and frames
+    (`digest_parts()`, e.g. LeRobot splits). Equal on every process of a run that reads the same data."""
+    h = hashlib.sha256()
+    for folder in folders:
+        _listing(Path(folder), h)
+    for name in sorted(splits):
+        source = splits[name]
+        parts = source.digest_parts() if hasattr(source, "digest_parts") else {
+            "labels": [[f.get(label_key), f.get("language_instruction")]
+                       for f in frame_texts(source, (label_key, "language_instruction"))]}
+        h.update(json.dumps({"split": name, "frames": len(source), **parts}, sort_keys=True, default=str).encode())
+    return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
