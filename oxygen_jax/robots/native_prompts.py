@@ -141,7 +141,7 @@ def find_beside(name: str, *dirs: str | Path | None) -> Path | None:
             continue
         d = Path(d).expanduser()
         for cand in (d / name, d.parent / name):
-            if cand.is_file():
+            if (cand.exists() or cand.is_symlink()) and not cand.is_dir():  # a device or broken link: refused when read
                 return cand
     return None
 
