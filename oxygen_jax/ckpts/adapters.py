@@ -17,10 +17,15 @@ A load checks the files before the arrays become weights, each failure one line 
 field: adapter.json's `base_fingerprint` is required and must equal the base's (an adapter is only ever
 served on the base it was trained on); `alpha` is a finite number in (0, `MAX_ALPHA`]; `leaves` lists
 exactly the leaves in lora/, each matching its SHA-256; every leaf is finite with |x| <= `MAX_LEAF_ABS`.
+
+A save never leaves a moment without an adapter at `path`: it writes a hidden folder beside it and swaps it in
+(`replace_dir`: one atomic exchange on Linux), so a process killed mid-save leaves the previous adapter or
+the new one, whole.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -28,6 +33,7 @@ import numbers
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -123,10 +129,8 @@ def save_adapter(
         raise ValueError(f"base {Path(base).resolve()} is not a π0.5 checkpoint (ours or openpi's): an adapter records "
                          "the fingerprint of the base it was trained on")
     dest = Path(path).expanduser().resolve()
-    if dest.exists():
-        if not overwrite:
-            raise FileExistsError(f"adapter directory already exists: {dest} (pass overwrite=True to replace it)")
-        shutil.rmtree(dest)
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"adapter directory already exists: {dest} (pass overwrite=True to replace it)")
     flat = {k: np.asarray(v) for k, v in openpi_lora.to_openpi(pi05_lora.ModelLora(vlm=adapter, action_expert=None)).items()}
     meta = {
         "format": ADAPTER_FORMAT, "name": name, "prompt": prompt, "expert": "vlm",
@@ -136,13 +140,57 @@ def save_adapter(
         "leaves": {k: {"shape": list(v.shape), "dtype": v.dtype.name, "sha256": _sha256(v)} for k, v in flat.items()},
         **({"extra": dict(extra)} if extra else {}),
     }
-    dest.mkdir(parents=True)
-    # This process alone (in a multi-process run the others never reach orbax's barriers).
-    only_me = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(), active_processes={jax.process_index()})
-    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=only_me), multiprocessing_options=only_me).save(
-        dest / "lora", unflatten_dict(flat, sep="/"))  # openpi's nested layout
-    (dest / "adapter.json").write_text(json.dumps(meta, indent=1) + "\n")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    aside = _beside(dest, "new")  # the new adapter is written whole first
+    try:
+        # This process alone (in a multi-process run the others never reach orbax's barriers).
+        only_me = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                                     active_processes={jax.process_index()})
+        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=only_me),
+                         multiprocessing_options=only_me).save(aside / "lora", unflatten_dict(flat, sep="/"))
+        (aside / "adapter.json").write_text(json.dumps(meta, indent=1) + "\n")
+        replace_dir(aside, dest)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)  # left only when something failed before the swap
     return dest
+
+
+def replace_dir(new: Path, dest: Path) -> None:
+    """Puts the folder `new` in place of `dest` (absent or a folder): an atomic exchange where the kernel has one
+    (Linux renameat2), else two renames. Either way a reader sees the old folder or the new one, never a mix;
+    a kill between the two fallback renames leaves the old one beside `dest` as `.<name>.old-*`."""
+    if not dest.exists():
+        os.rename(new, dest)
+        return
+    if _exchange(new, dest):
+        shutil.rmtree(new, ignore_errors=True)  # now the old folder
+        return
+    old = _beside(dest, "old")
+    os.rename(dest, old / dest.name)
+    try:
+        os.rename(new, dest)
+    except OSError:
+        os.rename(old / dest.name, dest)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _beside(dest: Path, what: str) -> Path:
+    """A new hidden folder next to `dest` (same file system, so renames stay renames; the usual permissions)."""
+    folder = dest.parent / f".{dest.name}.{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    return folder
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps two paths atomically with renameat2(RENAME_EXCHANGE); False where the C library or the file system
+    has no such call."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def _check_meta(meta, meta_file: Path, base: str | os.PathLike | None) -> None:

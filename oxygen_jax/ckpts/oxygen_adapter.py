@@ -26,6 +26,13 @@ back (`np.savez` is deterministic for equal arrays in equal order).
 
 `load_named_bank` is what `serve --adapter [NAME=]DIR` calls: DIR may be one of our adapter directories or
 an OxyGen folder (imported on load, checked against the base's shapes; it records no fingerprint).
+
+An archive is checked before its data is read: a `.npz` member's name must be one of the ten keys and its
+`.npy` header (read from the first bytes of the member) must declare a float array whose size the member
+holds exactly, `MAX_ADAPTER_BYTES` in all, and, given the base, the shape that base needs; only then is any
+array decompressed. A `.safetensors` file is memory-mapped and its keys and shapes are checked the same way
+before any value is read. The file's SHA-256 is hashed in chunks. A name that `adapter.json` records for the
+exported file must be a plain file name (it is joined to the export folder).
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ FILE_SUFFIXES = (".npz", ".safetensors")
 KEYS = tuple(k for t in lora.TARGETS for k in openpi_paths(t, ""))
 """The ten keys of an OxyGen adapter file, (lora_a, lora_b) per target in `lora.TARGETS` order."""
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
+MAX_ADAPTER_BYTES = 1 << 30  # all arrays of one adapter file (OxyGen's rank-32 adapter on π0.5: ~60 MB)
+_HASH_CHUNK = 1 << 24
 
 
 class OxygenAdapter(NamedTuple):
@@ -96,14 +105,73 @@ def _adapter_file(path: Path) -> Path:
     return found[0]
 
 
-def _read_arrays(file: Path) -> dict[str, np.ndarray]:
-    if file.suffix == ".safetensors":
-        return dict(read_safetensors(file))
+def _npz_headers(file: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{key: (shape, dtype)} of an .npz from its zip directory and each member's .npy header (its first bytes
+    only); a member that is not one of `KEYS`, or whose header does not describe exactly its bytes as floats,
+    is refused before any data is decompressed."""
+    out, total = {}, 0
+    with zipfile.ZipFile(file) as z:
+        for info in z.infolist():
+            key = info.filename.removesuffix(".npy")
+            if key not in KEYS or not info.filename.endswith(".npy"):
+                hint = " (an action-expert key: OxyGen adapts the VLM expert only)" if "_1/" in key or "_1_" in key else ""
+                raise ValueError(f"unknown key {key[:120]!r}{hint}; an OxyGen adapter holds the ten VLM LoRA keys "
+                                 f"({KEYS[0]}, ...)")
+            if key in out:
+                raise ValueError(f"key {key!r} appears twice in the archive")
+            with z.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(f)
+                header = f.tell()
+            if dtype.kind != "f" or dtype.hasobject:
+                raise ValueError(f"key {key} has dtype {dtype}, expected float32 LoRA factors")
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if all(d >= 0 for d in shape) else -1
+            if size != info.file_size - header:
+                raise ValueError(f"key {key}: its header declares {shape} {dtype} ({size} bytes) but the member holds "
+                                 f"{info.file_size - header}")
+            total += size
+            if total > MAX_ADAPTER_BYTES:
+                raise ValueError(f"the arrays hold more than {MAX_ADAPTER_BYTES} bytes, the cap on an adapter file")
+            out[key] = (tuple(int(d) for d in shape), dtype)
+    return out
+
+
+def _read_arrays(file: Path, expected: Mapping[str, tuple[int, ...]] | None, rank: int) -> dict[str, np.ndarray]:
+    """The arrays of an adapter file, names (and with `expected`, shapes) checked before any value is read."""
     try:
+        if file.suffix == ".safetensors":
+            arrays = dict(read_safetensors(file))  # memory-mapped: nothing is read yet
+            declared = {k: (tuple(a.shape), a.dtype) for k, a in arrays.items()}
+        else:
+            declared = _npz_headers(file)
+        unknown = next((k for k in declared if k not in KEYS), None)
+        if unknown is not None:
+            hint = " (an action-expert key: OxyGen adapts the VLM expert only)" if "_1/" in unknown or "_1_" in unknown else ""
+            raise ValueError(f"unknown key {unknown[:120]!r}{hint}; an OxyGen adapter holds the ten VLM LoRA keys "
+                             f"({KEYS[0]}, ...)")
+        for k, (shape, dtype) in declared.items():
+            if dtype.kind != "f":
+                raise ValueError(f"key {k} has dtype {dtype}, expected float32 LoRA factors")
+        for k, want in (expected or {}).items():  # in KEYS order, as check_oxygen reports
+            if k in declared and declared[k][0] != tuple(want):
+                raise ValueError(_shape_problem(k, declared[k][0], tuple(want), rank))
+        if file.suffix == ".safetensors":
+            return arrays
         with np.load(file, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as e:
+    except ValueError as e:
+        raise ValueError(f"{file}: {str(e).splitlines()[0][:300]}") from None
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
         raise ValueError(f"{file}: not a readable .npz ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _positive(config: Mapping, field: str, where: Path, kind) -> float:
@@ -115,11 +183,13 @@ def _positive(config: Mapping, field: str, where: Path, kind) -> float:
     return v
 
 
-def read_oxygen(path: str | os.PathLike, *, check_sha256: bool = True) -> OxygenAdapter:
+def read_oxygen(path: str | os.PathLike, *, check_sha256: bool = True, config: ModelConfig | None = None
+                ) -> OxygenAdapter:
     """Reads an OxyGen adapter folder (adapter_config.json + one .npz or .safetensors) or the file itself.
 
-    Checks only what needs no base: the config's `adapter_type`, `rank`, `alpha`, the file's `sha256` when
-    the config records one (`check_sha256`), and that every value is a finite float. Shapes: `check_oxygen`.
+    Checks the config's `adapter_type`, `rank`, `alpha`, the file's `sha256` when the config records one
+    (`check_sha256`), every key's name and declared size before any value is read (with the base's `config`,
+    also its shape), and that every value is a finite float. The rest of the shapes: `check_oxygen`.
     """
     p = Path(path).expanduser().resolve()
     if not p.exists():
@@ -130,27 +200,24 @@ def read_oxygen(path: str | os.PathLike, *, check_sha256: bool = True) -> Oxygen
     file = _adapter_file(p)
     text = limits.read_text(cfg_file)
     try:
-        config = json.loads(text)
+        settings = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(config).__name__}")
-    if config.get("adapter_type", ADAPTER_TYPE) != ADAPTER_TYPE:
-        raise ValueError(f"{cfg_file}: adapter_type {config['adapter_type']!r} is not {ADAPTER_TYPE!r} (OxyGen's LoRA on "
+    if not isinstance(settings, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(settings).__name__}")
+    if settings.get("adapter_type", ADAPTER_TYPE) != ADAPTER_TYPE:
+        raise ValueError(f"{cfg_file}: adapter_type {settings['adapter_type']!r:.60} is not {ADAPTER_TYPE!r} (OxyGen's LoRA on "
                          "the VLM einsums, the only kind this imports)")
-    _positive(config, "rank", cfg_file, numbers.Integral)
-    _positive(config, "alpha", cfg_file, numbers.Real)
-    recorded = config.get("sha256")
+    rank = _positive(settings, "rank", cfg_file, numbers.Integral)
+    _positive(settings, "alpha", cfg_file, numbers.Real)
+    recorded = settings.get("sha256")
     if check_sha256 and isinstance(recorded, str) and re.fullmatch(r"[0-9a-f]{64}", recorded):
-        if hashlib.sha256(file.read_bytes()).hexdigest() != recorded:
+        if _sha256(file) != recorded:
             raise ValueError(f"{file}: SHA-256 differs from the sha256 in {cfg_file}; the file is damaged or not the "
                              "one the config describes (--ignore-sha256 imports it anyway)")
-    arrays = _read_arrays(file)
-    for k, a in arrays.items():
-        if a.dtype.kind != "f":
-            raise ValueError(f"{file}: key {k} has dtype {a.dtype}, expected float32 LoRA factors")
+    arrays = _read_arrays(file, expected_shapes(config, int(rank)) if config is not None else None, int(rank))
     limits.check_finite(arrays, str(file), max_abs=MAX_LEAF_ABS)
-    return OxygenAdapter(arrays=arrays, config=config, config_text=text, file=file)
+    return OxygenAdapter(arrays=arrays, config=settings, config_text=text, file=file)
 
 
 def expected_shapes(config: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
@@ -177,13 +244,16 @@ def check_oxygen(ox: OxygenAdapter, config: ModelConfig) -> None:
         if k not in ox.arrays:
             raise ValueError(f"{ox.file}: key {k!r} is missing (an OxyGen adapter holds all ten VLM LoRA keys)")
     for k, want in expected_shapes(config, rank).items():
-        got = tuple(ox.arrays[k].shape)
-        if got != want:
-            a_rank = ox.arrays[k].shape[-1 if k.endswith("a") else -2] if ox.arrays[k].ndim >= 2 else None
-            hint = (f"its rank {a_rank} differs from rank {rank} in {CONFIG_FILE}" if a_rank != rank
-                    else "the adapter was trained on a base of other dimensions")
-            raise ValueError(f"{ox.file}: key {k!r} has shape {got}, expected {want} for this base at rank {rank}; "
-                             f"{hint}")
+        if tuple(ox.arrays[k].shape) != want:
+            raise ValueError(f"{ox.file}: {_shape_problem(k, tuple(ox.arrays[k].shape), want, rank)}")
+
+
+def _shape_problem(key: str, got: tuple[int, ...], want: tuple[int, ...], rank: int) -> str:
+    """Why `key` of shape `got` does not fit a base that needs `want` at `rank`, in words."""
+    a_rank = got[-1 if key.endswith("a") else -2] if len(got) >= 2 else None
+    hint = (f"its rank {a_rank} differs from rank {rank} in {CONFIG_FILE}" if a_rank != rank
+            else "the adapter was trained on a base of other dimensions")
+    return f"key {key!r} has shape {got}, expected {want} for this base at rank {rank}; {hint}"
 
 
 def to_expert_lora(ox: OxygenAdapter, config: ModelConfig) -> lora.ExpertLora:
@@ -237,8 +307,9 @@ def import_oxygen(src: str | os.PathLike, dest: str | os.PathLike, *, base: str 
     Returns:
       `dest`, resolved. Raises ValueError / FileNotFoundError in one line (the key, field or file).
     """
-    ox = read_oxygen(src, check_sha256=check_sha256)
-    adapter = to_expert_lora(ox, config or base_config(base))
+    config = config or base_config(base)
+    ox = read_oxygen(src, check_sha256=check_sha256, config=config)
+    adapter = to_expert_lora(ox, config)
     meta = adapter_meta(ox, name)
     return save_adapter(dest, adapter, prompt=meta["prompt"], name=name, base=base, extra=meta["extra"],
                         overwrite=overwrite)
@@ -259,24 +330,33 @@ def export_oxygen(src: str | os.PathLike, dest: str | os.PathLike, *, base: str 
     if adapter.attn_rank != adapter.ffn_rank or set(adapter.pairs()) != set(lora.TARGETS):
         raise ValueError(f"{src}: OxyGen's layout needs all five targets at one rank; this adapter has "
                          f"{sorted(adapter.pairs())} at ranks {adapter.attn_rank}/{adapter.ffn_rank}")
-    extra = meta.get("extra") or {}
-    ox = extra.get("oxygen") or {}
+    extra = meta.get("extra") if isinstance(meta.get("extra"), dict) else {}
+    ox = extra.get("oxygen") if isinstance(extra.get("oxygen"), dict) else {}
     flat = {}
     for t, pair in adapter.pairs().items():
         ka, kb = openpi_paths(t, "")
         flat[ka], flat[kb] = np.asarray(pair.a, np.float32), np.asarray(pair.b, np.float32)
-    order = ox.get("keys") if sorted(ox.get("keys") or []) == sorted(flat) else sorted(flat)
-    fmt = fmt or (Path(ox["file"]).suffix.lstrip(".") if "file" in ox else "npz")
+    keys = ox.get("keys")
+    order = keys if isinstance(keys, list) and sorted(map(str, keys)) == sorted(flat) else sorted(flat)
+    fmt = fmt or (Path(str(ox["file"])).suffix.lstrip(".") if "file" in ox else "npz")
     if fmt not in ("npz", "safetensors"):
         raise ValueError(f"format must be 'npz' or 'safetensors', got {fmt!r}")
-    name = ox.get("file") if "file" in ox and ox["file"].endswith("." + fmt) else f"adapter.{fmt}"
+    recorded_name = ox.get("file")
+    if recorded_name is not None and not (isinstance(recorded_name, str) and _NAME.fullmatch(recorded_name)
+                                          and recorded_name not in (".", "..")):
+        raise ValueError(f"{src}: adapter.json records the file name {str(recorded_name)[:80]!r}, not a plain file "
+                         "name; the adapter directory is damaged")
+    name = recorded_name if recorded_name and recorded_name.endswith("." + fmt) else f"adapter.{fmt}"
     out = Path(dest).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     file = out / name
+    partial = out / f".{name}.partial"  # written aside, then renamed: a reader never sees half a file
     if fmt == "npz":
-        np.savez(file, **{k: flat[k] for k in order})
+        with open(partial, "wb") as f:
+            np.savez(f, **{k: flat[k] for k in order})
     else:
-        write_safetensors(file, flat)
+        write_safetensors(partial, flat)
+    os.replace(partial, file)
     text = ox.get("config_text")
     recorded = json.loads(text) if isinstance(text, str) else None
     verbatim = (recorded is not None and name == ox.get("file")  # only beside the very file it describes, and
@@ -288,9 +368,10 @@ def export_oxygen(src: str | os.PathLike, dest: str | os.PathLike, *, base: str 
             "suffix_seed": meta.get("prompt"),
             **({"suffix_length": extra["suffix_len"] - 1} if isinstance(extra.get("suffix_len"), int) else {}),
             **({"training_step": extra["steps"]} if isinstance(extra.get("steps"), int) else {})}
-        config_json["sha256"] = hashlib.sha256(file.read_bytes()).hexdigest()
+        config_json["sha256"] = _sha256(file)
         text = json.dumps(config_json, indent=2) + "\n"
-    (out / CONFIG_FILE).write_text(text)
+    (out / f".{CONFIG_FILE}.partial").write_text(text)
+    os.replace(out / f".{CONFIG_FILE}.partial", out / CONFIG_FILE)
     return file
 
 
@@ -316,7 +397,7 @@ def load_any(path: str | os.PathLike, config: ModelConfig, *, base: str | os.Pat
     if (p / "adapter.json").is_file() or not is_oxygen_dir(p):
         adapter, meta = load_adapter(p, config, base=base)
     else:
-        ox = read_oxygen(p)
+        ox = read_oxygen(p, config=config)
         adapter, meta = to_expert_lora(ox, config), adapter_meta(ox)
     return adapter, {**meta, "name": name or meta["name"]}
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +33,7 @@ import numpy as np
 
 from oxygen_jax.cli import OneLineParser, float_in, int_at_least
 from oxygen_jax.ckpts import own
-from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME, save_adapter, tree_digest
+from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME, replace_dir, save_adapter, tree_digest
 from oxygen_jax.robots.config import RobotConfig, robot_config
 from oxygen_jax.models.pi05.params import Params, for_backend, init_params
 from oxygen_jax.robots.tokenizer import (
@@ -373,8 +374,11 @@ def _run_in(args, argv: list[str], folder: RunFolder) -> int:
     _require_finite(final, f"the {'trained base' if base_mode else 'adapter'} of step {config.steps}")  # every process
     dest = None
     if primary:  # one writer: no race on the folder, no barrier the others never reach
-        if base_mode:
-            dest = own.save_params(out / "base", final, overwrite=True)
+        if base_mode:  # written aside, then swapped in whole (an earlier base/ stays until then)
+            aside = out / ".base.new"
+            shutil.rmtree(aside, ignore_errors=True)
+            replace_dir(own.save_params(aside, final), out / "base")
+            dest = out / "base"
         else:
             dest = save_adapter(out / "adapter", final, name=DEFAULT_ADAPTER_NAME, prompt=prompt, base=args.base,
                                 extra={"label_key": label_key, "suffix_len": suffix_len, "prompt_len": args.prompt_len,
