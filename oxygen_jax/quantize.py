@@ -32,10 +32,9 @@ def quantize_checkpoint(ckpt: Path, out: Path, weights: quant.WeightDType, layer
     """Reads `ckpt`, quantizes it and writes `out` (with `assets/` and the tokenizer); returns a summary dict."""
     t0 = time.perf_counter()
     # "gpu": the stacked layout whatever this machine is (quantized leaves are stacked [L, ...] on disk).
-    model = load_model(ckpt, family="pi05", dtype="float32", backend="gpu")
-    before = quant.weight_bytes(model.params)
-    params = quant.quantize_tree(model.params, weights, tuple(layers))
-    del model  # the float weights go before the write
+    # Handed over without a reference kept here, so each float leaf is freed once quantized.
+    params = quant.quantize_tree(load_model(ckpt, family="pi05", dtype="float32", backend="gpu").params, weights,
+                                 tuple(layers))
     provenance = {"source": str(Path(ckpt).expanduser().resolve()), "source_fingerprint": base_fingerprint(ckpt),
                   "layers": list(layers), "tool": "python -m oxygen_jax.quantize"}
     dest = save_params(out, params, overwrite=overwrite, provenance=provenance)
@@ -46,7 +45,7 @@ def quantize_checkpoint(ckpt: Path, out: Path, weights: quant.WeightDType, layer
     tokenizer = find_tokenizer(src)
     if tokenizer is not None:
         shutil.copy2(tokenizer, dest / TOKENIZER_FILE)
-    return {"out": str(dest), "weights": weights, "layers": list(layers), "float32_bytes": before,
+    return {"out": str(dest), "weights": weights, "layers": list(layers), "float32_bytes": quant.float_bytes(params),
             "quantized_bytes": quant.weight_bytes(params), "seconds": time.perf_counter() - t0,
             "assets": assets is not None, "tokenizer": tokenizer is not None}
 

@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from oxygen_jax.ckpts.leaf_stream import LeafReader
 from oxygen_jax.ckpts.orbax_io import (CheckpointError, PathLike, check_block, read_json_item, read_tree_metadata,
                                        restore_arrays)
 from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig
@@ -105,14 +106,6 @@ def _read_quantization(src: Path, paths: set[str]) -> dict | None:
     return dict(info)
 
 
-def _restore_quantized(src: Path, info: Mapping[str, Any]) -> dict[str, QArray]:
-    """The quantized leaves as stored, host `QArray`s (`_check_quantized` checks them)."""
-    keys = [tuple(k.split("/")) for k in info["leaves"]]
-    flat = restore_arrays(src / "quantized", {(part, *k): None for part in ("values", "scales") for k in keys},
-                          partial=False)
-    return {"/".join(k): QArray(values=flat[("values", *k)], scale=flat[("scales", *k)]) for k in keys}
-
-
 def _check_quantized(src: Path, quant: Mapping[str, QArray], weights: str, shapes: Mapping[str, tuple]) -> None:
     """Refuses, in one line, a quantized leaf unless its values have the declared dtype and the config's shape,
     and its scale the values' rank, per axis 1 or the values' size, and finite values in (0, 1e4 / QMAX]."""
@@ -127,6 +120,8 @@ def _check_quantized(src: Path, quant: Mapping[str, QArray], weights: str, shape
             raise CheckpointError(f"{item}: the scale of {path!r} is {scale.dtype.name}{list(scale.shape)}, which does not "
                                   f"fit its values {list(values.shape)} (float32, each axis 1 or the values' size); "
                                   "the scales are of another checkpoint or damaged")
+        if weights == "fp8" and (nan := int(np.count_nonzero((values.view(np.uint8) & 0x7F) == 0x7F))):
+            raise CheckpointError(f"{item}: values of {path!r} hold {nan} NaN(s); the checkpoint is damaged")
         check_block(item, f"scales/{path}", scale, _SCALE_MAX_WEIGHT / QMAX[weights])
         if not (scale > 0).all():
             raise CheckpointError(f"{item}: the scale of {path!r} holds {int(np.count_nonzero(scale <= 0))} value(s) <= 0; "
@@ -294,17 +289,51 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
         raise CheckpointError(
             f"{item}: the stored tree lacks {len(missing)} leaves (e.g. {missing[0]!r}); the checkpoint is damaged"
         )
+    if quant_info:
+        return config, _restore_streamed(src, config, sorted("/".join(k) for k in want_paths), quant_info, sums)
     # Restore as stored (the checksums are of the stored bytes), then cast to the target dtype.
     flat = restore_arrays(item, {("params", *k): None for k in want_paths}, partial=len(meta) > len(want_paths))
     arrays = {"/".join(k[1:]): v for k, v in flat.items()}
-    quant = _restore_quantized(src, quant_info) if quant_info else {}
-    if sums is not None:  # first, so that damaged bytes are named as such
-        _verify_checksums(src, arrays | _quantized_flat(quant), sums)
+    if sums is not None:
+        _verify_checksums(src, arrays, sums)
     np_dtype = np.dtype(config.jnp_dtype)  # cast on the host: no device program per leaf shape
-    if not quant:
-        return config, from_openpi_dict({k: v.astype(np_dtype, copy=False) for k, v in arrays.items()}, config)
-    _check_quantized(src, quant, quant_info["weights"], openpi_shapes(config))
-    from_openpi_dict({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in (arrays | quant).items()}, config)  # shapes
-    values = {k: jnp.asarray(v.astype(np_dtype, copy=False)) for k, v in arrays.items()}
-    values |= {k: QArray(values=jnp.asarray(q.values), scale=jnp.asarray(q.scale.astype(np_dtype))) for k, q in quant.items()}
-    return config, from_layer_pieces(values, config)
+    return config, from_openpi_dict({k: v.astype(np_dtype, copy=False) for k, v in arrays.items()}, config)
+
+
+def _restore_streamed(src: Path, config: ModelConfig, floats: list[str], info: Mapping[str, Any],
+                      sums: Mapping[str, Any] | None) -> Params:
+    """A quantized checkpoint, leaf by leaf (`leaf_stream`): each leaf read, verified against its checksum,
+    checked and put on the device before the next is read, so the weights are held once (plus one leaf)."""
+    shapes, np_dtype = openpi_shapes(config), np.dtype(config.jnp_dtype)
+    items = {name: (LeafReader(src / name), flatten_dict(dict(read_tree_metadata(src / name))))
+             for name in ("params", "quantized")}
+
+    def read(item: str, key: tuple[str, ...], checksum_key: str) -> np.ndarray:
+        reader, meta = items[item]
+        if key not in meta:
+            raise CheckpointError(f"{src / item}: no array {'/'.join(key)!r}; the checkpoint is damaged")
+        dtype = np.dtype(meta[key].dtype)
+        if dtype.itemsize == 1 and dtype.kind == "V":  # float8: orbax reads it (one leaf; the stream knows no fp8)
+            x = restore_arrays(src / item, {key: None}, partial=True)[key]
+        else:
+            x = next(reader.pieces(key, checksum_key, tuple(meta[key].shape), dtype, per_layer=False, max_abs=None))
+        if sums is not None:
+            _verify_checksums(src, {checksum_key: x}, sums)
+        return x
+
+    stored_shapes = {k: tuple(items["params"][1][("params", *k.split("/"))].shape) for k in floats}
+    from_openpi_dict({k: jax.ShapeDtypeStruct(v, np_dtype) for k, v in stored_shapes.items()}
+                     | {k: jax.ShapeDtypeStruct(shapes[k], np_dtype) for k in info["leaves"]}, config)  # float shapes
+    values: dict[str, Any] = {}
+    for path in floats:
+        x = read("params", ("params", *path.split("/")), path)
+        values[path] = jax.block_until_ready(jnp.asarray(x.astype(np_dtype, copy=False)))
+        del x  # before the next leaf is read
+    for path in info["leaves"]:
+        key = tuple(path.split("/"))
+        q = QArray(values=read("quantized", ("values", *key), f"quantized/values/{path}"),
+                   scale=read("quantized", ("scales", *key), f"quantized/scales/{path}"))
+        _check_quantized(src, {path: q}, info["weights"], shapes)
+        values[path] = jax.block_until_ready(QArray(values=jnp.asarray(q.values), scale=jnp.asarray(q.scale.astype(np_dtype))))
+        del q
+    return from_layer_pieces(values, config)

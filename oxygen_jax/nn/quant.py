@@ -238,12 +238,13 @@ def plan(tree, kinds=KINDS, rules: tuple[Rule, ...] = RULES) -> dict[str, Rule]:
     return out
 
 
-def quantize_tree(tree, weights: WeightDType, kinds=KINDS, rules: tuple[Rule, ...] = RULES, *,
-                  dtype=None):
+def quantize_tree(tree, weights: WeightDType, kinds=KINDS, rules: tuple[Rule, ...] = RULES, *, dtype=None):
     """`tree` with the leaves `plan` selects replaced by `QArray`s (host-quantized, then put on the device).
 
     Args:
       tree: any parameter pytree with stacked layer stacks (e.g. π0.5 `Params` before `for_backend`).
+        Each float leaf is dropped once quantized: when the caller holds no other reference to `tree`
+        (e.g. `quantize_tree(load(...).params, ...)`), a full-size model is never held twice.
       weights: "int8" or "fp8".
       kinds: which leaves ("attn", "mlp"); every other leaf is kept as it is.
       dtype: the scales' (compute) dtype; default each leaf's own dtype.
@@ -251,15 +252,24 @@ def quantize_tree(tree, weights: WeightDType, kinds=KINDS, rules: tuple[Rule, ..
       The same structure, selected leaves `QArray`(values, scale) of `jax.Array`s.
     """
     chosen = plan(tree, kinds, rules)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    del tree
+    paths, leaves = [_path_str(p) for p, _ in flat], [x for _, x in flat]
+    del flat
+    for i, path in enumerate(paths):
+        r = chosen.get(path)
+        if r is not None:
+            x, leaves[i] = leaves[i], None
+            q = quantize(x, weights, r.axes)
+            scale_dtype = dtype or x.dtype
+            del x
+            leaves[i] = QArray(values=jnp.asarray(q.values), scale=jnp.asarray(q.scale, scale_dtype))
+    return treedef.unflatten(leaves)
 
-    def one(path, x):
-        r = chosen.get(_path_str(path))
-        if r is None:
-            return x
-        q = quantize(x, weights, r.axes)
-        return QArray(values=jnp.asarray(q.values), scale=jnp.asarray(q.scale, dtype or x.dtype))
 
-    return jax.tree_util.tree_map_with_path(one, tree)
+def float_bytes(tree, itemsize: int = 4) -> int:
+    """Bytes of `tree` with every element (quantized ones included) held in `itemsize` bytes (4: float32)."""
+    return sum(int(np.prod(x.shape)) * itemsize for x in jax.tree.leaves(tree, is_leaf=_is_q))
 
 
 def weight_bytes(tree) -> int:
