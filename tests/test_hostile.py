@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import struct
 import threading
 import time
 
@@ -345,6 +346,76 @@ def test_3_a_client_that_never_reads_is_dropped_after_the_send_timeout(quiet, re
     attacker.join(60)
     assert result and result[0] is not None  # its sends failed once the server dropped it
     _assert_engine_actions(reference, tok, _good_robot(port))
+
+
+def _raw_client(port: int, source: str, rcvbuf: int) -> socket.socket:
+    """A websocket client on a bare socket with a small receive buffer: after the handshake it reads nothing, so
+    whatever the server sent it stays in this socket's kernel buffer (FIONREAD) and nowhere else on its side."""
+    import base64
+    import os
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)  # byte by byte: nothing after the headers is taken out of the buffer
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+def _masked_binary_frame(payload: bytes) -> bytes:
+    mask = np.frombuffer(b"\x11\x22\x33\x44", np.uint8)
+    body = np.frombuffer(payload, np.uint8) ^ np.resize(mask, len(payload))
+    return b"\x82\xff" + len(payload).to_bytes(8, "big") + mask.tobytes() + body.tobytes()
+
+
+def _frames_started(data: bytes) -> int:
+    """How many server frames begin in `data` (complete or cut off at its end)."""
+    count, at = 0, 0
+    while at + 2 <= len(data):
+        n, at, count = data[at + 1] & 0x7F, at + 2, count + 1
+        if n >= 126:
+            size = 2 if n == 126 else 8
+            n, at = int.from_bytes(data[at:at + size], "big"), at + size
+        at += n
+    return count
+
+
+def test_3_a_client_that_takes_no_replies_is_answered_at_most_two_frames_ahead(quiet):
+    """Frames answered for a client beyond the replies its TCP took (all in its own kernel buffer): at most 2."""
+    import fcntl
+    import termios
+
+    port = quiet.port
+    ok = _metric(port, "oxygen_frames_total{outcome=ok}")
+    sock = _raw_client(port, "127.0.0.2", 4096)
+    frame = _masked_binary_frame(wire.pack(_sample(70)))
+
+    def flood():
+        try:
+            while True:
+                sock.sendall(frame)
+        except OSError:
+            pass
+
+    threading.Thread(target=flood, daemon=True).start()
+    answered, waiting = -1, 0.0
+    for _ in range(400):  # until the count of answered frames has stood still for 0.3 s (before the send timeout)
+        time.sleep(0.02)
+        now = _metric(port, "oxygen_frames_total{outcome=ok}") - ok
+        waiting = waiting + 0.02 if now == answered else 0.0
+        answered = now
+        if waiting >= 0.3:
+            break
+    held = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+    taken = _frames_started(sock.recv(held, socket.MSG_PEEK)) - 1  # less the metadata frame
+    sock.close()
+    assert answered >= 1 and answered <= taken + 2, (answered, taken)
 
 
 # -------------------------------------------------------------------------------------------------

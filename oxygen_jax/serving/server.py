@@ -30,7 +30,11 @@ fixed at `recv_buffer_bytes`, under one LIBERO frame, instead of growing to mega
 that sends without reading is back-pressured by TCP with at most about 2 frames held for it; the
 kernel's send buffer is fixed at `send_buffer_bytes`), a reply that cannot be written within
 `send_timeout_s` drops the connection, and a connection whose frames keep being refused is read at
-most `max_refusals_per_s` frames per second.
+most `max_refusals_per_s` frames per second. A client that does not take its replies is read at most
+two frames ahead: a frame is answered only once every reply before the previous one has left the server
+(websockets' write buffer empty, and the kernel's send queue, unsent and unacknowledged bytes, no larger
+than the previous reply), so the server's buffers never hold replies for it beyond that one and the
+frame in progress; one that stays so for `send_timeout_s` is dropped.
 
 Extensions, ignored by clients that do not use them (openpi's client passes extra keys through):
 
@@ -71,8 +75,11 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import fcntl
 import logging
 import socket
+import struct
+import termios
 import threading
 import time
 import uuid
@@ -95,6 +102,8 @@ log = logging.getLogger("oxygen_jax.serve")
 _ALOHA_RESET_POSE = [0, -1.5, 1.5, 0, 0, 0]  # openpi's ALOHA policy metadata
 _INTERNAL_ERROR = "Internal server error; the server log has the details under the id in the previous frame."
 MAX_REPLY_CHARS = 1000  # a text reply (BadRequest, busy, ...) is cut to this length
+_FRAME_SLACK = 1024  # bytes beyond the last reply still in flight: frame headers, pings, a close frame
+_TAKEN_POLL_S = 0.005  # how often a client that has not taken its replies is looked at again
 _TRUNCATION_WARNING_S = 60.0  # at most one "prompt fills every token" warning per this many seconds
 
 
@@ -352,6 +361,20 @@ class PolicyServer:
             ws.transport.abort()
             return False
 
+    async def _taken(self, ws, stream: Stream, last: int) -> bool:
+        """Waits until the replies before the last one (`last` bytes) have left the server (module docstring:
+        two frames ahead at most); False (the connection dropped) when they have not within `send_timeout_s`."""
+        deadline = time.perf_counter() + self.config.send_timeout_s
+        while _unsent_bytes(ws) > last + _FRAME_SLACK:
+            if time.perf_counter() > deadline:
+                log.warning("stream %d (%s): replies not taken within %.0f s (the client is not reading); dropping "
+                            "the connection", stream.id, _peer(ws), self.config.send_timeout_s)
+                self.metrics.refused.labels("send_timeout").inc()
+                ws.transport.abort()
+                return False
+            await asyncio.sleep(_TAKEN_POLL_S)
+        return True
+
     async def _receive(self, ws, stream: Stream):
         """The next frame, or None when the connection has been silent too long (it is then closed, 1008)."""
         c = self.config
@@ -383,7 +406,10 @@ class PolicyServer:
         try:
             if not await self._send(ws, stream, wire.pack(self.metadata(stream))):
                 return
+            last = 0  # bytes of the last reply sent
             while (message := await self._receive(ws, stream)) is not None:
+                if not await self._taken(ws, stream, last):
+                    return
                 received = time.perf_counter()
                 stream.observe_arrival(received)
                 reply = await self._answer(stream, message)
@@ -396,6 +422,7 @@ class PolicyServer:
                     self._replying -= 1
                 if not sent:
                     return
+                last = len(reply) if isinstance(reply, bytes) else len(reply.encode())
                 if isinstance(reply, bytes):  # a robot that got actions is expected back within its period
                     stream.last_reply = time.perf_counter()
                     self.metrics.total_s.observe(stream.last_reply - received)
@@ -554,6 +581,19 @@ class PolicyServer:
             "policy_timing": {"infer_ms": result.step_ms},
             "language": language,
         }
+
+
+def _unsent_bytes(ws) -> int:
+    """Reply bytes not yet taken by the client's TCP: websockets' write buffer plus the kernel's send queue
+    (unsent and unacknowledged: SIOCOUTQ; 0 where the platform has no such query)."""
+    pending = ws.transport.get_write_buffer_size()
+    sock = ws.transport.get_extra_info("socket")
+    if sock is not None and sock.fileno() >= 0:  # -1: closed (the next send or receive says so)
+        try:
+            pending += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        except OSError:
+            pass
+    return pending
 
 
 def _peer(connection) -> str:
