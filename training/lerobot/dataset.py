@@ -180,7 +180,10 @@ class LeRobotDataset:
                                          self.meta.image_shape(key))
             for key in self.video_keys:
                 path, start = ep.videos[key]
-                item[key] = self.video.frame(self.root / path, start + t, self.meta.fps, self.meta.image_shape(key))
+                try:
+                    item[key] = self.video.frame(self.root / path, start + t, self.meta.fps, self.meta.image_shape(key))
+                except ValueError as e:
+                    raise ValueError(f"camera {key!r}: {e}") from None
         return item
 
     def item(self, i: int) -> dict:

@@ -23,7 +23,7 @@ from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
 from training.memory_data import MemoryBatch, epoch_batches, frame_texts, make_memory_batch
 
-_HASHED_FILE = 1 << 20  # files of the data folder hashed whole (metadata, tables); larger ones by name and size
+_HASHED_FILE = 64 << 10  # files of the data folder hashed whole (metadata); larger ones by name and size
 _MAX_LISTED = 1 << 20  # files listed for the digest (a larger folder is refused: not a dataset this reads)
 
 
