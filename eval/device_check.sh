@@ -22,6 +22,8 @@
 #             one decode step and one verify step measured alone (the verify / decode ratio)
 #   train     python -m eval.memory_train_bench: the memory-adapter training step (bf16 base, float32
 #             rank-16 adapter, B = 2, Tp = 100, T = 29), compile time apart, then 5 timed steps
+#   roofline  python -m eval.roofline: the GPU's matmul rate and bandwidth measured, each component timed
+#             against max(FLOPs / peak, bytes / bandwidth), the datasheet predictions beside (GPU mode only)
 #
 # Everything goes to one folder (default eval/results/gpu_<UTC date>): one sub-folder per step, its log,
 # steps.tsv (step, exit code, seconds, command) and summary.md, one page with the key ratios of each
@@ -48,7 +50,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
     --tar) TAR=${2:?--tar needs a file name}; shift ;;
-    -h|--help) sed -n '2,38p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,40p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "device_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -194,6 +196,26 @@ save_params(sys.argv[1], init_params(model_config(sys.argv[2], dtype=sys.argv[3]
   fi
   step train "$CAP_TRAIN" "$PY" -m eval.memory_train_bench "${MODEL[@]}" --dtype "$DTYPE" "${TRAIN[@]}" \
     --out "$OUT_DIR/train"
+  if [ "$SMOKE" = 0 ]; then  # each component against this GPU's measured peaks, and the datasheet predictions
+    step roofline 150 "$PY" -m eval.roofline "${MODEL[@]}" --dtype "$DTYPE" --out "$OUT_DIR/roofline"
+  fi
+fi
+
+# quant (issue 43): the saved weights quantized to int8 and to fp8 (python -m oxygen_jax.quantize, all layer
+# weights), each run by eval.bench in the model dtype (continuous, LIBERO, the settings step's sizes; components:
+# prefix pass, denoise, decode step at B = 1, 6, 64), set beside the settings step's run in summary.md.
+# Smoke runs leave it out unless DEVICE_CHECK_QUANT=1 (two more compiles).
+if [ "$SMOKE" = 1 ]; then
+  QUANT_SIZES=(--S 1 --N 2 --k 1 --frames 1 --warmup 0 --component-repeats 1 --component-batches 1)
+else
+  QUANT_SIZES=(--S 10 --N 30 --k 5 --frames 20 --component-batches 1,6,64)
+fi
+if [ -n "$PY" ] && [ -d "$WEIGHTS" ] && { [ "$SMOKE" = 0 ] || [ "${DEVICE_CHECK_QUANT:-0}" = 1 ]; }; then
+  for QW in int8 fp8; do
+    step "quant_$QW" 150 bash -c '"$1" -m oxygen_jax.quantize --ckpt "$2" --out "$3" --weights "$4" && "$1" -m eval.bench \
+--ckpt "$3" --dtype "$5" --workloads libero --no-progress --settings continuous "${@:7}" --out "$6"' _ "$PY" "$WEIGHTS" \
+      "$WORK/weights_$QW" "$QW" "$DTYPE" "$OUT_DIR/quant_$QW" "${QUANT_SIZES[@]}"
+  done
 fi
 
 # --- the one-page summary ----------------------------------------------------------------------------
@@ -204,7 +226,7 @@ import datetime, json, sys
 from pathlib import Path
 
 out, smoke, total_s, budget, gpu, py, preset, dtype = Path(sys.argv[1]), sys.argv[2] == "1", *sys.argv[3:9]
-ORDER = ["setup", "weights", "settings", "decode", "serve", "adapter", "speculate", "train"]
+ORDER = ["setup", "weights", "settings", "decode", "serve", "adapter", "speculate", "train", "roofline"]
 WHAT = {
     "setup": "GPU extra installed, interpreter chosen",
     "weights": "random weights (seed 0) drawn once and saved",
@@ -214,6 +236,7 @@ WHAT = {
     "adapter": "language adapter against the base weights",
     "speculate": "repeat workload: speculative decoding against continuous batching",
     "train": "memory-adapter training step (base in the model dtype, float32 adapter)",
+    "roofline": "each component against measured peaks (roofline/report.md), predictions",
 }
 steps = {}
 for line in (out / "steps.tsv").read_text().splitlines():
@@ -330,6 +353,46 @@ if r:
 lines += ["## commands", ""] + [f"- {n}: `{steps[n][2]}`" for n in ORDER if n in steps and n != "decode"]
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 EOF
+# The quant steps' section: their continuous frame and components against the settings step's (same dtype).
+if compgen -G "$OUT_DIR/quant_*/summary.json" > /dev/null; then
+  "${PY:-python3}" - "$OUT_DIR" <<'QEOF' >> "$OUT_DIR/summary.md"
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+
+def load(path):
+    try:
+        return json.loads((out / path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def row(name, run, comp):
+    cont = next((r for r in run or [] if r["setting"] == "continuous"), {})
+    c = next(iter((comp or {}).values()), {})
+    dec = c.get("decode_step_ms", {})
+    return [name, cont.get("frame_ms_median"), cont.get("action_hz"), c.get("prefill_ms"),
+            next(iter(c.get("denoise_ms", {}).values()), None), dec.get("1"), dec.get("6"), dec.get("64")]
+
+
+rows = [row("model dtype (settings step)", load("settings/summary.json"), load("settings/components.json"))]
+rows += [row(q.name.removeprefix("quant_"), load(f"{q.name}/summary.json"), load(f"{q.name}/components.json"))
+         for q in sorted(out.glob("quant_*")) if q.is_dir()]
+f = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
+print("## quantized weights (python -m oxygen_jax.quantize, all layer weights)\n")
+print("| weights | continuous frame p50 ms | action Hz | prefix pass ms | denoise ms | decode B=1 ms | B=6 | B=64 |")
+print("|---|---|---|---|---|---|---|---|")
+for r in rows:
+    print("| " + " | ".join([r[0]] + [f(x) for x in r[1:]]) + " |")
+for r in rows[1:]:
+    ratios = [f"{r[i] / rows[0][i]:.2f}" if r[i] and rows[0][i] else "–" for i in (1, 3, 4, 5, 7)]
+    print(f"\n{r[0]} / model dtype: frame {ratios[0]}, prefix pass {ratios[1]}, denoise {ratios[2]}, "
+          f"decode B=1 {ratios[3]}, B=64 {ratios[4]}.")
+print()
+QEOF
+fi
 echo "device_check: summary in $OUT_DIR/summary.md"
 
 if [ -n "$TAR" ]; then tar -czf "$TAR" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"; fi
