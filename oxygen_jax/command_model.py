@@ -34,22 +34,13 @@ from oxygen_jax.models.heads.presets import KINDS
 
 SIZES = ("tiny", "bench")
 
-_PI05_FLAGS = frozenset({"--adapter", "--prompt-attention"})
-_KINDS = {  # what each kind of model is, and the model flags it takes (the others are refused in one line)
-    "checkpoint": ("an oxygen_jax π0.5 checkpoint", _PI05_FLAGS),
-    "openpi": ("an openpi π0.5 checkpoint", _PI05_FLAGS),
-    "xr0": ("a Xiaomi-Robotics-0 checkpoint with its own head", frozenset({"--action-mask"})),
-    "starvla": ("a StarVLA checkpoint with its own head", frozenset()),
-    "hf": ("a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone", frozenset({"--heads", "--head-size"})),
-    "preset": ("a π0.5 preset", _PI05_FLAGS),
-    "heads": ("a random Qwen3-VL backbone", frozenset({"--heads", "--head-size"})),
-}
 _FLAG_IS = {  # what each model flag is for, in its refusal
     "--heads": "random heads go on a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone",
     "--head-size": "it sizes --heads KINDS",
     "--action-mask": "the robot's mask of a Xiaomi-Robotics-0 checkpoint",
-    "--adapter": "π0.5 language adapters",
-    "--prompt-attention": "π0.5's prompt attention (Qwen backbones are causal)",
+    "--adapter": "π language adapters",
+    "--prompt-attention": "π prompt attention (Qwen backbones are causal)",
+    "--vision-heads": "SigLIP's head count of a LeRobot checkpoint whose SigLIP is not So400m",
 }
 
 
@@ -96,13 +87,15 @@ def ckpt_kind(ckpt) -> str | None:
 def check_flags(ckpt, given) -> None:
     """Raises a one-line ValueError for the first flag of `given` (flag -> whether it was given) that the model
     --ckpt holds cannot take (the `_KINDS` table), before anything is loaded; an unreadable --ckpt is left to
-    the loader, which names what is wrong with it."""
+    the loader, which names what is wrong with it (the table: `ckpts.load.SOURCE_FLAGS`)."""
     if given.get("--head-size") and not given.get("--heads"):
         raise ValueError("argument --head-size: it sizes --heads KINDS: give --heads or drop --head-size")
+    from oxygen_jax.ckpts.load import SOURCE_FLAGS
+
     kind = ckpt_kind(ckpt) if ckpt else "heads" if given.get("--heads") else "preset"
     if kind is None:
         return
-    what, takes = _KINDS[kind]
+    what, takes = SOURCE_FLAGS[kind]
     for flag, on in given.items():
         if on and flag not in takes:
             subject = f"{ckpt} is" if ckpt else "the model is"
@@ -110,7 +103,8 @@ def check_flags(ckpt, given) -> None:
 
 
 def load(ckpt, *, heads: Heads | None = None, size: str | None = None, preset: str | None = None,
-         dtype: str = "float32", seed: int = 0, prompt_attention: str = "bidirectional", action_mask=None):
+         dtype: str = "float32", seed: int = 0, prompt_attention: str = "bidirectional", action_mask=None,
+         dataset_key: str | None = None, vision_heads: int | None = None):
     """The `ckpts.load.LoadedModel` the module table names for these flags (heads: random, seeded by `seed`).
 
     Raises:
@@ -123,7 +117,7 @@ def load(ckpt, *, heads: Heads | None = None, size: str | None = None, preset: s
     if heads is not None and preset:
         raise ValueError("give --heads or --preset, not both (--heads names the model with several heads)")
     if ckpt is None and heads is None:
-        return load_model(preset=preset or "tiny", family="pi05", dtype=dtype, prompt_attention=prompt_attention,
+        return load_model(preset=preset or "tiny", dtype=dtype, prompt_attention=prompt_attention,
                           seed=seed)
     if ckpt is None:
         scale = head_size(heads, size)
@@ -131,7 +125,8 @@ def load(ckpt, *, heads: Heads | None = None, size: str | None = None, preset: s
         if not heads.preset:
             spec = spec.replace(heads=_sized(heads.kinds, spec.backbone, scale))
         return load_model(preset=spec, dtype=dtype, seed=seed)
-    model = load_model(ckpt, dtype=dtype, prompt_attention=prompt_attention, seed=seed, action_mask=action_mask)
+    model = load_model(ckpt, dtype=dtype, prompt_attention=prompt_attention, seed=seed, action_mask=action_mask,
+                       dataset_key=dataset_key, vision_heads=vision_heads)
     return with_heads(model, heads.kinds, head_size(heads, size), seed, dtype) if heads else model
 
 
@@ -200,24 +195,28 @@ class Tokenizers:
 
 
 def tokenizers(model, path: str | Path | None = None) -> Tokenizers:
-    """The tokenizers of `model` (`--tokenizer` `path`, else its checkpoint's; see the module docstring).
+    """The tokenizers of `model` (`--tokenizer` `path`, else its checkpoint's, `model.io.tokenizer`).
+
+    A model that needs its own tokenizer and has none (`model.io.tokenizer_hint`: a π checkpoint) is refused;
+    a random preset encodes with the offline demo tokenizer; any other model without one takes token ids only.
 
     Raises:
-      ValueError / OSError: an unreadable file, or one with more ids than the model's vocabulary (one line).
+      ValueError / OSError: an unreadable file, a π checkpoint without its tokenizer, or a tokenizer whose ids do
+        not fit the model's vocabulary (one line).
     """
     from oxygen_jax.robots.text_tokenizers import load_tokenizer
     from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 
-    path = path or model.tokenizer
-    vla = model.vla()
+    path, io, vocab = path or model.io.tokenizer, model.io, model.vla().vocab_size
     if path:
         tok = load_tokenizer(path)
-        if tok.vocab_size > vla.vocab_size:
-            raise ValueError(f"the tokenizer {path} has {tok.vocab_size} ids but the model's vocabulary is "
-                             f"{vla.vocab_size}: pass the checkpoint's tokenizer with --tokenizer")
+        check_vocabulary(tok, vocab, path, exact=io.tokenizer_hint is not None)
         return Tokenizers(tok, tok)
+    if io.tokenizer_hint:
+        raise ValueError(f"{model.what} has no tokenizer in or beside it: fetch {io.tokenizer_hint} and pass "
+                         "--tokenizer FILE (a wrong tokenizer gives wrong prompt ids, so wrong actions)")
     demo = train_demo_tokenizer()
-    if model.family == "pi05" or model.source == "preset":
+    if model.source == "preset":
         return Tokenizers(demo, demo)
     return Tokenizers(demo, None, note=(
         f"{model.what}: no tokenizer.json in or beside it, so observation prompts are encoded "
@@ -225,9 +224,19 @@ def tokenizers(model, path: str | Path | None = None) -> Tokenizers:
         "pass --tokenizer tokenizer.json for text"))
 
 
-def prompt_rows(model, tok, robot, image_size: int, prompt_len: int | None, dataset_key: str | None = None) -> dict:
-    """The `serving.codec.make_codec` keywords of a Qwen-backbone model ({} for π0.5): square image side, row
-    length (default: the rows' image tokens, or the native prompt template, + 48) and StarVLA's un-normalisation."""
+def check_vocabulary(tok, vocab: int, path, *, exact: bool) -> None:
+    """A tokenizer fits a model: its ids stay below the vocabulary; with `exact` (a SentencePiece model of a π
+    checkpoint, whose embedding has one row per piece) it has exactly `vocab` pieces."""
+    n = tok.vocab_size
+    if n > vocab or (exact and n != vocab):
+        raise ValueError(f"the tokenizer {path} has {n} ids but the model's vocabulary is {vocab}: pass the "
+                         f"checkpoint's own tokenizer with --tokenizer")
+
+
+def prompt_rows(model, tok, robot, image_size: int, prompt_len: int | None) -> dict:
+    """The `serving.codec.make_codec` keywords of a Qwen-backbone model ({} for a SigLIP one): square image side,
+    row length (default: the rows' image tokens, or the native prompt template, + 48) and the heads' own output
+    transforms (`model.io.outputs`, e.g. StarVLA's un-normalisation)."""
     from oxygen_jax.robots import native_prompts as npr
     from oxygen_jax.robots.prompt_rows import image_tokens
     from oxygen_jax.serving.codec import native_family
@@ -243,18 +252,6 @@ def prompt_rows(model, tok, robot, image_size: int, prompt_len: int | None, data
     rows = dict(image_size=image_size, prompt_len=prompt_len or template + 48)
     if rows["prompt_len"] <= per_cam * cams:
         raise ValueError(f"--prompt-len {rows['prompt_len']} leaves no prompt tokens after {per_cam * cams} image tokens")
-    if model.dataset_statistics:
-        rows["outputs"] = starvla_outputs(spec, model.dataset_statistics, dataset_key)
+    if model.io.outputs:
+        rows["outputs"] = dict(model.io.outputs)
     return rows
-
-
-def starvla_outputs(spec, dataset_statistics, key: str | None = None) -> dict:
-    """head name -> StarVLA's deployment un-normalisation of one chunk [Ha, Ad] with one dataset's q01 / q99."""
-    from oxygen_jax.ckpts import starvla
-
-    stats = starvla.action_stats(dataset_statistics, key)
-    dims = stats["q01"].shape[0]
-    for h in spec.heads:
-        if h.action_dim < dims:
-            raise ValueError(f"dataset_statistics.json has {dims} action dims but head {h.name!r} emits {h.action_dim}")
-    return {h.name: (lambda chunk: starvla.unnormalize_actions(chunk[..., :dims], stats)) for h in spec.heads}

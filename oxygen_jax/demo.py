@@ -60,6 +60,12 @@ class Demo:
     frames: list[dict]
     manifest: dict
 
+    def vla(self, num_steps: int = 10):
+        """The model the runtime drives (`models.vla.MultiHead` of the base, `num_steps` denoising steps)."""
+        from oxygen_jax.models.pi05.model import as_vla
+
+        return as_vla(self.params, num_steps)
+
     def samples(self) -> list[dict]:
         """The frames as openpi LIBERO client samples (`transforms.make_observation` input)."""
         return [{"observation/image": f["image"], "observation/wrist_image": f["wrist_image"],

@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                         "tokens + 48)")
     m.add_argument("--action-mask", metavar="FILE",
                    help="Xiaomi-Robotics-0: the robot's [Ha, Ad] 0/1 action mask (.npy or .json; see serve --help)")
+    m.add_argument("--vision-heads", type=int_at_least(1), default=None,
+                   help="LeRobot checkpoints whose SigLIP is not So400m (which LeRobot itself never writes): its "
+                        "attention head count, which no tensor stores")
     m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 on GPUs")
     m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
@@ -160,6 +163,7 @@ def main(argv=None) -> int:
     from oxygen_jax.runtime import compile_cache
     from oxygen_jax.robots import transforms
     from oxygen_jax.robots.config import robot_config
+    from oxygen_jax.robots.io import RobotIO
     from oxygen_jax.runtime.engine import Engine, EngineConfig, RequestError
     from oxygen_jax.nn.layers import param_count
     from oxygen_jax.serving.codec import make_codec
@@ -168,14 +172,12 @@ def main(argv=None) -> int:
     bank, adapter_names, adapter, truths, rows, stops = None, (), 0, None, {}, None
     if demo_mode:
         from oxygen_jax.demo import DEMO_DIR, load_demo, normalize_answer
-        from oxygen_jax.models.pi05.model import as_vla
 
         try:
             demo = load_demo(args.demo or DEMO_DIR)
         except (ValueError, OSError) as e:
             return _fail(f"cannot load the embedded demo ({args.demo or DEMO_DIR}): {str(e).splitlines()[0]}")
-        vla, toks, robot, norm_stats = as_vla(demo.params, args.steps), cm.Tokenizers(demo.tokenizer, demo.tokenizer), \
-            demo.robot, None
+        vla, toks, robot, io = demo.vla(args.steps), cm.Tokenizers(demo.tokenizer, demo.tokenizer), demo.robot, RobotIO()
         bank, adapter_names, adapter = demo.bank, demo.adapter_names, demo.adapter_names[0]
         samples, truths = demo.samples(), [f["memory"] for f in demo.frames]
         prompt, max_new = args.prompt or demo.prompt, args.max_new_tokens or demo.max_new_tokens
@@ -185,6 +187,7 @@ def main(argv=None) -> int:
         try:
             cm.check_flags(args.ckpt, {"--heads": bool(args.heads), "--head-size": bool(args.head_size),
                                        "--action-mask": bool(args.action_mask),
+                                       "--vision-heads": args.vision_heads is not None,
                                        "--prompt-attention": args.prompt_attention != "bidirectional"})
             mask = cm.read_action_mask(args.action_mask)
         except ValueError as e:
@@ -192,19 +195,24 @@ def main(argv=None) -> int:
         where = f"--ckpt {args.ckpt}: " if args.ckpt else ""
         try:  # params laid out for the backend: unrolled layer loop on CPU, scanned on accelerators
             model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset, dtype=args.dtype,
-                            seed=args.seed, prompt_attention=args.prompt_attention, action_mask=mask)
+                            seed=args.seed, prompt_attention=args.prompt_attention, action_mask=mask,
+                            vision_heads=args.vision_heads)
         except (ValueError, OSError) as e:
             return _fail(f"{where}{str(e).splitlines()[0]}")
+        for note in model.io.notes:
+            print(f"note: {note}", flush=True)
         try:
             toks = cm.tokenizers(model, args.tokenizer)
         except (ValueError, OSError) as e:
-            return _fail(f"--tokenizer {args.tokenizer or model.tokenizer}: {str(e).splitlines()[0]}")
-        vla, norm_stats, what, dtype = model.vla(args.steps), model.norm_stats, model.what, args.dtype
+            where = f"--tokenizer {args.tokenizer}: " if args.tokenizer else ""
+            return _fail(f"{where}{str(e).splitlines()[0]}")
+        vla, io, what, dtype = model.vla(args.steps), model.io, model.what, args.dtype
+        robot = io.robot(robot)
         try:
             rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)
         except ValueError as e:
             return _fail(str(e).splitlines()[0])
-        if vla.spec.input_kind == "observation" and args.prompt_len:
+        if not rows and args.prompt_len:  # observation rows: --prompt-len is the prompt's own tokens
             robot = robot.replace(max_token_len=args.prompt_len)
         stops = () if model.source == "preset" else None  # random weights: decode to the budget
         prompt, max_new = args.prompt if args.prompt is not None else "Subtask: ", args.max_new_tokens or 12
@@ -228,7 +236,7 @@ def main(argv=None) -> int:
         prompt_capacity=max(len(ids) if ids is not None else len(toks.text.encode(prompt)), 1),
         tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names)
-    codec = make_codec(eng, robot, toks.rows, norm_stats, **rows)  # the server's: client sample -> model rows
+    codec = make_codec(eng, robot, toks.rows, io=io, **rows)  # the server's: client sample -> model rows
 
     def observation(f: int):
         if samples is not None:  # the demo's held-out frames, in a loop
@@ -239,7 +247,7 @@ def main(argv=None) -> int:
         return sample, codec.batch([codec.prepare(sample)], 1)
 
     sample, (obs, states) = observation(0)
-    denoise = f"{args.steps} denoise steps" if vla.spec.input_kind == "observation" else "each head's denoise steps"
+    denoise = f"{'/'.join(str(n) for n in sorted({vla.spec.head(h).num_steps for h in vla.heads}))} denoise steps"
     print(f"compiling the frame program (prefill + {denoise if heads else 'no head'} + admission + "
           f"{args.tokens_per_frame}-token decode) ...", end=" ", flush=True)
     compile_s = eng.warmup(obs, states)

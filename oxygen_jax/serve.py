@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="XR0: the robot's [Ha, Ad] 0/1 action mask (.npy or .json), e.g. saved from the released "
                          "processor's get_action_mask(robot_type); sets the horizon (default: config.json's "
                          "action_mask, else action_length and all ones)")
+    ap.add_argument("--vision-heads", type=_positive_int, metavar="N",
+                    help="LeRobot checkpoints whose SigLIP is not So400m (which LeRobot itself never writes): its "
+                         "attention head count, which no tensor stores")
     model.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR",
                        help="serve the embedded demo (default DIR: checkpoints/demo) with its 'memory' adapter")
     ap.add_argument("--heads", metavar="KINDS", type=cm.parse_heads,
@@ -216,7 +219,8 @@ def _fail(message: str, code: int = 1) -> int:
 
 
 def build(args: argparse.Namespace):
-    """Loads the model and builds (engine, tokenizer, robot, norm_stats, mesh, rows) from CLI arguments.
+    """Loads the model and builds (engine, tokenizer, robot, io, mesh, rows) from CLI arguments (io: the
+    checkpoint's `robots.io.RobotIO`).
 
     What each kind of --ckpt serves, --heads and the tokenizers: `command_model`. `tokenizer` encodes the
     observations' prompts; the engine's (`engine.tokenizer`) takes text requests, None when the model has no
@@ -227,18 +231,18 @@ def build(args: argparse.Namespace):
     import jax
 
     from oxygen_jax.robots.config import robot_config
+    from oxygen_jax.robots.io import RobotIO
     from oxygen_jax.runtime.engine import Engine, EngineConfig
 
     robot = robot_config(args.robot)
-    bank, names, rows, norm_stats = None, (), {}, None
+    bank, names, rows, io = None, (), {}, RobotIO()
     if args.demo is not None:
         if args.heads:
             raise ValueError("--heads cannot be combined with --demo (the demo is a π0.5 model)")
         from oxygen_jax.demo import DEMO_DIR, load_demo
-        from oxygen_jax.models.pi05.model import as_vla
 
         demo = load_demo(args.demo or DEMO_DIR)  # the repository's demo wherever the server starts
-        vla, toks, bank, names = as_vla(demo.params, args.steps), cm.Tokenizers(demo.tokenizer, demo.tokenizer), \
+        vla, toks, bank, names = demo.vla(args.steps), cm.Tokenizers(demo.tokenizer, demo.tokenizer), \
             demo.bank, demo.adapter_names
         robot = demo.robot.replace(max_token_len=args.prompt_len) if args.prompt_len else demo.robot
         if args.adapter:
@@ -246,17 +250,19 @@ def build(args: argparse.Namespace):
     else:
         cm.check_flags(args.ckpt, {"--heads": bool(args.heads), "--head-size": bool(args.head_size),
                                    "--action-mask": bool(args.action_mask), "--adapter": bool(args.adapter),
+                                   "--vision-heads": args.vision_heads is not None,
                                    "--prompt-attention": args.prompt_attention != "bidirectional"})
         model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset, dtype=args.dtype,
-                        seed=args.seed, prompt_attention=args.prompt_attention, action_mask=_action_mask(args))
-        _warn_without_action_mask(model)
+                        seed=args.seed, prompt_attention=args.prompt_attention, action_mask=_action_mask(args),
+                        dataset_key=args.dataset_key, vision_heads=args.vision_heads)
+        log_notes(model)
         toks = cm.tokenizers(model, args.tokenizer)
         if toks.note:
             log.warning(toks.note)
-        vla, norm_stats = model.vla(args.steps), model.norm_stats
-        if vla.spec.input_kind == "observation" and args.prompt_len:
+        vla, io, robot = model.vla(args.steps), model.io, model.io.robot(robot)
+        rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)
+        if not rows and args.prompt_len:  # observation rows: --prompt-len is the prompt's own tokens
             robot = robot.replace(max_token_len=args.prompt_len)
-        rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len, args.dataset_key)
         if args.adapter:
             from oxygen_jax.ckpts.oxygen_adapter import load_named_bank
 
@@ -284,7 +290,7 @@ def build(args: argparse.Namespace):
         seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=names, mesh=mesh)
     # With a tokenizer.json the rows of an XR0 / StarVLA head are its native prompts (`serving.codec`), and
     # language requests are text in that tokenizer (or token ids); their answers come back as text and ids.
-    return engine, toks.rows, robot, norm_stats, mesh, rows
+    return engine, toks.rows, robot, io, mesh, rows
 
 
 def _action_mask(args) -> np.ndarray | None:
@@ -294,38 +300,20 @@ def _action_mask(args) -> np.ndarray | None:
 
 def _check_dataset_key(args) -> None:
     """--dataset-key picks the entry of a StarVLA checkpoint's dataset_statistics.json; any other model has no
-    statistics to pick from (it would silently ignore the flag), so it is refused in one line."""
+    statistics to pick from (it would silently ignore the flag), so it is refused in one line, before loading."""
+    from oxygen_jax.ckpts.load import dataset_key_refusal
+
     if args.dataset_key is None:
         return
-    what = "the demo is a π0.5 model" if args.demo is not None else "the --heads model has random heads"
-    if args.ckpt and args.demo is None and not args.heads:
-        from oxygen_jax.ckpts import starvla
-        from oxygen_jax.ckpts.load import source_kind
-
-        try:
-            kind = source_kind(args.ckpt)
-        except (OSError, ValueError):
-            return  # the loader names what is wrong with the directory
-        if kind == "starvla" and starvla.statistics_file(args.ckpt).exists():
-            return
-        what = ({"starvla": "this StarVLA run has no dataset_statistics.json",
-                 "xr0": "a Xiaomi-Robotics-0 checkpoint has no dataset statistics"}.get(kind)
-                or f"a {kind} checkpoint has no dataset statistics (π0.5 reads norm_stats.json from its assets)")
-    elif not args.ckpt and args.demo is None and not args.heads:
-        what = "a preset has no dataset statistics"
-    raise ValueError(f"argument --dataset-key: only a StarVLA checkpoint with a dataset_statistics.json takes it (the "
-                     f"entry to un-normalise actions with); {what}: drop the flag")
+    why = dataset_key_refusal(args.ckpt, demo=args.demo is not None, heads=bool(args.heads))
+    if why:
+        raise ValueError(why)
 
 
-def _warn_without_action_mask(model) -> None:
-    """An XR0 head restored with no robot mask (neither --action-mask nor config.json) runs all ones."""
-    if model.source != "xr0" or model.config.heads[0].action_mask is not None:
-        return
-    h = model.config.heads[0]
-    log.warning("XR0 checkpoint without an action mask: serving all %d dims over action_length = %d steps. "
-                "The released runtime multiplies the noisy action by the robot's mask at every step "
-                "(LIBERO: 7 of 32 dims, horizon 10); pass --action-mask with the processor's "
-                "get_action_mask(robot_type)", h.action_dim, h.horizon)
+def log_notes(model) -> None:
+    """The checkpoint's start-up warnings (`RobotIO.notes`, e.g. an XR0 head restored without the robot's mask)."""
+    for note in model.io.notes:
+        log.warning(note)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -440,7 +428,7 @@ def main(argv=None) -> int:
             # The cache only saves start-up time: its absence must not stop the server.
             log.warning("cannot use the compilation cache directory %s: serving without a persistent cache",
                         args.compile_cache)
-        engine, tok, robot, norm_stats, mesh, rows = build(args)
+        engine, tok, robot, io, mesh, rows = build(args)
     except _Terminated:
         sock.close()
         print("SIGTERM while loading the model: exiting", flush=True)
@@ -454,7 +442,7 @@ def main(argv=None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
-        server = PolicyServer(engine, tok, robot, config, norm_stats=norm_stats, mesh=mesh, **rows)
+        server = PolicyServer(engine, tok, robot, config, io=io, mesh=mesh, **rows)
     except ValueError as e:  # e.g. --auto-adapter naming an adapter the model does not have
         sock.close()
         return _fail(str(e), 2)

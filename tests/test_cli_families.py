@@ -29,16 +29,23 @@ from oxygen_jax.models.heads import presets
 from oxygen_jax.serving.codec import make_codec
 
 IMAGE = 32  # 1 image token per camera with the fixtures' ViTs (16 px patches, merge 2): the cheapest rows
-HEADS = {"openpi_tiny_pi05": ("actions",), "openpi_tiny_pi05_lora": ("actions",), "xr0_tiny": ("xr0",),
+HEADS = {"openpi_tiny_pi05": ("actions",), "openpi_tiny_pi05_lora": ("actions",), "openpi_tiny_pi0": ("actions",),
+         "xr0_tiny": ("xr0",),
          "starvla_qwenpi_v3_tiny": ("starvla_qwenpi_v3",), "starvla_gr00t_tiny": ("gr00t",),
          "qwen3_tiny": (), "qwen3vl_tiny": (), "qwen35_tiny": ()}
 """Every fixture directory that holds a model -> the heads `serve --ckpt DIR` serves (bare backbones: none)."""
 
 
+def _tokenizer(ckpt) -> list[str]:
+    """openpi's checkpoints ship no tokenizer (refused without one): the LeRobot fixture's 1024-piece PaliGemma-layout
+    SentencePiece model fits their 1024-row vocabulary."""
+    return ["--tokenizer", str(fixture("lerobot_tiny_pi05") / "tokenizer" / "tokenizer.model")] if "openpi" in str(ckpt) else []
+
+
 def _serve_args(ckpt, *extra):
     return serve._parser().parse_args([
         "--ckpt", str(ckpt), "--image-size", str(IMAGE), "--robot", "libero", "--batch-sizes", "1", "--slots", "1",
-        "--max-new-tokens", "2", "--tokens-per-frame", "2", "--port", "0", *extra])
+        "--max-new-tokens", "2", "--tokens-per-frame", "2", "--port", "0", *_tokenizer(ckpt), *extra])
 
 
 def _run(capsys, ckpt, *extra) -> str:
@@ -89,9 +96,9 @@ def test_heads_are_sized_to_the_backbone_and_qwen35_refuses_kv_heads():
 @pytest.mark.parametrize("name, flags, message", [
     ("xr0_tiny", ["--heads", "gr00t"], "argument --heads: random heads go on a bare .* a Xiaomi-Robotics-0 checkpoint "
                                        "with its own head: drop --heads"),
-    ("openpi_tiny_pi05", ["--heads", "xr0"], "argument --heads: .* is an openpi π0.5 checkpoint: drop --heads"),
+    ("openpi_tiny_pi05", ["--heads", "xr0"], "argument --heads: .* is an openpi π checkpoint: drop --heads"),
     ("qwen3_tiny", ["--action-mask", "m.npy"], "argument --action-mask: .* a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone"),
-    ("starvla_gr00t_tiny", ["--adapter", "a"], "argument --adapter: π0.5 language adapters; .* StarVLA checkpoint"),
+    ("starvla_gr00t_tiny", ["--adapter", "a"], "argument --adapter: π language adapters; .* StarVLA checkpoint"),
     ("qwen3vl_tiny", ["--prompt-attention", "causal"], "argument --prompt-attention: .*: drop --prompt-attention"),
     ("qwen3_tiny", ["--rtc"], "argument --rtc: .* no action head"),
     ("qwen3_tiny", ["--head-size", "bench"], "argument --head-size: it sizes --heads KINDS"),

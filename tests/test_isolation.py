@@ -107,10 +107,9 @@ def family(request, tmp_path_factory):
             "--ckpt", str(_native_dir(tmp_path_factory.mktemp("native"), name)), "--image-size", str(IMAGE),
             "--robot", "libero", "--slots", "2", "--max-new-tokens", "4", "--tokens-per-frame", "2",
             "--seed", str(SEED)])
-        engine, tok, robot, norm_stats, _, rows = serve.build(args)
+        engine, tok, robot, io, _, rows = serve.build(args)
         assert isinstance(tok, npr.QwenTokenizer) and npr.family_of(engine.vla.spec) == name
-        server = PolicyServer(engine, tok, robot, ServeConfig(buckets=(BUCKET,), seed=SEED), norm_stats=norm_stats,
-                              **rows)
+        server = PolicyServer(engine, tok, robot, ServeConfig(buckets=(BUCKET,), seed=SEED), io=io, **rows)
         sample = lambda i, **kw: transforms.synthetic_sample(  # noqa: E731
             robot, np.random.default_rng(200 + i), image_size=IMAGE, **kw)
     yield dict(name=name, server=server, engine=engine, robot=robot, sample=sample,
@@ -175,9 +174,9 @@ def test_a_row_the_codec_or_engine_refuses_is_that_robots_bad_request(family):
     good = _frame(fam, GOOD, sample(2), index=1)
     row = fam["server"].codec.prepare(sample(3))
     if fam["name"] == "pi05":  # a NaN pixel (Observation.validate)
-        images = np.array(row.images)
+        images = np.array(row.observation.images)
         images[0, 0, 0, 0, 0] = np.nan
-        hostile, reason = dataclasses.replace(row, images=images), "NaN"
+        hostile, reason = dataclasses.replace(row, observation=dataclasses.replace(row.observation, images=images)), "NaN"
     elif _has_state_token(fam):  # a state past the bound (Engine.validate)
         hostile = dataclasses.replace(row, state=np.full_like(row.state, 3e38))
         reason = f"beyond \\+-{engine_mod.MAX_STATE_ABS:g}"

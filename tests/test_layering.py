@@ -94,6 +94,30 @@ def test_the_library_never_imports_training_or_eval():
     assert not bad, "\n".join(bad)
 
 
+# A model family lives in these modules (models/ and ckpts/ files of its own); the runtime, the server and the
+# commands reach a family only through the interfaces (`models.vla.MultiHead`, `models.decoder`, `ckpts.load`,
+# `robots.io.RobotIO`), so a new family is files in models/, ckpts/ and robots/ only.
+FAMILY_MODULES = (
+    "oxygen_jax.models.pi05", "oxygen_jax.models.qwen35", "oxygen_jax.models.qwen35_layers",
+    "oxygen_jax.models.qwen35_decoder", "oxygen_jax.models.gated_deltanet", "oxygen_jax.models.qwen3_vl",
+    "oxygen_jax.models.siglip", "oxygen_jax.models.siglip_prefix", "oxygen_jax.models.heads.adarms",
+    "oxygen_jax.models.heads.time_mlp", "oxygen_jax.models.heads.joint", "oxygen_jax.models.heads.cross",
+    "oxygen_jax.ckpts.openpi", "oxygen_jax.ckpts.openpi_lora", "oxygen_jax.ckpts.own", "oxygen_jax.ckpts.hf",
+    "oxygen_jax.ckpts.qwen35", "oxygen_jax.ckpts.xr0", "oxygen_jax.ckpts.starvla", "oxygen_jax.ckpts.lerobot",
+)
+FAMILY_FREE = ("oxygen_jax.runtime", "oxygen_jax.serving", "oxygen_jax.run", "oxygen_jax.serve",
+               "oxygen_jax.command_model")
+
+
+def test_the_runtime_the_server_and_the_commands_import_no_model_family():
+    graph = import_graph()
+    inside = lambda m, prefixes: any(m == p or m.startswith(p + ".") for p in prefixes)  # noqa: E731
+    bad = sorted(f"{m} imports {d}" for m, deps in graph.items() if inside(m, FAMILY_FREE)
+                 for d in deps if inside(d, FAMILY_MODULES))
+    assert not bad, "family modules imported above the interfaces:\n" + "\n".join(bad)
+    assert inside("oxygen_jax.models.pi05.model", FAMILY_MODULES) and not inside("oxygen_jax.models.vla", FAMILY_MODULES)
+
+
 def test_no_import_cycle_between_modules():
     graph = import_graph()
     # Strongly connected components (iterative Tarjan); a package face and its own submodules are not a cycle.

@@ -32,7 +32,7 @@ from oxygen_jax.models.pi05.params import abstract_params
 from oxygen_jax.robots import transforms
 from oxygen_jax.serving import wire
 from oxygen_jax.serving.batcher import Frame, Stream, bucket_for, expected_streams, fire_delay
-from oxygen_jax.serving.codec import Pi05Codec, frame_noise
+from oxygen_jax.serving.codec import frame_noise, make_codec
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.robots.config import robot_config
 from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
@@ -406,12 +406,12 @@ def test_crafted_array_headers_get_an_error_reply_and_the_server_lives(tiny):
 def test_bucketed_multi_robot_step_equals_each_robots_own_step(tiny, reference, tok):
     from oxygen_jax.serving.batcher import EngineWorker
 
-    worker = EngineWorker(reference, Pi05Codec(reference, ROBOT, tok), seed=SEED)
+    codec = make_codec(reference, ROBOT, tok)
+    worker = EngineWorker(reference, codec, seed=SEED)
     frames = []
     for i, stream_id in enumerate((3, 9, 12)):  # 3 robots padded to bucket 4
         sample = _sample(10 + i)
-        obs = transforms.make_observation(ROBOT, reference.vla.spec.backbone, tok, [sample])
-        frames.append(Frame(stream=Stream(id=stream_id, deadline_s=1.0), observation=obs,
+        frames.append(Frame(stream=Stream(id=stream_id, deadline_s=1.0), observation=codec.prepare(sample),
                             state=transforms.client_state(ROBOT, sample), language=[], arrival=time.perf_counter(),
                             future=None, index=5 + i))
     out = worker.call(worker.step, frames, 4)

@@ -39,10 +39,10 @@ def served():
         "--heads", "tiny", "--image-size", str(IMAGE), "--prompt-len", str(PROMPT), "--robot", "libero",
         "--batch-sizes", "1", "--slots", "2", "--max-new-tokens", "4", "--tokens-per-frame", "2", "--seed", str(SEED),
         "--host", "127.0.0.1", "--port", "0", "--deadline-ms", "1000"])
-    engine, tok, robot, norm_stats, mesh, rows = serve.build(args)
+    engine, tok, robot, io, mesh, rows = serve.build(args)
     assert rows == dict(image_size=IMAGE, prompt_len=PROMPT) and mesh is None and robot == ROBOT
     server = PolicyServer(engine, tok, robot, ServeConfig(host="127.0.0.1", port=0, buckets=(1,), seed=SEED,
-                                                          deadline_ms=1000), norm_stats=norm_stats, **rows)
+                                                          deadline_ms=1000), io=io, **rows)
     handle = ServerThread(server).start()
     handle.wait_ready(timeout=600)
     yield dict(handle=handle, vla=engine.vla, tok=tok, server=server, config=engine.config)

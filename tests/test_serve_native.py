@@ -53,8 +53,8 @@ def _sample(i: int) -> dict:
 @pytest.fixture(scope="module")
 def served():
     """The server exactly as `python -m oxygen_jax.serve --ckpt ../shared/fixtures/xr0_tiny ...` builds it."""
-    engine, tok, robot, norm_stats, mesh, rows = serve.build(_args(_fixture("xr0_tiny")))
-    assert rows == dict(image_size=IMAGE, prompt_len=PROMPT) and norm_stats is None and mesh is None
+    engine, tok, robot, io, mesh, rows = serve.build(_args(_fixture("xr0_tiny")))
+    assert rows == dict(image_size=IMAGE, prompt_len=PROMPT) and io.norm_stats is None and mesh is None
     server = PolicyServer(engine, tok, robot, ServeConfig(host="127.0.0.1", port=0, buckets=(1,), seed=SEED,
                                                           deadline_ms=1000), **rows)
     handle = ServerThread(server).start()
@@ -135,9 +135,9 @@ def test_an_action_mask_file_sets_the_xr0_robot_and_a_checkpoint_without_one_war
     with pytest.raises(ValueError, match="action_mask= is the robot's mask of an XR0 checkpoint"):
         load_model(_fixture("starvla_gr00t_tiny"), action_mask=mask)
     caplog.set_level(logging.WARNING, logger="oxygen_jax.serve")
-    serve._warn_without_action_mask(load_model(src, action_mask=mask))
+    serve.log_notes(load_model(src, action_mask=mask))
     assert not caplog.records  # a mask given: nothing to warn about
-    serve._warn_without_action_mask(load_model(src))  # the fixture's config.json has no mask
+    serve.log_notes(load_model(src))  # the fixture's config.json has no mask
     assert any("XR0 checkpoint without an action mask" in r.getMessage() for r in caplog.records)
 
 
@@ -148,7 +148,7 @@ def test_a_starvla_run_with_dataset_statistics_is_served_unnormalised(tmp_path):
     q01, q99 = np.linspace(-3, -1, ad), np.linspace(1, 4, ad)
     stats = {"libero_goal": {"action": {"q01": q01.tolist(), "q99": q99.tolist(), "mask": [True] * (ad - 1) + [False]}}}
     d = _linked_copy(src, tmp_path / "run", {"dataset_statistics.json": json.dumps(stats)})
-    engine, tok, robot, norm_stats, _, rows = serve.build(_args(d))
+    engine, tok, robot, _, _, rows = serve.build(_args(d))
     assert engine.vla.heads == ("starvla_qwenpi_v3",) and set(rows) == {"image_size", "prompt_len", "outputs"}
     server = PolicyServer(engine, tok, robot, ServeConfig(buckets=(1,), seed=SEED), **rows)
     sample = _sample(3)

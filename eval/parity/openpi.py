@@ -1,4 +1,4 @@
-"""Numerical parity with openpi's π0.5 (and OxyGen's text decoding) on a reference fixture.
+"""Numerical parity with openpi's π0.5 and π0 (and OxyGen's text decoding) on a reference fixture.
 
     python -m eval.parity FIXTURE_DIR           # this comparison for an openpi fixture (see `eval.parity.__main__`)
 
@@ -6,6 +6,10 @@ An openpi FIXTURE_DIR is laid out like the shared `openpi_tiny_pi05` fixture (`t
 `params/` (released layout), `train_checkpoint/<step>/params/` (training layout, trailing `value` keys),
 `reference.npz` and optionally `reference_text_oxygen.npz`. Every dimension (batch, cameras, horizon, action
 dim, prompt length, step counts, decode length, LoRA ranks) is inferred from the checkpoint and the arrays.
+
+A π0 fixture (openpi's `Pi0Config(pi05=False)`, like `openpi_tiny_pi0`) is recognised by its `state_proj` leaf:
+its `state` array feeds the state token of every step, and `step1/state_token`, `step1/time_emb_t1`,
+`step1/action_tokens_t1` and `state_alt/*` (the same sample with only the state changed) are checked too.
 
 LoRA fixtures (like `openpi_tiny_pi05_lora`) are recognised by `lora_*` leaves in the checkpoint.
 The adapters are merged on restore (`ckpts.openpi.load_openpi_params`), with the alpha and rslora
@@ -147,32 +151,40 @@ def _check_model(chk: Checker, params, ref, obs: Observation):
     cache = model.prefill(params, obs)
     noise = jnp.asarray(ref["noise"], jnp.float32)
     b, ha = noise.shape[:2]
+    state = _state(params, ref)
+    extra = 0 if state is None else 1  # π0's state token precedes the actions
     if "step1/velocity_t1" in ref:
         ones = jnp.ones((b,), jnp.float32)
-        chk.close("step1/velocity_t1", jax.jit(model.velocity)(params, cache, noise, ones), ref["step1/velocity_t1"], "actions")
-        suffix_positions = cache.next_position[:, None] + jnp.arange(ha)
+        chk.close("step1/velocity_t1", jax.jit(model.velocity)(params, cache, noise, ones, state), ref["step1/velocity_t1"], "actions")
+        suffix_positions = cache.next_position[:, None] + jnp.arange(extra + ha)
         chk.exact("step1/suffix_positions", suffix_positions, ref["step1/suffix_positions"])
-        chk.close("step1/adarms_cond_t1", jax.jit(model.time_condition)(params, ones), ref["step1/adarms_cond_t1"], "actions")
-        chk.close(
-            "step1/suffix_tokens_t1", dense(params.action_in, noise), ref["step1/suffix_tokens_t1"], "actions"
-        )
+        if state is None:
+            chk.close("step1/adarms_cond_t1", jax.jit(model.time_condition)(params, ones), ref["step1/adarms_cond_t1"], "actions")
+            chk.close("step1/suffix_tokens_t1", dense(params.action_in, noise), ref["step1/suffix_tokens_t1"], "actions")
+        else:
+            _check_pi0_step1(chk, params, ref, noise, state, ones)
     for key in sorted(k for k in ref if k.startswith("actions/num_steps_")):
         n = int(key.rsplit("_", 1)[1])
-        chk.close(key, model.denoise(params, cache, noise, n), ref[key], "actions")
+        chk.close(key, model.denoise(params, cache, noise, n, state), ref[key], "actions")
+    if "state_alt/state" in ref:
+        alt = jnp.asarray(ref["state_alt/state"], jnp.float32)
+        for key in sorted(k for k in ref if k.startswith("state_alt/actions/num_steps_")):
+            n = int(key.rsplit("_", 1)[1])
+            chk.close(key, model.denoise(params, cache, noise, n, alt), ref[key], "actions")
 
     if "loss/actions" in ref:
         actions = jnp.asarray(ref["loss/actions"])
         lnoise, ltime = jnp.asarray(ref["loss/noise"]), jnp.asarray(ref["loss/time"])
-        loss = model.compute_loss(params, obs, actions, lnoise, ltime)
+        loss = model.compute_loss(params, obs, actions, lnoise, ltime, state)
         chk.close("loss/loss_explicit", loss, ref["loss/loss_explicit"], "loss")
         t = ltime[:, None, None]
         x_t = t * lnoise + (1 - t) * actions
         chk.close("loss/x_t", x_t, ref["loss/x_t"], "loss")
         chk.close("loss/u_t", lnoise - actions, ref["loss/u_t"], "loss")
-        chk.close("loss/v_t", jax.jit(model.velocity)(params, cache, x_t, ltime), ref["loss/v_t"], "loss")
+        chk.close("loss/v_t", jax.jit(model.velocity)(params, cache, x_t, ltime, state), ref["loss/v_t"], "loss")
         chk.exact(
             "loss/positions",
-            jnp.concatenate([cache.positions, cache.next_position[:, None] + jnp.arange(ha)], axis=1),
+            jnp.concatenate([cache.positions, cache.next_position[:, None] + jnp.arange(extra + ha)], axis=1),
             ref["loss/positions"],
         )
         if "loss/loss" in ref:
@@ -180,18 +192,45 @@ def _check_model(chk: Checker, params, ref, obs: Observation):
             chk.close("loss/loss (stored noise/time)", loss, ref["loss/loss"], "loss")
 
 
-def _actions(params, obs: Observation, noise, num_steps: int):
+def _state(params, ref):
+    """π0's state token input [B, Ad] (the fixture's `state`, already normalised), or None for π0.5."""
+    return jnp.asarray(ref["state"], jnp.float32) if params.config.variant == "pi0" else None
+
+
+def _check_pi0_step1(chk: Checker, params, ref, noise, state, ones):
+    """π0's suffix pieces at t = 1: the state token, the sincos time embedding, the action tokens and the mask."""
+    from oxygen_jax.models.heads import time_mlp
+
+    chk.close("step1/state_token", dense(params.state_proj, state), ref["step1/state_token"], "actions")
+    chk.close("step1/time_emb_t1", model.posemb_sincos(ones, params.config.action_expert.width), ref["step1/time_emb_t1"],
+              "actions")
+    chk.close("step1/action_tokens_t1", dense(params.action_in, noise), ref["step1/action_tokens_t1"], "actions")
+    head = model.head_params(params)
+    tokens = jnp.concatenate([dense(params.state_proj, state)[:, None], time_mlp.action_tokens(head, noise, ones)], 1)
+    chk.close("step1/suffix_tokens_t1", tokens, ref["step1/suffix_tokens_t1"], "actions")
+    if "step1/suffix_attn_mask" in ref:
+        b, ha = noise.shape[:2]
+        prefix = np.asarray(ref["prefix/input_mask"])
+        own = np.asarray(time_mlp.suffix_mask(b, ha))
+        mask = np.concatenate([np.broadcast_to(prefix[:, None, :], (b, 1 + ha, prefix.shape[1])), own], axis=-1)
+        chk.exact("step1/suffix_attn_mask", mask, ref["step1/suffix_attn_mask"])
+
+
+def _actions(params, obs: Observation, noise, num_steps: int, state=None):
     """`model.sample_actions`, as the `prefill` and `denoise` programs the other checks compile anyway."""
-    return model.denoise(params, model.prefill(params, obs), noise, num_steps)
+    return model.denoise(params, model.prefill(params, obs), noise, num_steps, state)
 
 
 def _check_bf16(chk: Checker, path: Path, ref, obs: Observation, **load_kwargs):
     _, p16 = load_openpi_params(path, dtype="bfloat16", **load_kwargs)
     noise = jnp.asarray(ref["noise"], jnp.float32)
+    state = _state(p16, ref)
     if "bf16/actions/num_steps_10" in ref:
-        chk.close("bf16/actions/num_steps_10 (smoke)", model.sample_actions(p16, obs, noise, 10), ref["bf16/actions/num_steps_10"], "bf16")
+        chk.close("bf16/actions/num_steps_10 (smoke)", model.sample_actions(p16, obs, noise, 10, state),
+                  ref["bf16/actions/num_steps_10"], "bf16")
     if "bf16/loss/loss" in ref:
-        loss = model.compute_loss(p16, obs, jnp.asarray(ref["loss/actions"]), jnp.asarray(ref["loss/noise"]), jnp.asarray(ref["loss/time"]))
+        loss = model.compute_loss(p16, obs, jnp.asarray(ref["loss/actions"]), jnp.asarray(ref["loss/noise"]),
+                                  jnp.asarray(ref["loss/time"]), state)
         chk.close("bf16/loss/loss (smoke)", loss, ref["bf16/loss/loss"], "bf16")
 
 
@@ -353,7 +392,8 @@ def is_openpi_fixture(fixture: Path) -> bool:
     return (fixture / "params").is_dir() or (train.is_dir() and any((p / "params").is_dir() for p in train.iterdir()))
 
 
-def run_fixture(fixture: Path) -> list[Row]:
+def run_fixture(fixture: Path, layouts: tuple[str, ...] | None = None) -> list[Row]:
+    """Every check of an openpi fixture, per checkpoint layout (`layouts`: only those, e.g. ("released",))."""
     fixture = fixture.resolve()
     ref_path = fixture / "reference.npz"
     if not ref_path.is_file():
@@ -370,6 +410,8 @@ def run_fixture(fixture: Path) -> list[Row]:
     rows, flat_first = [], None
     settings = lora_settings(fixture)
     for index, (layout, path) in enumerate(_layouts(fixture)):
+        if layouts is not None and layout not in layouts:
+            continue
         adapters = load_openpi_lora(path, alpha=settings["lora_alpha"], rslora=settings["lora_rslora"])
         load_kwargs = settings if adapters is not None else {}  # None: no LoRA leaves in this checkpoint
         cfg, stored = load_openpi_params(path, **load_kwargs)

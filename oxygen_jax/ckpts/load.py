@@ -13,14 +13,20 @@ caller needs beside them (`LoadedModel`). Sources:
 | Hugging Face Qwen3.5 (`ckpts.qwen35`) | the same files, config.json `model_type` 'qwen3_5' | `ModelSpec` with `hybrid` (language + `heads`) | `mot.ModelParams` |
 | Xiaomi-Robotics-0 (released layout, `ckpts.xr0`) | config.json `model_type` 'mibot' | `ModelSpec` (its XR0 head + language) | `mot.ModelParams` |
 | StarVLA QwenPI_v3 / QwenGR00T (`ckpts.starvla`) | config.yaml `framework.name` + `qwen_vl_interface.model.*` weights | `ModelSpec` (its head + language) | `mot.ModelParams` |
-| openpi checkpoint (either layout) | an orbax item or `params/` | `ModelConfig` (inferred) | π0.5 `Params` (LoRA merged) |
+| openpi checkpoint (either layout) | an orbax item or `params/` | `ModelConfig` (inferred; π0 by `state_proj`) | π0.5 / π0 `Params` (LoRA merged) |
+| LeRobot π0.5 / π0 (`ckpts.lerobot`) | config.json `type` 'pi05' / 'pi0' (or a `pretrained_model/` child) | `ModelConfig` (sizes from the tensors) | π0.5 / π0 `Params`; LeRobot's own I/O |
 
 A directory that is none of these, or a model of another family than the caller drives (`family=`), is
 a one-line ValueError naming the directory and what was expected. The tokenizer is looked for beside
 the checkpoint (`find_tokenizer`: π0.5's `tokenizer.model`; a Qwen-vocabulary checkpoint's `tokenizer.json`),
 the one place that does it, and a Qwen-vocabulary model's default stop ids are read from its files
 (`ckpts.stop_ids`: `generation_config.json`, `config.json`, `tokenizer_config.json`) into `ModelSpec.stop_ids`.
-`LoadedModel.vla(num_steps)` is what the runtime drives, for every source.
+`LoadedModel.vla(num_steps)` is what the runtime drives, for every source, and `LoadedModel.io` what the
+checkpoint says about its robot I/O (`robots.io.RobotIO`: tokenizer, normalisation, how the state enters,
+prompt and image conventions, output transforms), so no command asks which family a model is. A π checkpoint
+(openpi's, ours) needs its own PaliGemma tokenizer: without one `io.tokenizer` is None and `io.tokenizer_hint`
+names the file to fetch (`command_model.tokenizers` refuses it in one line; the demo tokenizer serves the demo
+and random presets only).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any, Literal, Sequence
 import jax
 
 from oxygen_jax.ckpts import hf
-from oxygen_jax.ckpts import qwen35, starvla, xr0
+from oxygen_jax.ckpts import lerobot, qwen35, starvla, xr0
 from oxygen_jax.ckpts.stop_ids import read_stop_ids
 from oxygen_jax.ckpts.openpi import load_openpi_norm_stats, load_openpi_params
 from oxygen_jax.ckpts.orbax_io import PathLike, is_pytree_item
@@ -45,16 +51,19 @@ from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05 import params as pi05_params
 from oxygen_jax.models.vla import MultiHead
 from oxygen_jax.models.pi05.config import EOS_ID, DType, ModelConfig, PromptAttention, model_config
+from oxygen_jax.robots.io import OpenpiPreprocess, RobotIO
+from oxygen_jax.robots.lerobot import LeRobotPreprocess
 from oxygen_jax.robots.native_prompts import find_beside
 from oxygen_jax.robots.text_tokenizers import load_tokenizer
 from oxygen_jax.robots.normalize import NormStats
+from oxygen_jax.robots.tokenizer import PALIGEMMA_TOKENIZER_URL
 
 Family = Literal["pi05", "multihead"]
-Source = Literal["preset", "checkpoint", "openpi", "hf", "xr0", "starvla"]
+Source = Literal["preset", "checkpoint", "openpi", "hf", "xr0", "starvla", "lerobot"]
 
 TOKENIZER_FILE = "tokenizer.model"  # SentencePiece model with the PaliGemma id layout (`robots.tokenizer`)
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json")
-_FAMILY_OF = {"preset": None, "checkpoint": "pi05", "openpi": "pi05", "hf": "multihead", "xr0": "multihead",
+_FAMILY_OF = {"preset": None, "checkpoint": "pi05", "openpi": "pi05", "lerobot": "pi05", "hf": "multihead", "xr0": "multihead",
               "starvla": "multihead"}
 
 
@@ -66,13 +75,14 @@ class LoadedModel:
       config: `ModelConfig` (π0.5) or `mot.ModelSpec` (a backbone with heads and a language decoder).
       params: `Params` or `mot.ModelParams`, layer stacks laid out for the backend (`for_backend`).
       family: "pi05" or "multihead" (which of the two the config and params are).
-      source: "preset", "checkpoint" (ours), "openpi", "hf", "xr0" or "starvla".
+      source: "preset", "checkpoint" (ours), "openpi", "lerobot", "hf", "xr0" or "starvla".
       what: one line for messages, e.g. "random 'tiny' weights" or "openpi checkpoint /ckpts/pi05_libero".
       norm_stats: {"state", "actions": NormStats} from the checkpoint's `assets/`, or None.
       tokenizer: the checkpoint's tokenizer file (π0.5: `tokenizer.model`; Qwen vocabularies: `tokenizer.json`),
         or None (`text_tokenizer()` loads it).
       dataset_statistics: StarVLA's `dataset_statistics.json` as read (`starvla.action_stats` turns one
         entry into its q01 / q99 un-normalisation), or None.
+      io: the checkpoint's robot I/O facts (`robots.io.RobotIO`), what the commands and the server read.
     """
 
     config: ModelConfig | ModelSpec
@@ -83,6 +93,7 @@ class LoadedModel:
     norm_stats: dict[str, NormStats] | None = None
     tokenizer: Path | None = None
     dataset_statistics: dict | None = None
+    io: RobotIO = RobotIO()
 
     def vla(self, num_steps: int = 10) -> MultiHead:
         """The model as the runtime drives it (`Engine`, frame programs, the server). `num_steps`: π0.5's
@@ -93,8 +104,8 @@ class LoadedModel:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """Where its language requests stop by default (π0.5: EOS; others: the checkpoint's `eos_token_id`s)."""
-        return (EOS_ID,) if self.family == "pi05" else self.config.stop_ids
+        """Where its language requests stop by default (π: EOS; others: the checkpoint's `eos_token_id`s)."""
+        return self.io.stop_ids
 
     def text_tokenizer(self):
         """The tokenizer object of `tokenizer` (`text_tokenizers.load_tokenizer`), or None without one."""
@@ -117,7 +128,8 @@ def _text_dirs(path: Path, vlm_dir: Path | None) -> list[Path]:
 
 
 def source_kind(path: PathLike) -> Source:
-    """Which kind of checkpoint directory `path` is ("checkpoint", "xr0", "starvla", "hf" or "openpi"), from its files alone.
+    """Which kind of checkpoint directory `path` is ("checkpoint", "xr0", "starvla", "lerobot", "hf" or "openpi"), from
+    its files alone.
 
     Raises:
       FileNotFoundError: `path` does not exist.
@@ -134,6 +146,8 @@ def source_kind(path: PathLike) -> Source:
         return "xr0"
     if starvla.is_starvla(p):  # before hf: a flat StarVLA directory holds model.safetensors too
         return "starvla"
+    if lerobot.is_lerobot_dir(p):  # before hf: LeRobot's policy folder holds config.json and model.safetensors
+        return "lerobot"
     if any((p / f).is_file() for f in _HF_FILES):
         return "hf"
     # An orbax item or a directory holding `params/` is read as openpi's: a damaged one (lost
@@ -144,6 +158,39 @@ def source_kind(path: PathLike) -> Source:
         f"{p.resolve()} holds no model checkpoint: expected an oxygen_jax checkpoint (config/ and params/), an openpi "
         f"checkpoint (params/ or an orbax item with _METADATA) or a Hugging Face Qwen3 / Qwen3-VL directory "
         f"(config.json and model.safetensors)")
+
+
+_PI_FLAGS = frozenset({"--adapter", "--prompt-attention"})
+SOURCE_FLAGS = {  # what each kind of model is, and the model flags of the commands it takes (`command_model`)
+    "checkpoint": ("an oxygen_jax π checkpoint", _PI_FLAGS),
+    "openpi": ("an openpi π checkpoint", _PI_FLAGS),
+    "lerobot": ("a LeRobot π checkpoint", _PI_FLAGS | {"--vision-heads"}),
+    "xr0": ("a Xiaomi-Robotics-0 checkpoint with its own head", frozenset({"--action-mask"})),
+    "starvla": ("a StarVLA checkpoint with its own head", frozenset()),
+    "hf": ("a bare Qwen3 / Qwen3-VL / Qwen3.5 backbone", frozenset({"--heads", "--head-size"})),
+    "preset": ("a π0.5 preset", _PI_FLAGS),
+    "heads": ("a random Qwen3-VL backbone", frozenset({"--heads", "--head-size"})),
+}
+
+
+def dataset_key_refusal(ckpt: PathLike | None, *, demo: bool = False, heads: bool = False) -> str | None:
+    """Why `--dataset-key` (the StarVLA `dataset_statistics.json` entry to un-normalise with) does not apply to this
+    model, or None when it does (or when the directory is unreadable: the loader names what is wrong with it)."""
+    what = "the demo is a π0.5 model" if demo else "the --heads model has random heads"
+    if ckpt and not demo and not heads:
+        try:
+            kind = source_kind(ckpt)
+        except (OSError, ValueError):
+            return None
+        if kind == "starvla" and starvla.statistics_file(ckpt).exists():
+            return None
+        what = ({"starvla": "this StarVLA run has no dataset_statistics.json",
+                 "xr0": "a Xiaomi-Robotics-0 checkpoint has no dataset statistics"}.get(kind)
+                or f"a {kind} checkpoint has no dataset statistics (π checkpoints read norm_stats.json from their assets)")
+    elif not ckpt and not demo and not heads:
+        what = "a preset has no dataset statistics"
+    return (f"argument --dataset-key: only a StarVLA checkpoint with a dataset_statistics.json takes it (the entry to "
+            f"un-normalise actions with); {what}: drop the flag")
 
 
 def _random(preset: str | ModelConfig | ModelSpec, dtype: DType, prompt_attention: PromptAttention,
@@ -173,6 +220,7 @@ def _check_family(path: Path, source: Source, family: Family | None) -> None:
     have = _FAMILY_OF[source]
     if family is not None and have != family:
         label = {"checkpoint": "an oxygen_jax checkpoint", "openpi": "an openpi checkpoint",
+                 "lerobot": "a LeRobot checkpoint",
                  "hf": "a Hugging Face checkpoint", "xr0": "a Xiaomi-Robotics-0 checkpoint",
                  "starvla": "a StarVLA checkpoint"}[source]
         needs = {"pi05": "a π0.5 model (an oxygen_jax or openpi checkpoint, or a π0.5 preset)",
@@ -191,6 +239,8 @@ def load_model(
     heads: Sequence[HeadSpec] = (),
     backend: str | None = None,
     action_mask=None,
+    dataset_key: str | None = None,
+    vision_heads: int | None = None,
 ) -> LoadedModel:
     """A model from a checkpoint directory or a preset (exactly one), restored once in `dtype`.
 
@@ -212,6 +262,9 @@ def load_model(
       action_mask: XR0 only: the robot's [Ha, Ad] 0 / 1 mask (the released processor's
         `get_action_mask(robot_type)`, which sets the horizon too); default config.json's `action_mask`,
         else `action_length` with all ones (`ckpts.xr0`).
+      dataset_key: StarVLA only: the `dataset_statistics.json` entry its actions are un-normalised with
+        (`io.outputs`; default: its only entry).
+      vision_heads: LeRobot only: SigLIP's attention heads when it is not LeRobot's So400m (no tensor stores them).
 
     Returns:
       A `LoadedModel`; its `params` are ready for the engine and the frame programs.
@@ -225,7 +278,7 @@ def load_model(
     if (ckpt is None) == (preset is None):
         raise ValueError("load_model needs a checkpoint directory or a preset (exactly one), got "
                          + ("both" if ckpt is not None else "neither"))
-    norm_stats = tokenizer = stats = None
+    norm_stats = tokenizer = stats = lerobot_io = None
     if preset is not None:
         if heads:
             raise ValueError("heads= puts random heads on a Hugging Face backbone; a ModelSpec preset names its own")
@@ -243,6 +296,8 @@ def load_model(
                              f"{'an XR0' if source == 'xr0' else 'a StarVLA'} checkpoint with its own head: drop heads=")
         if heads and source != "hf":
             raise ValueError(f"heads= puts random heads on a Hugging Face backbone; {path} is a π0.5 checkpoint")
+        if vision_heads is not None and source != "lerobot":
+            raise ValueError(f"vision_heads= sizes the SigLIP of a LeRobot checkpoint; {path} is a {source} checkpoint")
         if action_mask is not None and source != "xr0":
             raise ValueError(f"action_mask= is the robot's mask of an XR0 checkpoint; {path} is a {source} checkpoint")
         have = _FAMILY_OF[source]
@@ -257,6 +312,10 @@ def load_model(
             ck = xr0.load(path, dtype, language=True, action_mask=action_mask)
             config, params = ck.spec, ck.params
             what = f"Xiaomi-Robotics-0 checkpoint {path}"
+        elif source == "lerobot":
+            ck = lerobot.load(path, dtype, vision_heads=vision_heads)
+            config, params, lerobot_io = ck.config, ck.params, ck.io
+            what = f"LeRobot {'π0.5' if config.variant == 'pi05' else 'π0'} checkpoint {ck.directory}"
         elif source == "checkpoint":
             stored = stored_config(path)
             config, params = restore_params(path, stored.replace(dtype=dtype, prompt_attention=prompt_attention))
@@ -265,7 +324,9 @@ def load_model(
             layout = "unstacked" if (backend or jax.default_backend()) == "cpu" else "stacked"  # streamed into it
             config, params = load_openpi_params(path, dtype=dtype, prompt_attention=prompt_attention, layout=layout)
             what = f"openpi checkpoint {path}"
-        if source not in ("hf", "xr0", "starvla"):  # StarVLA's q01/q99 stats: ckpts.starvla.action_stats
+        if source == "lerobot":  # statistics in its processor files (`lerobot_io`); the tokenizer beside it
+            tokenizer = find_tokenizer(ck.directory, ck.directory / "tokenizer", ck.directory.parent / "tokenizer")
+        elif source not in ("hf", "xr0", "starvla"):  # StarVLA's q01/q99 stats: ckpts.starvla.action_stats
             norm_stats = load_openpi_norm_stats(path)
             tokenizer = find_tokenizer(path)
         else:
@@ -275,5 +336,45 @@ def load_model(
             stops = read_stop_ids(dirs, vocab, None if tokenizer is None else load_tokenizer(tokenizer))
             config = config.replace(stop_ids=stops)
     lay_out = mot.for_backend if have == "multihead" else pi05_params.for_backend
-    return LoadedModel(config=config, params=lay_out(params, backend), family=have, source=source, what=what,
-                       norm_stats=norm_stats, tokenizer=tokenizer, dataset_statistics=stats)
+    model = LoadedModel(config=config, params=lay_out(params, backend), family=have, source=source, what=what,
+                        norm_stats=norm_stats, tokenizer=tokenizer, dataset_statistics=stats)
+    return dataclasses.replace(model, io=_robot_io(model, dataset_key, lerobot_io))
+
+
+PALIGEMMA_TOKENIZER_HINT = (f"tokenizer.model, PaliGemma's SentencePiece model (openpi downloads it from "
+                            f"{PALIGEMMA_TOKENIZER_URL}; Hugging Face: google/paligemma-3b-pt-224)")
+"""What to fetch for a π checkpoint without its tokenizer (openpi's checkpoints never ship it)."""
+
+
+def _starvla_outputs(spec: ModelSpec, dataset_statistics: dict, key: str | None) -> dict:
+    """head name -> StarVLA's deployment un-normalisation of one chunk [Ha, Ad] with one dataset's q01 / q99."""
+    stats = starvla.action_stats(dataset_statistics, key)
+    dims = stats["q01"].shape[0]
+    for h in spec.heads:
+        if h.action_dim < dims:
+            raise ValueError(f"dataset_statistics.json has {dims} action dims but head {h.name!r} emits {h.action_dim}")
+    return {h.name: (lambda chunk: starvla.unnormalize_actions(chunk[..., :dims], stats)) for h in spec.heads}
+
+
+def _robot_io(model: LoadedModel, dataset_key: str | None = None, lerobot_io=None) -> RobotIO:
+    """What `model`'s checkpoint says about its robot I/O (`robots.io.RobotIO`)."""
+    if lerobot_io is not None:  # LeRobot's own preprocessing, chunk length and prompt length
+        return RobotIO(tokenizer=model.tokenizer, tokenizer_hint=PALIGEMMA_TOKENIZER_HINT,
+                       preprocess=LeRobotPreprocess(lerobot_io), action_horizon=lerobot_io.chunk_size,
+                       prompt_len=lerobot_io.tokenizer_max_length, stop_ids=(EOS_ID,))
+    if model.family == "pi05":  # π0.5 / π0 (openpi's layout, ours, a random preset)
+        pi0 = model.config.variant == "pi0"
+        # openpi: π0 reads z-scored states through its state token and a prompt without the state.
+        pre = OpenpiPreprocess(model.norm_stats, quantile=not pi0, state_in_prompt=False if pi0 else None)
+        hint = None if model.source == "preset" else PALIGEMMA_TOKENIZER_HINT
+        return RobotIO(tokenizer=model.tokenizer, tokenizer_hint=hint, preprocess=pre, stop_ids=(EOS_ID,))
+    notes = []
+    if model.source == "xr0" and model.config.heads[0].action_mask is None:
+        h = model.config.heads[0]
+        notes.append(f"XR0 checkpoint without an action mask: serving all {h.action_dim} dims over action_length = "
+                     f"{h.horizon} steps. The released runtime multiplies the noisy action by the robot's mask at every "
+                     "step (LIBERO: 7 of 32 dims, horizon 10); pass --action-mask with the processor's "
+                     "get_action_mask(robot_type)")
+    outputs = _starvla_outputs(model.config, model.dataset_statistics, dataset_key) if model.dataset_statistics else {}
+    return RobotIO(tokenizer=model.tokenizer, norm_stats=model.norm_stats, stop_ids=model.config.stop_ids,
+                   outputs=outputs, notes=tuple(notes))

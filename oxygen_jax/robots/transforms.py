@@ -28,7 +28,7 @@ Client formats (openpi-client), and the slot each camera fills (mask):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
@@ -123,7 +123,8 @@ def _parse_image(sample: Mapping, key: str, layout: str, *, where: str = "") -> 
     return np.ascontiguousarray(arr)
 
 
-def _to_model_pixels(img: np.ndarray) -> np.ndarray:
+def to_model_pixels(img: np.ndarray) -> np.ndarray:
+    """uint8 pixels -> float32 in [-1, 1] (x / 255 * 2 - 1, openpi's)."""
     return img.astype(np.float32) / 255.0 * 2.0 - 1.0
 
 
@@ -361,6 +362,16 @@ def normalize_state(state: np.ndarray, norm_stats: Mapping[str, NormStats] | Non
     return out
 
 
+def unnormalize_actions(actions: np.ndarray, norm_stats: Mapping[str, NormStats] | None, *,
+                        quantile: bool = True) -> np.ndarray:
+    """Normalised model actions [..., Ad] in robot units with norm_stats["actions"] (quantile, or z-score with
+    `quantile=False`; the dims beyond the statistics pass); unchanged without norm stats."""
+    if norm_stats is None:
+        return actions
+    stats = _normalizer(norm_stats, "actions")
+    return quantile_unnormalize(actions, stats) if quantile else zscore_unnormalize(actions, stats)
+
+
 def make_observation(
     robot: RobotConfig,
     model_config: ModelConfig | BackboneSpec,
@@ -371,7 +382,8 @@ def make_observation(
     default_prompt: str | None = None,
     quantile: bool = True,
 ) -> Observation:
-    """Batches client samples into the model's `Observation` (numpy arrays; the caller places them on device).
+    """Batches client samples into the model's `Observation` with openpi's conventions (numpy arrays; the
+    caller places them on device). A checkpoint's own conventions: `robots.io.observation_rows`.
 
     `model_config`: π0.5's `ModelConfig` or a SigLIP backbone's `BackboneSpec` (its image size and vocabulary).
     Per sample: `robot_inputs`; each real camera slot resized with pad to Px = the SigLIP image size
@@ -384,28 +396,50 @@ def make_observation(
     Raises:
       ValueError naming the sample index and the key at fault.
     """
+    vision = model_config.siglip if isinstance(model_config, ModelConfig) else model_config.vision
+    obs, _ = observation_arrays(
+        robot, vision.image_size, model_config.vocab_size, samples, default_prompt=default_prompt,
+        normalize=lambda x: normalize_state(x, norm_stats, quantile=quantile),
+        pixels=lambda im, size: to_model_pixels(resize_with_pad(im, size, size)),
+        prompt=lambda task, state, t: tokenize_action_prompt(tokenizer, task, state if robot.discrete_state_input else None, t))
+    return obs
+
+
+def observation_arrays(robot: RobotConfig, image_size: int, vocab_size: int, samples: Sequence[Mapping], *,
+                       normalize: Callable, pixels: Callable, prompt: Callable, default_prompt: str | None = None,
+                       state_dim: int = 0) -> tuple[Observation, np.ndarray | None]:
+    """The batching loop of every convention: per sample `robot_inputs`, then `normalize(state [Ds])`, `pixels(uint8
+    image, Px)` per real camera slot and `prompt(task, normalised state, Tp) -> (ids, mask)`.
+
+    Returns:
+      (Observation, states float32 [B, state_dim]: the normalised states zero-padded, or None when state_dim is 0).
+    Raises:
+      ValueError naming the sample index and the key at fault.
+    """
     if isinstance(samples, Mapping) or len(samples) == 0:
         raise ValueError("make_observation expects a non-empty list of client sample dicts")
-    vision = model_config.siglip if isinstance(model_config, ModelConfig) else model_config.vision
-    s, b_size, c_size, t = vision.image_size, len(samples), robot.num_cameras, robot.max_token_len
-    images = np.empty((b_size, c_size, s, s, 3), np.float32)
+    b_size, c_size, t = len(samples), robot.num_cameras, robot.max_token_len
+    images = np.empty((b_size, c_size, image_size, image_size, 3), np.float32)
     image_masks = np.empty((b_size, c_size), bool)
     tokens = np.empty((b_size, t), np.int32)
     token_mask = np.empty((b_size, t), bool)
+    states = np.zeros((b_size, state_dim), np.float32) if state_dim else None
     for b, sample in enumerate(samples):
         try:
             inp = robot_inputs(robot, sample, default_prompt=default_prompt)
-            state = normalize_state(inp["state"], norm_stats, quantile=quantile)
+            state = normalize(inp["state"])
+            if states is not None:
+                if state.shape[-1] > state_dim:
+                    raise ValueError(f"the state has {state.shape[-1]} dims but the model's state input has {state_dim}")
+                states[b, : state.shape[-1]] = state
         except ValueError as e:
             raise ValueError(f"sample {b}: {e}") from e
         for c, slot in enumerate(robot.cameras):
-            images[b, c] = _to_model_pixels(resize_with_pad(inp["images"][slot], s, s))
+            images[b, c] = pixels(inp["images"][slot], image_size)
             image_masks[b, c] = inp["image_masks"][slot]
-        tokens[b], token_mask[b] = tokenize_action_prompt(
-            tokenizer, inp["prompt"], state if robot.discrete_state_input else None, t
-        )
-    check_token_ids(tokens, model_config.vocab_size, "tokenizer ids")
-    return Observation(images=images, image_masks=image_masks, tokens=tokens, token_mask=token_mask)
+        tokens[b], token_mask[b] = prompt(inp["prompt"], state, t)
+    check_token_ids(tokens, vocab_size, "tokenizer ids")
+    return Observation(images=images, image_masks=image_masks, tokens=tokens, token_mask=token_mask), states
 
 
 def check_token_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:
@@ -444,9 +478,7 @@ def robot_outputs(
         raise ValueError(
             f"actions must be [batch, horizon, >= {robot.action_dim}] or [horizon, ...], got shape {a.shape}"
         )
-    if norm_stats is not None:
-        stats = _normalizer(norm_stats, "actions")
-        a = quantile_unnormalize(a, stats) if quantile else zscore_unnormalize(a, stats)
+    a = unnormalize_actions(a, norm_stats, quantile=quantile)
     if kind != "aloha":
         return a[..., : robot.action_dim].astype(np.float32)
     if states_native is None:

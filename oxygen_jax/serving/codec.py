@@ -6,7 +6,9 @@ with several heads are served by the same code:
     sample ──prepare──► row (batch 1) ──batch(rows, bucket)──► (inputs, states) ──Engine.step──► head chunks
     head chunks [B, Ha, Ad] ──outputs(i)──► "actions" (primary head, robot units) + per-head extras
 
-* `Pi05Codec`: rows are π0.5 `Observation`s (`transforms.make_observation`); one head, so a response is
+* `ObservationCodec`: a SigLIP backbone (the π family): rows are `Observation`s made with the checkpoint's own
+  conventions (`robots.io.observation_rows` with its `RobotIO`: openpi's or LeRobot's normalisation, resize and
+  prompt), plus the normalised state for a head that reads it as a token (π0); one head, so a response is
   exactly openpi's.
 * `HeadsCodec`: rows are `prompt_rows.PromptRows` (image tokens + prompt, left-padded to a fixed length;
   a text-only backbone's rows are the prompt alone); the primary head's chunk is "actions" (a model without
@@ -24,8 +26,8 @@ Noise is deterministic per (seed, stream, frame, head): `frame_noise`.
 Every row is bounded before it is batched (`prepare`, on a prep thread): images are uint8 pixels, prompt
 ids the tokenizer's (client text is plain text: `native_prompts`), and a state that a head's state token
 reads (XR0, GR00T) lies within +-`runtime.engine.MAX_STATE_ABS` as the model reads it (normalised); a
-row beyond it is refused naming the client's state field (`state_field`). π0.5 and QwenPI_v3 read the
-state as 256 prompt bins, so any finite state is bounded there by construction.
+row beyond it is refused naming the client's state field (`state_field`); π0's state token likewise. π0.5 and
+QwenPI_v3 read the state as 256 prompt bins, so any finite state is bounded there by construction.
 
 Axes: B rows of a step, Ha horizon, Ad model (head) action dim, Da robot action dim.
 """
@@ -37,9 +39,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from oxygen_jax.robots.config import RobotConfig
-from oxygen_jax.models.pi05.observation import Observation
+from oxygen_jax.models.observation import Observation
+from oxygen_jax.robots import io as robot_io
 from oxygen_jax.robots import native_prompts, prompt_rows, transforms
+from oxygen_jax.robots.config import RobotConfig
+from oxygen_jax.robots.io import RobotIO
 from oxygen_jax.runtime.engine import MAX_STATE_ABS
 
 STATE_FIELDS = {"libero": "observation/state", "droid": "observation/joint_position and observation/gripper_position",
@@ -69,11 +73,11 @@ def _stack_observations(observations: Sequence[Observation], rows: int) -> Obser
 
 
 class _Codec:
-    """What both families share: the robot, its tokenizer and norm stats, noise and the output transform."""
+    """What both input kinds share: the robot, its tokenizer and I/O facts, noise and the output transform."""
 
-    def __init__(self, engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None):
+    def __init__(self, engine, robot: RobotConfig, tokenizer, io: RobotIO, default_prompt: str | None = None):
         self.engine, self.robot, self.tokenizer = engine, robot, tokenizer
-        self.norm_stats, self.default_prompt = norm_stats, default_prompt
+        self.io, self.norm_stats, self.default_prompt = io, io.norm_stats, default_prompt
         self.vla = engine.vla
         self.heads = self.vla.heads
         self.shapes = {n: self.vla.action_shape(n, engine.config.action_horizon) for n in self.heads}
@@ -90,7 +94,7 @@ class _Codec:
     def _bound_state(self, state) -> None:
         """ValueError naming the state field when a head's state token would read |x| > MAX_STATE_ABS."""
         dims = self.vla.state_dims()
-        if not dims:
+        if not dims or state is None:
             return
         peak = float(np.abs(np.asarray(state, np.float64)[..., : max(dims.values())]).max(initial=0.0))
         if peak > MAX_STATE_ABS:
@@ -131,19 +135,48 @@ class _Codec:
         return meta
 
 
-class Pi05Codec(_Codec):
-    """π0.5: rows are `Observation`s; the response is openpi's ("actions" only)."""
+@dataclasses.dataclass(frozen=True)
+class ObservationRow:
+    """One robot's row for a SigLIP backbone (batch 1): the observation, and the state token's input [1, Ds]
+    (the normalised state, zero-padded) or None when no head reads the state as a token."""
 
-    def prepare(self, sample: Mapping) -> Observation:
-        return transforms.make_observation(self.robot, self.vla.spec.backbone, self.tokenizer, [sample],
-                                           self.norm_stats, default_prompt=self.default_prompt)
+    observation: Observation
+    state: np.ndarray | None = None
 
-    def batch(self, rows: Sequence[Observation], bucket: int):
-        return _stack_observations(rows, bucket), None
 
-    def prompt_full(self, row: Observation) -> bool:
+class ObservationCodec(_Codec):
+    """A SigLIP backbone (the π family): rows are `ObservationRow`s made with the checkpoint's conventions
+    (`robots.io.observation_rows`); the response is openpi's ("actions" only)."""
+
+    def __init__(self, engine, robot: RobotConfig, tokenizer, io: RobotIO, default_prompt: str | None = None):
+        super().__init__(engine, robot, tokenizer, io, default_prompt)
+        self.image_size = self.vla.spec.backbone.vision.image_size
+        self.state_dims = self.vla.state_dims()  # head name -> Ds of heads reading the state as a token (π0)
+        if len(set(self.state_dims.values())) > 1:
+            raise ValueError(f"heads read states of different dims {self.state_dims}: one robot state cannot feed them")
+
+    def prepare(self, sample: Mapping) -> ObservationRow:
+        dim = max(self.state_dims.values(), default=0)
+        obs, state = robot_io.observation_rows(self.io, self.robot, self.image_size, self.vla.vocab_size,
+                                               self.tokenizer, [sample], state_dim=dim,
+                                               default_prompt=self.default_prompt)
+        self._bound_state(state)
+        return ObservationRow(obs, state)
+
+    def batch(self, rows: Sequence[ObservationRow], bucket: int):
+        obs = _stack_observations([r.observation for r in rows], bucket)
+        if not self.state_dims:
+            return obs, None
+        states = np.concatenate([r.state for r in rows])
+        states = np.concatenate([states, np.repeat(states[:1], bucket - len(states), axis=0)]) if bucket > len(states) else states
+        return obs, {name: states for name in self.state_dims}
+
+    def prompt_full(self, row) -> bool:
         """The row's prompt fills every prompt token (a longer one was cut to fit)."""
-        return bool(np.asarray(row.token_mask)[0, -1])
+        return bool(np.asarray(row.observation.token_mask)[0, -1])
+
+    def _robot_chunk(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
+        return robot_io.robot_chunk(self.io, self.robot, chunk, state)
 
     def outputs(self, head_actions: Mapping[str, np.ndarray], i: int, state: np.ndarray) -> tuple[np.ndarray, dict]:
         return self._robot_chunk(head_actions[self.primary][i], state), {}
@@ -152,10 +185,10 @@ class Pi05Codec(_Codec):
 class HeadsCodec(_Codec):
     """A `ModelSpec` (Qwen3-VL backbone, several heads): rows are `PromptRows`; every head's chunk is returned."""
 
-    def __init__(self, engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None, *,
+    def __init__(self, engine, robot: RobotConfig, tokenizer, io: RobotIO, default_prompt: str | None = None, *,
                  image_size: int, prompt_len: int,
                  outputs: Mapping[str, Callable[[np.ndarray], np.ndarray]] | None = None):
-        super().__init__(engine, robot, tokenizer, norm_stats, default_prompt)
+        super().__init__(engine, robot, tokenizer, io, default_prompt)
         self.spec, self.image_size, self.prompt_len = self.vla.spec, image_size, prompt_len
         self.transforms = dict(outputs or {})  # head name -> chunk [Ha, Ad] -> robot units
         if set(self.transforms) - set(self.heads):
@@ -206,15 +239,25 @@ def native_family(spec, tokenizer) -> str | None:
 
 
 def make_codec(engine, robot: RobotConfig, tokenizer, norm_stats=None, default_prompt: str | None = None, *,
-               image_size: int | None = None, prompt_len: int | None = None, outputs=None) -> _Codec:
-    """The codec of the engine's model, by its input kind: `Observation` rows for a SigLIP backbone (π0.5), or
-    prompt rows of `image_size` px images and `prompt_len` tokens (`outputs`: head name -> its own
-    chunk-to-robot transform)."""
+               image_size: int | None = None, prompt_len: int | None = None, outputs=None,
+               io: RobotIO | None = None) -> _Codec:
+    """The codec of the engine's model, by its input kind: `Observation` rows for a SigLIP backbone (the π family),
+    or prompt rows of `image_size` px images and `prompt_len` tokens (`outputs`: head name -> its own
+    chunk-to-robot transform).
+
+    `io`: the checkpoint's robot I/O facts (`ckpts.load.LoadedModel.io`); without it, openpi's conventions with
+    `norm_stats` (quantile; the statistics of a model with heads).
+    """
+    if io is None:
+        io = RobotIO(preprocess=robot_io.OpenpiPreprocess(norm_stats), norm_stats=norm_stats)
+    elif norm_stats is not None:
+        raise ValueError("give the statistics inside io (RobotIO), not beside it as norm_stats=")
+    outputs = outputs if outputs is not None else (dict(io.outputs) or None)
     if engine.vla.spec.input_kind == "observation":
         if outputs:
-            raise ValueError("outputs= maps the chunks of a model with heads; π0.5 un-normalises with norm_stats")
-        return Pi05Codec(engine, robot, tokenizer, norm_stats, default_prompt)
+            raise ValueError("outputs= maps the chunks of a model with heads; a π model un-normalises with its RobotIO")
+        return ObservationCodec(engine, robot, tokenizer, io, default_prompt)
     if image_size is None or prompt_len is None:
         raise ValueError("serving a backbone with heads needs image_size (px) and prompt_len (tokens per row)")
-    return HeadsCodec(engine, robot, tokenizer, norm_stats, default_prompt, image_size=image_size, prompt_len=prompt_len,
+    return HeadsCodec(engine, robot, tokenizer, io, default_prompt, image_size=image_size, prompt_len=prompt_len,
                       outputs=outputs)

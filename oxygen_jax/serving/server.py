@@ -176,7 +176,9 @@ class PolicyServer:
       tokenizer: the tokenizer the observations' prompts are encoded with.
       robot: the client format (one per server: the prefix length is fixed per engine).
       config: serving limits and policy.
-      norm_stats: the checkpoint's normalisation statistics (None for random presets).
+      norm_stats: openpi normalisation statistics (None for random presets), when `io` is not given.
+      io: the checkpoint's robot I/O facts (`ckpts.load.LoadedModel.io`: its tokenizer, normalisation, prompt
+        and image conventions, output transforms).
       mesh: a 1-D `jax.sharding.Mesh` with axis "robots" to shard steps over several devices.
       image_size, prompt_len, outputs: a model with heads (`codec.HeadsCodec`): square image side, row
         length, and head name -> its chunk's own transform to robot units (e.g. StarVLA's un-normalisation).
@@ -184,13 +186,13 @@ class PolicyServer:
 
     def __init__(self, engine, tokenizer, robot: RobotConfig, config: ServeConfig = ServeConfig(), *,
                  norm_stats=None, mesh=None, image_size: int | None = None, prompt_len: int | None = None,
-                 outputs=None):
+                 outputs=None, io=None):
         self.engine, self.tokenizer, self.robot, self.config = engine, tokenizer, robot, config
         self.norm_stats = norm_stats
         # Checked before anything starts: a bad automatic request is a one-line ValueError, not a refused frame.
         self.auto = auto_language.prepare(config.auto_language, engine, max_prompt_chars=config.max_prompt_chars)
         self.codec = make_codec(engine, robot, tokenizer, norm_stats, config.default_prompt,
-                                image_size=image_size, prompt_len=prompt_len, outputs=outputs)
+                                image_size=image_size, prompt_len=prompt_len, outputs=outputs, io=io)
         self.limits = wire.Limits(max_message_bytes=config.max_message_bytes, max_array_bytes=config.max_message_bytes,
                                   max_str_bytes=min(64 << 10, 4 * config.max_prompt_chars))
         self.rtc = rtc_session.RtcSessions.for_engine(engine, robot.name) if config.rtc else None

@@ -1,0 +1,138 @@
+"""What a checkpoint says about the robot on the other end: `RobotIO`, and the rows it makes from client samples.
+
+`ckpts.load.load_model` returns one `RobotIO` with every model, so the commands (`run`, `serve`) and the server
+never ask which family a model is: they read these fields.
+
+| field          | what                                                  | π0.5 (openpi)    | π0 (openpi) | LeRobot π0.5 / π0      |
+|----------------|-------------------------------------------------------|------------------|-------------|------------------------|
+| `tokenizer`    | the checkpoint's tokenizer file (or None)             | tokenizer.model  | same        | same (`tokenizer/`)    |
+| `tokenizer_hint` | what to fetch when none was found (None: a stand-in is fine) | PaliGemma's | same    | same                   |
+| `preprocess`   | normalisation, image resize, prompt (`Preprocess`)    | openpi, quantile | openpi, z-score, π0 prompt | LeRobot's own |
+| `action_horizon`, `prompt_len` | the checkpoint's own, else the robot's | robot's          | robot's     | chunk_size, tokenizer_max_length |
+| `outputs`      | head name -> its own chunk-to-robot transform         | none             | none        | none                   |
+| `norm_stats`   | statistics for Qwen-backbone rows (`prompt_rows`)     | —                | —           | —                      |
+| `stop_ids`     | the language decoder's default stop set               | EOS              | EOS         | EOS                    |
+| `notes`        | one-line start-up warnings (e.g. XR0 without a mask)  |                  |             |                        |
+
+A `Preprocess` is one robot-side convention (openpi's: `OpenpiPreprocess`; LeRobot's:
+`robots.lerobot.LeRobotPreprocess`) behind four methods: the state as the model reads it, the chunk back in
+robot units, a camera image as model pixels, and the prompt ids. `observation_rows` applies it to client samples;
+a model whose head reads the state as a token (π0's `state_proj`, `MultiHead.state_dims`) gets the normalised
+state zero-padded to that head's dim beside the observation.
+
+Axes (`oxygen_jax.axes`): B rows, Nc cameras, Px image side, Tp prompt tokens, Ha horizon, Ad model action dim,
+Ds / Da robot state / action dims.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from oxygen_jax.models.observation import Observation
+from oxygen_jax.robots import transforms
+from oxygen_jax.robots.config import RobotConfig
+from oxygen_jax.robots.normalize import NormStats
+from oxygen_jax.robots.tokenizer import Tokenizer, tokenize_action_prompt
+
+
+class Preprocess(abc.ABC):
+    """One robot-side convention of a checkpoint: how states, actions, images and prompts are mapped."""
+
+    @abc.abstractmethod
+    def normalize_state(self, state: np.ndarray) -> np.ndarray:
+        """The robot state [Ds] (π convention) as the model reads it (normalised, unpadded)."""
+
+    @abc.abstractmethod
+    def unnormalize_actions(self, actions: np.ndarray) -> np.ndarray:
+        """Model actions [..., Ha, Ad] (normalised) in the robot's units (every dim; the caller slices)."""
+
+    @abc.abstractmethod
+    def pixels(self, image: np.ndarray, size: int) -> np.ndarray:
+        """One camera image, uint8 [Hi, Wi, 3], as model pixels float32 [size, size, 3] in [-1, 1]."""
+
+    @abc.abstractmethod
+    def prompt(self, tokenizer: Tokenizer, task: str, state: np.ndarray, max_len: int,
+               robot: RobotConfig) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32 [Tp], mask bool [Tp]) of the action prompt for `task` and the normalised state."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpenpiPreprocess(Preprocess):
+    """openpi's conventions (`robots.transforms`): quantile (π0.5) or z-score (π0) statistics with its 1e-6,
+    PIL's bilinear resize with pad on uint8, and the π0.5 prompt with the state's 256 bins when
+    `state_in_prompt` (None: the robot's `discrete_state_input`, as openpi's per-robot configs set it), else the
+    π0 prompt (the cleaned task, then "\\n")."""
+
+    norm_stats: Mapping[str, NormStats] | None = None
+    quantile: bool = True
+    state_in_prompt: bool | None = None
+
+    def normalize_state(self, state: np.ndarray) -> np.ndarray:
+        return transforms.normalize_state(state, self.norm_stats, quantile=self.quantile)
+
+    def unnormalize_actions(self, actions: np.ndarray) -> np.ndarray:
+        return transforms.unnormalize_actions(actions, self.norm_stats, quantile=self.quantile)
+
+    def pixels(self, image: np.ndarray, size: int) -> np.ndarray:
+        return transforms.to_model_pixels(transforms.resize_with_pad(image, size, size))
+
+    def prompt(self, tokenizer, task, state, max_len, robot):
+        in_prompt = robot.discrete_state_input if self.state_in_prompt is None else self.state_in_prompt
+        return tokenize_action_prompt(tokenizer, task, state if in_prompt else None, max_len)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RobotIO:
+    """A checkpoint's robot I/O facts (module table). Defaults: a model with no facts of its own (a random preset)."""
+
+    tokenizer: Path | None = None
+    tokenizer_hint: str | None = None  # the file to fetch when `tokenizer` is None and the model needs its own
+    preprocess: Preprocess | None = None  # None: openpi's with no statistics (π0.5 observation rows)
+    action_horizon: int | None = None  # the checkpoint's chunk length; None: the robot's
+    prompt_len: int | None = None  # the checkpoint's prompt tokens; None: the robot's
+    outputs: Mapping[str, Callable[[np.ndarray], np.ndarray]] = dataclasses.field(default_factory=dict)
+    norm_stats: Mapping[str, NormStats] | None = None  # statistics of Qwen-backbone rows (`prompt_rows`)
+    stop_ids: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def robot(self, robot: RobotConfig) -> RobotConfig:
+        """`robot` with the checkpoint's own horizon and prompt length where it has them."""
+        changes = {k: v for k, v in (("action_horizon", self.action_horizon), ("max_token_len", self.prompt_len)) if v}
+        return robot.replace(**changes) if changes else robot
+
+    @property
+    def rows(self) -> Preprocess:
+        return self.preprocess or OpenpiPreprocess()
+
+    def replace(self, **changes) -> RobotIO:
+        return dataclasses.replace(self, **changes)
+
+
+def observation_rows(io: RobotIO, robot: RobotConfig, image_size: int, vocab_size: int, tokenizer: Tokenizer,
+                     samples: Sequence[Mapping], *, state_dim: int = 0,
+                     default_prompt: str | None = None) -> tuple[Observation, np.ndarray | None]:
+    """Client samples -> (the model's `Observation`, and for a state token the states float32 [B, state_dim]).
+
+    Per sample (`transforms.observation_arrays`; `transforms.robot_inputs` reads the robot's client format):
+    the state normalised by `io.rows`, each real camera slot mapped to model pixels, the prompt tokenized to
+    `robot.max_token_len`; the state token's input (`state_dim` > 0) is the normalised state zero-padded.
+
+    Raises:
+      ValueError naming the sample index and the key at fault.
+    """
+    pre = io.rows
+    return transforms.observation_arrays(
+        robot, image_size, vocab_size, samples, default_prompt=default_prompt, normalize=pre.normalize_state,
+        pixels=pre.pixels, prompt=lambda task, state, t: pre.prompt(tokenizer, task, state, t, robot),
+        state_dim=state_dim)
+
+
+def robot_chunk(io: RobotIO, robot: RobotConfig, chunk: np.ndarray, client_state: np.ndarray | None) -> np.ndarray:
+    """A model chunk [Ha, Ad] (normalised) -> robot commands [Ha, Da]: `io.rows` un-normalises, then the
+    robot's own output transform (`transforms.robot_outputs`: ALOHA's absolute joints, the slice to Da)."""
+    return transforms.robot_outputs(robot, io.rows.unnormalize_actions(np.asarray(chunk, np.float64)), client_state)
