@@ -1,0 +1,164 @@
+"""`python -m eval.bench.roofline_cpu`: XLA:CPU options against the bandwidth-bound components, values checked.
+
+    python -m eval.bench.roofline_cpu --preset bench --out eval/results/roofline_cpu_flags
+
+Each configuration (`CONFIGS`: a set of XLA flags) runs in its own process (XLA reads its flags once, at
+start), in rounds so that every configuration sees the machine's load drift alike. A process builds the model
+(random weights, --seed), times the components that read their weights once per call (batch-1 denoise, decode
+steps at Ns = 1 and 6) and the prefix pass (`eval.bench.roofline_measure`, warm medians), and hashes what they
+compute: the prefix's K/V, the S-step actions and the decode step's logits. A configuration whose hashes differ
+from the default's changes computed values and is reported as such (the runtime adopts none of those).
+
+Output: flags.json (per configuration and round: component ms, hashes, machine load) and report.md (medians
+over rounds, each as a ratio to the default's, the fraction of the bandwidth limit, and whether values are
+bit-identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CONFIGS: dict[str, str] = {
+    "default": "",
+    "xnn_dot": "--xla_cpu_experimental_xnn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
+    "ynn_dot": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
+    "onednn": "--xla_cpu_use_onednn=true",
+    "eigen_one_thread": "--xla_cpu_multi_thread_eigen=false",
+    "prefer_512": "--xla_cpu_prefer_vector_width=512",
+}
+"""Name -> XLA_FLAGS appended to the environment's (the XLA:CPU options of jaxlib 0.10.2 that pick a GEMM or GEMV
+kernel, or its threading)."""
+
+COMPONENTS = ("prefix", "step1:actions", "denoise:actions", "decode1", "decode6")
+
+
+def _digest(*arrays) -> str:
+    import numpy as np
+
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(np.asarray(a)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One configuration's measurement, in this process (XLA_FLAGS already set)."""
+    import dataclasses
+
+    import jax
+
+    from eval.bench import roofline_cost as rc
+    from eval.bench import roofline_measure as measure
+    from eval.bench import roofline_peaks
+    from oxygen_jax.ckpts import load
+    from oxygen_jax.models import heads as hd
+    from oxygen_jax.robots.config import oxygen_benchmark_robot
+    from oxygen_jax.runtime import decode
+
+    robot = oxygen_benchmark_robot("libero")
+    vla = load.load_model(preset=args.preset, dtype="float32", seed=args.seed).vla(10)
+    m, prec = rc.from_params(vla.spec, vla.params, args.preset), rc.Precision.of("float32")
+    out = {"loadavg_start": list(os.getloadavg()), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    peaks = roofline_peaks.measure()
+    digests, times, limits = {}, {}, {}
+    for slots in (1, 6):
+        plan = measure.Plan(cameras=robot.num_cameras, prompt_tokens=robot.max_token_len, image_size=rc.default_image_size(m),
+                            horizon=robot.action_horizon, steps=10, slots=slots, max_new_tokens=40, tokens_per_frame=5,
+                            gamma=0, repeats=args.repeats, seed=args.seed)
+        plan = dataclasses.replace(plan, max_new_tokens=measure.needed_tokens(plan))
+        inputs, noises, _ = measure.frame_inputs(vla, plan)
+        factories, _ = measure.calls(vla, plan, inputs, noises, None)
+        wanted = {"decode": f"decode{slots}"} if slots == 6 else {n: n for n in COMPONENTS[:3]} | {"decode": "decode1"}
+        ms, _ = measure.measure({k: factories[k] for k in wanted}, plan.repeats)
+        times |= {wanted[k]: v for k, v in ms.items()}
+        p = measure.prefix_len(vla, inputs)
+        cost = measure.costs(m, plan, p, prec)
+        limits |= {wanted[k]: 1e3 * cost[k].limit_s(peaks.matmul_flops, peaks.bandwidth) for k in wanted}
+        limits |= {f"{wanted[k]} bytes": cost[k].bytes for k in wanted}
+        prefix = jax.jit(vla.prefix)(inputs)
+        lm = vla.language()
+        pool = measure.busy_pool(lm, prefix, slots, plan.max_new_tokens)
+        _, _, logits = decode.decode_step(lm, pool)
+        digests[f"decode{slots}_logits"] = _digest(logits)
+        if slots == 1:
+            h = vla.spec.heads[0]
+            digests["prefix_kv"] = _digest(prefix.k, prefix.v)
+            digests["actions"] = _digest(hd.sample(vla.params.heads[h.name], h, prefix, noises[h.name]))
+    out |= {"ms": times, "limit_ms": limits, "peaks": peaks.to_json(), "digests": digests,
+            "loadavg_end": list(os.getloadavg())}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.bench.roofline_cpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="bench", choices=("tiny", "bench"))
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the configurations (order reversed each pass)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed calls per component in a process (median)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args)))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {c: [] for c in args.configs}
+    base_flags = os.environ.get("XLA_FLAGS", "")
+    for r in range(args.rounds):
+        for name in (args.configs if r % 2 == 0 else args.configs[::-1]):
+            env = dict(os.environ, XLA_FLAGS=f"{base_flags} {CONFIGS[name]}".strip())
+            cmd = [sys.executable, "-m", "eval.bench.roofline_cpu", "--child", name, "--preset", args.preset,
+                   "--repeats", str(args.repeats), "--seed", str(args.seed), "--out", str(args.out)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode or line is None:
+                errors = [ln for ln in (proc.stderr or proc.stdout).splitlines() if "Error" in ln.split(":")[0]]
+                runs[name].append({"error": errors[-1:] or [f"exit code {proc.returncode}"]})
+            else:
+                runs[name].append(json.loads(line[len("RESULT "):]))
+            print(f"round {r} {name}: {runs[name][-1].get('ms', runs[name][-1].get('error'))}", file=sys.stderr)
+    (args.out / "flags.json").write_text(json.dumps({"preset": args.preset, "runs": runs}, indent=1) + "\n")
+    (args.out / "report.md").write_text(_report(args, runs))
+    return 0
+
+
+def _report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> str:
+    import numpy as np
+
+    ok = {n: [r for r in rs if "ms" in r] for n, rs in runs.items()}
+    base = ok.get("default") or []
+    ref = base[0]["digests"] if base else {}
+    med = {n: {c: float(np.median([r["ms"][c] for r in rs])) for c in COMPONENTS} for n, rs in ok.items() if rs}
+    frac = {n: {c: float(np.median([r["limit_ms"][c] / r["ms"][c] for r in rs])) for c in COMPONENTS}
+            for n, rs in ok.items() if rs}
+    gbs = {n: {c: float(np.median([r["limit_ms"][f"{c} bytes"] / r["ms"][c] / 1e6 for r in rs])) for c in COMPONENTS}
+           for n, rs in ok.items() if rs}
+    lines = [f"# XLA:CPU options, {args.preset} preset, float32", "",
+             f"{args.rounds} rounds over the configurations, {args.repeats} timed calls per component in each process; "
+             "medians over rounds: ms, the ratio to the default's, the fraction of the roofline limit reached "
+             "(limit / ms, from the peaks each process measured under its own flags) and the bytes streamed per "
+             "second (GB/s).", "",
+             "| configuration | XLA flags | " + " | ".join(COMPONENTS) + " | values | load (start of each run) | "
+             "peaks: GFLOP/s, GB/s |", "|---|---|" + "---|" * len(COMPONENTS) + "---|---|---|"]
+    for name, m in med.items():
+        same = all(r["digests"] == ref for r in ok[name])
+        loads = ", ".join(f"{r['loadavg_start'][0]:.1f}" for r in ok[name])
+        ratio = lambda c: f" x{m[c] / med['default'][c]:.2f}" if "default" in med else ""  # noqa: E731
+        cells = " | ".join(f"{m[c]:.1f}{ratio(c)}, {frac[name][c]:.2f}, {gbs[name][c]:.1f}" for c in COMPONENTS)
+        pk = "; ".join(f"{r['peaks']['matmul_flops'] / 1e9:.0f}, {r['peaks']['bandwidth'] / 1e9:.1f}" for r in ok[name])
+        lines.append(f"| {name} | `{CONFIGS[name] or '(none)'}` | {cells} | {'bit-identical' if same else 'DIFFER'} | "
+                     f"{loads} | {pk} |")
+    failed = {n: [r["error"] for r in rs if "error" in r] for n, rs in runs.items()}
+    lines += [""] + [f"- {n} failed: {e}" for n, e in failed.items() if e]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
