@@ -354,3 +354,30 @@ def test_eval_parity_dispatches_a_lerobot_policy_folder(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(lerobot_policy, "main", lambda argv: calls.append(argv) or 0)
     assert parity_cli.main([str(tmp_path)]) == 0 and calls == [[str(tmp_path)]]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_preprocess_adapter_gives_lerobots_rows(name):
+    """`LeRobotPreprocess` (what robots.io applies to client samples): a uint8 HWC image, the state, the prompt
+    and the chunk back, against the same fixture arrays."""
+    root = fixture(name)
+    ref = np.load(root / "reference.npz")
+    io = L.read_io(root)
+    pre = lr.LeRobotPreprocess(io)
+    tok = Tokenizer.from_file(root / "tokenizer" / "tokenizer.model")
+    state = pre.normalize_state(ref[f"input/{lr.STATE_KEY}"][0])
+    np.testing.assert_allclose(state, ref["processed/observation.state"][0], atol=1e-6)
+    ids, mask = pre.prompt(tok, str(ref["input/task"][1]), pre.normalize_state(ref[f"input/{lr.STATE_KEY}"][1]),
+                           io.tokenizer_max_length)
+    np.testing.assert_array_equal(ids, ref["processed/tokens"][1])
+    np.testing.assert_array_equal(mask, ref["processed/attention_mask"][1])
+    cam = io.cameras[0]
+    u8 = np.round(ref[f"input/{cam}"][0] * 255).astype(np.uint8).transpose(1, 2, 0)
+    want = ref[f"processed/images/{cam}"][0].transpose(1, 2, 0)  # from float pixels: uint8 rounding, doubled, apart
+    np.testing.assert_allclose(pre.pixels(u8, io.image_resolution[0]), want, atol=1 / 255 + 1e-5)
+    padded = np.zeros((io.chunk_size, io.max_action_dim), np.float32)
+    padded[:, :io.action_dim] = ref["policy/actions_model"][0]
+    padded[:, io.action_dim:] = 7.0
+    out = pre.unnormalize_actions(padded)
+    np.testing.assert_allclose(out[:, :io.action_dim], ref["policy/actions"][0], atol=1e-5)
+    assert (out[:, io.action_dim:] == 7.0).all()

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 
 from oxygen_jax.models.observation import Observation
+from oxygen_jax.robots.io import Preprocess
 from oxygen_jax.robots.normalize import check_statistics
 from oxygen_jax.robots.tokenizer import Tokenizer, format_action_prompt
 
@@ -385,3 +386,36 @@ def robot_actions(io: LeRobotIO, actions) -> np.ndarray:
     a = a[..., :io.action_dim]
     norm = io.unnormalize.get(ACTION_KEY)
     return a if norm is None else unnormalize(a, norm, ACTION_KEY)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LeRobotPreprocess(Preprocess):
+    """A LeRobot checkpoint's conventions behind `robots.io.Preprocess` (what `robots.io.observation_rows` and
+    `robot_chunk` apply to robot-client samples): its normaliser, its resize on uint8 HWC pixels, its prompt."""
+
+    io: LeRobotIO
+
+    def normalize_state(self, state: np.ndarray) -> np.ndarray:
+        """[Ds] -> float32 [Ds] through the checkpoint's state normaliser."""
+        return normalized_state(self.io, {STATE_KEY: np.asarray(state)[None]})[0]
+
+    def unnormalize_actions(self, actions: np.ndarray) -> np.ndarray:
+        """[..., Ha, Ad] -> float32 [..., Ha, Ad]: the first Da dims un-normalised, the padded ones unchanged."""
+        a = np.array(actions, np.float32)
+        d = self.io.action_dim
+        if a.ndim < 1 or a.shape[-1] < d:
+            raise ValueError(f"actions must end in >= {d} dims, got shape {a.shape}")
+        norm = self.io.unnormalize.get(ACTION_KEY)
+        if norm is not None:
+            a[..., :d] = unnormalize(a[..., :d], norm, ACTION_KEY)
+        return a
+
+    def pixels(self, image: np.ndarray, size: int) -> np.ndarray:
+        """One uint8 [Hi, Wi, 3] image -> float32 [size, size, 3] in [-1, 1] (`preprocess_image`)."""
+        return preprocess_image(np.asarray(image)[None], (size, size))[0].transpose(1, 2, 0)
+
+    def prompt(self, tokenizer: Tokenizer, task: str, state: np.ndarray, max_len: int, robot=None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32 [Tp], mask bool [Tp]) of `io.prompt(task, state)`; `robot` is not read (the checkpoint decides)."""
+        tokens, mask = tokenize_prompts(tokenizer, [self.io.prompt(task, state)], max_len)
+        return tokens[0], mask[0]
