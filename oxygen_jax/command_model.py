@@ -204,13 +204,16 @@ def tokenizers(model, path: str | Path | None = None) -> Tokenizers:
       ValueError / OSError: an unreadable file, a π checkpoint without its tokenizer, or a tokenizer whose ids do
         not fit the model's vocabulary (one line).
     """
-    from oxygen_jax.robots.text_tokenizers import load_tokenizer
+    from oxygen_jax.robots.text_tokenizers import check_vocabulary, load_tokenizer
     from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 
     path, io, vocab = path or model.io.tokenizer, model.io, model.vla().vocab_size
     if path:
         tok = load_tokenizer(path)
-        check_vocabulary(tok, vocab, path, exact=io.tokenizer_hint is not None)
+        check_vocabulary(tok, vocab, path)
+        if io.tokenizer_hint is not None and tok.vocab_size != vocab:  # a π embedding has one row per piece
+            raise ValueError(f"the tokenizer {path} has {tok.vocab_size} ids but the model's vocabulary is {vocab}: "
+                             f"pass the checkpoint's own tokenizer with --tokenizer ({io.tokenizer_hint})")
         return Tokenizers(tok, tok)
     if io.tokenizer_hint:
         raise ValueError(f"{model.what} has no tokenizer in or beside it: fetch {io.tokenizer_hint} and pass "
@@ -222,15 +225,6 @@ def tokenizers(model, path: str | Path | None = None) -> Tokenizers:
         f"{model.what}: no tokenizer.json in or beside it, so observation prompts are encoded "
         "with the offline demo tokenizer (stand-in ids) and language requests take token ids (prompt_tokens) only; "
         "pass --tokenizer tokenizer.json for text"))
-
-
-def check_vocabulary(tok, vocab: int, path, *, exact: bool) -> None:
-    """A tokenizer fits a model: its ids stay below the vocabulary; with `exact` (a SentencePiece model of a π
-    checkpoint, whose embedding has one row per piece) it has exactly `vocab` pieces."""
-    n = tok.vocab_size
-    if n > vocab or (exact and n != vocab):
-        raise ValueError(f"the tokenizer {path} has {n} ids but the model's vocabulary is {vocab}: pass the "
-                         f"checkpoint's own tokenizer with --tokenizer")
 
 
 def prompt_rows(model, tok, robot, image_size: int, prompt_len: int | None) -> dict:

@@ -56,9 +56,11 @@ def test_load_model_reads_either_kind_in_the_requested_dtype(own_ckpt, tiny):
     assert m.source == "checkpoint" and m.family == "pi05" and m.what == f"checkpoint {own_ckpt}"
     assert m.config == config.replace(dtype="bfloat16", prompt_attention="causal")
     assert leaves_equal(m.params, for_backend(_bf16(params)))
-    shutil.rmtree(own_ckpt / "config")  # without our config item the directory is read as openpi's
-    m = load_model(own_ckpt)
-    assert m.source == "openpi" and m.what == f"openpi checkpoint {own_ckpt}"
+    shutil.rmtree(own_ckpt / "config")  # without our config item the folder is refused, naming it
+    with pytest.raises(ValueError, match="an oxygen_jax checkpoint missing its config/ item"):
+        load_model(own_ckpt)
+    m = load_model(own_ckpt / "params")  # the params item alone is openpi's layout (openpi's tools read it)
+    assert m.source == "openpi" and m.what == f"openpi checkpoint {own_ckpt / 'params'}"
     assert m.config == config and leaves_equal(m.params, for_backend(params))
 
 

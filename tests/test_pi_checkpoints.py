@@ -162,3 +162,28 @@ def test_serve_answers_an_openpi_client_with_actions_and_a_language_answer(name)
         client._ws.close()
     finally:
         handle.stop()
+
+
+@pytest.mark.parametrize("name, drop, says", [
+    ("xr0_tiny", "config.json", "a Xiaomi-Robotics-0 checkpoint missing config.json"),
+    ("starvla_gr00t_tiny", "config.yaml", "a StarVLA checkpoint missing config.yaml"),
+    ("lerobot_tiny_pi0/pretrained_model", "config.json", "a LeRobot π checkpoint missing config.json"),
+])
+def test_a_folder_of_one_family_missing_its_identifying_file_says_so(tmp_path, name, drop, says):
+    from oxygen_jax.ckpts.load import load_model
+
+    d = _copy_without(fixture(name), tmp_path / "ckpt", drop)
+    with pytest.raises(ValueError, match=says) as e:
+        load_model(d)
+    assert "\n" not in str(e.value)
+
+
+def test_our_checkpoint_without_config_and_an_openpi_pi0_fast_checkpoint_are_named(tmp_path):
+    from oxygen_jax.ckpts.load import load_model
+    from oxygen_jax.demo import DEMO_DIR
+
+    d = _copy_without(DEMO_DIR / "base", tmp_path / "base", "config")
+    with pytest.raises(ValueError, match="an oxygen_jax checkpoint missing its config/ item"):
+        load_model(d)
+    with pytest.raises(ValueError, match="is a π0-FAST model .*does not run π0-FAST yet"):
+        load_model(fixture("openpi_tiny_pi0_fast"))

@@ -38,7 +38,7 @@ from typing import Any, Literal, Sequence
 import jax
 
 from oxygen_jax.ckpts import hf
-from oxygen_jax.ckpts import lerobot, qwen35, starvla, xr0
+from oxygen_jax.ckpts import lerobot, qwen35, safetensors, starvla, xr0
 from oxygen_jax.ckpts.stop_ids import read_stop_ids
 from oxygen_jax.ckpts.openpi import load_openpi_norm_stats, load_openpi_params
 from oxygen_jax.ckpts.orbax_io import PathLike, is_pytree_item
@@ -142,6 +142,7 @@ def source_kind(path: PathLike) -> Source:
         raise ValueError(f"checkpoint path is not a directory: {p.resolve()}")
     if (p / "config").is_dir():
         return "checkpoint"
+    _refuse_incomplete(p)
     if xr0.is_xr0_dir(p):
         return "xr0"
     if starvla.is_starvla(p):  # before hf: a flat StarVLA directory holds model.safetensors too
@@ -156,8 +157,34 @@ def source_kind(path: PathLike) -> Source:
         return "openpi"
     raise ValueError(
         f"{p.resolve()} holds no model checkpoint: expected an oxygen_jax checkpoint (config/ and params/), an openpi "
-        f"checkpoint (params/ or an orbax item with _METADATA) or a Hugging Face Qwen3 / Qwen3-VL directory "
+        f"checkpoint (params/ or an orbax item with _METADATA), a LeRobot π policy folder (config.json, "
+        f"model.safetensors), a Xiaomi-Robotics-0 or StarVLA run, or a Hugging Face Qwen3 / Qwen3-VL / Qwen3.5 directory "
         f"(config.json and model.safetensors)")
+
+
+# Tensor-name prefixes that tell a family's weights apart when the file naming the family is missing.
+_WEIGHT_FAMILIES = (("Xiaomi-Robotics-0", ("dit.", "t_projector."), "config.json (model_type 'mibot')"),
+                    ("StarVLA", (starvla.VLM,), "config.yaml (framework.name)"),
+                    ("LeRobot π", ("model.paligemma_with_expert.",), "config.json (type 'pi05' or 'pi0')"))
+
+
+def _refuse_incomplete(p: Path) -> None:
+    """ValueError "<family> checkpoint missing <file>" for a folder whose weights are a family's but whose identifying
+    file is absent (else it would be read as another kind and fail with that kind's message)."""
+    if (p / "checksums").is_dir() and (p / "params").is_dir():
+        raise ValueError(f"{p.resolve()}: an oxygen_jax checkpoint missing its config/ item (the stored ModelConfig); "
+                         "copy the whole checkpoint folder")
+    weights = p / "model.safetensors"
+    if not weights.is_file():
+        return
+    try:
+        names = [k for k in safetensors._header(weights)[0] if k != "__metadata__"]
+    except (OSError, ValueError):
+        return  # the reader of whatever kind it is names the damage
+    for family, prefixes, needed in _WEIGHT_FAMILIES:
+        file = needed.split(" ")[0]
+        if any(n.startswith(prefixes) for n in names) and not (p / file).is_file():
+            raise ValueError(f"{p.resolve()}: a {family} checkpoint missing {needed}; copy the whole checkpoint folder")
 
 
 _PI_FLAGS = frozenset({"--adapter", "--prompt-attention"})

@@ -249,6 +249,9 @@ def _open_openpi(path: PathLike, dtype: DType, prompt_attention: PromptAttention
         raise ValueError(f"embed_scale must be 'stored' or 'restored', got {embed_scale!r}")
     item = resolve_params_item(path)
     meta, has_value = _read_openpi_metadata(item)
+    if f"{_LLM}/embedder/input_embedding" in meta and not any(k.startswith("action_in_proj/") for k in meta):
+        raise ValueError(f"openpi checkpoint {item} is a π0-FAST model (one PaliGemma decoding FAST action tokens, no "
+                         "action expert): oxygen_jax does not run π0-FAST yet; π0 and π0.5 checkpoints run")
     variant = variant_of(meta)
     paths = openpi_paths(model_config("tiny", variant=variant))  # the variant's path list (dims do not matter)
     missing = [k for k in paths if k not in meta]
