@@ -330,3 +330,15 @@ def test_a_data_error_during_a_resumed_run_takes_back_what_the_run_added(run, tm
     assert main(_resume_flags(run, out)) == 2
     assert "image bytes damaged" in _one_line_error(capsys)
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_refused_resume_puts_back_the_step_it_moved_aside(run, tmp_path, capsys, monkeypatch):
+    out = _copy(run, tmp_path)
+    _flip_64_bytes(out / "checkpoints" / "4")  # moved to checkpoints.rejected/ by the resume, which continues at 2
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    _damaged_after(monkeypatch, 0)
+    capsys.readouterr()
+    assert main(_resume_flags(run, out)) == 2
+    assert "image bytes damaged" in capsys.readouterr().err
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not (out / "checkpoints.rejected").exists()
