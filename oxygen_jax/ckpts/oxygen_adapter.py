@@ -114,9 +114,7 @@ def _npz_headers(file: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         for info in z.infolist():
             key = info.filename.removesuffix(".npy")
             if key not in KEYS or not info.filename.endswith(".npy"):
-                hint = " (an action-expert key: OxyGen adapts the VLM expert only)" if "_1/" in key or "_1_" in key else ""
-                raise ValueError(f"unknown key {key[:120]!r}{hint}; an OxyGen adapter holds the ten VLM LoRA keys "
-                                 f"({KEYS[0]}, ...)")
+                raise ValueError(_unknown_key(key))  # by its name: the member is never opened
             if key in out:
                 raise ValueError(f"key {key!r} appears twice in the archive")
             with z.open(info) as f:
@@ -147,9 +145,7 @@ def _read_arrays(file: Path, expected: Mapping[str, tuple[int, ...]] | None, ran
             declared = _npz_headers(file)
         unknown = next((k for k in declared if k not in KEYS), None)
         if unknown is not None:
-            hint = " (an action-expert key: OxyGen adapts the VLM expert only)" if "_1/" in unknown or "_1_" in unknown else ""
-            raise ValueError(f"unknown key {unknown[:120]!r}{hint}; an OxyGen adapter holds the ten VLM LoRA keys "
-                             f"({KEYS[0]}, ...)")
+            raise ValueError(_unknown_key(unknown))
         for k, (shape, dtype) in declared.items():
             if dtype.kind != "f":
                 raise ValueError(f"key {k} has dtype {dtype}, expected float32 LoRA factors")
@@ -164,6 +160,11 @@ def _read_arrays(file: Path, expected: Mapping[str, tuple[int, ...]] | None, ran
         raise ValueError(f"{file}: {str(e).splitlines()[0][:300]}") from None
     except (OSError, zipfile.BadZipFile, EOFError) as e:
         raise ValueError(f"{file}: not a readable .npz ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def _unknown_key(key: str) -> str:
+    hint = " (an action-expert key: OxyGen adapts the VLM expert only)" if "_1/" in key or "_1_" in key else ""
+    return f"unknown key {key[:120]!r}{hint}; an OxyGen adapter holds the ten VLM LoRA keys ({KEYS[0]}, ...)"
 
 
 def _sha256(file: Path) -> str:
@@ -237,9 +238,7 @@ def check_oxygen(ox: OxygenAdapter, config: ModelConfig) -> None:
     rank = int(ox.config["rank"])
     for k in ox.arrays:
         if k not in KEYS:
-            where = " (an action-expert key: OxyGen adapts the VLM expert only)" if "_1/" in k or "_1_" in k else ""
-            raise ValueError(f"{ox.file}: unknown key {k!r}{where}; an OxyGen adapter holds the ten VLM LoRA keys "
-                             f"({KEYS[0]}, ...)")
+            raise ValueError(f"{ox.file}: {_unknown_key(k)}")
     for k in KEYS:
         if k not in ox.arrays:
             raise ValueError(f"{ox.file}: key {k!r} is missing (an OxyGen adapter holds all ten VLM LoRA keys)")
