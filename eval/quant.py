@@ -140,6 +140,7 @@ def _demo_text_and_time(demo, variants: dict, frames_timed: int) -> dict:
     """Greedy memory and scene answers through the Engine per frame, and interleaved frame times."""
     import jax
 
+    from oxygen_jax.models.pi05.model import as_vla
     from oxygen_jax.models.pi05.params import for_backend
     from oxygen_jax.runtime.engine import Engine, EngineConfig
     from oxygen_jax.robots.transforms import make_observation
@@ -147,7 +148,7 @@ def _demo_text_and_time(demo, variants: dict, frames_timed: int) -> dict:
     samples = demo.samples()
     observations = [make_observation(demo.robot, demo.config, demo.tokenizer, [s]) for s in samples]
     cfg = EngineConfig(num_slots=2, max_new_tokens=demo.max_new_tokens, prompt_capacity=8, tokens_per_frame=4)
-    engines = {name: Engine(for_backend(p, "cpu"), cfg, tokenizer=demo.tokenizer, bank=demo.bank,
+    engines = {name: Engine(as_vla(for_backend(p, "cpu")), cfg, tokenizer=demo.tokenizer, bank=demo.bank,
                             adapter_names=demo.adapter_names) for name, p in variants.items()}
 
     def answer(engine, obs, prompt, adapter):

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
@@ -327,13 +326,13 @@ def _restore_streamed(src: Path, config: ModelConfig, floats: list[str], info: M
     values: dict[str, Any] = {}
     for path in floats:
         x = read("params", ("params", *path.split("/")), path)
-        values[path] = jax.block_until_ready(jnp.asarray(x.astype(np_dtype, copy=False)))
+        values[path] = jax.block_until_ready(jax.device_put(x.astype(np_dtype, copy=False)))  # one copy (asarray: two)
         del x  # before the next leaf is read
     for path in info["leaves"]:
         key = tuple(path.split("/"))
         q = QArray(values=read("quantized", ("values", *key), f"quantized/values/{path}"),
                    scale=read("quantized", ("scales", *key), f"quantized/scales/{path}"))
         _check_quantized(src, {path: q}, info["weights"], shapes)
-        values[path] = jax.block_until_ready(QArray(values=jnp.asarray(q.values), scale=jnp.asarray(q.scale.astype(np_dtype))))
+        values[path] = jax.block_until_ready(jax.device_put(QArray(values=q.values, scale=q.scale.astype(np_dtype))))
         del q
     return from_layer_pieces(values, config)

@@ -24,7 +24,6 @@ import re
 from typing import Callable, Literal, Mapping
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -263,7 +262,7 @@ def quantize_tree(tree, weights: WeightDType, kinds=KINDS, rules: tuple[Rule, ..
             q = quantize(x, weights, r.axes)
             scale_dtype = dtype or x.dtype
             del x
-            leaves[i] = QArray(values=jnp.asarray(q.values), scale=jnp.asarray(q.scale, scale_dtype))
+            leaves[i] = jax.device_put(QArray(values=q.values, scale=q.scale.astype(scale_dtype)))
     return treedef.unflatten(leaves)
 
 
