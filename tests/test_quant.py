@@ -23,7 +23,7 @@ from oxygen_jax.ckpts.own import restore_params, save_params
 from oxygen_jax.models import backbone
 from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05.config import model_config
-from oxygen_jax.models.pi05.params import init_params
+from oxygen_jax.models.pi05.params import init_params, stack_layers
 from oxygen_jax.models.pi05.spec import pi05_spec
 from oxygen_jax.nn import quant
 from oxygen_jax.nn.layers import Unstacked, unstack_layers
@@ -162,10 +162,12 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_quantize_command_writes_a_fingerprinted_checkpoint_that_restores_bit_exact(saved):
     config, params, root = saved
     want = quant.quantize_tree(params, "int8")
-    got_config, got = restore_params(root / "int8")
-    assert got_config == config and leaves_equal(got, want)  # values, scales and the float leaves, bit for bit
-    assert isinstance(got.vlm.layers.q, quant.QArray) and got.vlm.layers.q.values.dtype == jnp.int8
+    got_config, got = restore_params(root / "int8")  # the CPU layout (Unstacked), streamed into it
+    assert isinstance(got.vlm.layers, Unstacked) and got_config == config
+    assert leaves_equal(stack_layers(got), want)  # values, scales and the float leaves, bit for bit
+    assert isinstance(got.vlm.layers.layers[0].q, quant.QArray) and got.vlm.layers.layers[0].q.values.dtype == jnp.int8
     _, mlp_only = restore_params(root / "fp8", config.replace(dtype="bfloat16"))
+    mlp_only = stack_layers(mlp_only)
     assert mlp_only.vlm.layers.linear.values.dtype == ml_dtypes.float8_e4m3fn
     assert mlp_only.vlm.layers.linear.scale.dtype == jnp.bfloat16 and mlp_only.vlm.layers.q.dtype == jnp.bfloat16
     info = json.loads((root / "int8" / "quantization" / "metadata").read_text())

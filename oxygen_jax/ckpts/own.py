@@ -34,7 +34,7 @@ from oxygen_jax.ckpts.leaf_stream import LeafReader
 from oxygen_jax.ckpts.orbax_io import (CheckpointError, PathLike, check_block, read_json_item, read_tree_metadata,
                                        restore_arrays)
 from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig
-from oxygen_jax.models.pi05.params import (Params, from_layer_pieces, from_openpi_dict, openpi_paths, openpi_shapes,
+from oxygen_jax.models.pi05.params import (LAYER_STACKED, Params, from_layer_pieces, from_openpi_dict, openpi_paths, openpi_shapes,
                                            to_openpi_dict)
 from oxygen_jax.models.siglip import SiglipConfig
 from oxygen_jax.nn.quant import QMAX, STORED_DTYPE, QArray, weight_dtype_of
@@ -105,34 +105,60 @@ def _read_quantization(src: Path, paths: set[str]) -> dict | None:
     return dict(info)
 
 
+def _verify_digest(src: Path, key: str, dtype: np.dtype, shape: tuple, sha256: str, sums: Mapping[str, Any]) -> None:
+    """`_verify_checksums` for one leaf hashed as it was read."""
+    entry = sums.get("leaves", {}).get(key) if isinstance(sums.get("leaves"), Mapping) else None
+    if sums.get("format") != _CHECKSUM_FORMAT or entry is None:
+        raise CheckpointError(f"{src}: leaf {key!r} has no stored checksum (or an unknown checksum format); the "
+                              "checkpoint is damaged")
+    if entry.get("dtype") != dtype.name or tuple(entry.get("shape", ())) != shape:
+        raise CheckpointError(f"{src}: leaf {key!r} is stored as {dtype.name}{list(shape)} but was saved as "
+                              f"{entry.get('dtype')}{entry.get('shape')}; the checkpoint is damaged")
+    if sha256 != entry.get("sha256"):
+        raise CheckpointError(f"{src}: leaf {key!r} ({dtype.name}{list(shape)}) does not match its saved SHA-256: the "
+                              "checkpoint is damaged; restore it from a good copy")
+
+
+def _check_fp8_values(src: Path, path: str, values) -> None:
+    """Refuses float8_e4m3fn values holding a NaN byte (x111 1111), one line."""
+    parts = values if isinstance(values, list) else [values]
+    nan = sum(int(np.count_nonzero((np.asarray(v).view(np.uint8) & 0x7F) == 0x7F)) for v in parts)
+    if nan:
+        raise CheckpointError(f"{src / 'quantized'}: values of {path!r} hold {nan} NaN(s); the checkpoint is damaged")
+
+
 def _check_quantized(src: Path, quant: Mapping[str, QArray], weights: str, shapes: Mapping[str, tuple]) -> None:
-    """Refuses, in one line, a quantized leaf unless its values have the declared dtype and the config's shape,
-    and its scale the values' rank, per axis 1 or the values' size, and finite values in (0, 1e4 / QMAX]."""
+    """Refuses, in one line, a quantized leaf unless its values (an array or its metadata) have the declared
+    dtype and the config's shape, and its scale the values' rank, per axis 1 or the values' size, and finite
+    values in (0, 1e4 / QMAX]."""
     item = src / "quantized"
     for path, q in quant.items():
         values, scale = q.values, q.scale
-        if values.dtype != STORED_DTYPE[weights] or tuple(values.shape) != shapes[path]:
-            raise CheckpointError(f"{item}: values of {path!r} are {values.dtype.name}{list(values.shape)}, expected "
+        if np.dtype(values.dtype) != STORED_DTYPE[weights] or tuple(values.shape) != shapes[path]:
+            raise CheckpointError(f"{item}: values of {path!r} are {np.dtype(values.dtype).name}{list(values.shape)}, expected "
                                   f"{STORED_DTYPE[weights].name}{list(shapes[path])} ({weights}); the checkpoint is damaged")
         if (scale.dtype != np.float32 or scale.ndim != values.ndim
                 or any(s not in (1, n) for s, n in zip(scale.shape, values.shape))):
             raise CheckpointError(f"{item}: the scale of {path!r} is {scale.dtype.name}{list(scale.shape)}, which does not "
                                   f"fit its values {list(values.shape)} (float32, each axis 1 or the values' size); "
                                   "the scales are of another checkpoint or damaged")
-        if weights == "fp8" and (nan := int(np.count_nonzero((values.view(np.uint8) & 0x7F) == 0x7F))):
-            raise CheckpointError(f"{item}: values of {path!r} hold {nan} NaN(s); the checkpoint is damaged")
         check_block(item, f"scales/{path}", scale, _SCALE_MAX_WEIGHT / QMAX[weights])
         if not (scale > 0).all():
             raise CheckpointError(f"{item}: the scale of {path!r} holds {int(np.count_nonzero(scale <= 0))} value(s) <= 0; "
                                   "the checkpoint is damaged")
 
 
-def _array_sha256(x) -> str:
-    """SHA-256 of an array's bytes in its own dtype, C order, little-endian (the canonical form)."""
+def _canonical_bytes(x) -> np.ndarray:
+    """An array's bytes in its own dtype, C order, little-endian (what checksums hash), as uint8 [n]."""
     a = np.ascontiguousarray(np.asarray(x)).reshape(-1)
     if a.dtype.itemsize > 1 and (a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big")):
         a = a.byteswap()
-    return hashlib.sha256(a.view(np.uint8)).hexdigest()
+    return a.view(np.uint8)
+
+
+def _array_sha256(x) -> str:
+    """SHA-256 of an array's bytes in its own dtype, C order, little-endian (the canonical form)."""
+    return hashlib.sha256(_canonical_bytes(x)).hexdigest()
 
 
 def _checksums(flat: Mapping[str, Any]) -> dict:
@@ -301,38 +327,65 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
 
 def _restore_streamed(src: Path, config: ModelConfig, floats: list[str], info: Mapping[str, Any],
                       sums: Mapping[str, Any] | None) -> Params:
-    """A quantized checkpoint, leaf by leaf (`leaf_stream`): each leaf read, verified against its checksum,
-    checked and put on the device before the next is read, so the weights are held once (plus one leaf)."""
+    """A quantized checkpoint, streamed (`leaf_stream`) into the default backend's layout (`for_backend`):
+    each leaf read a layer (or, for a leaf without layers, a row) at a time, its stored bytes hashed as they
+    come and checked against the checksum, cast and put on the device; on a CPU every layer of a stack is its
+    own device buffer (`Unstacked`) from the start. The weights are held once, plus one leaf on the host."""
     shapes, np_dtype = openpi_shapes(config), np.dtype(config.jnp_dtype)
+    unstacked = jax.default_backend() == "cpu"
     items = {name: (LeafReader(src / name), flatten_dict(dict(read_tree_metadata(src / name))))
              for name in ("params", "quantized")}
 
-    def read(item: str, key: tuple[str, ...], checksum_key: str) -> np.ndarray:
-        reader, meta = items[item]
-        if key not in meta:
+    def meta(item: str, key: tuple[str, ...]):
+        if key not in items[item][1]:
             raise CheckpointError(f"{src / item}: no array {'/'.join(key)!r}; the checkpoint is damaged")
-        dtype = np.dtype(meta[key].dtype)
-        if dtype.itemsize == 1 and dtype.kind == "V":  # float8: orbax reads it (one leaf; the stream knows no fp8)
-            x = restore_arrays(src / item, {key: None}, partial=True)[key]
-        else:
-            x = next(reader.pieces(key, checksum_key, tuple(meta[key].shape), dtype, per_layer=False, max_abs=None))
-        if sums is not None:
-            _verify_checksums(src, {checksum_key: x}, sums)
-        return x
+        return items[item][1][key]
 
-    stored_shapes = {k: tuple(items["params"][1][("params", *k.split("/"))].shape) for k in floats}
+    def read(item: str, key: tuple[str, ...], checksum_key: str, dtype, path: str):
+        """The leaf cast to `dtype`: a device array, or on a CPU a list of per-layer device arrays (stacks)."""
+        m = meta(item, key)
+        stored, shape = np.dtype(m.dtype), tuple(m.shape)
+        per_layer = unstacked and path in LAYER_STACKED
+        if stored.kind == "V" and stored.itemsize == 1:  # float8: orbax reads it whole (the stream knows no fp8)
+            whole = restore_arrays(src / item, {key: None}, partial=True)[key]
+            pieces = iter(whole) if shape else iter([whole])
+            del whole
+        else:
+            pieces = items[item][0].pieces(key, checksum_key, shape, stored, per_layer=bool(shape), max_abs=None)
+        digest, out = hashlib.sha256(), [] if per_layer else np.empty(shape, dtype)
+        for i, piece in enumerate(pieces):  # one layer (stacks) or row, in C order: the bytes hashed in order
+            digest.update(_canonical_bytes(piece))
+            if per_layer:
+                out.append(jax.device_put(piece.astype(dtype, copy=False)))
+            elif shape:
+                out[i] = piece
+            else:
+                out[...] = piece
+        if sums is not None:
+            _verify_digest(src, checksum_key, stored, shape, digest.hexdigest(), sums)
+        return out if per_layer else jax.device_put(out)
+
+    stored_shapes = {k: tuple(meta("params", ("params", *k.split("/"))).shape) for k in floats}
     from_openpi_dict({k: jax.ShapeDtypeStruct(v, np_dtype) for k, v in stored_shapes.items()}
                      | {k: jax.ShapeDtypeStruct(shapes[k], np_dtype) for k in info["leaves"]}, config)  # float shapes
     values: dict[str, Any] = {}
-    for path in floats:
-        x = read("params", ("params", *path.split("/")), path)
-        values[path] = jax.block_until_ready(jax.device_put(x.astype(np_dtype, copy=False)))  # one copy (asarray: two)
-        del x  # before the next leaf is read
+    for path in sorted(floats, key=lambda k: -np.prod(stored_shapes[k])):  # the largest first, while little is resident
+        values[path] = read("params", ("params", *path.split("/")), path, np_dtype, path)
     for path in info["leaves"]:
         key = tuple(path.split("/"))
-        q = QArray(values=read("quantized", ("values", *key), f"quantized/values/{path}"),
-                   scale=read("quantized", ("scales", *key), f"quantized/scales/{path}"))
-        _check_quantized(src, {path: q}, info["weights"], shapes)
-        values[path] = jax.block_until_ready(jax.device_put(QArray(values=q.values, scale=q.scale.astype(np_dtype))))
-        del q
+        values_key, scales_key = ("values", *key), ("scales", *key)
+        # The (small) scale, as stored, and the values' metadata are checked before the values are read.
+        meta("quantized", scales_key)
+        scale = restore_arrays(src / "quantized", {scales_key: None}, partial=True)[scales_key]
+        if sums is not None:
+            _verify_checksums(src, {f"quantized/scales/{path}": scale}, sums)
+        stored_values = meta("quantized", values_key)
+        _check_quantized(src, {path: QArray(values=jax.ShapeDtypeStruct(tuple(stored_values.shape), stored_values.dtype),
+                                            scale=scale)}, info["weights"], shapes)
+        v = read("quantized", values_key, f"quantized/values/{path}", np.dtype(stored_values.dtype), path)
+        if info["weights"] == "fp8":
+            _check_fp8_values(src, path, v)
+        s_dev = jax.device_put(scale.astype(np_dtype))
+        values[path] = ([QArray(values=x, scale=s_dev[i]) for i, x in enumerate(v)] if isinstance(v, list)
+                        else QArray(values=v, scale=s_dev))
     return from_layer_pieces(values, config)
