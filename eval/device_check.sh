@@ -22,6 +22,8 @@
 #             one decode step and one verify step measured alone (the verify / decode ratio)
 #   train     python -m eval.memory_train_bench: the memory-adapter training step (bf16 base, float32
 #             rank-16 adapter, B = 2, Tp = 100, T = 29), compile time apart, then 5 timed steps
+#   pi0       python -m oxygen_jax.run --preset pi05, then --preset pi0 (openpi's π0: a state token, the time
+#             MLP): the same robot loop (LIBERO, S = 10, k = 5, 20 frames) at full size, frame times side by side
 #   roofline  python -m eval.roofline: the GPU's matmul rate and bandwidth measured, each component timed
 #             against max(FLOPs / peak, bytes / bandwidth), the datasheet predictions beside (GPU mode only)
 #
@@ -196,6 +198,14 @@ save_params(sys.argv[1], init_params(model_config(sys.argv[2], dtype=sys.argv[3]
   fi
   step train "$CAP_TRAIN" "$PY" -m eval.memory_train_bench "${MODEL[@]}" --dtype "$DTYPE" "${TRAIN[@]}" \
     --out "$OUT_DIR/train"
+  # π0 beside π0.5: the same robot loop, each variant compiled in its own process (frame ms median in pi0.log).
+  # Smoke runs leave it out unless DEVICE_CHECK_PI0=1 (two more compiles).
+  if [ "$SMOKE" = 1 ]; then PI_SIZES=(--frames 1 --steps 1 --slots 1 --max-new-tokens 2); PI=(tiny pi0_tiny); CAP_PI=120
+  else PI_SIZES=(--frames 20 --steps 10 --slots 8 --tokens-per-frame 5); PI=(pi05 pi0); CAP_PI=150; fi
+  if [ "$SMOKE" = 0 ] || [ "${DEVICE_CHECK_PI0:-0}" = 1 ]; then
+    step pi0 "$CAP_PI" bash -c 'for p in "${@:4}"; do echo "== --preset $p"; "$1" -m oxygen_jax.run --preset "$p" \
+--dtype "$2" --no-cache $3 || exit $?; done' _ "$PY" "$DTYPE" "${PI_SIZES[*]}" "${PI[@]}"
+  fi
   if [ "$SMOKE" = 0 ]; then  # each component against this GPU's measured peaks, and the datasheet predictions
     step roofline 150 "$PY" -m eval.roofline "${MODEL[@]}" --dtype "$DTYPE" --out "$OUT_DIR/roofline"
   fi
@@ -226,7 +236,7 @@ import datetime, json, sys
 from pathlib import Path
 
 out, smoke, total_s, budget, gpu, py, preset, dtype = Path(sys.argv[1]), sys.argv[2] == "1", *sys.argv[3:9]
-ORDER = ["setup", "weights", "settings", "decode", "serve", "adapter", "speculate", "train", "roofline"]
+ORDER = ["setup", "weights", "settings", "decode", "serve", "adapter", "speculate", "train", "pi0", "roofline"]
 WHAT = {
     "setup": "GPU extra installed, interpreter chosen",
     "weights": "random weights (seed 0) drawn once and saved",
@@ -236,6 +246,7 @@ WHAT = {
     "adapter": "language adapter against the base weights",
     "speculate": "repeat workload: speculative decoding against continuous batching",
     "train": "memory-adapter training step (base in the model dtype, float32 adapter)",
+    "pi0": "π0.5 and π0 robot loops at the preset's size (frame ms medians in pi0.log)",
     "roofline": "each component against measured peaks (roofline/report.md), predictions",
 }
 steps = {}

@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from training.memory_data import open_memory_dataset
 
     try:
-        params, _ = load_base(args.base, args.base_dtype)
+        params, _, _ = load_base(args.base, args.base_dtype)
         adapter, meta = load_any(args.adapter, params.config, base=args.base)
         if is_lerobot_dataset(args.data):  # splits by episode, the adapter's target (training.lerobot.splits)
             heldout = parse_episodes(args.heldout_episodes) if args.heldout_episodes is not None else None

@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     t0 = time.perf_counter()
     if args.ckpt is not None:
-        params, what = load_base(args.ckpt, args.dtype)
+        params, what, _ = load_base(args.ckpt, args.dtype)
     else:
         params = for_backend(init_params(model_config(args.preset, dtype=args.dtype), 0))
         what = f"random '{args.preset}' weights"

@@ -215,7 +215,8 @@ def _free_port() -> int:
 def server_command(args: argparse.Namespace, mode: str, port: int) -> list[str]:
     """The `python -m oxygen_jax.serve` command line of one mode."""
     sizes = MODES[mode] or ",".join(str(b) for b in (1, 2, 4, 8, 16) if b < 2 * max(args.robots))
-    model = ["--ckpt", args.ckpt] if args.ckpt else ["--preset", args.preset]
+    # Random weights saved as a checkpoint carry no tokenizer: the demo one, asked for by name, gives stand-in ids.
+    model = ["--ckpt", args.ckpt, "--tokenizer", args.tokenizer or "demo"] if args.ckpt else ["--preset", args.preset]
     return [sys.executable, "-m", "oxygen_jax.serve", *model, "--robot", "libero", "--host", "127.0.0.1",
             "--port", str(port), "--batch-sizes", sizes, "--steps", str(args.steps), "--slots", str(args.slots),
             "--max-new-tokens", str(args.max_tokens), "--tokens-per-frame", str(args.tokens_per_frame),
@@ -363,7 +364,9 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", default="tiny", choices=["tiny", "bench", "pi05"])
-    model.add_argument("--ckpt", help="openpi checkpoint instead of a random preset")
+    model.add_argument("--ckpt", help="a π checkpoint instead of a random preset")
+    ap.add_argument("--tokenizer", help="with --ckpt: its tokenizer (default 'demo', the offline stand-in: random weights "
+                                        "saved as a checkpoint carry none)")
     ap.add_argument("--robots", type=_positive_int, nargs="+", default=[1, 2, 4, 8], help="robot counts R")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--frames", type=int_at_least(2), default=40, help="measured frames per robot")

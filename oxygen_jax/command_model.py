@@ -184,6 +184,10 @@ def read_action_mask(path) -> np.ndarray | None:
     return mask.astype(np.float32)
 
 
+DEMO_TOKENIZER = "demo"
+"""`--tokenizer demo`: the offline demo tokenizer as an explicit stand-in (random weights, benchmarks)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Tokenizers:
     """What a command encodes with: `rows` for observation prompts, `text` for language requests and results
@@ -199,6 +203,8 @@ def tokenizers(model, path: str | Path | None = None) -> Tokenizers:
 
     A model that needs its own tokenizer and has none (`model.io.tokenizer_hint`: a π checkpoint) is refused;
     a random preset encodes with the offline demo tokenizer; any other model without one takes token ids only.
+    `path` "demo" (`DEMO_TOKENIZER`) asks for the demo tokenizer by name: stand-in ids for random weights saved as a
+    checkpoint and for benchmarks.
 
     Raises:
       ValueError / OSError: an unreadable file, a π checkpoint without its tokenizer, or a tokenizer whose ids do
@@ -207,6 +213,10 @@ def tokenizers(model, path: str | Path | None = None) -> Tokenizers:
     from oxygen_jax.robots.text_tokenizers import check_vocabulary, load_tokenizer
     from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 
+    if str(path) == DEMO_TOKENIZER:  # asked for by name: stand-in ids for random weights and benchmarks
+        demo = train_demo_tokenizer()
+        return Tokenizers(demo, demo, note=f"--tokenizer {DEMO_TOKENIZER}: prompts are encoded with the offline demo "
+                                           "tokenizer (stand-in ids, not the checkpoint's own)")
     path, io, vocab = path or model.io.tokenizer, model.io, model.vla().vocab_size
     if path:
         tok = load_tokenizer(path)

@@ -55,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                  epilog="Output: one line per frame (see the legend printed before the first frame), a line per "
                         "finished request, then a summary with compile time apart from steady-state frame time.")
     m = ap.add_argument_group("model")
-    m.add_argument("--preset", default=None, choices=["tiny", "bench", "pi05"],
-                   help="random weights of this size on synthetic observations (default: the embedded demo)")
+    m.add_argument("--preset", default=None, choices=["tiny", "bench", "pi05", "pi0", "pi0_tiny"],
+                   help="random weights of this size on synthetic observations (pi0, pi0_tiny: π0 with its state "
+                        "token; default: the embedded demo)")
     m.add_argument("--demo", type=existing("dir"), default=None,
                    help="a demo folder (default: checkpoints/demo, the embedded default)")
     m.add_argument("--ckpt", type=existing("dir"),
@@ -83,10 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 on GPUs")
     m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                    help="openpi's bidirectional prompt, or OxyGen's causal variant")
-    m.add_argument("--tokenizer", type=existing("file"),
-                   help="π0.5: a PaliGemma SentencePiece model (default: tokenizer.model beside --ckpt, else a tiny demo "
-                        "tokenizer trained offline); Qwen backbones: a tokenizer.json (default: the one in or beside "
-                        "--ckpt; without one, requests are token ids: --prompt-tokens)")
+    m.add_argument("--tokenizer", type=_tokenizer_file,
+                   help="π models: a PaliGemma SentencePiece model (default: tokenizer.model in or beside --ckpt; a π "
+                        "checkpoint without one is refused; random presets use a tiny demo tokenizer trained offline); "
+                        "'demo': that demo tokenizer as an explicit stand-in; Qwen backbones: a tokenizer.json "
+                        "(default: the one in or beside --ckpt; without one, requests are token ids: --prompt-tokens)")
     r = ap.add_argument_group("loop")
     r.add_argument("--frames", type=int_at_least(1), default=16, help="control frames to run (default: 16)")
     r.add_argument("--steps", type=int_at_least(1), default=10, help="denoising steps per action chunk (default: 10)")
@@ -119,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="persistent compilation cache (default: $OXYGEN_JAX_CACHE_DIR or ~/.cache/oxygen_jax/xla)")
     ap.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
     return ap
+
+
+def _tokenizer_file(text: str) -> str:
+    return text if text == cm.DEMO_TOKENIZER else existing("file")(text)
 
 
 def _token_ids(text: str) -> tuple[int, ...]:

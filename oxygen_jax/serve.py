@@ -91,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="python -m oxygen_jax.serve", description=__doc__.split("\n\n")[0],
                         formatter_class=_Defaults)
     model = ap.add_mutually_exclusive_group()
-    model.add_argument("--preset", choices=["tiny", "bench", "pi05"],
-                       help="random-weight model size (default: tiny, without --ckpt, --demo and --heads)")
+    model.add_argument("--preset", choices=["tiny", "bench", "pi05", "pi0", "pi0_tiny"],
+                       help="random-weight model size (pi0, pi0_tiny: π0 with its state token; default: tiny, without "
+                            "--ckpt, --demo and --heads)")
     model.add_argument("--ckpt", help="any model checkpoint directory: π0.5 (openpi's, params dir or its parent, or "
                                       "one saved by oxygen_jax), Xiaomi-Robotics-0 / StarVLA (its own head), or a bare "
                                       "Qwen3 / Qwen3-VL / Qwen3.5 (language only, or --heads)")
@@ -130,8 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                     help="π0.5: how prompt tokens attend to each other")
     ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model, or an XR0 / StarVLA checkpoint's tokenizer.json; "
-                                         "default: tokenizer.model (tokenizer.json for XR0 / StarVLA) beside --ckpt, "
-                                         "else the offline demo tokenizer")
+                                         "default: tokenizer.model (tokenizer.json for XR0 / StarVLA) in or beside "
+                                         "--ckpt (a π checkpoint without one is refused); 'demo': the offline demo "
+                                         "tokenizer as a stand-in (random weights, benchmarks)")
     ap.add_argument("--prompt-len", type=_positive_int,
                     help="prompt tokens in the prefix (default: the robot's; with --heads the whole row, image tokens "
                          "included, default image tokens + 48)")
@@ -406,7 +408,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.seed < 0:
         return _fail(f"argument --seed: expected an integer >= 0, got {args.seed}", 2)
-    if args.tokenizer and not Path(args.tokenizer).is_file():
+    if args.tokenizer and args.tokenizer != cm.DEMO_TOKENIZER and not Path(args.tokenizer).is_file():
         return _fail(f"argument --tokenizer: no such file {args.tokenizer!r}", 2)
     try:
         _check_dataset_key(args)

@@ -150,3 +150,14 @@ def mot_prompt_rows() -> tuple[np.ndarray, np.ndarray]:
     mask = np.ones(rows.shape, bool)
     mask[1:, :3] = False
     return rows, mask
+
+
+def save_base(path, params):
+    """A random base as `training.memory --base` and the commands take one: our checkpoint with the tokenizer its
+    prompts are written in beside it (the offline demo tokenizer; a π base without one is refused)."""
+    from oxygen_jax.ckpts import own
+    from oxygen_jax.robots.tokenizer import train_demo_tokenizer
+
+    base = own.save_params(path, params)
+    (Path(base).parent / "tokenizer.model").write_bytes(train_demo_tokenizer().to_bytes())
+    return base

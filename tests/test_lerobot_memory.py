@@ -9,6 +9,8 @@ import json
 import numpy as np
 import pytest
 
+from helpers import save_base
+
 from tests.helpers import fixture
 from training.lerobot.splits import open_lerobot_split, parse_episodes, split_episodes
 from training.lerobot.synthetic import write_dataset
@@ -59,12 +61,11 @@ def test_an_unknown_target_names_the_choices(written):
 def trained(tiny_params, tmp_path_factory):
     """A memory adapter trained for 3 steps on the v3.0 fixture's episodes 0 and 2, evaluated on episode 1."""
     from eval.memory_eval import main as eval_main
-    from oxygen_jax.ckpts import own
     from training.memory.__main__ import main as train_main
 
     data = fixture("lerobot_libero_tiny", "dataset")
     root = tmp_path_factory.mktemp("lerobot_memory")
-    base = own.save_params(root / "base", tiny_params)
+    base = save_base(root / "base", tiny_params)
     out = root / "run"
     rc = train_main(["--data", str(data), "--out", str(out), "--base", str(base), "--target", "memory",
                      "--heldout-episodes", "1", "--key-map", "wrist_image=wrist_image", "--eval-split", "", "--steps", "3", "--batch-size", "2", "--rank", "2",

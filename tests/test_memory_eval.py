@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import save_base
+
 from eval.memory_eval import OTHER, label_metrics, main, majority, to_markdown, zeroed_bank
-from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import save_adapter
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.params import for_backend
@@ -54,7 +55,7 @@ def run_cli(tiny_params, tmp_path_factory):
     frames = synthetic_splits(SyntheticMemoryConfig(image_size=56, num_inits=5, num_train_inits=4))
     data = write_memory_dataset(root / "data", frames, image_size=56, name="synthetic_memory")
     params = for_backend(tiny_params)
-    base = own.save_params(root / "base", params)
+    base = save_base(root / "base", params)
     bank = pi05_lora.init_bank(params.config, 1, rank=4, seed=1)
     rng = np.random.default_rng(0)
     bank = jax.tree_util.tree_map_with_path(

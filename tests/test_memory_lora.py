@@ -17,8 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import REPO
-from oxygen_jax.ckpts import own
+from helpers import REPO, save_base
 from oxygen_jax.ckpts.adapters import load_adapter, load_bank, save_adapter
 from oxygen_jax.runtime import decode
 from oxygen_jax.models.pi05 import lora as pi05_lora
@@ -145,7 +144,7 @@ def test_base_pretraining_updates_vlm_siglip_and_embedding_never_the_action_expe
 
 def test_cli_kill_and_resume_is_bit_identical_to_a_straight_run(params, dataset, straight, tmp_path, capsys):
     final = jax.device_get(straight["result"].state)
-    base = own.save_params(tmp_path / "base", params)
+    base = save_base(tmp_path / "base", params)
     out = tmp_path / "run"
     flags = ["--data", str(dataset), "--out", str(out), "--base", str(base), "--checkpoint-every", "30", *CLI_FLAGS]
     assert main(flags + ["--stop-at", "30"]) == 0  # "killed" after step 30, just after its checkpoint
@@ -168,7 +167,7 @@ def test_cli_kill_and_resume_is_bit_identical_to_a_straight_run(params, dataset,
 
 def test_saved_adapters_that_do_not_fit_fail_naming_every_leaf(params, tmp_path):
     bank = _trained_looking_bank(params)
-    base = own.save_params(tmp_path / "base", params)
+    base = save_base(tmp_path / "base", params)
     path = save_adapter(tmp_path / "a", bank.adapter(1), name="memory", prompt="Memory: ", base=base)
     loaded, names = load_bank([path], params.config, base=base)
     assert names == ("memory",) and _tree_equal(loaded, bank)
@@ -191,9 +190,9 @@ def test_saved_adapters_that_do_not_fit_fail_naming_every_leaf(params, tmp_path)
 
 
 def test_base_fingerprint_mismatch_is_an_error(params, tmp_path):
-    base_a = own.save_params(tmp_path / "base_a", params)
+    base_a = save_base(tmp_path / "base_a", params)
     shifted = params.replace(embedding=params.embedding + 1.0)
-    base_b = own.save_params(tmp_path / "base_b", shifted)
+    base_b = save_base(tmp_path / "base_b", shifted)
     path = save_adapter(tmp_path / "a", _trained_looking_bank(params).adapter(1), prompt="Memory: ", base=base_a)
     load_adapter(path, params.config, base=base_a)
     with pytest.raises(ValueError, match="was trained on base .*base_a.*other weights"):

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, save_base
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import load_adapter
 from oxygen_jax.models.pi05.params import for_backend
@@ -110,7 +110,7 @@ def inputs(tmp_path_factory, tiny_params):
     root = tmp_path_factory.mktemp("multihost")
     frames = synthetic_splits(SyntheticMemoryConfig(image_size=56, num_inits=6, num_train_inits=4))
     data = write_memory_dataset(root / "data", frames, image_size=56, name="synthetic_memory")
-    base = own.save_params(root / "base", for_backend(tiny_params))
+    base = save_base(root / "base", for_backend(tiny_params))
     return data, base
 
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import make_obs, openpi_fixture
+from helpers import make_obs, openpi_fixture, shared_dir
 from oxygen_jax import serve
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import base_fingerprint, load_adapter, save_adapter
@@ -161,7 +161,7 @@ def test_serve_adapter_name_equals_dir_serves_ours_and_an_oxygen_folder_by_name(
     src = _write_oxygen(tmp_path / "ox", arrays, rank, alpha)
     dest = import_oxygen(src, tmp_path / "ours", base=base)
     args = serve._parser().parse_args(["--ckpt", str(base), "--adapter", f"memory={dest}", "--adapter", f"raw={src}",
-                                       "--batch-sizes", "1"])
+                                       "--batch-sizes", "1", "--tokenizer", "demo"])  # random weights: no tokenizer
     engine = serve.build(args)[0]
     assert engine.adapters == {"base": 0, "memory": 1, "raw": 2}
     prefix = dict(zip(("q", "kv", "out", "gating", "linear"), WEIGHTS.values()))  # our target -> OxyGen's keys
@@ -252,8 +252,13 @@ def test_training_memory_takes_an_openpi_checkpoint_as_base_and_its_adapter_goes
     frames = synthetic_splits(SyntheticMemoryConfig(image_size=config.siglip.image_size, num_inits=2, num_train_inits=1))
     data = write_memory_dataset(tmp_path / "syn", frames, image_size=config.siglip.image_size, name="syn")
     out = tmp_path / "run"
+    # openpi's checkpoints ship no tokenizer (refused without one): the LeRobot fixture's fits the 1024-row vocabulary
+    tokenizer = shared_dir() / "fixtures" / "lerobot_tiny_pi05" / "tokenizer" / "tokenizer.model"
+    if not tokenizer.is_file():
+        pytest.skip(f"../shared fixtures not present: {tokenizer}")
     assert train_main(["--data", str(data), "--out", str(out), "--base", str(fixture), "--steps", "1", "--batch-size", "1",
-                       "--rank", "2", "--prompt-len", "32", "--eval-split", "", "--devices", "1", "--no-progress"]) == 0
+                       "--rank", "2", "--prompt-len", "32", "--eval-split", "", "--devices", "1", "--no-progress",
+                       "--tokenizer", str(tokenizer)]) == 0
     assert "adapter: openpi checkpoint" in capsys.readouterr().out
     adapter, meta = load_adapter(out / "adapter", config, base=fixture)
     assert meta["base_fingerprint"] == base_fingerprint(fixture) == base_fingerprint(fixture / "params")

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from oxygen_jax.ckpts import own
+from helpers import save_base
+
 from oxygen_jax.ckpts.adapters import load_adapter
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import for_backend, init_params
@@ -53,7 +54,7 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base(tiny_params, tmp_path_factory):
-    return own.save_params(tmp_path_factory.mktemp("faults_base") / "base", tiny_params)
+    return save_base(tmp_path_factory.mktemp("faults_base") / "base", tiny_params)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +226,7 @@ def test_resuming_with_other_flags_names_the_differing_fields_in_one_line(run, t
 
 def test_resuming_on_another_base_is_refused_in_one_line(run, tmp_path, capsys):
     out = _copy(run, tmp_path)
-    other = own.save_params(tmp_path / "other_base", init_params(model_config("tiny"), 1))
+    other = save_base(tmp_path / "other_base", init_params(model_config("tiny"), 1))
     argv = _resume_flags(run, out)
     argv[argv.index("--base") + 1] = str(other)
     capsys.readouterr()

@@ -49,6 +49,7 @@ from PIL import Image
 from oxygen_jax.models.pi05.config import ModelConfig
 
 from oxygen_jax.robots.config import RobotConfig
+from oxygen_jax.robots.io import RobotIO, observation_rows
 from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
@@ -505,6 +506,8 @@ class MemoryBatch:
     suffix_tokens: jax.Array
     suffix_mask: jax.Array
     loss_mask: jax.Array
+    state: jax.Array | None = None  # float32 [B, Ad]: the state token's input of a π0 base (the normalised state,
+    #   zero-padded); None for π0.5 (its state is prompt tokens). Read by the served frame of the evaluation only.
 
     @property
     def batch_size(self) -> int:
@@ -548,11 +551,13 @@ def make_memory_batch(
     prompt: str = MEMORY_PROMPT,
     label_key: str = "memory",
     norm_stats: Mapping[str, NormStats] | None = None,
+    io: RobotIO | None = None,
 ) -> MemoryBatch:
     """B frame dicts → a `MemoryBatch` (numpy arrays; the train step places them on device).
 
-    The prefix comes from `transforms.make_observation(robot, model_config, tokenizer, samples, norm_stats)`
-    on LIBERO client samples (`observation/image`, `observation/wrist_image`, `observation/state`,
+    The prefix comes from the base checkpoint's own robot I/O (`io`: `robots.io.observation_rows`, e.g. LeRobot's
+    resize and prompt for a LeRobot base, and π0's state token input) or, without it, from
+    `transforms.make_observation(robot, model_config, tokenizer, samples, norm_stats)` (openpi's) on LIBERO client samples (`observation/image`, `observation/wrist_image`, `observation/state`,
     `prompt` = the language instruction), so images are resized with padding to the model's Px. The suffix
     is `prompt` ‖ frame[label_key] ‖ EOS: "Memory: " and the memory label by default; another text field
     with its own prompt (e.g. "Scene: " and an extra "scene" key) trains another suffix task the same way.
@@ -569,11 +574,17 @@ def make_memory_batch(
          "observation/state": f["state"], "prompt": f["language_instruction"]}
         for f in frames
     ]
-    obs = make_observation(robot, model_config, tokenizer, samples, norm_stats)
+    state = None
+    if io is None:
+        obs = make_observation(robot, model_config, tokenizer, samples, norm_stats)
+    else:  # π0 reads the state as a token: its input rides with the batch for the served evaluation frame
+        state_dim = model_config.action_dim if model_config.variant == "pi0" else 0
+        obs, state = observation_rows(io, robot, model_config.siglip.image_size, model_config.vocab_size, tokenizer,
+                                      samples, state_dim=state_dim)
     rows = [encode_memory_suffix(tokenizer, _text(f[label_key]), suffix_len=suffix_len, prompt=prompt) for f in frames]
     tokens, suffix_mask, loss_mask = (np.stack(col) for col in zip(*rows))
     check_token_ids(tokens, model_config.vocab_size, "suffix token ids")
-    return MemoryBatch(observation=obs, suffix_tokens=tokens, suffix_mask=suffix_mask, loss_mask=loss_mask)
+    return MemoryBatch(observation=obs, suffix_tokens=tokens, suffix_mask=suffix_mask, loss_mask=loss_mask, state=state)
 
 
 def epoch_batches(

@@ -43,7 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from oxygen_jax.ckpts import limits, openpi_lora
+from oxygen_jax.ckpts import lerobot, limits, openpi_lora
 from oxygen_jax.ckpts.orbax_io import resolve_params_item
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import lora as pi05_lora
@@ -90,16 +90,26 @@ def _item_fingerprint(item: Path) -> str:
 
 
 def base_fingerprint(base_dir: str | os.PathLike) -> str | None:
-    """What identifies a base checkpoint's weights, or None when `base_dir` is no π0.5 checkpoint.
+    """What identifies a base checkpoint's weights, or None when `base_dir` is no π checkpoint.
 
     An `own.save_params` directory: the SHA-256 of its checksums item (a hash of every array). An openpi
-    checkpoint (its root, a step directory or its `params` item, all alike): `_item_fingerprint` of the item.
+    checkpoint (its root, a step directory or its `params` item, all alike): `_item_fingerprint` of the item. A
+    LeRobot policy folder (or its parent): the SHA-256 of its `model.safetensors`, read in chunks.
     """
     path = Path(base_dir) / "checksums" / "metadata"
     if path.is_file():
         return hashlib.sha256(path.read_bytes()).hexdigest()
     if (Path(base_dir) / "config").is_dir():
         return None  # ours without checksums: damaged
+    if lerobot.is_lerobot_dir(base_dir):
+        weights = lerobot.policy_dir(base_dir) / lerobot.WEIGHTS
+        if not weights.is_file():
+            return None
+        h = hashlib.sha256()
+        with open(weights, "rb") as f:
+            for chunk in iter(lambda: f.read(16 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
     try:
         return _item_fingerprint(resolve_params_item(base_dir))
     except (OSError, ValueError):
@@ -126,7 +136,7 @@ def save_adapter(
     """
     fingerprint = base_fingerprint(base)
     if fingerprint is None:
-        raise ValueError(f"base {Path(base).resolve()} is not a π0.5 checkpoint (ours or openpi's): an adapter records "
+        raise ValueError(f"base {Path(base).resolve()} is not a π checkpoint (ours, openpi's or LeRobot's): an adapter records "
                          "the fingerprint of the base it was trained on")
     dest = Path(path).expanduser().resolve()
     if dest.exists() and not overwrite:

@@ -120,6 +120,19 @@ def find_tokenizer(*checkpoints: PathLike | None) -> Path | None:
     return find_beside(TOKENIZER_FILE, *checkpoints)
 
 
+def base_tokenizer(path: PathLike) -> tuple[Path | None, str | None]:
+    """(the tokenizer found with a π checkpoint, what to fetch when there is none) without reading its weights:
+    `tokenizer.model` in or beside it (and a LeRobot folder's `tokenizer/`). Not a π checkpoint: (None, None)."""
+    p = Path(path).expanduser()
+    kind = source_kind(p)
+    if kind == "lerobot":
+        d = lerobot.policy_dir(p)
+        return find_tokenizer(d, d / "tokenizer", d.parent / "tokenizer"), PALIGEMMA_TOKENIZER_HINT
+    if _FAMILY_OF[kind] == "pi05":
+        return find_tokenizer(p), PALIGEMMA_TOKENIZER_HINT
+    return None, None
+
+
 def _text_dirs(path: Path, vlm_dir: Path | None) -> list[Path]:
     """Where a Qwen-vocabulary checkpoint's text files may be: its folder (a file's folder for a flat StarVLA
     checkpoint), then the base VLM's folder."""
@@ -352,7 +365,7 @@ def load_model(
             config, params = load_openpi_params(path, dtype=dtype, prompt_attention=prompt_attention, layout=layout)
             what = f"openpi checkpoint {path}"
         if source == "lerobot":  # statistics in its processor files (`lerobot_io`); the tokenizer beside it
-            tokenizer = find_tokenizer(ck.directory, ck.directory / "tokenizer", ck.directory.parent / "tokenizer")
+            tokenizer, _ = base_tokenizer(path)
         elif source not in ("hf", "xr0", "starvla"):  # StarVLA's q01/q99 stats: ckpts.starvla.action_stats
             norm_stats = load_openpi_norm_stats(path)
             tokenizer = find_tokenizer(path)

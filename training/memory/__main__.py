@@ -35,7 +35,7 @@ from oxygen_jax.cli import OneLineParser, float_in, int_at_least
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME, replace_dir, save_adapter, tree_digest
 from oxygen_jax.robots.config import RobotConfig, robot_config
-from oxygen_jax.models.pi05.params import Params, for_backend, init_params
+from oxygen_jax.models.pi05.params import for_backend, init_params
 from oxygen_jax.robots.tokenizer import (
     MIN_TRAINED_VOCAB, Tokenizer, encode_suffix_prompt, train_demo_tokenizer, train_text_tokenizer,
 )
@@ -45,6 +45,7 @@ from training.memory.config import DEMO_PROMPT_LEN, TrainConfig, checkpoint_conf
 from training.memory.data import CheckedSource, DataError, TextTask, data_digest, task_texts
 from training.memory.export_demo import main as export_main
 from training.memory.loop import NonFiniteStepError, train
+from oxygen_jax.ckpts.load import base_tokenizer
 from training.memory.model import load_base, make_mesh, with_base_trainable
 from training.memory.run_folder import RunFolder
 from training.memory_data import MEMORY_PROMPT, frame_texts, open_memory_dataset
@@ -60,9 +61,11 @@ def _robot(prompt_len: int) -> RobotConfig:
     return robot_config("libero", max_token_len=prompt_len)
 
 
-def _load_base(args, tokenizer: Tokenizer) -> tuple[Params, str]:
+def _load_base(args, tokenizer: Tokenizer):
+    """(params, what they are, the base's robot I/O or None for a random preset)."""
+    io = None
     if args.base is not None:
-        params, what = load_base(args.base, args.base_dtype)
+        params, what, io = load_base(args.base, args.base_dtype, vision_heads=args.vision_heads)
     else:
         cfg = preset_config(args.preset, tokenizer.vocab_size, args.image_size, args.patch_size)
         params = init_params(cfg, args.seed)
@@ -70,14 +73,21 @@ def _load_base(args, tokenizer: Tokenizer) -> tuple[Params, str]:
     if tokenizer.vocab_size > params.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
                          f"{params.config.vocab_size}; use the tokenizer the base was trained with (--tokenizer)")
-    return params, what
+    return params, what, io
 
 
 def _tokenizer(args, train_source) -> Tokenizer:
     if args.tokenizer is not None:
         return Tokenizer.from_file(args.tokenizer)
-    if args.base is not None and (Path(args.base).parent / "tokenizer.model").is_file():
-        return Tokenizer.from_file(Path(args.base).parent / "tokenizer.model")
+    if args.base is not None:  # a base brings its own tokenizer: a stand-in would give its prompts other ids
+        try:
+            found, hint = base_tokenizer(args.base)
+        except (OSError, ValueError) as e:
+            raise _Refused(f"--base {args.base}: {str(e).splitlines()[0]}") from None
+        if found is not None:
+            return Tokenizer.from_file(found)
+        if hint is not None:
+            raise _Refused(f"--base {args.base} has no tokenizer in or beside it: fetch {hint} and pass --tokenizer FILE")
     if args.train_tokenizer:  # the task's texts plus both request prompts, so each prompt is a few pieces
         return train_text_tokenizer([MEMORY_PROMPT, "Scene: ", *task_texts(train_source)], args.train_tokenizer)
     return train_demo_tokenizer()
@@ -117,8 +127,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="adapter: LoRA bank only, base frozen; base: fine-tune VLM expert + SigLIP + embedding")
     m = p.add_argument_group("model")
     m.add_argument("--base", type=Path, default=None,
-                   help="base π0.5 checkpoint: ours (e.g. OUT_OF_BASE_RUN/base) or openpi's (e.g. pi05_libero, "
-                        "anything load_model reads); required for adapters")
+                   help="base π0.5 or π0 checkpoint: ours (e.g. OUT_OF_BASE_RUN/base), openpi's (e.g. pi05_libero) or "
+                        "a LeRobot policy folder (anything load_model reads; its robot I/O builds the prefix); required "
+                        "for adapters")
+    m.add_argument("--vision-heads", type=int_at_least(1), default=None,
+                   help="--base a LeRobot folder whose SigLIP is not So400m: its head count (no tensor stores it)")
     m.add_argument("--base-dtype", choices=("float32", "bfloat16"), default=None,
                    help="dtype of the frozen base (default: ours as stored, openpi's float32); the adapter is float32")
     m.add_argument("--preset", choices=("tiny", "demo"), default="demo", help="random init for --mode base without --base")
@@ -307,12 +320,12 @@ def _run_in(args, argv: list[str], folder: RunFolder) -> int:
     except ValueError as e:
         raise _Refused(str(e)) from None
     try:
-        params, what = _load_base(args, tokenizer)
+        params, what, base_io = _load_base(args, tokenizer)
     except (FileNotFoundError, ValueError) as e:
         raise _Refused(f"--base {args.base}: {str(e).splitlines()[0]}" if args.base else str(e)) from None
     params = for_backend(params)
     task = TextTask(robot=_robot(args.prompt_len), tokenizer=tokenizer, prompt=prompt, label_key=label_key,
-                    suffix_len=suffix_len)
+                    suffix_len=suffix_len, io=base_io)
     run = {"argv": argv, "base": what, "data": str(args.data.resolve()),
            "train_frames": len(train_src), "eval_frames": len(eval_src) if eval_src is not None else 0,
            "tokenizer_vocab": tokenizer.vocab_size, "prompt_len": args.prompt_len, "config": config.to_json(),

@@ -20,6 +20,7 @@ import numpy as np
 from oxygen_jax.models.pi05.config import ModelConfig
 
 from oxygen_jax.robots.config import RobotConfig
+from oxygen_jax.robots.io import RobotIO
 from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
 from training.memory_data import MemoryBatch, epoch_batches, frame_texts, make_memory_batch
 
@@ -99,10 +100,11 @@ class TextTask:
     prompt: str
     label_key: str
     suffix_len: int
+    io: RobotIO | None = None  # the base checkpoint's robot I/O (`ckpts.load.LoadedModel.io`); None: openpi's
 
     def batch(self, frames: Sequence[Mapping], model_config: ModelConfig) -> MemoryBatch:
         return make_memory_batch(frames, self.robot, model_config, self.tokenizer, suffix_len=self.suffix_len,
-                                 prompt=self.prompt, label_key=self.label_key)
+                                 prompt=self.prompt, label_key=self.label_key, io=self.io)
 
     @property
     def prompt_ids(self) -> list[int]:

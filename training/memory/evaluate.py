@@ -68,7 +68,8 @@ def engine_answers(
         for frame in range(budget + 1):  # one frame finishes every request (k = budget); more is a bug
             if len(done) == real:
                 break
-            res = engine.step(obs, noise=noise)
+            states = None if batch.state is None else {model.HEAD: jnp.asarray(batch.state)}  # π0's state token
+            res = engine.step(obs, noise=noise, states=states)
             if frame == 0:
                 actions.append(np.asarray(res.actions[:real]))
             for f in res.finished:

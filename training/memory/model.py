@@ -40,9 +40,10 @@ from training.train_step import step_metrics
 # -------------------------------------------------------------------------------------------------
 
 
-def load_base(path, dtype: str | None = None) -> tuple[Params, str]:
-    """(params laid out for the backend, one line saying what they are) of a base π0.5 checkpoint: anything
-    `ckpts.load.load_model` reads as π0.5 (ours, or an openpi checkpoint such as pi05_libero, LoRA merged).
+def load_base(path, dtype: str | None = None, *, vision_heads: int | None = None):
+    """(params laid out for the backend, one line saying what they are, its robot I/O `robots.io.RobotIO`) of a
+    base π checkpoint: anything `ckpts.load.load_model` reads as π0.5 or π0 (ours, an openpi checkpoint such as
+    pi05_libero with LoRA merged, a LeRobot policy folder; `vision_heads`: a LeRobot SigLIP that is not So400m).
 
     Args:
       dtype: "float32" or "bfloat16" (e.g. a bf16 base under a float32 adapter); None keeps ours in their
@@ -53,9 +54,9 @@ def load_base(path, dtype: str | None = None) -> tuple[Params, str]:
 
     stored = stored_config(path)  # None: not ours
     dtype = dtype or (stored.dtype if stored is not None else "float32")
-    loaded = load_model(path, family="pi05", dtype=dtype,
+    loaded = load_model(path, family="pi05", dtype=dtype, vision_heads=vision_heads,
                         prompt_attention=stored.prompt_attention if stored is not None else "bidirectional")
-    return loaded.params, loaded.what
+    return loaded.params, loaded.what, loaded.io
 
 
 # -------------------------------------------------------------------------------------------------

@@ -120,11 +120,14 @@ _MODEL_PRESETS = {
         vocab_size=1024,
     ),
 }
-ModelPreset = Literal["tiny", "bench", "pi05"]
+_MODEL_PRESETS["pi0"] = lambda: dataclasses.replace(_MODEL_PRESETS["pi05"](), variant="pi0")  # openpi's π0 at full size
+_MODEL_PRESETS["pi0_tiny"] = lambda: dataclasses.replace(_MODEL_PRESETS["tiny"](), variant="pi0")
+ModelPreset = Literal["tiny", "bench", "pi05", "pi0", "pi0_tiny"]
 
 
 def model_config(name: str, **overrides) -> ModelConfig:
-    """Returns the model preset `name` ('tiny', 'bench' or 'pi05') with optional field overrides."""
+    """Returns the model preset `name` ('tiny', 'bench', 'pi05', or π0's 'pi0' / 'pi0_tiny') with optional field
+    overrides."""
     if name not in _MODEL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(_MODEL_PRESETS)}")
     return dataclasses.replace(_MODEL_PRESETS[name](), **overrides)
