@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from eval.restore_memory import REPO, PeakRss, rss_mib
+from eval.restore_memory import _run_frames as run_frames  # the README's loop, as restore_memory measures it
 from oxygen_jax.cli import OneLineParser
 
 SETTINGS = (("int8", ("attn", "mlp")), ("int8", ("mlp",)), ("fp8", ("attn", "mlp")), ("fp8", ("mlp",)))
@@ -127,13 +128,29 @@ def _variants(params, settings=SETTINGS):
     return {_name(w, k): quant.quantize_tree(params, w, k) for w, k in settings}
 
 
-def _bytes(float_params, variants) -> dict:
+def served_bytes(params, itemsize: int) -> int:
+    """Weight bytes when served with float leaves and scales in `itemsize` bytes (4 float32, 2 bfloat16)."""
+    import jax
+
     from oxygen_jax.nn import quant
 
-    f32 = quant.weight_bytes(float_params)
-    return {name: {"bytes": quant.weight_bytes(p), "vs_float32": quant.weight_bytes(p) / f32,
-                   "vs_bfloat16": quant.weight_bytes(p) / (f32 / 2)} for name, p in variants.items()} | {
-        "float32": {"bytes": f32, "vs_float32": 1.0, "vs_bfloat16": 2.0}}
+    total = 0
+    for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, quant.QArray)):
+        if isinstance(x, quant.QArray):
+            total += int(np.prod(x.shape)) + int(np.prod(x.scale.shape)) * itemsize
+        else:
+            total += int(np.prod(x.shape)) * itemsize
+    return total
+
+
+def _bytes(float_params, variants) -> dict:
+    out = {"float32": {"float32_bytes": served_bytes(float_params, 4), "bfloat16_bytes": served_bytes(float_params, 2)}}
+    for name, p in variants.items():
+        out[name] = {"float32_bytes": served_bytes(p, 4), "bfloat16_bytes": served_bytes(p, 2)}
+    for rec in out.values():
+        rec["vs_float32"] = rec["float32_bytes"] / out["float32"]["float32_bytes"]
+        rec["vs_bfloat16"] = rec["bfloat16_bytes"] / out["float32"]["bfloat16_bytes"]
+    return out
 
 
 def _demo_text_and_time(demo, variants: dict, frames_timed: int) -> dict:
@@ -167,8 +184,10 @@ def _demo_text_and_time(demo, variants: dict, frames_timed: int) -> dict:
         out[name] = {"memory": [r.tokens for r in mem], "memory_text": [r.text for r in mem],
                      "scene": [r.tokens for r in scene], "answer_s": time.perf_counter() - t0}
     times = {name: [] for name in engines}
-    for i in range(frames_timed + 1):  # interleaved, one memory request each; frame 0 is dropped (warm-up)
-        for name, engine in engines.items():
+    names = list(engines)
+    for i in range(frames_timed + 1):  # interleaved in rotating order, one memory request each; frame 0 is warm-up
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            engine = engines[name]
             engine.submit(prompt=demo.prompt, adapter=demo.adapter_names[0], max_tokens=demo.max_new_tokens)
             t0 = time.perf_counter()
             jax.block_until_ready(engine.step(observations[i % len(observations)]).actions)
@@ -228,8 +247,9 @@ def run_cost(frames_timed: int) -> dict:
 # memory
 
 
-def measure_load(path: str, dtype: str) -> dict:
-    """In this (fresh) process: peak and settled RSS above the baseline while `load_model` restores `path`."""
+def measure_load(path: str, dtype: str, frames: int = 0) -> dict:
+    """In this (fresh) process: peak and settled RSS above the baseline while `load_model` restores `path`; then
+    `frames` steps of the README's robot loop on it (`eval.restore_memory`'s: peak RSS, first and steady step)."""
     import jax
     import jax.numpy as jnp
 
@@ -243,8 +263,12 @@ def measure_load(path: str, dtype: str) -> dict:
         model = load_model(path, family="pi05", dtype=dtype, backend="cpu")
         jax.block_until_ready(model.params)
         load_s = time.perf_counter() - t0
-    return {"path": path, "dtype": dtype, "weights_mib": quant.weight_bytes(model.params) / 2**20, "load_s": load_s,
-            "load_peak_mib": peak.peak - base, "after_load_mib": rss_mib() - base}
+    rec = {"path": path, "dtype": dtype, "weights_mib": quant.weight_bytes(model.params) / 2**20, "load_s": load_s,
+           "load_peak_mib": peak.peak - base, "after_load_mib": rss_mib() - base}
+    if frames:
+        rec |= run_frames(model.config, model.params, frames)
+        rec["frames_peak_mib"] -= base
+    return rec
 
 
 def _child(args: list[str]) -> str:
@@ -290,14 +314,14 @@ def report(summary: dict) -> str:
         if "settings" not in rec:
             continue
         demo = "memory_exact_match" in next(iter(rec["settings"].values()))
-        head = "| setting | actions max / scale | mean / scale | teacher-forced tokens | bytes vs bf16 |"
+        head = "| setting | actions max / scale | mean / scale | teacher-forced tokens | bytes, bf16 serving / bf16 |"
         if demo:
             head += " memory exact (of {n}) | memory tokens identical | scene tokens identical | frame ms | vs float32 |"
             head = head.format(n=rec["frames"])
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         if demo:
             f = rec["float32"]
-            lines.append(f"| float32 | 0 | 0 | 1.000 | 2.00 | {f['memory_exact_match']} | 1.00 | 1.00 | {f['frame_ms']:.1f} | 1.00 |")
+            lines.append(f"| float32 | 0 | 0 | 1.000 | 1.00 | {f['memory_exact_match']} | 1.00 | 1.00 | {f['frame_ms']:.1f} | 1.00 |")
         for name, s in rec["settings"].items():
             row = (f"| {name} | {s['max_rel']:.4f} | {s['mean_rel']:.4f} | {s['tokens_teacher_forced']:.3f} | "
                    f"{rec['bytes'][name]['vs_bfloat16']:.2f} |")
@@ -308,47 +332,56 @@ def report(summary: dict) -> str:
         lines.append("")
     mem = summary.get("memory")
     if mem:
+        ref = {r["dtype"]: r for r in mem if "weights" not in r}
         lines += ["## Full size: restore memory (`load_model`, the run / serve path)", "",
-                  "| checkpoint | dtype | weights MiB | load s | load peak MiB | after load MiB |", "|---|---|---|---|---|---|"]
+                  "Peak resident memory above the process baseline while `load_model` restores the checkpoint in a fresh "
+                  "process; ratios against the float source restored in the same dtype, and against it in bfloat16.", "",
+                  "| checkpoint | dtype | weights MiB | load s | load peak MiB | after load MiB | peak / same dtype float | "
+                  "peak / bfloat16 float | quantize s |", "|---|---|---|---|---|---|---|---|---|"]
         for r in mem:
+            same, bf16 = ref.get(r["dtype"], {}).get("load_peak_mib"), ref.get("bfloat16", {}).get("load_peak_mib")
             lines.append(f"| {r.get('weights', 'float32 (source)')} | {r['dtype']} | {r['weights_mib']:.0f} | "
-                         f"{r['load_s']:.1f} | {r['load_peak_mib']:.0f} | {r['after_load_mib']:.0f} |")
+                         f"{r['load_s']:.1f} | {r['load_peak_mib']:.0f} | {r['after_load_mib']:.0f} | "
+                         f"{_f(same and r['load_peak_mib'] / same, '.3f')} | {_f(bf16 and r['load_peak_mib'] / bf16, '.3f')} | "
+                         f"{_f(r.get('quantize_s'), '.0f')} |")
         lines.append("")
     return "\n".join(lines)
 
 
 def plot(summary: dict, path: Path) -> None:
+    """quant.png: per source, the actions' mean error and the teacher-forced token agreement per setting, and the
+    weight bytes served in bfloat16 (cost); the full-size restore's peak and weights (memory)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cost = {k: v for k, v in summary.get("cost", {}).items() if "settings" in v}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    names = [_name(w, k) for w, k in SETTINGS]
-    x = np.arange(len(names))
-    width = 0.8 / max(1, len(cost))
-    for i, (src, rec) in enumerate(cost.items()):
-        axes[0].bar(x + i * width, [rec["settings"][n]["mean_rel"] for n in names], width, label=src)
-        axes[1].bar(x + i * width, [rec["settings"][n]["tokens_teacher_forced"] for n in names], width, label=src)
-    axes[0].set_title("actions: mean |Δ| / action RMS (vs float32)")
-    axes[1].set_title("teacher-forced greedy tokens identical to float32")
-    for ax in axes[:2]:
-        ax.set_xticks(x + width * (len(cost) - 1) / 2, names, rotation=15)
-        ax.legend(fontsize=8)
     mem = summary.get("memory") or []
+    fig, axes = plt.subplots(1, 3 * bool(cost) + bool(mem), figsize=(5 * (3 * bool(cost) + bool(mem)), 4), squeeze=False)
+    axes = list(axes[0])
+    if cost:
+        names = [_name(w, k) for w, k in SETTINGS]
+        x = np.arange(len(names))
+        width = 0.8 / len(cost)
+        panels = (("mean_rel", "actions: mean |Δ| / action RMS (vs float32)"),
+                  ("tokens_teacher_forced", "teacher-forced greedy tokens = float32's"),
+                  ("bytes", "weight bytes served in bfloat16 / bfloat16"))
+        for ax, (key, title) in zip(axes, panels):
+            for i, (src, rec) in enumerate(cost.items()):
+                vals = [rec["bytes"][n]["vs_bfloat16"] if key == "bytes" else rec["settings"][n][key] for n in names]
+                ax.bar(x + i * width, vals, width, label=src)
+            ax.set_title(title, fontsize=10)
+            ax.set_xticks(x + width * (len(cost) - 1) / 2, names, rotation=15, fontsize=8)
+            ax.legend(fontsize=7)
     if mem:
+        ax = axes[-1]
         labels = [f"{r.get('weights', 'float')}\n{r['dtype']}" for r in mem]
-        axes[2].bar(range(len(mem)), [r["load_peak_mib"] / 1024 for r in mem], label="load peak")
-        axes[2].bar(range(len(mem)), [r["weights_mib"] / 1024 for r in mem], alpha=0.6, label="weights")
-        axes[2].set_xticks(range(len(mem)), labels, fontsize=8)
-        axes[2].set_title("full-size π0.5: GiB resident (load_model)")
-        axes[2].legend(fontsize=8)
-    else:
-        rec = next(iter(cost.values()))
-        axes[2].bar(["float32", *names], [2.0] + [rec["bytes"][n]["vs_bfloat16"] for n in names])
-        axes[2].set_title(f"weight bytes / bfloat16 ({next(iter(cost))})")
-        axes[2].tick_params(axis="x", rotation=15)
+        ax.bar(range(len(mem)), [r["load_peak_mib"] / 1024 for r in mem], label="load peak")
+        ax.bar(range(len(mem)), [r["weights_mib"] / 1024 for r in mem], alpha=0.6, label="weights")
+        ax.set_xticks(range(len(mem)), labels, fontsize=8)
+        ax.set_title("full-size π0.5: GiB resident (load_model)", fontsize=10)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -361,10 +394,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt", type=Path, default=None, help="memory: the random full-size checkpoint (written if "
                     "absent; its quantized copies go beside it as CKPT_int8, CKPT_fp8)")
     ap.add_argument("--preset", default="pi05", choices=("tiny", "bench", "pi05"), help="memory: the model size")
+    ap.add_argument("--frames-after", type=int, default=0, help="with --measure: robot-loop steps after loading")
     ap.add_argument("--measure", nargs=2, metavar=("CKPT", "DTYPE"), help=argparse.SUPPRESS)  # the child processes
     args = ap.parse_args(argv)
     if args.measure:
-        print(json.dumps(measure_load(*args.measure)), flush=True)
+        print(json.dumps(measure_load(*args.measure, frames=args.frames_after)), flush=True)
         return 0
     if args.out is None:
         ap.error("--out DIR is required")

@@ -4,7 +4,6 @@ dequantization in both layer layouts, the checkpoint round trip and its refusals
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from oxygen_jax.ckpts.adapters import base_fingerprint
 from oxygen_jax.ckpts.load import load_model
 from oxygen_jax.ckpts.openpi import load_openpi_params
 from oxygen_jax.ckpts.orbax_io import CheckpointError
-from oxygen_jax.ckpts.own import restore_params, save_params
+from oxygen_jax.ckpts.own import quantization_info, restore_params, save_params
 from oxygen_jax.models import backbone
 from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05.config import model_config
@@ -170,8 +169,9 @@ def test_quantize_command_writes_a_fingerprinted_checkpoint_that_restores_bit_ex
     mlp_only = stack_layers(mlp_only)
     assert mlp_only.vlm.layers.linear.values.dtype == ml_dtypes.float8_e4m3fn
     assert mlp_only.vlm.layers.linear.scale.dtype == jnp.bfloat16 and mlp_only.vlm.layers.q.dtype == jnp.bfloat16
-    info = json.loads((root / "int8" / "quantization" / "metadata").read_text())
+    info = quantization_info(root / "int8")
     assert info["weights"] == "int8" and info["provenance"]["source_fingerprint"] == base_fingerprint(root / "float")
+    assert quantization_info(root / "float") is None
     fingerprints = {base_fingerprint(root / n) for n in ("float", "int8", "fp8")}
     assert len(fingerprints) == 3 and None not in fingerprints
     assert (root / "int8" / "tokenizer.model").read_bytes() == b"not a real tokenizer"

@@ -325,6 +325,13 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
     return config, from_openpi_dict({k: v.astype(np_dtype, copy=False) for k, v in arrays.items()}, config)
 
 
+def quantization_info(path: PathLike) -> dict | None:
+    """The `quantization/` item of our checkpoint at `path` (format, weights, leaves, provenance with the float
+    source's `source_fingerprint`), or None for a checkpoint that holds no quantized leaves."""
+    src = Path(path).expanduser().resolve()
+    return read_json_item(src, "quantization") if (src / "quantization").is_dir() else None
+
+
 def _restore_streamed(src: Path, config: ModelConfig, floats: list[str], info: Mapping[str, Any],
                       sums: Mapping[str, Any] | None) -> Params:
     """A quantized checkpoint, streamed (`leaf_stream`) into the default backend's layout (`for_backend`):
@@ -375,8 +382,9 @@ def _restore_streamed(src: Path, config: ModelConfig, floats: list[str], info: M
         key = tuple(path.split("/"))
         values_key, scales_key = ("values", *key), ("scales", *key)
         # The (small) scale, as stored, and the values' metadata are checked before the values are read.
-        meta("quantized", scales_key)
-        scale = restore_arrays(src / "quantized", {scales_key: None}, partial=True)[scales_key]
+        sm = meta("quantized", scales_key)  # read by the stream too: orbax's reader keeps a 100 MB cache
+        scale = next(items["quantized"][0].pieces(scales_key, f"scales/{path}", tuple(sm.shape), np.dtype(sm.dtype),
+                                                  per_layer=False, max_abs=None))
         if sums is not None:
             _verify_checksums(src, {f"quantized/scales/{path}": scale}, sums)
         stored_values = meta("quantized", values_key)
