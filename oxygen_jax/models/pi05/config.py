@@ -2,7 +2,8 @@
 
 `ModelConfig` — network dimensions (two Gemma experts + SigLIP), vocabulary, compute dtype, the prompt
 attention pattern and the variant (π0.5 or π0). Presets: `tiny` (tests), `bench` (CPU benchmark size),
-`pi05`. `dtype` lives in `ModelConfig` because parameters and activations share it. The robot side of a run
+`pi05`. `Pi0FastConfig` — π0-FAST's one PaliGemma (SigLIP + the Gemma VLM, no action expert; presets
+`fast_config`). `dtype` lives in `ModelConfig` because parameters and activations share it. The robot side of a run
 (camera slots, dims, horizon, prompt) is `oxygen_jax.robots.config.RobotConfig`.
 
 Configs are hashable and carry no arrays, so they are passed to `jax.jit` as static arguments.
@@ -131,3 +132,49 @@ def model_config(name: str, **overrides) -> ModelConfig:
     if name not in _MODEL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(_MODEL_PRESETS)}")
     return dataclasses.replace(_MODEL_PRESETS[name](), **overrides)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pi0FastConfig:
+    """π0-FAST (openpi's `Pi0FASTConfig`): one PaliGemma, SigLIP + the Gemma VLM, and no action expert.
+
+    Its action chunks are FAST tokens the VLM decodes as text (`models.pi05.pi0_fast`); the chunk's horizon,
+    action dim and FAST vocabulary belong to the codec (`robots.fast.FastCodec`), not to the network. The prompt
+    prefix is bidirectional, the decoded suffix causal (openpi's only pattern, so there is no choice here).
+    """
+
+    vlm: ExpertConfig  # the Gemma VLM (with the embedder and the tied head)
+    siglip: SiglipConfig
+    vocab_size: int = PALIGEMMA_VOCAB_SIZE  # V: embedding rows (PaliGemma's tokenizer, FAST ids mapped inside it)
+    dtype: DType = "float32"  # parameters and activations; norms/softmax/RoPE stay float32
+    embed_scale_dtype: DType | None = None  # as `ModelConfig.embed_scale_dtype` (openpi's stored-dtype sqrt(D))
+    variant: Literal["pi0_fast"] = "pi0_fast"  # the parameter table's key (`params.openpi_paths`); fixed
+
+    def __post_init__(self):
+        _require(self.variant == "pi0_fast", f"Pi0FastConfig.variant is always 'pi0_fast', got {self.variant!r}")
+        _require(self.dtype in ("float32", "bfloat16"), f"Pi0FastConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        _require(self.embed_scale_dtype in (None, "float32", "bfloat16"),
+                 f"Pi0FastConfig.embed_scale_dtype must be None, 'float32' or 'bfloat16', got {self.embed_scale_dtype!r}")
+        _require(self.vocab_size > 3, "Pi0FastConfig.vocab_size must hold pad/eos/bos/unk")
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **changes) -> "Pi0FastConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_FAST_PRESETS = {  # openpi's Pi0FASTConfig: PaliGemma gemma_2b + So400m/14; tiny: the VLM and SigLIP of "tiny"
+    "pi0_fast": lambda: Pi0FastConfig(vlm=_MODEL_PRESETS["pi05"]().vlm, siglip=_MODEL_PRESETS["pi05"]().siglip),
+    "pi0_fast_tiny": lambda: Pi0FastConfig(vlm=_MODEL_PRESETS["tiny"]().vlm, siglip=_MODEL_PRESETS["tiny"]().siglip,
+                                           vocab_size=_MODEL_PRESETS["tiny"]().vocab_size),
+}
+
+
+def fast_config(name: str, **overrides) -> Pi0FastConfig:
+    """The π0-FAST preset `name` ('pi0_fast' full size, 'pi0_fast_tiny' for tests) with optional field overrides."""
+    if name not in _FAST_PRESETS:
+        raise ValueError(f"unknown π0-FAST preset {name!r}; choose one of {sorted(_FAST_PRESETS)}")
+    return dataclasses.replace(_FAST_PRESETS[name](), **overrides)

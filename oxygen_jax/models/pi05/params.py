@@ -14,6 +14,9 @@ The two variants (`ModelConfig.variant`, openpi's `Pi0Config.pi05`) share every 
 expert's time input: π0.5 has adaRMS norms (`*_norm_1/Dense_0`) and `time_mlp_in/out` [Da, Da]; π0 has
 plain norm scales, `action_time_mlp_in` [2 Da, Da] / `action_time_mlp_out` [Da, Da] (held in the same
 `time_mlp_in` / `time_mlp_out` fields) and `state_proj` [Ad, Da] (51 and 50 leaves).
+
+π0-FAST (`config.Pi0FastConfig`, variant "pi0_fast") is the PaliGemma part alone: the embedder, the VLM expert
+and SigLIP (32 leaves, `Pi0FastParams`), the same rows of the table as π0.5's.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.models.pi05.config import ModelConfig
+from oxygen_jax.models.pi05.config import ModelConfig, Pi0FastConfig
 from oxygen_jax.models.siglip import Siglip, SiglipLayers
 from oxygen_jax.nn import layers as nn_layers
 from oxygen_jax.nn.layers import AdaRMSNorm, Dense, LayerNorm, RMSNorm, _pytree
@@ -70,6 +73,19 @@ class Params:
     def with_config(self, **changes) -> "Params":
         """Same arrays, config fields changed (e.g. `prompt_attention="causal"`); shapes must still fit."""
         return dataclasses.replace(self, config=self.config.replace(**changes))
+
+
+@_pytree
+class Pi0FastParams:
+    """π0-FAST's one PaliGemma: the embedder (tied head), the VLM expert and SigLIP; no action expert."""
+
+    embedding: jax.Array  # [V, D]
+    vlm: Expert
+    siglip: Siglip
+    config: Pi0FastConfig = dataclasses.field(metadata=dict(static=True))
+
+    def replace(self, **changes) -> "Pi0FastParams":
+        return dataclasses.replace(self, **changes)
 
 
 class _Leaf(NamedTuple):
@@ -167,6 +183,9 @@ def _variant_leaves(pi05: bool) -> tuple[_Leaf, ...]:
 
 
 _SPECS = {"pi05": _variant_leaves(True), "pi0": _variant_leaves(False)}
+_SPECS["pi0_fast"] = tuple(  # π0-FAST: the PaliGemma rows of the table only (no `_1` expert, no projections)
+    [_Leaf("PaliGemma/llm/embedder/input_embedding", ("embedding",), lambda c: (c.vocab_size, c.vlm.width), "embed")]
+    + _expert_leaves("", "vlm", "", lambda c: c.vlm, adaptive=False) + _siglip_leaves())
 
 
 def _spec(config: ModelConfig) -> tuple[_Leaf, ...]:
@@ -174,7 +193,7 @@ def _spec(config: ModelConfig) -> tuple[_Leaf, ...]:
 
 
 def openpi_paths(config: ModelConfig) -> tuple[str, ...]:
-    """Every openpi parameter path of `config`'s variant (51 for π0.5, 50 for π0), in table order."""
+    """Every openpi parameter path of `config`'s variant (51 for π0.5, 50 for π0, 32 for π0-FAST), in table order."""
     return tuple(leaf.openpi for leaf in _spec(config))
 
 
@@ -229,6 +248,8 @@ def _build(values: dict[tuple[str, ...], jax.Array], config: ModelConfig) -> Par
         ),
         norm=lnorm(("siglip", "norm")), head=dense(("siglip", "head")),
     )
+    if config.variant == "pi0_fast":
+        return Pi0FastParams(embedding=values[("embedding",)], vlm=expert("vlm"), siglip=siglip, config=config)
     return Params(
         embedding=values[("embedding",)], vlm=expert("vlm"), action_expert=expert("action_expert"),
         siglip=siglip, action_in=dense(("action_in",)), time_mlp_in=dense(("time_mlp_in",)),
@@ -293,8 +314,9 @@ def _map_layer_stacks(params: Params, fn) -> Params:
     def expert(e: Expert) -> Expert:
         return dataclasses.replace(e, layers=fn(e.layers))
 
+    more = {} if isinstance(params, Pi0FastParams) else {"action_expert": expert(params.action_expert)}
     return dataclasses.replace(
-        params, vlm=expert(params.vlm), action_expert=expert(params.action_expert),
+        params, vlm=expert(params.vlm), **more,
         siglip=dataclasses.replace(params.siglip, layers=fn(params.siglip.layers)),
     )
 
@@ -343,7 +365,8 @@ def from_openpi_dict(flat: dict[str, jax.Array], config: ModelConfig, *, consume
         if tuple(flat[k].shape) != expected[k]
     )
     if missing or unexpected or misshaped:
-        lines = [f"parameters do not match the {'π0.5' if config.variant == 'pi05' else 'π0'} tree for this config:"]
+        name = {"pi05": "π0.5", "pi0": "π0", "pi0_fast": "π0-FAST"}[config.variant]
+        lines = [f"parameters do not match the {name} tree for this config:"]
         for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
             if items:
                 lines.append(f"  {title} ({len(items)}):")
