@@ -185,7 +185,7 @@ def test_our_checkpoint_without_config_and_an_openpi_pi0_fast_checkpoint_are_nam
     d = _copy_without(DEMO_DIR / "base", tmp_path / "base", "config")
     with pytest.raises(ValueError, match="an oxygen_jax checkpoint missing its config/ item"):
         load_model(d)
-    with pytest.raises(ValueError, match="is a π0-FAST model .*does not run π0-FAST yet"):
+    with pytest.raises(ValueError, match="is a π0-FAST model .*load it with oxygen_jax.ckpts.openpi_fast.load_openpi_fast"):
         load_model(fixture("openpi_tiny_pi0_fast"))
 
 

@@ -3,7 +3,8 @@
 An openpi checkpoint (`load_openpi_params`, `load_openpi_lora`) is an orbax PyTree item directory
 `params/` whose tree is `{"params": <nested dict>}` with "/"-joined leaf paths such as
 `PaliGemma/llm/layers/attn/q_einsum/w` (see `params.openpi_paths`; π0, openpi's `Pi0Config(pi05=False)`,
-is recognised by its `state_proj` leaf, `params.variant_of`). Two layouts exist:
+is recognised by its `state_proj` leaf, `params.variant_of`; π0-FAST, a tree without action projections
+(`is_pi0_fast`), is refused here and read by `ckpts.openpi_fast`). Two layouts exist:
 
 - released (`gs://openpi-assets/checkpoints/<model>/params`): plain paths;
 - training (`<exp>/<step>/params`, written by an orbax CheckpointManager from an `nnx.State`):
@@ -196,6 +197,12 @@ def infer_model_config(
 # ---------------------------------------------------------------------------------------------
 
 
+def is_pi0_fast(paths: Iterable[str]) -> bool:
+    """Whether openpi parameter paths are π0-FAST's: PaliGemma's embedder and no action projections (no expert)."""
+    paths = set(paths)
+    return f"{_LLM}/embedder/input_embedding" in paths and not any(k.startswith("action_in_proj/") for k in paths)
+
+
 def _read_openpi_metadata(item: Path) -> tuple[dict[str, Any], bool]:
     """({openpi path: array metadata}, whether stored paths carry a trailing `value`)."""
     tree = read_tree_metadata(item)
@@ -249,9 +256,10 @@ def _open_openpi(path: PathLike, dtype: DType, prompt_attention: PromptAttention
         raise ValueError(f"embed_scale must be 'stored' or 'restored', got {embed_scale!r}")
     item = resolve_params_item(path)
     meta, has_value = _read_openpi_metadata(item)
-    if f"{_LLM}/embedder/input_embedding" in meta and not any(k.startswith("action_in_proj/") for k in meta):
+    if is_pi0_fast(meta):
         raise ValueError(f"openpi checkpoint {item} is a π0-FAST model (one PaliGemma decoding FAST action tokens, no "
-                         "action expert): oxygen_jax does not run π0-FAST yet; π0 and π0.5 checkpoints run")
+                         "action expert): load it with oxygen_jax.ckpts.openpi_fast.load_openpi_fast; this reader "
+                         "restores π0 and π0.5")
     variant = variant_of(meta)
     paths = openpi_paths(model_config("tiny", variant=variant))  # the variant's path list (dims do not matter)
     missing = [k for k in paths if k not in meta]
