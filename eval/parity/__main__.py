@@ -15,7 +15,8 @@ A StarVLA QwenPI_v3 / QwenGR00T checkpoint (config.yaml + StarVLA's state_dict n
 `eval.parity.starvla.is_starvla_fixture`) runs `eval.parity.starvla`. A LeRobot dataset fixture (dataset/ +
 reference.npz, `eval.parity.lerobot.is_lerobot_fixture`) runs `eval.parity.lerobot`; a LeRobot π0.5 / π0 checkpoint
 (pretrained_model/ + reference.npz, `eval.parity.lerobot_policy.is_lerobot_policy_fixture`) runs
-`eval.parity.lerobot_policy`. Exit status 1 on any FAIL.
+`eval.parity.lerobot_policy`. An openpi π0-FAST fixture (an openpi checkpoint with `fast_tokenizer/` and
+reference.npz, `eval.parity.openpi_fast.is_fast_fixture`) runs `eval.parity.openpi_fast`. Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from eval.parity import hf, openpi, qwen35, rtc
+from eval.parity import hf, openpi, openpi_fast, qwen35, rtc
 from eval.parity import lerobot as lerobot_parity
 from eval.parity import lerobot_policy
 from eval.parity import xr0 as xr0_parity
 from eval.parity import starvla as starvla_parity
-from eval.parity.checks import format_table, summary
+from eval.parity.checks import format_table, report, summary
 from oxygen_jax.ckpts.manifest import check_manifest
 
 
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
         return hf.main([str(args.fixture)])
     if starvla_parity.is_starvla_fixture(args.fixture):  # StarVLA QwenPI_v3 / QwenGR00T: config.yaml + its state_dict
         return starvla_parity.main([str(args.fixture)])
+    if openpi_fast.is_fast_fixture(args.fixture):  # π0-FAST: an openpi checkpoint with fast_tokenizer/ beside it
+        return report(openpi_fast.run_fixture(args.fixture))
     if not openpi.is_openpi_fixture(args.fixture):
         ap.error(f"{args.fixture}: neither an openpi fixture (params/ or train_checkpoint/<step>/params/ with "
                  "reference.npz) nor an HF Qwen3 / Qwen3-VL checkpoint (config.json with model_type 'qwen3' or "

@@ -119,8 +119,8 @@ def _observation(ref) -> Observation:
     )
 
 
-def _check_model(chk: Checker, params, ref, obs: Observation):
-    cams = [c for c in CAMERA_SLOTS if f"image/{c}" in ref]
+def check_siglip(chk: Checker, params, ref, obs: Observation, cams) -> None:
+    """SigLIP's stem, encoder and head outputs of each camera in `cams` (obs.images' order) that `ref` holds."""
     for i, cam in enumerate(cams):
         if f"siglip/{cam}/tokens" not in ref:
             continue
@@ -129,6 +129,10 @@ def _check_model(chk: Checker, params, ref, obs: Observation):
         chk.close(f"siglip/{cam}/stem", np.asarray(st["stem"]).reshape(stem_ref.shape), stem_ref, "siglip")
         chk.close(f"siglip/{cam}/encoded", st["encoded"], ref[f"siglip/{cam}/encoded"], "siglip")
         chk.close(f"siglip/{cam}/tokens", st["tokens"], ref[f"siglip/{cam}/tokens"], "siglip")
+
+
+def _check_model(chk: Checker, params, ref, obs: Observation):
+    check_siglip(chk, params, ref, obs, [c for c in CAMERA_SLOTS if f"image/{c}" in ref])
 
     out = jax.jit(model.prefix_forward)(params, obs)
     valid = np.asarray(ref["prefix/input_mask"])
