@@ -442,7 +442,7 @@ def test_the_base_fingerprint_is_required_and_checked(base_and_adapter, tmp_path
     with pytest.raises(ValueError, match="adapter.json: base_fingerprint is missing") as e:
         adapters.load_adapter(path, config, base=other)
     _one_line(e)
-    with pytest.raises(ValueError, match="is not a π0.5 checkpoint"):
+    with pytest.raises(ValueError, match="is not a π checkpoint"):
         adapters.save_adapter(tmp_path / "b", adapters.load_adapter(src, config, base=base)[0], prompt="x", base=tmp_path)
 
 

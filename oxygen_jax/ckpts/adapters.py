@@ -136,8 +136,8 @@ def save_adapter(
     """
     fingerprint = base_fingerprint(base)
     if fingerprint is None:
-        raise ValueError(f"base {Path(base).resolve()} is not a π checkpoint (ours, openpi's or LeRobot's): an adapter records "
-                         "the fingerprint of the base it was trained on")
+        raise ValueError(f"base {Path(base).resolve()} is not a π checkpoint (ours, openpi's or LeRobot's): an adapter "
+                         "records the fingerprint of the base it was trained on")
     dest = Path(path).expanduser().resolve()
     if dest.exists() and not overwrite:
         raise FileExistsError(f"adapter directory already exists: {dest} (pass overwrite=True to replace it)")
@@ -231,7 +231,7 @@ def _check_meta(meta, meta_file: Path, base: str | os.PathLike | None) -> None:
                          "base_fingerprint can be checked")
     got = base_fingerprint(base)
     if got is None:
-        raise ValueError(f"{Path(base).resolve()} is not a π0.5 checkpoint (ours or openpi's), so the adapter's "
+        raise ValueError(f"{Path(base).resolve()} is not a π checkpoint (ours, openpi's or LeRobot's), so the adapter's "
                          f"base_fingerprint in {meta_file} cannot be checked; serve it on the base it was trained on")
     if got != recorded:
         raise ValueError(f"adapter {meta_file.parent} was trained on base {meta.get('base')} but {Path(base).resolve()} "
