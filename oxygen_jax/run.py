@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="LeRobot checkpoints whose SigLIP is not So400m (which LeRobot itself never writes): its "
                         "attention head count, which no tensor stores")
     m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 on GPUs")
+    m.add_argument("--dtype", default="auto", choices=list(cm.DTYPES),
+                   help="parameters and activations (default auto: bfloat16 on GPUs, float32 on CPUs)")
     m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                    help="openpi's bidirectional prompt, or OxyGen's causal variant")
     m.add_argument("--tokenizer", type=_tokenizer_file,
@@ -200,7 +201,8 @@ def main(argv=None) -> int:
             return _fail(str(e))
         where = f"--ckpt {args.ckpt}: " if args.ckpt else ""
         try:  # params laid out for the backend: unrolled layer loop on CPU, scanned on accelerators
-            model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset, dtype=args.dtype,
+            model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset,
+                            dtype=cm.resolve_dtype(args.dtype),
                             seed=args.seed, prompt_attention=args.prompt_attention, action_mask=mask,
                             vision_heads=args.vision_heads)
         except (ValueError, OSError) as e:
@@ -212,7 +214,7 @@ def main(argv=None) -> int:
         except (ValueError, OSError) as e:
             where = f"--tokenizer {args.tokenizer}: " if args.tokenizer else ""
             return _fail(f"{where}{str(e).splitlines()[0]}")
-        vla, io, what, dtype = model.vla(args.steps), model.io, model.what, args.dtype
+        vla, io, what, dtype = model.vla(args.steps), model.io, model.what, cm.resolve_dtype(args.dtype)
         robot = io.robot(robot)
         try:
             rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)

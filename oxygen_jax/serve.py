@@ -127,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="address to listen on; 127.0.0.1 is this machine only, 0.0.0.0 every interface "
                          "(robots on other machines; consider --api-key)")
     ap.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
+    ap.add_argument("--dtype", default="auto", choices=list(cm.DTYPES),
+                    help="parameters and activations (default auto: bfloat16 on GPUs, float32 on CPUs)")
     ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                     help="π0.5: how prompt tokens attend to each other")
     ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model, or an XR0 / StarVLA checkpoint's tokenizer.json; "
@@ -254,7 +255,8 @@ def build(args: argparse.Namespace):
                                    "--action-mask": bool(args.action_mask), "--adapter": bool(args.adapter),
                                    "--vision-heads": args.vision_heads is not None,
                                    "--prompt-attention": args.prompt_attention != "bidirectional"})
-        model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset, dtype=args.dtype,
+        model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset,
+                        dtype=cm.resolve_dtype(args.dtype),
                         seed=args.seed, prompt_attention=args.prompt_attention, action_mask=_action_mask(args),
                         dataset_key=args.dataset_key, vision_heads=args.vision_heads)
         log_notes(model)

@@ -33,7 +33,7 @@ def fixture(*parts: str) -> Path:
     """A path inside ../shared/fixtures, or a visible skip naming it when it is absent."""
     path = shared_dir().joinpath("fixtures", *parts)
     if not path.exists():
-        pytest.skip(f"../shared fixtures not present: {path}")
+        pytest.skip(f"../shared fixtures not present: {path} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     return path
 
 

@@ -170,7 +170,7 @@ def test_pool_greedy_tokens_on_hf_qwen_prefixes_equal_transformers_generate(fixt
     left-padded row, to exactly the tokens of transformers' cached `generate` (fixtures made by transformers)."""
     path = shared_dir() / "fixtures" / fixture
     if not path.is_dir():
-        pytest.skip(f"../shared fixtures not present: {path}")
+        pytest.skip(f"../shared fixtures not present: {path} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     ck = hf_checkpoint.load(path)
     ref = dict(np.load(path / "reference.npz"))
     spec = mot.ModelSpec(backbone=ck.spec, heads=(), image_token_id=ck.config.get("image_token_id"))

@@ -26,7 +26,7 @@ from oxygen_jax.models.pi05.spec import pi05_spec
 def _lora_fixture(*parts: str):
     path = shared_dir() / "fixtures" / "openpi_tiny_pi05_lora"
     if not path.is_dir():
-        pytest.skip(f"../shared fixtures not present: {path}")
+        pytest.skip(f"../shared fixtures not present: {path} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     return path.joinpath(*parts)
 
 

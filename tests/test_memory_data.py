@@ -50,7 +50,7 @@ PX = 56  # the tiny preset's SigLIP image side
 def _fixture_dir():
     path = shared_dir() / "fixtures" / "rlds_tfrecord_tiny"
     if not path.is_dir():
-        pytest.skip(f"../shared fixtures not present: {path}")
+        pytest.skip(f"../shared fixtures not present: {path} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     return path
 
 

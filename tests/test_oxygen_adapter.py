@@ -255,7 +255,7 @@ def test_training_memory_takes_an_openpi_checkpoint_as_base_and_its_adapter_goes
     # openpi's checkpoints ship no tokenizer (refused without one): the LeRobot fixture's fits the 1024-row vocabulary
     tokenizer = shared_dir() / "fixtures" / "lerobot_tiny_pi05" / "tokenizer" / "tokenizer.model"
     if not tokenizer.is_file():
-        pytest.skip(f"../shared fixtures not present: {tokenizer}")
+        pytest.skip(f"../shared fixtures not present: {tokenizer} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     assert train_main(["--data", str(data), "--out", str(out), "--base", str(fixture), "--steps", "1", "--batch-size", "1",
                        "--rank", "2", "--prompt-len", "32", "--eval-split", "", "--devices", "1", "--no-progress",
                        "--tokenizer", str(tokenizer)]) == 0
@@ -276,7 +276,7 @@ def test_openpis_own_vlm_lora_imported_as_an_oxygen_file_merges_to_openpis_merge
 
     fixture = openpi_fixture().parent / "openpi_tiny_pi05_lora"
     if not fixture.exists():
-        pytest.skip(f"../shared fixtures not present: {fixture}")
+        pytest.skip(f"../shared fixtures not present: {fixture} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     vlm = load_openpi_lora(fixture).vlm
     arrays = {k: np.asarray(v) for k, v in to_openpi(pi05_lora.ModelLora(vlm=vlm, action_expert=None)).items()}
     rank = int(arrays[f"{W}/attn/q_einsum/lora_a"].shape[-1])

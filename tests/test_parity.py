@@ -66,7 +66,7 @@ def lora_rows():
 
     path = shared_dir() / "fixtures" / "openpi_tiny_pi05_lora"
     if not path.is_dir():
-        pytest.skip(f"../shared fixtures not present: {path}")
+        pytest.skip(f"../shared fixtures not present: {path} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     return openpi_parity.run_fixture(path)
 
 
@@ -164,7 +164,7 @@ def test_manifest_of_full_size_pi05_maps_exactly():
 
     path = shared_dir() / "fixtures" / "pi05_param_manifest.json"
     if not path.is_file():
-        pytest.skip(f"../shared fixtures not present: {path}")
+        pytest.skip(f"../shared fixtures not present: {path} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     assert parity_cli.main(["--manifest", str(path)]) == 0
     assert parity_cli.main(["--manifest", str(path.with_name("pi05_lora_param_manifest.json"))]) == 0
 

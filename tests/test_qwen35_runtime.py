@@ -142,7 +142,7 @@ def test_request_prompt_padding_is_identity_and_a_prompt_continues_the_prefix(ti
 def test_load_model_routes_a_qwen35_directory_and_its_pool_decodes_hfs_greedy_tokens():
     fixture = shared_dir() / "fixtures" / "qwen35_tiny"
     if not fixture.is_dir():
-        pytest.skip(f"../shared fixtures not present: {fixture}")
+        pytest.skip(f"../shared fixtures not present: {fixture} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     loaded = load_model(fixture, family="multihead")
     spec, dec = loaded.config.hybrid, loaded.params.decoder
     assert loaded.source == "hf" and spec is not None and spec.layer_types.count("full_attention") == 2

@@ -30,7 +30,7 @@ FIXTURE = shared_dir() / "fixtures" / "rtc_reference"
 @pytest.fixture(scope="module")
 def ref():
     if not FIXTURE.is_dir():
-        pytest.skip(f"../shared fixtures not present: {FIXTURE}")
+        pytest.skip(f"../shared fixtures not present: {FIXTURE} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     from eval.parity import rtc as parity
 
     meta, arrays = parity.load(FIXTURE)

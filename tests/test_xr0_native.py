@@ -35,7 +35,7 @@ ATOL = 1e-4
 def _fixture(name: str = "xr0_tiny"):
     path = shared_dir() / "fixtures" / name
     if not path.is_dir():
-        pytest.skip(f"../shared fixtures not present: {path}")
+        pytest.skip(f"../shared fixtures not present: {path} (clone beside ../shared, or set OXYGEN_SHARED_DIR)")
     return path
 
 
