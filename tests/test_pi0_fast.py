@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from oxygen_jax.ckpts.openpi import load_openpi_params
-from oxygen_jax.ckpts.openpi_fast import load_fast_codec, load_openpi_fast, load_openpi_fast_params
+from oxygen_jax.ckpts.openpi_fast import is_fast_checkpoint, load_fast_codec, load_openpi_fast, load_openpi_fast_params
 from oxygen_jax.models import backbone
 from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.pi05 import pi0_fast, pi0_fast_decode
@@ -180,6 +180,7 @@ def test_both_layouts_restore_the_same_pi0_fast_and_the_pi_readers_point_to_each
     _, train = load_openpi_fast_params(root / "train_checkpoint" / "1")
     flat, other = to_openpi_dict(ck.params), to_openpi_dict(train)
     assert len(flat) == 32 and all(np.array_equal(flat[k], other[k]) for k in flat)
+    assert is_fast_checkpoint(root) and not is_fast_checkpoint(fixture("openpi_tiny_pi05"))
     with pytest.raises(ValueError, match="is a π0-FAST model .*openpi_fast.load_openpi_fast"):
         load_openpi_params(root)
     with pytest.raises(ValueError, match="is not a π0-FAST model .*load_openpi_params"):

@@ -57,6 +57,11 @@ def infer_fast_config(shapes: Mapping[str, Iterable[int]], *, dtype: DType = "fl
         raise ValueError(f"checkpoint shapes give an invalid Pi0FastConfig: {e}") from e
 
 
+def is_fast_checkpoint(path: PathLike) -> bool:
+    """Whether an openpi checkpoint (root, step or `params` item) holds π0-FAST's tree, from its metadata alone."""
+    return is_pi0_fast(_read_openpi_metadata(resolve_params_item(path))[0])
+
+
 def _open_fast(path: PathLike, dtype: DType, embed_scale: EmbedScale = "stored") -> _OpenpiItem:
     """Reads the metadata, infers the config and checks every key and shape before any array is read."""
     if embed_scale not in ("stored", "restored"):
