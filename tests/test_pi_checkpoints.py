@@ -91,15 +91,26 @@ def test_pi0_needs_its_state_and_pi05_refuses_one(pi0_params, tiny_params):
         model.velocity(tiny_params, model.prefill(tiny_params, obs), noise, jnp.ones(1), jnp.zeros((1, 32)))
 
 
-def test_openpi_pi0_fixture_passes_parity():
-    from eval.parity import openpi as openpi_parity
+def test_openpi_pi0_fixture_matches_openpis_prefix_velocity_and_actions():
+    """The core of `python -m eval.parity` on openpi's π0 fixture (which checks 71 quantities in both layouts)."""
+    from eval.parity.openpi import _observation
+    from oxygen_jax.ckpts.openpi import load_openpi_params
 
-    rows = openpi_parity.run_fixture(fixture("openpi_tiny_pi0"), layouts=("released",))
-    failed = [f"{r.quantity} [{r.layout}] {r.max_abs:.3g}" for r in rows if not r.ok]
-    assert not failed, failed
-    names = {r.quantity for r in rows}
-    assert {"actions/num_steps_10", "step1/state_token", "state_alt/actions/num_steps_10", "loss/loss_explicit",
-            "prefix/kv_cache_k (valid rows)"} <= names
+    root = fixture("openpi_tiny_pi0")
+    ref = dict(np.load(root / "reference.npz"))
+    cfg, params = load_openpi_params(root / "params")
+    assert cfg.variant == "pi0" and params.state_proj is not None
+    obs, noise = _observation(ref), jnp.asarray(ref["noise"])
+    cache = model.prefill(params, obs)
+    valid = np.asarray(ref["prefix/input_mask"])
+    k = np.asarray(cache.k)[:, valid]  # [L, B, P, K, H] at the valid positions
+    np.testing.assert_allclose(k, np.asarray(ref["prefix/kv_cache_k"])[:, valid], atol=5e-4, rtol=1e-4)
+    ones = jnp.ones((noise.shape[0],))
+    v = jax.jit(model.velocity)(params, cache, noise, ones, jnp.asarray(ref["state"]))
+    np.testing.assert_allclose(v, ref["step1/velocity_t1"], atol=2e-4, rtol=1e-4)
+    for state, key in (("state", "actions/num_steps_10"), ("state_alt/state", "state_alt/actions/num_steps_10")):
+        actions = model.denoise(params, cache, noise, 10, jnp.asarray(ref[state]))
+        np.testing.assert_allclose(actions, ref[key], atol=2e-4, rtol=1e-4)
 
 
 def _copy_without(src, dst, *names):
@@ -113,7 +124,8 @@ def _copy_without(src, dst, *names):
 
 def test_a_pi_checkpoint_without_its_tokenizer_is_refused_in_one_line_and_runs_with_one(tmp_path, capsys):
     ckpt = _copy_without(fixture("openpi_tiny_pi05"), tmp_path / "pi05_libero", "tokenizer.model")
-    argv = ["--ckpt", str(ckpt), "--frames", "1", "--steps", "1", "--slots", "1", "--max-new-tokens", "2", "--no-cache"]
+    argv = ["--ckpt", str(ckpt), "--frames", "1", "--steps", "1", "--slots", "1", "--max-new-tokens", "1",
+            "--prompt-len", "16", "--no-cache"]
     assert run.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "has no tokenizer in or beside it" in err and "tokenizer.model" in err
@@ -145,7 +157,7 @@ def test_serve_answers_an_openpi_client_with_actions_and_a_language_answer(name)
     args = serve._parser().parse_args([
         "--ckpt", str(fixture(name)), "--tokenizer", str(_tokenizer_of(name)), *_model_flags(name), "--robot", "libero",
         "--batch-sizes", "1", "--slots", "1", "--max-new-tokens", "2", "--tokens-per-frame", "2", "--steps", "2",
-        "--port", "0"])
+        "--port", "0", *([] if name.startswith("lerobot") else ["--prompt-len", "16"])])
     engine, tok, robot, io, _, rows = serve.build(args)
     server = PolicyServer(engine, tok, robot, ServeConfig(host="127.0.0.1", port=0, buckets=(1,), seed=1,
                                                           deadline_ms=1000), io=io, **rows)
