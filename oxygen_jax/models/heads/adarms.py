@@ -44,15 +44,12 @@ from oxygen_jax.nn.masks import make_attn_mask
 _STATIC = dict(static=True)
 
 
-@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AdaRmsSpec(HeadSpec):
-    """π0.5's action expert as a head: layer l reads backbone layer l, bidirectional inside its chunk, no
-    extra tokens (π0.5 reads the state as prompt tokens), adaRMS time of width Da on the accumulated clock
-    from t = 1. `horizon` 0: the chunk length is the caller's (the noise's Ha)."""
+class GemmaJointSpec(HeadSpec):
+    """What π's action experts share (π0.5's `AdaRmsSpec`, π0's `heads.time_mlp.TimeMlpSpec`): a Gemma stack whose
+    layer l reads backbone layer l, positions continuing the prefix, sincos time features of width Da on openpi's
+    accumulated clock from t = 1 (noise) to 0. Abstract: the kinds add their tokens, time input and weights."""
 
-    kind: ClassVar[str] = "adarms_joint"
-    per_token_time: ClassVar[bool] = True  # adaRMS conditions each action token on its own time
     clock_start: ClassVar[float | None] = 1.0
 
     num_kv_heads: int  # K: the expert's own K/V heads, the backbone's (their K/V are concatenated)
@@ -73,14 +70,6 @@ class AdaRmsSpec(HeadSpec):
         return ()
 
     @property
-    def extra_tokens(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def state_dim(self) -> int:
-        return 0
-
-    @property
     def t_direction(self) -> str:
         """openpi's clock: t = 1 noise -> 0 actions."""
         return "1_to_0"
@@ -92,9 +81,27 @@ class AdaRmsSpec(HeadSpec):
 
     def check_backbone(self, spec: BackboneSpec) -> None:
         name = f"head {self.name!r}"
-        require(self.depth == spec.depth, f"{name}: an adarms_joint head has one layer per backbone layer: depth "
+        require(self.depth == spec.depth, f"{name}: an {self.kind} head has one layer per backbone layer: depth "
                                           f"{self.depth} must equal the backbone's {spec.depth}")
         check_reads_kv(self, spec)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaRmsSpec(GemmaJointSpec):
+    """π0.5's action expert as a head: bidirectional inside its chunk, no extra tokens (π0.5 reads the state as
+    prompt tokens), adaRMS time conditioning. `horizon` 0: the chunk length is the caller's (the noise's Ha)."""
+
+    kind: ClassVar[str] = "adarms_joint"
+    per_token_time: ClassVar[bool] = True  # adaRMS conditions each action token on its own time
+
+    @property
+    def extra_tokens(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def state_dim(self) -> int:
+        return 0
 
     def params_type(self) -> type:
         return AdaRmsHead

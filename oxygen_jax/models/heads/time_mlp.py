@@ -35,9 +35,8 @@ import jax.numpy as jnp
 
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import flow
-from oxygen_jax.models.backbone import BackboneSpec, DecoderLayers
-from oxygen_jax.models.heads.adarms import AdaRmsState, posemb_sincos, prepare as _read_prefix, stack_spec
-from oxygen_jax.models.heads.spec import HeadSpec, check_kv_heads, check_reads_kv, require
+from oxygen_jax.models.backbone import DecoderLayers
+from oxygen_jax.models.heads.adarms import AdaRmsState, GemmaJointSpec, posemb_sincos, prepare as _read_prefix, stack_spec
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.layers import Dense, RMSNorm, Unstacked, _pytree, dense, stack_layers, unstack_layers
 from oxygen_jax.nn.masks import make_attn_mask
@@ -45,28 +44,11 @@ from oxygen_jax.nn.masks import make_attn_mask
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TimeMlpSpec(HeadSpec):
-    """π0's action expert as a head: layer l reads backbone layer l; a state token [B, Ad] -> [B, 1, Da] before
-    the actions; the time mixed into each action token by an MLP; the accumulated clock from t = 1."""
+class TimeMlpSpec(GemmaJointSpec):
+    """π0's action expert as a head: a state token [B, Ad] -> [B, 1, Da] before the actions, the time mixed into each
+    action token by an MLP (the rest, `GemmaJointSpec`: layer l reads backbone layer l, the clock from t = 1)."""
 
     kind: ClassVar[str] = "time_mlp_joint"
-    clock_start: ClassVar[float | None] = 1.0
-
-    num_kv_heads: int  # K: the expert's own K/V heads, the backbone's (their K/V are concatenated)
-
-    def _check(self, name: str) -> None:
-        super()._check(name)
-        check_kv_heads(name, self.num_heads, self.num_kv_heads)
-        require(self.width % 2 == 0 and self.head_dim % 2 == 0,
-                f"{name}: width ({self.width}, sincos time features) and head_dim ({self.head_dim}, RoPE) must be even")
-
-    @property
-    def kv_layers(self) -> tuple[int, ...]:
-        return tuple(range(self.depth))
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return ()
 
     @property
     def extra_tokens(self) -> tuple[str, ...]:
@@ -76,20 +58,6 @@ class TimeMlpSpec(HeadSpec):
     def state_dim(self) -> int:
         """Ds = Ad: openpi pads the state to the model's action dim."""
         return self.action_dim
-
-    @property
-    def t_direction(self) -> str:
-        return "1_to_0"
-
-    @property
-    def time_embed_dim(self) -> int:
-        return self.width
-
-    def check_backbone(self, spec: BackboneSpec) -> None:
-        name = f"head {self.name!r}"
-        require(self.depth == spec.depth, f"{name}: a time_mlp_joint head has one layer per backbone layer: depth "
-                                          f"{self.depth} must equal the backbone's {spec.depth}")
-        check_reads_kv(self, spec)
 
     def params_type(self) -> type:
         return TimeMlpHead
