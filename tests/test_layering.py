@@ -104,6 +104,7 @@ FAMILY_MODULES = (
     "oxygen_jax.models.heads.time_mlp", "oxygen_jax.models.heads.joint", "oxygen_jax.models.heads.cross",
     "oxygen_jax.ckpts.openpi", "oxygen_jax.ckpts.openpi_lora", "oxygen_jax.ckpts.own", "oxygen_jax.ckpts.hf",
     "oxygen_jax.ckpts.qwen35", "oxygen_jax.ckpts.xr0", "oxygen_jax.ckpts.starvla", "oxygen_jax.ckpts.lerobot",
+    "oxygen_jax.ckpts.openpi_fast",
 )
 FAMILY_FREE = ("oxygen_jax.runtime", "oxygen_jax.serving", "oxygen_jax.run", "oxygen_jax.serve",
                "oxygen_jax.command_model")

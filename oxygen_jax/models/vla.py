@@ -104,6 +104,12 @@ class MultiHead:
         return mot.run_heads(self.spec, self.params, prefix, noises, states)
 
     @property
+    def action_stream(self):
+        """How the language decoder writes action chunks (`decoded_actions.ActionStream`, π0-FAST), or None: the
+        heads give them."""
+        return None
+
+    @property
     def stop_ids(self) -> tuple[int, ...]:
         """The language decoder's default stop set (`ModelSpec.stop_ids`)."""
         return self.spec.stop_ids

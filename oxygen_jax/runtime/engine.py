@@ -28,6 +28,10 @@ has a row, continuing that robot's observation. Streams are isolated from each o
 actions come back non-finite is reported in `StepResult.row_errors` (the other rows are served as
 usual, and that row's requests admitted in the frame are dropped), `validate` finds the row whose
 inputs `step` would refuse, and a state is bounded by `MAX_STATE_ABS`.
+
+A model whose decoder writes the chunks (`MultiHead.action_stream`, π0-FAST) runs `runtime.action_streams`
+frames instead: one action stream per robot row in the same pool as the language requests, each stopping on
+its own, bounded by a deadline (`StreamConfig`); a chunk that fails is that row's `row_errors` entry.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from oxygen_jax.runtime import decode, slot_mesh
+from oxygen_jax.runtime import action_streams, decode, slot_mesh
 from oxygen_jax.models.decoder import MAX_STOP_IDS
 from oxygen_jax.models.lora import LoraBank
 from oxygen_jax.models.vla import MultiHead
@@ -122,6 +126,7 @@ class StepResult:
     new_tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # request id -> ids emitted this frame
     steps: int = 0  # decode (or verify) steps this frame's burst ran
     tokens_per_step: float = 0.0  # burst tokens per (slot, step) that emitted: 1 plain, up to γ + 1 speculative
+    fallbacks: dict[int, str] = dataclasses.field(default_factory=dict)  # batch row -> why its chunk is openpi's zeros
 
 
 def _is_int(x) -> bool:
@@ -185,7 +190,8 @@ class Engine:
     """Continuous-batching engine over `runtime.frame.frame_step` (one compiled program per frame shape)."""
 
     def __init__(self, vla: MultiHead, config: EngineConfig = EngineConfig(), tokenizer=None, *,
-                 bank: LoraBank | None = None, adapter_names: Sequence[str] = (), mesh=None):
+                 bank: LoraBank | None = None, adapter_names: Sequence[str] = (), mesh=None,
+                 streams: action_streams.StreamConfig | None = None):
         """Args:
           vla: a `models.vla.MultiHead` with a language decoder (π0.5 `Params`: `pi05.model.as_vla(params,
             num_steps)`); `for_backend` weights recommended.
@@ -197,6 +203,8 @@ class Engine:
           adapter_names: names of the bank's adapters 1..E (id 0 is "base", the model's own weights).
           mesh: a `runtime.slot_mesh.serving_mesh` to split the slot pool over (its `robots` axis; num_slots a
             multiple of it); `vla` placed on it (`slot_mesh.place_model`). None: one device.
+          streams: action streams of a model whose decoder writes the chunks (`vla.action_stream`; default
+            `StreamConfig()`): kept slots, max tokens per chunk, the frame's deadline, the failure rule.
         """
         if not isinstance(vla, MultiHead):
             raise ValueError(f"Engine runs a models.vla.MultiHead, got {type(vla).__name__} (π0.5 Params: pass "
@@ -215,14 +223,28 @@ class Engine:
         self.adapters: dict[str, int] = {"base": 0, **{n: i + 1 for i, n in enumerate(adapter_names)}}
         if len(self.adapters) != len(adapter_names) + 1:
             raise ValueError(f"adapter names must be unique and not 'base', got {list(adapter_names)}")
+        self.streams = self._streams(streams)
         self._sched = Scheduler(config.num_slots, config.admissions_per_frame, config.prompt_capacity,
-                                speculate=config.speculate, max_new_tokens=config.max_new_tokens)
+                                speculate=config.speculate, max_new_tokens=config.max_new_tokens,
+                                reserved=0 if self.streams is None else self.streams.slots)
         self._pool: decode.DecodePool | None = None
         self._prefix_key: tuple | None = None
         self._detok: dict[int, object] = {}
         self._next_id = 0
         self._frame = 0
         self._base_key = jax.random.key(config.seed)
+
+    def _streams(self, config: action_streams.StreamConfig | None) -> action_streams.Streams | None:
+        stream, cfg = self.vla.action_stream, self.config
+        if stream is None:
+            if config is not None:
+                raise ValueError("streams= configures action streams, but this model's actions come from its heads")
+            return None
+        if cfg.speculate or self.mesh is not None:
+            raise ValueError("action streams run on a plain one-device pool: drop speculate / mesh for this model")
+        return action_streams.Streams(stream, config or action_streams.StreamConfig(), num_slots=cfg.num_slots,
+                                      max_new_tokens=cfg.max_new_tokens, prompt_capacity=cfg.prompt_capacity,
+                                      tokens_per_frame=cfg.tokens_per_frame)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -425,6 +447,9 @@ class Engine:
                                 speculate=self.config.speculate, max_new_tokens=p.max_new_tokens).offer(b)
         noises = {n: jax.random.normal(jax.random.key(0), self._noise_shape(n, b)) for n in self.vla.heads}
         rtc = rtc_mod.for_heads(self.vla, rtc, noises)
+        if self.streams is not None:
+            self.streams.warmup(self.vla, scratch, observation, requests, self.bank)
+            return time.perf_counter() - start
         _, out = frame_step(self.vla, scratch, observation, noises, requests, np.zeros((p.num_slots,), bool),
                             self.bank, states, tokens_per_frame=self.config.tokens_per_frame,
                             **({} if rtc is None else {"rtc": rtc}))
@@ -489,6 +514,8 @@ class Engine:
         errors = self._drop_unservable(rows, b)
         cfg = self.config
         requests, evict = self._sched.offer(b if rows is None else rows)
+        if self.streams is not None:
+            return self._step_streams(observation, list(range(b)) if rows is None else rows, requests, evict, errors)
         start = time.perf_counter()
         try:
             pool, out = frame_step(self.vla, self._pool, observation, noise, requests, evict, self.bank, states,
@@ -512,6 +539,21 @@ class Engine:
         offered = self._sched.offered()
         result = self._absorb(out, b, start, end, errors)
         return self._isolate(result, bad, rows, offered) if bad else result
+
+    def _step_streams(self, observation, rows: list[int], requests, evict, errors) -> StepResult:
+        """A frame of a model whose decoder writes the chunks (`runtime.action_streams`)."""
+        start = time.perf_counter()
+        try:
+            self._pool, out, chunks = self.streams.run(self.vla, self._pool, observation, rows, requests, evict, self.bank)
+        except Exception as e:  # noqa: BLE001 - the chunks must survive a failing request
+            if not np.any(requests.valid):
+                raise
+            errors += self._retry_without_requests(e)
+            requests, evict = self._sched.offer([])
+            self._pool, out, chunks = self.streams.run(self.vla, self._pool, observation, rows, requests, evict, self.bank)
+        result = self._absorb(out, len(rows), start, time.perf_counter(), errors)
+        return dataclasses.replace(result, actions=chunks.actions, head_actions={self.streams.stream.name: chunks.actions},
+                                   row_errors=chunks.errors, fallbacks=chunks.fallbacks, steps=chunks.steps)
 
     def _isolate(self, result: StepResult, bad: dict[int, str], rows: list[int],
                  offered: list[Ticket]) -> StepResult:

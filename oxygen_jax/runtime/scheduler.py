@@ -99,10 +99,12 @@ class Scheduler:
     """FIFO queue of `Ticket`s in front of a pool of `num_slots` decode slots."""
 
     def __init__(self, num_slots: int, admissions_per_frame: int, prompt_capacity: int, *, speculate: int = 0,
-                 max_new_tokens: int = 0):
+                 max_new_tokens: int = 0, reserved: int = 0):
         """`speculate` = γ (0: plain decoding); a speculative scheduler needs the pool's `max_new_tokens` (M) to
-        size the draft references."""
+        size the draft references. `reserved`: slots its requests never hold (kept for a model's action streams,
+        `runtime.action_streams`)."""
         self.num_slots, self.admissions, self.prompt_capacity = num_slots, admissions_per_frame, prompt_capacity
+        self.reserved = reserved
         if speculate and max_new_tokens < 1:
             raise ValueError("a speculative Scheduler needs max_new_tokens (the pool's M) to size draft references")
         self.speculate = speculate
@@ -169,7 +171,7 @@ class Scheduler:
         if isinstance(rows, (int, np.integer)):
             rows = range(int(rows))
         where = {int(s): i for i, s in enumerate(rows) if s >= 0}
-        free = self.num_slots - len(self._live) + len(self._evict)
+        free = self.num_slots - self.reserved - len(self._live) + len(self._evict)
         take = []
         for t in self._queue:
             if len(take) == min(self.admissions, max(free, 0)):

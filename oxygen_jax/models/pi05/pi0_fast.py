@@ -17,7 +17,8 @@ reads the logits of the text positions only (text position j predicts text token
 
 Decoding runs on the same arrays: `pi0_fast_decode` (openpi's right-aligned prefill and greedy loop, the
 reference), or the decode slot pool on `prefix(params, obs)` with `language_model(params)` (the same tokens
-when every camera is present: tested).
+when every camera is present: tested). `as_vla` is what the runtime serves: one action stream per robot in the
+shared pool (`runtime.action_streams`), language requests beside it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import jax.numpy as jnp
 
 from oxygen_jax.models import backbone, siglip_prefix
 from oxygen_jax.models.backbone import BackboneSpec, Decoder
+from oxygen_jax.models.decoded_actions import ActionStream, DecodedActions
 from oxygen_jax.models.decoder import AttentionDecoder
+from oxygen_jax.models.mot import ModelParams, ModelSpec
 from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.pi05.config import EOS_ID, Pi0FastConfig
 from oxygen_jax.models.pi05.params import Pi0FastParams
@@ -123,3 +126,11 @@ def prefix(params: Pi0FastParams, obs: Observation) -> Prefix:
     """
     out = siglip_prefix.prefix_pass(spec(params.config), decoder(params), params.siglip, obs)
     return dataclasses.replace(out, next_position=out.next_position + 1)
+
+
+def as_vla(params: Pi0FastParams, stream: ActionStream) -> DecodedActions:
+    """π0-FAST as the model the runtime drives: no heads, a language decoder whose `stream` writes the chunks,
+    the prefix of `prefix` (openpi's skipped first position). The same arrays, no copy."""
+    model = ModelSpec(backbone=spec(params.config), heads=(), language=True, stop_ids=(EOS_ID,))
+    return DecodedActions(ModelParams(decoder=decoder(params), vision=params.siglip, heads={}), model, stream=stream,
+                          position_skip=1)

@@ -1,0 +1,93 @@
+"""π0-FAST action streams in the shared decode pool (issue 40's acceptance): each robot stops on its own, its tokens
+are what it decodes alone, an undecodable chunk or a deadline fails only that robot, language decodes beside.
+
+A tiny random π0-FAST (its VLM scaled so greedy tokens vary, `diverse_text_params`) with a stand-in chunk reader:
+random weights never write "Action: ", so the stop ids are picked from each robot's own greedy tokens (robot 0 stops
+after 3 tokens, robot 1 after 7, robot 2 after 5) and robot 2's stop id is the one the reader refuses.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from oxygen_jax.models.decoded_actions import ActionStream
+from oxygen_jax.models.pi05 import pi0_fast, pi0_fast_decode
+from oxygen_jax.models.pi05.config import fast_config
+from oxygen_jax.models.pi05.params import init_params
+from oxygen_jax.runtime.action_streams import StreamConfig
+from oxygen_jax.runtime.engine import Engine, EngineConfig
+from tests.helpers import diverse_text_params, make_obs
+
+ENDS = (2, 6, 4)  # the step at which each robot's stream writes its stop id
+HA, AD, MAX_TOKENS = 2, 3, 12
+
+
+@pytest.fixture(scope="module")
+def world():
+    config = fast_config("pi0_fast_tiny")
+    params = diverse_text_params(init_params(config, seed=3))
+    obs = make_obs(config, batch=3, cameras=2, prompt_len=12, lengths=[10, 6, 8], seed=4)
+    alone = jax.jit(lambda p, o: pi0_fast_decode.sample_tokens(p, o, MAX_TOKENS, window="valid"))
+    solo = np.concatenate([np.asarray(alone(params, jax.tree.map(lambda x: x[i:i + 1], obs))) for i in range(3)])
+    stops = tuple(int(solo[i, e]) for i, e in enumerate(ENDS))
+    for i, e in enumerate(ENDS):  # each robot meets a stop id first at its own step
+        assert not set(solo[i, :e].tolist()) & set(stops), "pick other ENDS: a stop id occurs earlier"
+    undecodable = stops[2]
+
+    def read(tokens):  # the stand-in reader: a chunk of the token count, robot 2's stop id refused
+        if tokens[-1] == undecodable:
+            raise ValueError("the action text holds a token that is no FAST id")
+        return np.full((HA, AD), len(tokens), np.float32)
+
+    stream = ActionStream(horizon=HA, action_dim=AD, stop_ids=tuple(sorted(stops)), max_tokens=MAX_TOKENS, decode=read)
+    return pi0_fast.as_vla(params, stream), obs, solo
+
+
+def _engine(vla, **streams):
+    return Engine(vla, EngineConfig(num_slots=4, max_new_tokens=MAX_TOKENS, tokens_per_frame=2),
+                  streams=StreamConfig(slots=3, **streams))
+
+
+def test_each_robot_stops_on_its_own_equals_its_decode_alone_and_fails_alone(world):
+    vla, obs, solo = world
+    engine = _engine(vla)
+    rid = engine.submit(prompt_tokens=[], max_tokens=5, stop_ids=(), row=1)  # language beside, greedy from robot 1's prefix
+    res = engine.step(obs)
+    # Robot 0 ended at step 2 (EOS-like) while robot 1 went on to step 6; both chunks are what they decode alone.
+    np.testing.assert_array_equal(res.actions[0], np.full((HA, AD), ENDS[0] + 1))
+    np.testing.assert_array_equal(res.actions[1], np.full((HA, AD), ENDS[1] + 1))
+    assert sorted(res.row_errors) == [2] and "no chunk" in res.row_errors[2] and "FAST" in res.row_errors[2]
+    assert not res.actions[2].any() and res.steps == 6  # bursts of 2 until robot 1's stop; none for the others
+    # The language request continued robot 1's prefix in the same bursts: robot 1's own greedy tokens.
+    (done,) = res.finished
+    assert done.request_id == rid and done.tokens == solo[1, :5].tolist()
+    # Every slot is free again; the next frame decodes the same chunks (nothing leaks between frames).
+    assert engine.num_active == 0
+    again = engine.step(obs, rows=[7, 8, 9])
+    np.testing.assert_array_equal(again.actions, res.actions)
+    assert sorted(again.row_errors) == [2]
+
+
+def test_a_deadline_or_a_missing_slot_fails_only_that_robot_and_zeros_need_the_option(world):
+    vla, obs, _ = world
+    res = _engine(vla, deadline_steps=4).step(obs)  # robot 1 needs 6 steps
+    np.testing.assert_array_equal(res.actions[0], np.full((HA, AD), ENDS[0] + 1))
+    assert "deadline (4 decode steps" in res.row_errors[1] and res.steps == 4
+    zeros = _engine(vla, deadline_steps=4, on_failure="zeros").step(obs)
+    assert not zeros.row_errors and sorted(zeros.fallbacks) == [1, 2] and not zeros.actions[1:].any()
+    one_slot = Engine(vla, EngineConfig(num_slots=1, max_new_tokens=MAX_TOKENS, tokens_per_frame=2),
+                      streams=StreamConfig(slots=1)).step(obs, rows=[0, 5, -1])
+    np.testing.assert_array_equal(one_slot.actions[0], np.full((HA, AD), ENDS[0] + 1))
+    assert "no free decode slot" in one_slot.row_errors[1] and 2 not in one_slot.row_errors
+
+
+def test_stream_settings_are_checked(world):
+    vla = world[0]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Engine(vla, EngineConfig(num_slots=4, max_new_tokens=4), streams=StreamConfig(max_tokens=8))
+    with pytest.raises(ValueError, match="exceeds the pool"):
+        Engine(vla, EngineConfig(num_slots=2, max_new_tokens=MAX_TOKENS), streams=StreamConfig(slots=3))
+    with pytest.raises(ValueError, match="on_failure"):
+        StreamConfig(on_failure="silent")
