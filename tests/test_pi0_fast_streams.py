@@ -8,17 +8,23 @@ after 3 tokens, robot 1 after 7, robot 2 after 5) and robot 2's stop id is the o
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
-from oxygen_jax.models.decoded_actions import ActionStream
+from oxygen_jax.ckpts.load import load_model
+from oxygen_jax.models.decoded_actions import ActionStream, ChunkError
 from oxygen_jax.models.pi05 import pi0_fast, pi0_fast_decode
 from oxygen_jax.models.pi05.config import fast_config
 from oxygen_jax.models.pi05.params import init_params
 from oxygen_jax.runtime.action_streams import StreamConfig
 from oxygen_jax.runtime.engine import Engine, EngineConfig
-from tests.helpers import diverse_text_params, make_obs
+from oxygen_jax.robots.tokenizer import Tokenizer
+from tests.helpers import diverse_text_params, fixture, make_obs
+
+FAST = "openpi_tiny_pi0_fast"
 
 ENDS = (2, 6, 4)  # the step at which each robot's stream writes its stop id
 HA, AD, MAX_TOKENS = 2, 3, 12
@@ -91,3 +97,32 @@ def test_stream_settings_are_checked(world):
         Engine(vla, EngineConfig(num_slots=2, max_new_tokens=MAX_TOKENS), streams=StreamConfig(slots=3))
     with pytest.raises(ValueError, match="on_failure"):
         StreamConfig(on_failure="silent")
+
+
+def test_load_model_serves_an_openpi_pi0_fast_checkpoint_with_its_codec_prompt_and_stops():
+    """The fixture (openpi's own π0-FAST): load_model wires its FAST codec, quantile statistics, its prompt and a
+    stream that stops at EOS / "|" and reads openpi's working chunk exactly, an unreadable one as that chunk's error."""
+    root = fixture(FAST)
+    ref, config = dict(np.load(root / "reference.npz")), json.loads((root / "config.json").read_text())
+    tok = Tokenizer.from_file(root / "paligemma_tokenizer.model")
+    model = load_model(root)
+    assert model.family == "pi0_fast" and model.io.action_codec is not None and model.io.tokenizer_hint
+    assert model.io.action_horizon == ref["actions"].shape[1]
+    with pytest.raises(ValueError, match="needs a pi05 model"):
+        load_model(root, family="pi05")
+    ids, mask = model.io.rows.prompt(tok, config["strings"]["prompts"][0], ref["state"][0], ref["tok/infer/tokens"].shape[1],
+                                     None)
+    np.testing.assert_array_equal(ids, ref["tok/infer/tokens"][0])
+    np.testing.assert_array_equal(mask, ref["tok/infer/mask"][0])
+    vla = model.vla(tokenizer=tok)
+    stream = vla.action_stream
+    assert vla.heads == () and stream.shape == ref["actions"].shape[1:]
+    assert stream.stop_ids == tuple(sorted({tok.eos_id, *tok.encode("|")})) and stream.max_tokens == 256
+    for name, case, want in zip(config["strings"]["extract_cases/names"], ref["extract_cases/tokens"],
+                                ref["extract_cases/actions"]):
+        ids = [int(t) for t in case]
+        if name.startswith("works"):
+            np.testing.assert_allclose(stream.chunk(ids), want, atol=1e-5)
+        else:
+            with pytest.raises(ChunkError):
+                stream.chunk(ids)

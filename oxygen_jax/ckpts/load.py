@@ -14,6 +14,7 @@ caller needs beside them (`LoadedModel`). Sources:
 | Xiaomi-Robotics-0 (released layout, `ckpts.xr0`) | config.json `model_type` 'mibot' | `ModelSpec` (its XR0 head + language) | `mot.ModelParams` |
 | StarVLA QwenPI_v3 / QwenGR00T (`ckpts.starvla`) | config.yaml `framework.name` + `qwen_vl_interface.model.*` weights | `ModelSpec` (its head + language) | `mot.ModelParams` |
 | openpi checkpoint (either layout) | an orbax item or `params/` | `ModelConfig` (inferred; π0 by `state_proj`) | π0.5 / π0 `Params` (LoRA merged) |
+| openpi π0-FAST (`ckpts.openpi_fast`) | the same, without action projections | `Pi0FastConfig` | `Pi0FastParams`; its FAST codec in `io` |
 | LeRobot π0.5 / π0 (`ckpts.lerobot`) | config.json `type` 'pi05' / 'pi0' (or a `pretrained_model/` child) | `ModelConfig` (sizes from the tensors) | π0.5 / π0 `Params`; LeRobot's own I/O |
 
 A directory that is none of these, or a model of another family than the caller drives (`family=`), is
@@ -21,7 +22,8 @@ a one-line ValueError naming the directory and what was expected. The tokenizer 
 the checkpoint (`find_tokenizer`: π0.5's `tokenizer.model`; a Qwen-vocabulary checkpoint's `tokenizer.json`),
 the one place that does it, and a Qwen-vocabulary model's default stop ids are read from its files
 (`ckpts.stop_ids`: `generation_config.json`, `config.json`, `tokenizer_config.json`) into `ModelSpec.stop_ids`.
-`LoadedModel.vla(num_steps)` is what the runtime drives, for every source, and `LoadedModel.io` what the
+`LoadedModel.vla(num_steps)` is what the runtime drives, for every source (π0-FAST: its decoder writes the chunks,
+`models.decoded_actions`, read with the checkpoint's FAST codec and the PaliGemma tokenizer), and `LoadedModel.io` what the
 checkpoint says about its robot I/O (`robots.io.RobotIO`: tokenizer, normalisation, how the state enters,
 prompt and image conventions, output transforms), so no command asks which family a model is. A π checkpoint
 (openpi's, ours) needs its own PaliGemma tokenizer: without one `io.tokenizer` is None and `io.tokenizer_hint`
@@ -32,35 +34,40 @@ and random presets only).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import jax
 
 from oxygen_jax.ckpts import hf
-from oxygen_jax.ckpts import lerobot, qwen35, safetensors, starvla, xr0
+from oxygen_jax.ckpts import lerobot, openpi_fast, qwen35, safetensors, starvla, xr0
 from oxygen_jax.ckpts.stop_ids import read_stop_ids
 from oxygen_jax.ckpts.openpi import load_openpi_norm_stats, load_openpi_params
 from oxygen_jax.ckpts.orbax_io import PathLike, is_pytree_item
 from oxygen_jax.ckpts.own import restore_params, stored_config
 from oxygen_jax.models import heads as hd
+from oxygen_jax.models.decoded_actions import ActionStream, ChunkError
 from oxygen_jax.models import mot
 from oxygen_jax.models.heads import HeadSpec
 from oxygen_jax.models.mot import ModelParams, ModelSpec
 from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05 import params as pi05_params
+from oxygen_jax.models.pi05 import pi0_fast
 from oxygen_jax.models.vla import MultiHead
-from oxygen_jax.models.pi05.config import EOS_ID, DType, ModelConfig, PromptAttention, model_config
-from oxygen_jax.robots.io import OpenpiPreprocess, RobotIO
+from oxygen_jax.models.pi05.config import EOS_ID, DType, ModelConfig, Pi0FastConfig, PromptAttention, model_config
+from oxygen_jax.robots import fast_prompt
+from oxygen_jax.robots.io import FastPreprocess, OpenpiPreprocess, RobotIO
 from oxygen_jax.robots.lerobot import LeRobotPreprocess
 from oxygen_jax.robots.native_prompts import find_beside
 from oxygen_jax.robots.text_tokenizers import load_tokenizer
 from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.robots.tokenizer import PALIGEMMA_TOKENIZER_URL
 
-Family = Literal["pi05", "multihead"]
+Family = Literal["pi05", "multihead", "pi0_fast"]
 Source = Literal["preset", "checkpoint", "openpi", "hf", "xr0", "starvla", "lerobot"]
 
+FAST_MAX_TOKENS = 256  # openpi's max_decoding_steps: the most tokens of a π0-FAST chunk
 TOKENIZER_FILE = "tokenizer.model"  # SentencePiece model with the PaliGemma id layout (`robots.tokenizer`)
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json")
 _FAMILY_OF = {"preset": None, "checkpoint": "pi05", "openpi": "pi05", "lerobot": "pi05", "hf": "multihead", "xr0": "multihead",
@@ -72,9 +79,10 @@ class LoadedModel:
     """A model ready for a command.
 
     Attributes:
-      config: `ModelConfig` (π0.5) or `mot.ModelSpec` (a backbone with heads and a language decoder).
-      params: `Params` or `mot.ModelParams`, layer stacks laid out for the backend (`for_backend`).
-      family: "pi05" or "multihead" (which of the two the config and params are).
+      config: `ModelConfig` (π0.5), `mot.ModelSpec` (a backbone with heads and a language decoder) or
+        `Pi0FastConfig` (π0-FAST).
+      params: `Params`, `mot.ModelParams` or `Pi0FastParams`, layer stacks laid out for the backend (`for_backend`).
+      family: "pi05", "multihead" or "pi0_fast" (which of the three the config and params are).
       source: "preset", "checkpoint" (ours), "openpi", "lerobot", "hf", "xr0" or "starvla".
       what: one line for messages, e.g. "random 'tiny' weights" or "openpi checkpoint /ckpts/pi05_libero".
       norm_stats: {"state", "actions": NormStats} from the checkpoint's `assets/`, or None.
@@ -95,9 +103,12 @@ class LoadedModel:
     dataset_statistics: dict | None = None
     io: RobotIO = RobotIO()
 
-    def vla(self, num_steps: int = 10) -> MultiHead:
+    def vla(self, num_steps: int = 10, tokenizer=None) -> MultiHead:
         """The model as the runtime drives it (`Engine`, frame programs, the server). `num_steps`: π0.5's
-        denoising steps (other heads carry their own, read from the checkpoint)."""
+        denoising steps (other heads carry their own, read from the checkpoint). `tokenizer`: π0-FAST reads its
+        chunks with it (default: the checkpoint's own, `text_tokenizer()`)."""
+        if self.family == "pi0_fast":
+            return pi0_fast.as_vla(self.params, self._fast_stream(tokenizer or self.text_tokenizer()))
         if self.family == "pi05":
             return pi05_model.as_vla(self.params, num_steps)
         return MultiHead(self.params, self.config)
@@ -107,9 +118,31 @@ class LoadedModel:
         """Where its language requests stop by default (π: EOS; others: the checkpoint's `eos_token_id`s)."""
         return self.io.stop_ids
 
+    def _fast_stream(self, tok) -> ActionStream:
+        codec = self.io.action_codec
+        if codec is None:
+            raise ValueError(f"{self.what} has no FAST processor folder (fast_tokenizer/) in or beside it: fetch "
+                             f"{openpi_fast.FAST_TOKENIZER_HINT}")
+        if tok is None:  # its prompts cannot be made either: `command_model.tokenizers` refuses it first
+            def unreadable(_):
+                raise ChunkError(f"no tokenizer to read FAST chunks with: pass {PALIGEMMA_TOKENIZER_HINT}")
+            return ActionStream(horizon=codec.horizon, action_dim=codec.action_dim, stop_ids=(EOS_ID,),
+                                max_tokens=FAST_MAX_TOKENS, decode=unreadable)
+        return fast_action_stream(tok, codec)
+
     def text_tokenizer(self):
         """The tokenizer object of `tokenizer` (`text_tokenizers.load_tokenizer`), or None without one."""
         return None if self.tokenizer is None else load_tokenizer(self.tokenizer)
+
+
+def fast_action_stream(tok, codec, *, max_tokens: int = FAST_MAX_TOKENS) -> ActionStream:
+    """π0-FAST's chunks as the runtime reads them: stop at EOS or "|" (when the tokenizer spells it as one id),
+    `fast_prompt.extract_actions` with `codec` (a `FastDecodeError` naming why a chunk is unreadable; never zeros)."""
+    h, a = codec.shape()
+    bar = tok.encode(fast_prompt.END_MARK)
+    stops = {tok.eos_id} | ({bar[0]} if len(bar) == 1 else set())
+    return ActionStream(horizon=h, action_dim=a, stop_ids=tuple(sorted(stops)), max_tokens=max_tokens,
+                        decode=functools.partial(fast_prompt.extract_actions, tok, codec, horizon=h, action_dim=a))
 
 
 def find_tokenizer(*checkpoints: PathLike | None) -> Path | None:
@@ -318,7 +351,7 @@ def load_model(
     if (ckpt is None) == (preset is None):
         raise ValueError("load_model needs a checkpoint directory or a preset (exactly one), got "
                          + ("both" if ckpt is not None else "neither"))
-    norm_stats = tokenizer = stats = lerobot_io = None
+    norm_stats = tokenizer = stats = lerobot_io = fast_codec = None
     if preset is not None:
         if heads:
             raise ValueError("heads= puts random heads on a Hugging Face backbone; a ModelSpec preset names its own")
@@ -360,6 +393,13 @@ def load_model(
             stored = stored_config(path)
             config, params = restore_params(path, stored.replace(dtype=dtype, prompt_attention=prompt_attention))
             what = f"checkpoint {path}"
+        elif openpi_fast.is_fast_checkpoint(path):
+            if family is not None and family != "pi0_fast":
+                raise ValueError(f"{path} is an openpi π0-FAST checkpoint (its actions are decoded FAST tokens), but "
+                                 f"this command needs a {family} model")
+            layout = "unstacked" if (backend or jax.default_backend()) == "cpu" else "stacked"
+            fast = openpi_fast.load_openpi_fast(path, dtype=dtype, layout=layout)
+            config, params, what, have, fast_codec = fast.config, fast.params, fast.what, "pi0_fast", fast.codec
         else:
             layout = "unstacked" if (backend or jax.default_backend()) == "cpu" else "stacked"  # streamed into it
             config, params = load_openpi_params(path, dtype=dtype, prompt_attention=prompt_attention, layout=layout)
@@ -378,7 +418,7 @@ def load_model(
     lay_out = mot.for_backend if have == "multihead" else pi05_params.for_backend
     model = LoadedModel(config=config, params=lay_out(params, backend), family=have, source=source, what=what,
                         norm_stats=norm_stats, tokenizer=tokenizer, dataset_statistics=stats)
-    return dataclasses.replace(model, io=_robot_io(model, dataset_key, lerobot_io))
+    return dataclasses.replace(model, io=_robot_io(model, dataset_key, lerobot_io, fast_codec))
 
 
 PALIGEMMA_TOKENIZER_HINT = (f"tokenizer.model, PaliGemma's SentencePiece model (openpi downloads it from "
@@ -396,8 +436,12 @@ def _starvla_outputs(spec: ModelSpec, dataset_statistics: dict, key: str | None)
     return {h.name: (lambda chunk: starvla.unnormalize_actions(chunk[..., :dims], stats)) for h in spec.heads}
 
 
-def _robot_io(model: LoadedModel, dataset_key: str | None = None, lerobot_io=None) -> RobotIO:
+def _robot_io(model: LoadedModel, dataset_key: str | None = None, lerobot_io=None, fast_codec=None) -> RobotIO:
     """What `model`'s checkpoint says about its robot I/O (`robots.io.RobotIO`)."""
+    if isinstance(model.config, Pi0FastConfig):  # openpi π0-FAST: quantile stats, its prompt, the FAST codec
+        return RobotIO(tokenizer=model.tokenizer, tokenizer_hint=PALIGEMMA_TOKENIZER_HINT,
+                       preprocess=FastPreprocess(model.norm_stats), action_codec=fast_codec, stop_ids=(EOS_ID,),
+                       action_horizon=None if fast_codec is None else fast_codec.horizon)
     if lerobot_io is not None:  # LeRobot's own preprocessing, chunk length and prompt length
         return RobotIO(tokenizer=model.tokenizer, tokenizer_hint=PALIGEMMA_TOKENIZER_HINT,
                        preprocess=LeRobotPreprocess(lerobot_io), action_horizon=lerobot_io.chunk_size,

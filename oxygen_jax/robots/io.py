@@ -8,6 +8,7 @@ never ask which family a model is: they read these fields.
 | `tokenizer`    | the checkpoint's tokenizer file (or None)             | tokenizer.model  | same        | same (`tokenizer/`)    |
 | `tokenizer_hint` | what to fetch when none was found (None: a stand-in is fine) | PaliGemma's | same    | same                   |
 | `preprocess`   | normalisation, image resize, prompt (`Preprocess`)    | openpi, quantile | openpi, z-score, π0 prompt | LeRobot's own |
+| `action_codec` | the codec a decoder-written chunk is read with        | —                | —           | —                      |
 | `action_horizon`, `prompt_len` | the checkpoint's own, else the robot's | robot's          | robot's     | chunk_size, tokenizer_max_length |
 | `outputs`      | head name -> its own chunk-to-robot transform         | none             | none        | none                   |
 | `norm_stats`   | statistics for Qwen-backbone rows (`prompt_rows`)     | —                | —           | —                      |
@@ -19,6 +20,9 @@ A `Preprocess` is one robot-side convention (openpi's: `OpenpiPreprocess`; LeRob
 robot units, a camera image as model pixels, and the prompt ids. `observation_rows` applies it to client samples;
 a model whose head reads the state as a token (π0's `state_proj`, `MultiHead.state_dims`) gets the normalised
 state zero-padded to that head's dim beside the observation.
+
+π0-FAST (openpi): `FastPreprocess` (quantile statistics, the prompt "Task: …, State: <bins>;\n" of
+`robots.fast_prompt`), `action_codec` its FAST codec, `action_horizon` the codec's.
 
 Axes (`oxygen_jax.axes`): B rows, Nc cameras, Px image side, Tp prompt tokens, Ha horizon, Ad model action dim,
 Ds / Da robot state / action dims.
@@ -34,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_jax.models.observation import Observation
-from oxygen_jax.robots import transforms
+from oxygen_jax.robots import fast_prompt, transforms
 from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.robots.tokenizer import Tokenizer, tokenize_action_prompt
@@ -87,6 +91,16 @@ class OpenpiPreprocess(Preprocess):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class FastPreprocess(OpenpiPreprocess):
+    """π0-FAST's openpi conventions: quantile statistics, and the prompt with the normalised, unpadded state's bins
+    (`robots.fast_prompt.tokenize`: BOS "Task: <prompt>, State: <bins>;\n", 0-padded)."""
+
+    def prompt(self, tokenizer, task, state, max_len, robot):
+        row = fast_prompt.tokenize(tokenizer, task, np.asarray(state, np.float64).reshape(-1), max_len)
+        return row.tokens, row.mask
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class RobotIO:
     """A checkpoint's robot I/O facts (module table). Defaults: a model with no facts of its own (a random preset)."""
 
@@ -99,6 +113,7 @@ class RobotIO:
     norm_stats: Mapping[str, NormStats] | None = None  # statistics of Qwen-backbone rows (`prompt_rows`)
     stop_ids: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    action_codec: object = None  # what reads a decoder-written chunk (π0-FAST: `robots.fast.FastCodec`), or None
 
     def robot(self, robot: RobotConfig) -> RobotConfig:
         """`robot` with the checkpoint's own horizon and prompt length where it has them."""
