@@ -214,7 +214,8 @@ def main(argv=None) -> int:
         except (ValueError, OSError) as e:
             where = f"--tokenizer {args.tokenizer}: " if args.tokenizer else ""
             return _fail(f"{where}{str(e).splitlines()[0]}")
-        vla, io, what, dtype = model.vla(args.steps), model.io, model.what, cm.resolve_dtype(args.dtype)
+        vla, io, what = model.vla(args.steps, tokenizer=toks.rows), model.io, model.what
+        dtype = cm.resolve_dtype(args.dtype)
         robot = io.robot(robot)
         try:
             rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)
@@ -234,13 +235,15 @@ def main(argv=None) -> int:
     ids = args.prompt_tokens if args.prompt_tokens is not None else None if toks.text is not None else ()
     shown = prompt if ids is None else list(ids)
     heads = {n: vla.action_shape(n, robot.action_horizon) for n in vla.heads}
+    if vla.action_stream is not None:  # the decoder writes the chunk (π0-FAST)
+        heads = {vla.action_stream.name: vla.action_stream.shape}
     print(f"model: {what}, {param_count(vla.params) / 1e6:.1f} M params, {dtype}; robot: {robot.name} "
           f"({robot.num_cameras} cameras); heads: "
           + (", ".join(f"{n} [{ha} x {ad}]" for n, (ha, ad) in heads.items()) or "none (language only)")
           + f"; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
 
     eng = Engine(vla, EngineConfig(
-        num_slots=args.slots, max_new_tokens=max_new,
+        num_slots=args.slots, max_new_tokens=max(max_new, vla.action_stream.max_tokens if vla.action_stream else 0),
         prompt_capacity=max(len(ids) if ids is not None else len(toks.text.encode(prompt)), 1),
         tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names)
@@ -256,6 +259,8 @@ def main(argv=None) -> int:
 
     sample, (obs, states) = observation(0)
     denoise = f"{'/'.join(str(n) for n in sorted({vla.spec.head(h).num_steps for h in vla.heads}))} denoise steps"
+    if vla.action_stream is not None:
+        denoise = "the chunk's tokens decoded in the pool"
     print(f"compiling the frame program (prefill + {denoise if heads else 'no head'} + admission + "
           f"{args.tokens_per_frame}-token decode) ...", end=" ", flush=True)
     compile_s = eng.warmup(obs, states)
@@ -307,6 +312,8 @@ def main(argv=None) -> int:
             print(line)
         for err in res.errors:
             print(f"      request {err.request_id} dropped: {err.reason}")
+        for why in res.row_errors.values():
+            print(f"      no actions this frame: {why}")
     steady = np.asarray(frame_ms)
     med = float(np.median(steady))
     horizon = heads[names[0]][0] if names else 0

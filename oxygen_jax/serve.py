@@ -263,7 +263,7 @@ def build(args: argparse.Namespace):
         toks = cm.tokenizers(model, args.tokenizer)
         if toks.note:
             log.warning(toks.note)
-        vla, io, robot = model.vla(args.steps), model.io, model.io.robot(robot)
+        vla, io, robot = model.vla(args.steps, tokenizer=toks.rows), model.io, model.io.robot(robot)
         rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)
         if not rows and args.prompt_len:  # observation rows: --prompt-len is the prompt's own tokens
             robot = robot.replace(max_token_len=args.prompt_len)
@@ -271,7 +271,10 @@ def build(args: argparse.Namespace):
             from oxygen_jax.ckpts.oxygen_adapter import load_named_bank
 
             bank, names = load_named_bank(args.adapter, model.config, base=args.ckpt)
-        if not vla.heads:
+        if vla.action_stream is not None:
+            log.info("%s decodes its chunks as tokens: one stream per robot in the decode pool, up to %d tokens each, "
+                     "each robot stopping at its own stop id", model.what, vla.action_stream.max_tokens)
+        elif not vla.heads:
             log.info("%s has no action head: serving language only; every reply's 'actions' is an empty [0, %d] "
                      "chunk (metadata action_horizon 0)", model.what, robot.action_dim)
     if args.rtc and not vla.heads:
@@ -289,12 +292,17 @@ def build(args: argparse.Namespace):
                              "the slots are split over (devices / --tensor-parallel), or pass --no-shard")
         vla = slot_mesh.place_model(vla, mesh)
     engine = Engine(vla, EngineConfig(
-        num_slots=args.slots, max_new_tokens=args.max_new_tokens, prompt_capacity=args.prompt_capacity,
+        num_slots=args.slots, max_new_tokens=_pool_tokens(vla, args.max_new_tokens), prompt_capacity=args.prompt_capacity,
         tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=names, mesh=mesh)
     # With a tokenizer.json the rows of an XR0 / StarVLA head are its native prompts (`serving.codec`), and
     # language requests are text in that tokenizer (or token ids); their answers come back as text and ids.
     return engine, toks.rows, robot, io, mesh, rows
+
+
+def _pool_tokens(vla, max_new_tokens: int) -> int:
+    """A slot's room for new tokens: --max-new-tokens, or a whole decoded chunk when the model writes its chunks."""
+    return max(max_new_tokens, vla.action_stream.max_tokens) if vla.action_stream is not None else max_new_tokens
 
 
 def _action_mask(args) -> np.ndarray | None:

@@ -8,11 +8,13 @@ after 3 tokens, robot 1 after 7, robot 2 after 5) and robot 2's stop id is the o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
 import numpy as np
 import pytest
+from websockets.sync.client import connect
 
 from oxygen_jax.ckpts.load import load_model
 from oxygen_jax.models.decoded_actions import ActionStream, ChunkError
@@ -21,7 +23,11 @@ from oxygen_jax.models.pi05.config import fast_config
 from oxygen_jax.models.pi05.params import init_params
 from oxygen_jax.runtime.action_streams import StreamConfig
 from oxygen_jax.runtime.engine import Engine, EngineConfig
-from oxygen_jax.robots.tokenizer import Tokenizer
+from oxygen_jax.robots import transforms
+from oxygen_jax.robots.config import robot_config
+from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
+from oxygen_jax.serving import wire
+from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
 from tests.helpers import diverse_text_params, fixture, make_obs
 
 FAST = "openpi_tiny_pi0_fast"
@@ -126,3 +132,27 @@ def test_load_model_serves_an_openpi_pi0_fast_checkpoint_with_its_codec_prompt_a
         else:
             with pytest.raises(ChunkError):
                 stream.chunk(ids)
+
+
+def test_served_over_openpis_protocol_the_reply_is_the_decoded_chunk_with_language_beside(world):
+    """Served: openpi's reply shape [Ha, Da] from the decoded chunk (openpi's zero fallback asked for explicitly: a
+    random model writes no stop), the language request answered in the same reply."""
+    vla = world[0]
+    stream = ActionStream(horizon=4, action_dim=7, stop_ids=(1,), max_tokens=6, decode=vla.stream.decode)
+    tok, robot = train_demo_tokenizer(), robot_config("libero", max_token_len=16)
+    engine = Engine(dataclasses.replace(vla, stream=stream),
+                    EngineConfig(num_slots=2, max_new_tokens=6, prompt_capacity=2, tokens_per_frame=3), tokenizer=tok,
+                    streams=StreamConfig(slots=1, on_failure="zeros"))
+    server = PolicyServer(engine, tok, robot, ServeConfig(host="127.0.0.1", port=0, buckets=(1,), seed=0))
+    with ServerThread(server) as handle:
+        handle.wait_ready(timeout=300)
+        with connect(f"ws://127.0.0.1:{handle.port}", compression=None, max_size=None) as ws:
+            meta = wire.unpack(ws.recv())
+            assert meta["action_horizon"] == 4 and "decoded tokens" in meta["noise"]["rule"]
+            sample = transforms.synthetic_sample(robot, np.random.default_rng(0), prompt="pick up the cube")
+            ws.send(wire.pack({**sample, "language_requests": [{"prompt": "ab", "max_tokens": 3, "stop_at_eos": False}]}))
+            reply = wire.unpack(ws.recv())
+        assert server.compiles_after_warmup == 0
+    assert reply["actions"].shape == (4, robot.action_dim) and np.isfinite(reply["actions"]).all()
+    (done,) = reply["language"]["finished"]
+    assert len(done["tokens"]) == 3

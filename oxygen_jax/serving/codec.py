@@ -9,7 +9,9 @@ with several heads are served by the same code:
 * `ObservationCodec`: a SigLIP backbone (the π family): rows are `Observation`s made with the checkpoint's own
   conventions (`robots.io.observation_rows` with its `RobotIO`: openpi's or LeRobot's normalisation, resize and
   prompt), plus the normalised state for a head that reads it as a token (π0); one head, so a response is
-  exactly openpi's.
+  exactly openpi's. A model whose decoder writes the chunk (`MultiHead.action_stream`, π0-FAST) has no head and
+  no noise: "actions" is that robot's decoded chunk, in robot units (a chunk that failed is the engine's
+  `row_errors`, answered as that robot's BadRequest).
 * `HeadsCodec`: rows are `prompt_rows.PromptRows` (image tokens + prompt, left-padded to a fixed length;
   a text-only backbone's rows are the prompt alone); the primary head's chunk is "actions" (a model without
   a head, a language-only backbone, answers an empty [0, Da] chunk and metadata "action_horizon": 0; its
@@ -81,6 +83,7 @@ class _Codec:
         self.vla = engine.vla
         self.heads = self.vla.heads
         self.shapes = {n: self.vla.action_shape(n, engine.config.action_horizon) for n in self.heads}
+        self.stream = self.vla.action_stream  # None: the heads give the chunks
 
     @property
     def primary(self) -> str:
@@ -123,6 +126,8 @@ class _Codec:
         return transforms.robot_outputs(self.robot, chunk, state, self.norm_stats)
 
     def metadata(self) -> dict:
+        if self.stream is not None:
+            return {"action_horizon": self.stream.horizon, "noise": {"rule": "none: the chunk is decoded tokens (greedy)"}}
         if not self.heads:  # a language-only model: every reply's "actions" is an empty chunk
             return {"action_horizon": 0, "primary_head": None, "noise": {"rule": "none: the model has no action head"}}
         ha, ad = self.shapes[self.primary]
@@ -179,7 +184,8 @@ class ObservationCodec(_Codec):
         return robot_io.robot_chunk(self.io, self.robot, chunk, state)
 
     def outputs(self, head_actions: Mapping[str, np.ndarray], i: int, state: np.ndarray) -> tuple[np.ndarray, dict]:
-        return self._robot_chunk(head_actions[self.primary][i], state), {}
+        name = self.primary if self.stream is None else self.stream.name
+        return self._robot_chunk(head_actions[name][i], state), {}
 
 
 class HeadsCodec(_Codec):
