@@ -228,6 +228,18 @@ if [ -n "$PY" ] && [ -d "$WEIGHTS" ] && { [ "$SMOKE" = 0 ] || [ "${DEVICE_CHECK_
   done
 fi
 
+# π0-FAST (issue 40): a full-size random π0-FAST, N = 1, 4, 8 robots: per-robot token streams in one decode pool with
+# language beside, against openpi's lockstep rule (python -m eval.bench.fast, the same frames and weights).
+# Smoke runs leave it out unless DEVICE_CHECK_FAST=1 (three more compiles).
+if [ "$SMOKE" = 1 ]; then
+  FAST_SIZES=(--robots 1 --frames 1 --min-tokens 4 --max-tokens 8 --k 4 --language 1 --language-tokens 4); CAP_FAST=300
+else
+  FAST_SIZES=(--size full --robots 1 4 8 --frames 4 --min-tokens 32 --max-tokens 128 --k 8); CAP_FAST=240
+fi
+if [ -n "$PY" ] && { [ "$SMOKE" = 0 ] || [ "${DEVICE_CHECK_FAST:-0}" = 1 ]; }; then
+  step fast "$CAP_FAST" "$PY" -m eval.bench.fast "${FAST_SIZES[@]}" --out "$OUT_DIR/fast"
+fi
+
 # --- the one-page summary ----------------------------------------------------------------------------
 GPU_LINE=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
 "${PY:-python3}" - "$OUT_DIR" "$SMOKE" "$(( $(date +%s) - START ))" "$BUDGET" "${GPU_LINE:-none}" "$PY" "$PRESET" \

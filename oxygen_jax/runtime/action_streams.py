@@ -153,11 +153,15 @@ class Streams:
                                     prompts=[list(s.prompt_ids)] * len(real), budgets=[self.max_tokens] * len(real),
                                     stop_ids=[s.stop_ids] * len(real))
 
-    def run(self, vla, pool: DecodePool, inputs, rows: Sequence[int], requests: Requests, evict, bank=None):
-        """One stream frame (module docstring): (pool, host `FrameOutput` for the scheduler, `Chunks`)."""
+    def run(self, vla, pool: DecodePool, inputs, rows: Sequence[int], requests: Requests, evict, bank=None,
+            streams: Requests | None = None):
+        """One stream frame (module docstring): (pool, host `FrameOutput` for the scheduler, `Chunks`).
+
+        `streams`: the rows' stream entries (default `requests(rows)`; `eval.bench.fast` gives rows their own
+        budgets to stand in for a trained model's chunk lengths)."""
         start = time.perf_counter()
-        pool, first = stream_frame(vla, pool, inputs, self.requests(rows), requests, evict, bank,
-                                   tokens_per_frame=self.k)
+        streams = self.requests(rows) if streams is None else streams
+        pool, first = stream_frame(vla, pool, inputs, streams, requests, evict, bank, tokens_per_frame=self.k)
         first = jax.device_get(first)
         served, active = np.asarray(first.request_id), np.asarray(first.active)
         columns, steps = [np.asarray(first.new_tokens)], self.k
