@@ -34,6 +34,7 @@ keeps it inside. Exit status 1 on any FAIL.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -46,8 +47,10 @@ from eval.parity.checks import Checker, Row, report
 from oxygen_jax.ckpts import qwen35 as ckpt
 from oxygen_jax.models import qwen35_decoder
 from oxygen_jax.models import backbone, qwen3_vl, qwen35
+from oxygen_jax.models import qwen35_layers, qwen35_steps
 from oxygen_jax.models.backbone import Decoder
 from oxygen_jax.models.qwen35 import Qwen35Spec
+from oxygen_jax.nn import torch_order
 from oxygen_jax.nn.masks import last_valid_index
 from oxygen_jax.runtime import decode
 
@@ -59,6 +62,73 @@ def _tolerance(quantity: str, family: str | None):
     if family == "hidden":
         return 0.0, HIDDEN_RTOL
     return _TOL[family or "logits"], None
+
+
+EXACT_FACTOR = 1.5  # the fidelity bound: max(tolerance, EXACT_FACTOR x transformers' own float32 error)
+
+
+@dataclasses.dataclass(frozen=True)
+class FidelityRow:
+    """One quantity against the float64 reference (`reference_f64.npz`): our max error, transformers' float32
+    max error (`reference.npz` vs the same), the bound max(tolerance, EXACT_FACTOR x theirs), both errors'
+    root mean square (steadier than a max over few values), and per layer, where the quantity has a layer
+    axis, (ours, theirs, ours rms, theirs rms) (else ())."""
+
+    quantity: str
+    ours: float
+    theirs: float
+    tol: float
+    ours_rms: float
+    theirs_rms: float
+    layers: tuple[tuple[float, float, float, float], ...]
+
+    @property
+    def bound(self) -> float:
+        return max(self.tol, EXACT_FACTOR * self.theirs)
+
+    @property
+    def ok(self) -> bool:
+        return bool(np.isfinite(self.ours) and self.ours <= self.bound)
+
+
+def _errors(ours, theirs, exact, valid) -> tuple[float, float, float, float]:
+    """(max |ours - exact|, max |theirs - exact|, and their root mean squares) over the `valid` entries."""
+    out = []
+    for a in (ours, theirs):
+        d = np.abs(a - exact)
+        d = d if valid is None else d[valid]
+        out.append((float(np.max(d)), float(np.sqrt(np.mean(d * d)))) if d.size else (0.0, 0.0))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+class _Compare:
+    """Compares each quantity with `ref` (transformers' float32 results: a parity `Row` in `chk`) and, when
+    `exact` (the float64 reference) is given, records a `FidelityRow` for it in `fidelity`."""
+
+    def __init__(self, chk: Checker, ref: dict, exact: dict | None):
+        self.chk, self.ref, self.exact, self.fidelity = chk, ref, exact, []
+
+    def close(self, name: str, ours, key: str, family: str, valid=None, view=None, layer_axis: int | None = None):
+        """`view` maps a reference array to our layout (transposes, row selections); `valid` selects entries
+        of that layout; `layer_axis` of it, if any, is reported layer by layer."""
+        view = view or (lambda a: a)
+        theirs = view(self.ref[key])
+        self.chk.close(name, ours, theirs, family, valid=valid)
+        if self.exact is None or key not in self.exact:
+            return
+        ours, theirs, exact = (np.asarray(a, np.float64) for a in (ours, theirs, view(self.exact[key])))
+        if ours.shape != exact.shape:
+            self.fidelity.append(FidelityRow(name, np.inf, 0.0, 0.0, np.inf, 0.0, ()))
+            return
+        sel = None if valid is None else np.broadcast_to(np.asarray(valid), exact.shape[:np.ndim(valid)])
+        atol, rtol = _tolerance(name, family)
+        scale = float(np.max(np.abs(exact if sel is None else exact[sel]))) if exact.size else 0.0
+        layers = ()
+        if layer_axis is not None:  # after the axes `valid` selects on
+            take = lambda a, i: np.take(a, i, axis=layer_axis)  # noqa: E731
+            layers = tuple(_errors(take(ours, i), take(theirs, i), take(exact, i), sel) for i in range(exact.shape[layer_axis]))
+        m_ours, m_theirs, r_ours, r_theirs = _errors(ours, theirs, exact, sel)
+        self.fidelity.append(FidelityRow(name, m_ours, m_theirs, atol + (rtol or 0.0) * scale, r_ours, r_theirs, layers))
 
 
 def is_qwen35_fixture(path) -> bool:
@@ -100,13 +170,37 @@ def greedy_decode(spec: Qwen35Spec, decoder: Decoder, k, v, window, state, input
         x = backbone.embed_tokens(spec.backbone, decoder, tok[:, None])
         h, (ck, cv), (win, st) = qwen35.forward_step(spec, decoder.layers, x, (start + j)[:, None], every, mask[:, None, :],
                                                      ck, cv, jnp.full((b, 1), write, jnp.int32), win, st)
-        logits = backbone.lm_logits(spec.backbone, decoder, backbone.final_norm(spec.backbone, decoder, h[:, 0]))
+        logits = backbone.lm_logits(spec.backbone, decoder, qwen35_layers.norm(spec.backbone, h[:, 0], decoder.final_norm))
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (ck, cv, win, st, mask, nxt), (nxt, logits)
 
     (_, _, window, state, _, _), (toks, logits) = jax.lax.scan(step, (ck, cv, window, state, mask, tok0), jnp.arange(num_tokens - 1))
     tokens = jnp.concatenate([tok0[:, None], toks.T], axis=1)
     return tokens, jnp.concatenate([first_logits[:, None], jnp.swapaxes(logits, 0, 1)], axis=1), (window, state)
+
+
+@jax.jit
+def _first_windows(spec: Qwen35Spec, decoder: Decoder, tokens):
+    """The first linear layer's conv inputs of `tokens` [B, Kc] summed in order and in four lanes: [2, B, Kc, Cc]."""
+    lp = jax.tree.map(lambda a: a[0, 0], decoder.layers.linear)
+    h = qwen35_layers.norm(spec.backbone, backbone.embed_tokens(spec.backbone, decoder, tokens), lp.attn_norm)
+    return jnp.stack([torch_order.dense(h, lp.qkv), qwen35_steps.dense(h, lp.qkv)])
+
+
+def reference_step_sums(spec: Qwen35Spec, decoder: Decoder, ref) -> str:
+    """`Qwen35Spec.step_sums` of the torch that made `ref`, read off its first layer: when layer 0 is a linear
+    layer, its window after decoding holds in_proj_qkv of the last Kc fed tokens (norm and projection of their
+    embeddings, nothing else), which one order reproduces bit for bit. 'in_order' when it cannot tell."""
+    p = "" if "gen_final_conv_states" in ref else "vl_"
+    if p + "gen_final_conv_states" not in ref or spec.linear_layers[0] != 0:
+        return "in_order"
+    kc, tokens = spec.gdn.conv_kernel, np.asarray(ref[p + "gen_tokens"])
+    if tokens.shape[1] - 1 < kc:  # the window still holds prompt columns (the prefill's order)
+        return "in_order"
+    fed = tokens[:, tokens.shape[1] - 1 - kc:tokens.shape[1] - 1]  # the last token is never fed
+    want = np.swapaxes(ref[p + "gen_final_conv_states"][0], 1, 2)
+    ours = np.asarray(_first_windows(spec, decoder, jnp.asarray(fed, jnp.int32)))
+    return "four_lanes" if np.array_equal(ours[1], want) and not np.array_equal(ours[0], want) else "in_order"
 
 
 _prefix_pass = jax.jit(qwen35.prefix_pass, static_argnums=0, static_argnames=("hidden_layers", "language"))
@@ -140,31 +234,32 @@ def _embed_images(spec: Qwen35Spec, decoder: Decoder, input_ids, image_tokens, i
     return qwen3_vl.embed_multimodal(spec.backbone, decoder, input_ids, image_tokens, image_token_id)
 
 
-def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, ids, positions, am, start, tag: str,
+def _batch(cmp: _Compare, spec: Qwen35Spec, dec: Decoder, p: str, x, ids, positions, am, start, tag: str,
            pool: bool = True) -> None:
     """Every comparison of one batch (`p` = '' for text, 'vl_' for images) whose inputs are x, positions."""
+    chk, ref = cmp.chk, cmp.ref
     out = _forward(spec, dec, x, jnp.asarray(positions), jnp.asarray(am))
-    chk.close(f"{tag} logits (valid tokens)", out["logits"], ref[p + "logits"], "logits", valid=am)
+    cmp.close(f"{tag} logits (valid tokens)", out["logits"], p + "logits", "logits", valid=am)
     hs = np.asarray(out["hidden_states"])
     for i in range(hs.shape[0]):
-        chk.close(f"{tag} hidden_states[{i}] (valid tokens)", hs[i], ref[p + "hidden_states"][i], "hidden", valid=am)
+        cmp.close(f"{tag} hidden_states[{i}] (valid tokens)", hs[i], p + "hidden_states", "hidden", valid=am,
+                  view=lambda a, i=i: a[i])
     for name in ("k", "v"):  # HF [Lf, B, K, T, H] -> ours [Lf, B, T, K, H]
-        theirs = np.transpose(ref[f"{p}{name}_cache"], (1, 3, 0, 2, 4))
-        chk.close(f"{tag} {name}_cache, full layers (valid tokens)", np.transpose(np.asarray(out[name]), (1, 2, 0, 3, 4)), theirs,
-                  "kv", valid=am)
+        cmp.close(f"{tag} {name}_cache, full layers (valid tokens)", np.transpose(np.asarray(out[name]), (1, 2, 0, 3, 4)),
+                  f"{p}{name}_cache", "kv", valid=am, view=lambda a: np.transpose(a, (1, 3, 0, 2, 4)), layer_axis=2)
     for ours, theirs, fam in (("qkv", "gdn_qkv", "proj"), ("z", "gdn_z", "proj"), ("a", "gdn_a", "proj"), ("b", "gdn_b", "proj"),
                               ("core", "gdn_core", "core")):
         if not p and theirs in ref:
-            chk.close(f"{tag} linear layers' {theirs} (valid tokens)", np.moveaxis(np.asarray(out["taps"][ours]), 0, 2),
-                      np.moveaxis(ref[theirs], 0, 2), fam, valid=am)
+            cmp.close(f"{tag} linear layers' {theirs} (valid tokens)", np.moveaxis(np.asarray(out["taps"][ours]), 0, 2), theirs,
+                      fam, valid=am, view=lambda a: np.moveaxis(a, 0, 2), layer_axis=2)
     window, state = np.asarray(out["window"]), np.asarray(out["state"])
     right = am[:, -1] == 0  # right-padded rows: HF's batch state absorbed the pads
     for name, ours, fam in (("conv_states", window, "window"), ("recurrent_states", state, "state")):
-        ok_rows = ~right
-        chk.close(f"{tag} {name}, rows without right padding, vs HF batch", ours[:, ok_rows], ref[p + name][:, ok_rows], fam)
+        cmp.close(f"{tag} {name}, rows without right padding, vs HF batch", ours[:, ~right], p + name, fam,
+                  view=lambda a: a[:, ~right], layer_axis=0)
         if p + "solo_" + name in ref:
-            chk.close(f"{tag} {name}, every row, vs each row alone (state at its last real token)", ours,
-                      ref[p + "solo_" + name], fam)
+            cmp.close(f"{tag} {name}, every row, vs each row alone (state at its last real token)", ours, p + "solo_" + name, fam,
+                      layer_axis=0)
         if right.any():
             gap = float(np.max(np.abs(ours[:, right] - ref[p + name][:, right])))
             chk.add(f"{tag} {name}, right-padded rows, distance from HF's pad-contaminated batch state (must be large)",
@@ -185,27 +280,49 @@ def _batch(chk: Checker, spec: Qwen35Spec, dec: Decoder, ref, p: str, x, ids, po
         pool_tokens = pool_greedy(spec, dec, sel(x, 0), np.asarray(ids)[rows], np.take(positions, rows, axis=-2), am[rows], n)
         chk.exact(f"{tag} greedy tokens through the decode slot pool (prompt tail as request prompt)", pool_tokens,
                   ref[p + "gen_tokens"])
-    chk.close(f"{tag} decode step logits", step_logits, ref[p + "gen_logits"], "logits")
+    cmp.close(f"{tag} decode step logits", step_logits, p + "gen_logits", "logits")
     pos_key = "gen_decode_position_ids" if not p else "vl_decode_position_ids"
     if pos_key in ref:
         chk.exact(f"{tag} decode position ids", np.asarray(start)[rows, None] + np.arange(ref[pos_key].shape[1]), ref[pos_key])
     for name, ours, fam in (("conv_states", win, "window"), ("recurrent_states", st, "state")):
         if f"{p}gen_final_{name}" in ref:
-            chk.close(f"{tag} {name} after decoding", ours, ref[f"{p}gen_final_{name}"], fam)
+            cmp.close(f"{tag} {name} after decoding", ours, f"{p}gen_final_{name}", fam, layer_axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixtureResult:
+    """`compare_fixture`'s result: the spec, the parity rows against transformers' float32 results, and the
+    fidelity rows against the float64 reference (empty without `reference_f64.npz`)."""
+
+    spec: Qwen35Spec  # with the reference's `step_sums`
+    rows: list[Row]
+    fidelity: list[FidelityRow]
 
 
 def run_fixture(fixture: Path, dtype: str = "float32", pool: bool = True) -> tuple[Qwen35Spec, list[Row]]:
+    """`compare_fixture`'s spec and parity rows."""
+    result = compare_fixture(fixture, dtype, pool)
+    return result.spec, result.rows
+
+
+def compare_fixture(fixture: Path, dtype: str = "float32", pool: bool = True, step_sums: str | None = None) -> FixtureResult:
     """Loads the fixture by its own config.json and compares every reference array present (full float32
-    matmul precision; `dtype` 'float64' shows HF's own float32 error); `pool=False` leaves out the slot-pool
-    rows (tests/test_qwen35_runtime.py checks those)."""
+    matmul precision; `dtype` 'float64', with JAX_ENABLE_X64=1, runs a program without float32 steps);
+    `pool=False` leaves out the slot-pool rows (tests/test_qwen35_runtime.py checks those). Inputs (ids,
+    masks, pixels) always come from `reference.npz`; with `reference_f64.npz` beside it every float quantity
+    it holds is also compared with it (`FidelityRow`). Decode steps sum as the reference's torch did
+    (`reference_step_sums`) unless `step_sums` names an order."""
     fixture = Path(fixture).resolve()
     if not (fixture / "reference.npz").is_file():
         raise SystemExit(f"{fixture}: reference.npz not found")
+    exact_file = fixture / "reference_f64.npz"
     with jax.default_matmul_precision("float32"):
         ck = ckpt.load(fixture, dtype)
-        spec, dec = ck.spec, ck.decoder
+        dec = ck.decoder
         ref = dict(np.load(fixture / "reference.npz"))
+        spec = dataclasses.replace(ck.spec, step_sums=step_sums or reference_step_sums(ck.spec, dec, ref))
         chk = Checker(_tolerance)
+        cmp = _Compare(chk, ref, dict(np.load(exact_file)) if exact_file.is_file() else None)
         if "linear_layer_indices" in ref:
             chk.exact("linear / full layer indices (layer_types)", np.asarray(spec.linear_layers + spec.full_layers),
                       np.concatenate([ref["linear_layer_indices"], ref["full_layer_indices"]]))
@@ -215,14 +332,15 @@ def run_fixture(fixture: Path, dtype: str = "float32", pool: bool = True) -> tup
             chk.exact("text position_ids (valid tokens)", np.broadcast_to(positions, ref["position_ids"].shape), ref["position_ids"],
                       np.broadcast_to(am, ref["position_ids"].shape))
         x = backbone.embed_tokens(spec.backbone, dec, jnp.asarray(ref["input_ids"]))
-        _batch(chk, spec, dec, ref, "", x, ref["input_ids"], positions, am, am.sum(-1), "text", pool)
+        _batch(cmp, spec, dec, "", x, ref["input_ids"], positions, am, am.sum(-1), "text", pool)
         if "vl_input_ids" in ref and ck.vision is not None:
-            _vision_batch(chk, ck, ref, pool)
-    return spec, chk.rows
+            _vision_batch(cmp, spec, ck, pool)
+    return FixtureResult(spec, chk.rows, cmp.fidelity)
 
 
-def _vision_batch(chk: Checker, ck: ckpt.Qwen35Checkpoint, ref, pool: bool = True) -> None:
-    spec, vspec = ck.spec, ck.spec.backbone.vision
+def _vision_batch(cmp: _Compare, spec: Qwen35Spec, ck: ckpt.Qwen35Checkpoint, pool: bool = True) -> None:
+    chk, ref = cmp.chk, cmp.ref
+    vspec = spec.backbone.vision
     ids, am = ref["vl_input_ids"], ref["vl_attention_mask"].astype(bool)
     image_id = int(ck.config["image_token_id"])
     grid = qwen3_vl.as_grid(ref["vl_image_grid_thw"])
@@ -230,10 +348,10 @@ def _vision_batch(chk: Checker, ck: ckpt.Qwen35Checkpoint, ref, pool: bool = Tru
     if keys:
         pv, grids = zip(*(qwen3_vl.patchify(ref[k], vspec) for k in keys))
         chk.exact("vl image_grid_thw (from raw images)", np.asarray(grids), ref["vl_image_grid_thw"])
-        chk.close("vl pixel_values (patchify raw images)", np.concatenate(pv), ref["vl_pixel_values"], "pixels")
-    enc = _encode(vspec, ck.vision, jnp.asarray(ref["vl_pixel_values"]), grid)
-    chk.close("vl vision: ViT output before the merger", enc["vit"], ref["vl_vit_last_hidden"], "vision")
-    chk.close("vl vision: merged image tokens", enc["tokens"], ref["vl_vision_tokens"], "vision")
+        cmp.close("vl pixel_values (patchify raw images)", np.concatenate(pv), "vl_pixel_values", "pixels")
+    enc = _encode(vspec, ck.vision, jnp.asarray(ref["vl_pixel_values"], ck.decoder.embedding.dtype), grid)
+    cmp.close("vl vision: ViT output before the merger", enc["vit"], "vl_vit_last_hidden", "vision")
+    cmp.close("vl vision: merged image tokens", enc["tokens"], "vl_vision_tokens", "vision")
     positions, nxt = qwen3_vl.mrope_positions(ids, am, grid, image_token_id=image_id, spatial_merge_size=vspec.spatial_merge_size)
     chk.exact("vl M-RoPE position_ids (valid tokens)", positions, ref["vl_position_ids"], np.broadcast_to(am, positions.shape))
     if "vl_rope_deltas" in ref:
@@ -241,7 +359,7 @@ def _vision_batch(chk: Checker, ck: ckpt.Qwen35Checkpoint, ref, pool: bool = Tru
     x, image_mask = _embed_images(spec, ck.decoder, jnp.asarray(ids), enc["tokens"], image_id)
     if "vl_mm_token_type_ids" in ref:
         chk.exact("vl image token mask (mm_token_type_ids)", image_mask, ref["vl_mm_token_type_ids"].astype(bool))
-    _batch(chk, spec, ck.decoder, ref, "vl_", x, ids, positions, am, nxt, "vl", pool)
+    _batch(cmp, spec, ck.decoder, "vl_", x, ids, positions, am, nxt, "vl", pool)
 
 
 def main(argv=None) -> int:
@@ -253,14 +371,31 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not is_qwen35_fixture(args.fixture):
         ap.error(f"{args.fixture}: not an HF Qwen3.5 checkpoint (needs config.json with model_type 'qwen3_5' and model.safetensors)")
-    spec, rows = run_fixture(args.fixture, args.dtype)
+    result = compare_fixture(args.fixture, args.dtype)
+    spec, rows = result.spec, result.rows
     b, g = spec.backbone, spec.gdn
     print(f"[qwen3_5] {args.fixture}: width {b.width}, layers {spec.layer_types.count('linear_attention')} linear + "
           f"{spec.layer_types.count('full_attention')} full (group {len(spec.group)} x {spec.num_groups}), heads {b.num_heads}/{b.num_kv_heads} "
           f"x {b.head_dim} (rotary {b.rotary_dim or b.head_dim}), GDN Hk {g.num_key_heads} Hv {g.num_value_heads} Dk {g.key_dim} "
           f"Dv {g.value_dim} Kc {g.conv_kernel}, {'tied' if b.tie_embeddings else 'untied'} head"
-          + (f"; ViT {b.vision.depth} x {b.vision.width}" if b.vision is not None else ""))
+          + (f"; ViT {b.vision.depth} x {b.vision.width}" if b.vision is not None else "") + f"; decode steps sum {spec.step_sums}")
+    if result.fidelity:
+        print(f"\nAgainst reference_f64.npz (bound: max(tolerance, {EXACT_FACTOR} x transformers' float32 error)):\n")
+        print(fidelity_table(result.fidelity) + "\n")
     return report(rows)
+
+
+def fidelity_table(rows: list[FidelityRow]) -> str:
+    """A markdown table of `FidelityRow`s: errors, the bound, ours / theirs, and the largest per-layer ratio."""
+    lines = ["| quantity | ours | transformers f32 | bound | ours / theirs | rms: ours / theirs | worst layer: ours / theirs "
+             "| result |", "|---|---|---|---|---|---|---|---|"]
+    ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
+    for r in rows:
+        layer = max(r.layers, key=lambda e: e[0] / max(e[1], 1e-30), default=None)
+        worst = "-" if layer is None else f"{ratio(layer[0], layer[1])} (layer {r.layers.index(layer)})"
+        lines.append(f"| {r.quantity} | {r.ours:.3g} | {r.theirs:.3g} | {r.bound:.3g} | {ratio(r.ours, r.theirs)} | "
+                     f"{ratio(r.ours_rms, r.theirs_rms)} | {worst} | {'PASS' if r.ok else 'FAIL'} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

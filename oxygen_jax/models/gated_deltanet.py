@@ -47,6 +47,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from oxygen_jax.models import qwen35_steps
 from oxygen_jax.models.lora import LayerRows
 from oxygen_jax.nn import torch_order as to
 from oxygen_jax.nn.layers import RMSNorm
@@ -91,6 +92,12 @@ def _pytree(cls):
     return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
 
 
+def compute_dtype(dtype) -> jnp.dtype:
+    """What the float32 parts (norms, conv, delta rule, RoPE, scores) compute in for activations of `dtype`:
+    float32, or float64 in a float64 program (which then has no float32 step: an exact reference)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 @_pytree
 class GatedDeltaNetLayers:
     """A Gated DeltaNet decoder layer's weights, any leading stacking axes (`...`) first.
@@ -133,8 +140,9 @@ def causal_conv(window: jax.Array, columns: jax.Array, weight: jax.Array, valid:
     if valid is not None:
         columns = jnp.where(valid[..., None], columns, jnp.zeros((), columns.dtype))
     full = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(columns.dtype), columns], axis=1)  # [B, Kc + T, Cc]
-    w = weight.astype(jnp.float32)
-    taps = [full[:, i + 1:i + 1 + t].astype(jnp.float32) * w[:, i] for i in range(kc)]
+    ct = compute_dtype(columns.dtype)
+    w = weight.astype(ct)
+    taps = [full[:, i + 1:i + 1 + t].astype(ct) * w[:, i] for i in range(kc)]
     acc = to.separate(taps[0])  # oldest tap first, then one multiply-add per tap (F.conv1d's order)
     for tap in taps[1:]:
         acc = acc + tap
@@ -184,8 +192,9 @@ def delta_rule_recurrent(q, k, v, g, beta, state, valid=None):
         s = s + to.separate(kt[..., :, None] * delta[..., None, :])
         return s, to.inner_sum(to.separate(s * qt[..., :, None]))
 
-    xs = tuple(jnp.swapaxes(a.astype(jnp.float32), 0, 1) for a in (q, k, v, g, beta))
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    ct = compute_dtype(q.dtype)
+    xs = tuple(jnp.swapaxes(a.astype(ct), 0, 1) for a in (q, k, v, g, beta))
+    state, o = jax.lax.scan(step, state.astype(ct), xs)
     return jnp.swapaxes(o, 0, 1), state
 
 
@@ -196,19 +205,20 @@ def delta_rule_chunked(q, k, v, g, beta, state, valid=None, chunk_size: int = 64
     """
     k, v, g, beta = _identity_steps(k, v, g, beta, valid)
     b, t, a, dk = q.shape
+    ct = compute_dtype(q.dtype)
     tc = chunk_size
     nt = -(-t // tc)
     pad = nt * tc - t
 
     def chunks(x):  # [B, T, Hv (, Dk | Dv)] -> [Nt, B, Hv, Tc (, Dk | Dv)]
-        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.pad(x.astype(ct), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         x = x.reshape((b, nt, tc) + x.shape[2:])
         return jnp.transpose(x, (1, 0, 3, 2) + tuple(range(4, x.ndim)))
 
     qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, g, beta))
     lower = jnp.tril(jnp.ones((tc, tc), bool))
     strict = jnp.tril(jnp.ones((tc, tc), bool), -1)
-    eye = jnp.eye(tc, dtype=jnp.float32)
+    eye = jnp.eye(tc, dtype=ct)
     dv = vc.shape[-1]
 
     def step(s, xs):
@@ -228,7 +238,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, valid=None, chunk_size: int = 64
         s = to.separate(s * jnp.exp(gam[..., -1])[..., None, None]) + to.matmul(jnp.swapaxes(kd, -1, -2), vp)
         return s, o
 
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, vc, gc, bc))  # o [Nt, B, Hv, Tc, Dv]
+    state, o = jax.lax.scan(step, state.astype(ct), (qc, kc, vc, gc, bc))  # o [Nt, B, Hv, Tc, Dv]
     o = jnp.moveaxis(o, 0, 1)  # [B, Nt, Hv, Tc, Dv]
     o = jnp.swapaxes(o, 2, 3).reshape(b, nt * tc, a, -1)[:, :t]
     return o, state
@@ -241,13 +251,15 @@ def delta_rule_chunked(q, k, v, g, beta, state, valid=None, chunk_size: int = 64
 def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """w ⊙ RMS(x) ⊙ silu(gate) over the last axis (Dv), plain w, HF's cast order (RMS in float32, cast,
     × w, × silu(gate in float32), cast)."""
-    xf = x.astype(jnp.float32)
+    ct = compute_dtype(x.dtype)
+    xf = x.astype(ct)
     normed = (xf * to.rsqrt(to.row_mean(to.separate(xf * xf))[..., None] + eps)).astype(x.dtype)
-    return ((scale.astype(x.dtype) * normed).astype(jnp.float32) * to.silu(gate.astype(jnp.float32))).astype(x.dtype)
+    return ((scale.astype(x.dtype) * normed).astype(ct) * to.silu(gate.astype(ct))).astype(x.dtype)
 
 
 def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, window: jax.Array, state: jax.Array,
-          valid: jax.Array | None, form: str = "chunked", taps: dict | None = None, lora: LayerRows | None = None):
+          valid: jax.Array | None, form: str = "chunked", taps: dict | None = None, lora: LayerRows | None = None,
+          lanes: bool = False):
     """The linear-attention mixer of one layer over normed inputs x [B, T, D].
 
     Args:
@@ -259,6 +271,8 @@ def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, windo
       lora: this layer's slice of a `lora.DeltaNetLora` bank and the row ids: each row's adapter term is
         added to in_proj_qkv, in_proj_z and out_proj (rows on id 0 keep the base projections bit for
         bit); None: the adapter-free program.
+      lanes: the projections summed in four lanes (`qwen35_steps`: transformers' CPU decode steps under
+        MKL at AVX2), else in order (`nn.torch_order.dense`).
     Returns:
       (out [B, T, D], window [B, Cc, Kc], state float32 [B, Hv, Dk, Dv]).
     """
@@ -267,12 +281,13 @@ def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, windo
     b, t, _ = x.shape
     if valid is not None:  # HF zeroes pad inputs (x * mask); a select also stops non-finite pads
         x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
-    columns = to.dense(x, lp.qkv)  # [B, T, Cc]
-    z = to.dense(x, lp.z.reshape(lp.z.shape[0], hv * dv)).reshape(b, t, hv, dv)
+    dense = qwen35_steps.dense if lanes else to.dense
+    columns = dense(x, lp.qkv)  # [B, T, Cc]
+    z = dense(x, lp.z.reshape(lp.z.shape[0], hv * dv)).reshape(b, t, hv, dv)
     if lora is not None:  # before the conv: an adapter changes what the window stores
         columns, z = lora.add("qkv", columns, x), lora.add("z", z, x)
-    b_logit = to.dense(x, lp.b)
-    a_in = to.dense(x, lp.a)
+    b_logit = dense(x, lp.b)
+    a_in = dense(x, lp.a)
     u, window = causal_conv(window, columns, lp.conv, valid)
     q, k, v = jnp.split(u, [hk * dk, 2 * hk * dk], axis=-1)
     r = hv // hk  # key head j serves the consecutive value heads j r .. j r + r - 1
@@ -280,9 +295,10 @@ def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, windo
     # HF's chunked rule multiplies by Dk^-1/2, its recurrent rule divides by sqrt(Dk)
     q = jnp.repeat(q * (dk ** -0.5) if form == "chunked" else to.divide(q, dk ** 0.5), r, axis=2)
     k = jnp.repeat(l2norm(k.reshape(b, t, hk, dk)), r, axis=2)
-    v = v.reshape(b, t, hv, dv).astype(jnp.float32)
-    beta = to.sigmoid(b_logit.astype(jnp.float32))
-    g = -jnp.exp(lp.a_log.astype(jnp.float32)) * to.softplus(a_in.astype(jnp.float32) + lp.dt_bias.astype(jnp.float32))
+    ct = compute_dtype(x.dtype)
+    v = v.reshape(b, t, hv, dv).astype(ct)
+    beta = to.sigmoid(b_logit.astype(ct))
+    g = -jnp.exp(lp.a_log.astype(ct)) * to.softplus(a_in.astype(ct) + lp.dt_bias.astype(ct))
     if form == "chunked":
         core, state = delta_rule_chunked(q, k, v, g, beta, state, valid, gspec.chunk_size)
     else:
@@ -291,5 +307,5 @@ def mixer(gspec: GatedDeltaNetSpec, lp: GatedDeltaNetLayers, x: jax.Array, windo
     if taps is not None:
         taps.update(qkv=columns, z=z, a=a_in, b=b_logit, core=core)
     y = gated_rms_norm(core, z, lp.norm, gspec.norm_eps)
-    out = to.dense(y.reshape(b, t, hv * dv), lp.out.reshape(hv * dv, lp.out.shape[-1]))
+    out = dense(y.reshape(b, t, hv * dv), lp.out.reshape(hv * dv, lp.out.shape[-1]))
     return (out if lora is None else lora.add("out", out, y)), window, state

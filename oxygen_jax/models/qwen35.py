@@ -53,7 +53,7 @@ from oxygen_jax.models import backbone
 from oxygen_jax.models import qwen35_layers as layers_lib
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Draw, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.models import lora as lora_lib
-from oxygen_jax.models.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec
+from oxygen_jax.models.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec, compute_dtype
 from oxygen_jax.models.lora import DeltaNetLora, ExpertLora, LayerRows, LoraPair, RowAdapters
 from oxygen_jax.models.prefix import Prefix, next_positions
 from oxygen_jax.nn.layers import RMSNorm
@@ -81,11 +81,17 @@ class Qwen35Spec:
         (depth = all L layers; `vision` is the Qwen3-VL ViT without DeepStack, or None).
       gdn: the Gated DeltaNet dims.
       layer_types: per layer, 'linear_attention' or 'full_attention'; one group repeated G times.
+      step_sums: how the recurrent form (decode and verification steps) sums each projection: 'in_order'
+        (the prefill's one multiply-add chain per output; torch's CPU decode where MKL runs its sgemm for a
+        few rows, as on AVX-512) or 'four_lanes' (`qwen35_steps`: torch's CPU decode with MKL held to AVX2,
+        as the public parity fixture was made; a scan per projection, slower on CPU). The prefill and the
+        chunked form always sum in order.
     """
 
     backbone: BackboneSpec
     gdn: GatedDeltaNetSpec
     layer_types: tuple[str, ...]
+    step_sums: str = "in_order"
 
     def __post_init__(self):
         b = self.backbone
@@ -98,6 +104,8 @@ class Qwen35Spec:
                  f"Qwen35Spec.layer_types entries must be {LINEAR!r} or {FULL!r}, got {sorted(set(self.layer_types))}")
         _require(self.group.count(LINEAR) > 0 and self.group.count(FULL) > 0,
                  f"Qwen35Spec.layer_types must repeat one group holding both kinds, got {self.layer_types}")
+        _require(self.step_sums in ("in_order", "four_lanes"),
+                 f"Qwen35Spec.step_sums must be 'in_order' or 'four_lanes', got {self.step_sums!r}")
         if isinstance(b.vision, Qwen3VisionSpec):
             _require(not b.vision.deepstack_layers, "Qwen3.5's vision tower has no DeepStack: set deepstack_layers=()")
 
@@ -390,6 +398,7 @@ def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, fo
     Returns (x, cache, window [Lg, ...], state [Lg, ...], per-group outputs dict of [L or Lg, ...]).
     """
     pl, pf = spec.group.count(LINEAR), spec.group.count(FULL)
+    lanes = form == "recurrent" and spec.step_sums == "four_lanes"
 
     def rows(bank, kind, i):  # layer i of this group's [P, E, ...] bank slice, or None without adapters
         return None if bank is None else LayerRows(jax.tree.map(lambda a: a[i], getattr(bank, kind)), lora.ids)
@@ -404,13 +413,13 @@ def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, fo
                 lp = jax.tree.map(lambda a, i=il: a[i], lin)
                 tap = {} if collect_taps else None
                 x, w_i, s_i = layers_lib.linear_layer(spec, lp, x, win[il], st[il], valid, form, tap,
-                                                      rows(bank, "linear", il))
+                                                      rows(bank, "linear", il), lanes)
                 wins.append(w_i), sts.append(s_i), taps.append(tap)
                 il += 1
             else:
                 fp = jax.tree.map(lambda a, j=jf: a[j], full)
                 kv_fn, get_cache = kv_fn_for(cache, g * pf + jf)
-                x = layers_lib.full_layer(spec.backbone, fp, x, rope, mask, kv_fn, rows(bank, "full", jf))
+                x = layers_lib.full_layer(spec.backbone, fp, x, rope, mask, kv_fn, rows(bank, "full", jf), lanes)
                 cache = get_cache()
                 jf += 1
             hids.append(x if collect_hidden else None)
@@ -429,10 +438,11 @@ def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, fo
 
 
 def empty_state(spec: Qwen35Spec, batch: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """(window [Lg, B, Cc, Kc] in `dtype`, state float32 [Lg, B, Hv, Dk, Dv]), all zeros: a fresh sequence."""
+    """(window [Lg, B, Cc, Kc] in `dtype`, state float32 [Lg, B, Hv, Dk, Dv] (float64 for float64 `dtype`)),
+    all zeros: a fresh sequence."""
     g, lg = spec.gdn, len(spec.linear_layers)
     return (jnp.zeros((lg, batch, g.conv_channels, g.conv_kernel), dtype),
-            jnp.zeros((lg, batch, g.num_value_heads, g.key_dim, g.value_dim), jnp.float32))
+            jnp.zeros((lg, batch, g.num_value_heads, g.key_dim, g.value_dim), compute_dtype(dtype)))
 
 
 def forward_prefill(spec: Qwen35Spec, layers: HybridLayers, x, positions, input_mask, mask=None, *, return_hidden=False,
@@ -448,7 +458,7 @@ def forward_prefill(spec: Qwen35Spec, layers: HybridLayers, x, positions, input_
       state [Lg, B, Hv, Dk, Dv] (+ layer_outputs, taps).
     """
     mask = make_attn_mask(input_mask, jnp.ones(input_mask.shape[-1:], bool)) if mask is None else mask
-    rope = layers_lib.rope_tables(spec.backbone, positions)
+    rope = layers_lib.rope_tables(spec.backbone, positions, x.dtype)
     b, t = x.shape[:2]
     bs = spec.backbone
     kv0 = jnp.zeros((len(spec.full_layers), b, t, bs.num_kv_heads, bs.head_dim), x.dtype)
@@ -530,7 +540,7 @@ def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, ma
     if lora is not None:
         check_bank(spec, lora.bank)
         _require(lora.ids.shape == (x.shape[0],), f"RowAdapters.ids must be [B] = ({x.shape[0]},), got {lora.ids.shape}")
-    rope = layers_lib.rope_tables(spec.backbone, positions)
+    rope = layers_lib.rope_tables(spec.backbone, positions, x.dtype)
     rows = jnp.arange(x.shape[0])[:, None]
 
     def kv_fn_for(cache, layer):

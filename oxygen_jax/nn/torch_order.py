@@ -173,13 +173,13 @@ def cumsum(x: jax.Array) -> jax.Array:
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool) -> jax.Array:
     """x * rsqrt(mean(x²) + eps) in float32, times (1 + scale) or scale, cast back to x.dtype (HF
     Qwen3.5's RMSNorm, computed and scaled in float32)."""
-    xf = x.astype(jnp.float32)
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # float64 stays float64
     normed = xf * rsqrt(row_mean(separate(xf * xf))[..., None] + eps)
-    s = scale.astype(jnp.float32)
+    s = scale.astype(xf.dtype)
     return (normed * ((1.0 + s) if plus_one else s)).astype(x.dtype)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x * rsqrt(sum(x²) + eps) over the last axis, float32 (eps inside the root)."""
-    x = x.astype(jnp.float32)
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     return x * rsqrt(row_sum(separate(x * x))[..., None] + eps)
