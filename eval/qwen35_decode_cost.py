@@ -5,7 +5,8 @@
 One `runtime.decode.decode_step` (every slot active) on two language models of the same width and depth:
 `qwen35.preset("qwen35_bench")` (6 Gated DeltaNet + 2 full-attention layers, 1024 wide) and the Qwen3-VL
 bench backbone (`mot.bench_backbone()`, 8 attention layers, 1024 wide, laid out by `mot.for_backend`), both with a 16,384-token
-vocabulary here so the LM head does not hide the layers' cost. Per (model, slot capacity C, batch B):
+vocabulary here so the LM head does not hide the layers' cost (and the hybrid with `step_sums='four_lanes'`,
+transformers' AVX2 decode-step sums). Per (model, slot capacity C, batch B):
 compile time apart, then the median of `--reps` warm steps, each waited for (`block_until_ready`), the
 two models and every configuration interleaved rep by rep so machine load hits them alike. A hybrid slot
 reads its full layers' K/V (2 layers) plus a fixed window and state per linear layer, so its step grows
@@ -42,7 +43,9 @@ def models() -> dict[str, LanguageDecoder]:
     q = qwen35.preset("qwen35_bench")
     q = dataclasses.replace(q, backbone=q.backbone.replace(vocab_size=VOCAB, vision=None))
     a = mot.bench_backbone().replace(vocab_size=VOCAB, vision=None)
+    lanes = dataclasses.replace(q, step_sums="four_lanes")  # decode steps summed as transformers' at AVX2 MKL
     return {"qwen35_hybrid": qwen35_decoder.language_model(q, qwen35.init_decoder(q, 0)),
+            "qwen35_hybrid_four_lanes": qwen35_decoder.language_model(lanes, qwen35.init_decoder(lanes, 0)),
             "attention_only": AttentionDecoder(decoder=_for_backend(backbone.init_decoder(a, 0)), spec=a)}
 
 
