@@ -5,6 +5,7 @@ would take on other devices.
     python -m eval.roofline --mot-preset bench --out results/roofline_heads       # Qwen3-VL + XR0, StarVLA, GR00T
     python -m eval.roofline --ckpt DIR --dtype bfloat16 --out results/roofline    # any checkpoint load_model reads
     python -m eval.roofline --preset pi05 --no-measure                            # the cost model and predictions only
+    python -m eval.roofline --ckpt DIR --no-measure                               # a checkpoint's predictions
 
 In one process: the device's peaks are measured (`eval.bench.roofline_peaks`: a matmul rate and streaming
 bandwidths as JAX programs), then each component of a frame is timed alone (`eval.bench.roofline_measure`),
@@ -102,11 +103,85 @@ def _hf_heads(args: argparse.Namespace):
     return [for_backbone(kinds[h], backbone, "bench") for h in args.heads]
 
 
-def _workload(m: rc.Model, args: argparse.Namespace, horizon: int, cameras: int, prompt: int, steps: int | None,
-              image_size: int) -> report.Workload:
-    slots = args.slots or max(1, math.ceil((args.N - 1) / args.k))
-    return report.Workload(prefix_len=rc.prefix_length(m, cameras, prompt, image_size), images=cameras, horizon=horizon,
-                           steps=steps, decode_len=args.N, tokens_per_frame=args.k, slots=slots, image_size=image_size)
+def _slots(args: argparse.Namespace) -> int:
+    return args.slots or max(1, math.ceil((args.N - 1) / args.k))
+
+
+def _measured(args: argparse.Namespace, dtype: str, prec: rc.Precision, robot) -> tuple[dict, list[str]]:
+    """Load the model, time every component and the peak probes in the same rounds, set them against the cost
+    model: (record fields, report lines)."""
+    vla, what = _load(args, dtype, args.S or 10)
+    m = rc.from_params(vla.spec, vla.params, what)
+    image_size = rc.default_image_size(m) if vla.spec.input_kind == "observation" else args.image_size
+    plan = measure.Plan(cameras=robot.num_cameras, prompt_tokens=robot.max_token_len, image_size=image_size,
+                        horizon=robot.action_horizon, steps=args.S, slots=_slots(args), max_new_tokens=args.N,
+                        tokens_per_frame=args.k, gamma=args.gamma, repeats=args.repeats, seed=args.seed)
+    plan = dataclasses.replace(plan, max_new_tokens=measure.needed_tokens(plan))
+    inputs, noises, states = measure.frame_inputs(vla, plan)
+    p = measure.prefix_len(vla, inputs)
+    factories, prefix_s = measure.calls(vla, plan, inputs, noises, states)
+    # The peak probes run in the same rounds as the components, so both see the machine's load alike.
+    probe_dtype, probe_bytes, probes = peaks_lib.probes(dtype)
+    load = measure.load()
+    times, compile_s = measure.measure(factories | {f"peak:{n}": pr.factory for n, pr in probes.items()}, plan.repeats)
+    compile_s["prefix"] = prefix_s
+    peaks = peaks_lib.from_times(probe_dtype, probe_bytes, probes, {n: times[f"peak:{n}"] for n in probes}, load)
+    table = report.rows(measure.costs(m, plan, p, prec), times, compile_s, peaks)
+    fields = {"model": what, "parameters": rc.count(m.tree), "prefix_len": p, "plan": vars(plan),
+              "slot_length": p + plan.max_new_tokens, "peaks": peaks.to_json(),
+              "components": [r.to_json() for r in table], "loadavg_end": list(measure.load())}
+    lines = [f"- {dtype} ({rc.count(m.tree):,} parameters), {args.workload}: {plan.cameras} cameras, "
+             f"{plan.prompt_tokens} prompt tokens, P = {p}, Ha = {plan.horizon}; Ns = {plan.slots}, slot length "
+             f"C = {p + plan.max_new_tokens}, k = {plan.tokens_per_frame}, γ = {plan.gamma}; {plan.repeats} rounds",
+             "", "## Peaks, measured in the same rounds as the components", ""]
+    lines += report.peaks_lines(peaks) + ["", "## Components", ""] + report.component_table(table) + [""]
+    print("\n".join(report.component_table(table)))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report.plot(table, peaks, args.out / "roofline.png", f"{what}, {dtype}, {jax.devices()[0].device_kind}")
+        lines += ["![roofline](roofline.png)", ""]
+    return fields, lines
+
+
+def _named_model(args: argparse.Namespace) -> rc.Model | None:
+    """The model --preset / --mot-preset / --ckpt names, in bfloat16, for --no-measure: π0.5 checkpoints (ours and
+    openpi's) from their metadata alone, other checkpoints through `load_model`; None without a model flag."""
+    from oxygen_jax.ckpts import load, openpi, own
+
+    steps = args.S or 10
+    if args.ckpt is not None:
+        kind = load.source_kind(args.ckpt)
+        if kind in ("checkpoint", "openpi"):
+            config = own.stored_config(args.ckpt) if kind == "checkpoint" else openpi.read_openpi_config(args.ckpt)
+            return rc.pi05(config, steps, f"checkpoint {args.ckpt}", "bfloat16")
+        vla, what = _load(args, "bfloat16", steps)
+        return rc.from_params(vla.spec, vla.params, what)
+    if args.mot_preset:
+        return rc.multihead(mot.preset(args.mot_preset), "bfloat16", f"mot.preset('{args.mot_preset}')")
+    return rc.pi05(model_config(args.preset), steps, f"π0.5 preset '{args.preset}'", "bfloat16") if args.preset else None
+
+
+def _predictions(args: argparse.Namespace, robot) -> tuple[dict, list[str]]:
+    """Roofline predictions of `PREDICTED` (and with --no-measure of the named model) on the datasheet devices:
+    (record field, report lines)."""
+    lines = ["## Predictions (roofline lower bounds, not measurements)", "",
+             f"The workload in bfloat16 ({robot.name}: {robot.num_cameras} cameras, {robot.max_token_len} "
+             f"prompt tokens; S = 10 for π0.5, each head's own otherwise; N = {args.N}, k = {args.k}, one request per "
+             f"frame, Ns = {_slots(args)}): each part of a frame at max(FLOPs / peak, bytes / bandwidth) of the "
+             "datasheet peaks, the parts summed.", ""]
+    out = {}
+    bf16 = rc.Precision.of("bfloat16", args.weight_bytes)
+    named = _named_model(args) if args.no_measure else None
+    models = {**({named.name: lambda: named} if named is not None else {}), **PREDICTED}
+    for label, build in models.items():
+        pm = build()
+        w = report.Workload(prefix_len=rc.prefix_length(pm, robot.num_cameras, robot.max_token_len, 224),
+                            images=robot.num_cameras, horizon=robot.action_horizon, steps=None, decode_len=args.N,
+                            tokens_per_frame=args.k, slots=_slots(args), image_size=224)
+        preds = report.predictions(pm, w, bf16)
+        out[label] = {"workload": vars(w), "devices": preds}
+        lines += [f"### {label}: P = {w.prefix_len}", ""] + report.prediction_table(preds) + [""]
+    return out, lines + ["## Datasheet peaks", ""] + report.datasheet_lines() + [""]
 
 
 def main(argv=None) -> int:
@@ -114,64 +189,26 @@ def main(argv=None) -> int:
     if args.heads and args.ckpt is None:
         raise SystemExit("--heads puts random heads on a bare Hugging Face --ckpt; --mot-preset names its own heads")
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    prec = rc.Precision.of(dtype, args.weight_bytes)
     robot = oxygen_benchmark_robot(args.workload)
     record: dict = {"command": " ".join(["python -m eval.roofline", *(argv if argv is not None else sys.argv[1:])]),
                     "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "commit": harness._git_commit(), "backend": jax.default_backend(),
                     "device_kind": jax.devices()[0].device_kind, "cpu_model": harness._cpu_model(), "dtype": dtype,
-                    "precision": dataclasses.asdict(prec), "loadavg_start": list(measure.load())}
+                    "loadavg_start": list(measure.load())}
     lines: list[str] = []
     if not args.no_measure:
-        vla, what = _load(args, dtype, args.S or 10)
-        m = rc.from_params(vla.spec, vla.params, what)
-        image_size = rc.default_image_size(m) if vla.spec.input_kind == "observation" else args.image_size
-        plan0 = measure.Plan(cameras=robot.num_cameras, prompt_tokens=robot.max_token_len, image_size=image_size,
-                             horizon=robot.action_horizon, steps=args.S, slots=args.slots or max(1, math.ceil((args.N - 1) / args.k)),
-                             max_new_tokens=args.N, tokens_per_frame=args.k, gamma=args.gamma, repeats=args.repeats,
-                             seed=args.seed)
-        plan = measure.Plan(**{**vars(plan0), "max_new_tokens": measure.needed_tokens(plan0)})
-        before = peaks_lib.measure()
-        inputs, noises, states = measure.frame_inputs(vla, plan)
-        p = measure.prefix_len(vla, inputs)
-        factories, prefix_s = measure.calls(vla, plan, inputs, noises, states)
-        times, compile_s = measure.measure(factories, plan.repeats)
-        compile_s["prefix"] = prefix_s
-        peaks = peaks_lib.best(before, peaks_lib.measure())  # the device's capability: the best seen in the run
-        costs = measure.costs(m, plan, p, prec)
-        table = report.rows(costs, times, compile_s, peaks)
-        record |= {"model": what, "parameters": rc.count(m.tree), "prefix_len": p, "plan": vars(plan),
-                   "slot_length": p + plan.max_new_tokens, "peaks": peaks.to_json(), "peaks_before": before.to_json(),
-                   "components": [r.to_json() for r in table], "loadavg_end": list(measure.load())}
-        title = f"{what}, {dtype}, {record['device_kind']}"
-        lines += [f"# Roofline: {what}", "",
-                  f"- {record['timestamp']} (UTC), commit `{record['commit']}`, {record['backend']} "
-                  f"({record['device_kind']}; {record['cpu_model']}); `{record['command']}`",
-                  f"- {dtype} ({rc.count(m.tree):,} parameters), {args.workload}: {plan.cameras} cameras, "
-                  f"{plan.prompt_tokens} prompt tokens, P = {p}, Ha = {plan.horizon}; Ns = {plan.slots}, slot length "
-                  f"C = {p + plan.max_new_tokens}, k = {plan.tokens_per_frame}, γ = {plan.gamma}; {plan.repeats} rounds",
-                  f"- machine load (1 / 5 / 15 min): {', '.join(f'{x:.2f}' for x in record['loadavg_start'])} at the start, "
-                  f"{', '.join(f'{x:.2f}' for x in record['loadavg_end'])} at the end", "", "## Peaks measured in this run", ""]
-        lines += report.peaks_lines(peaks) + ["", "## Components", ""] + report.component_table(table) + [""]
-        print("\n".join(report.component_table(table)))
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            report.plot(table, peaks, args.out / "roofline.png", title)
-            lines += ["![roofline](roofline.png)", ""]
-    lines += ["## Predictions (roofline lower bounds, not measurements)", "",
-              "The paper's workload at full size in bfloat16 (LIBERO: 2 cameras, 100 prompt tokens; S = 10 for π0.5, "
-              "each head's own otherwise; N = 30, k = 5, one request per frame, Ns = 6): each part of a frame at "
-              "max(FLOPs / peak, bytes / bandwidth) of the datasheet peaks, the parts summed.", ""]
-    record["predictions"] = {}
-    bf16 = rc.Precision.of("bfloat16", args.weight_bytes)
-    for label, build in PREDICTED.items():
-        pm = build()
-        w = _workload(pm, args, robot.action_horizon, robot.num_cameras, robot.max_token_len, None, 224)
-        preds = report.predictions(pm, w, bf16)
-        record["predictions"][label] = {"workload": vars(w), "devices": preds}
-        lines += [f"### {label}: P = {w.prefix_len}", ""] + report.prediction_table(preds) + [""]
-    lines += ["## Datasheet peaks", ""] + report.datasheet_lines() + [""]
-    text = "\n".join(lines) + "\n"
+        fields, lines = _measured(args, dtype, rc.Precision.of(dtype, args.weight_bytes), robot)
+        record |= fields
+        lines = [f"# Roofline: {fields['model']}", "",
+                 f"- {record['timestamp']} (UTC), commit `{record['commit']}`, {record['backend']} "
+                 f"({record['device_kind']}; {record['cpu_model']}); `{record['command']}`",
+                 f"- machine load (1 / 5 / 15 min): {', '.join(f'{x:.2f}' for x in record['loadavg_start'])} at the "
+                 f"start, {', '.join(f'{x:.2f}' for x in record['loadavg_end'])} at the end"] + lines
+    if args.no_measure:
+        lines = ["# Roofline predictions", "", f"- {record['timestamp']} (UTC), commit `{record['commit']}`; "
+                 f"`{record['command']}`", ""]
+    record["predictions"], more = _predictions(args, robot)
+    text = "\n".join(lines + more) + "\n"
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "report.md").write_text(text)

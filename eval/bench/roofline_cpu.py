@@ -1,6 +1,7 @@
 """`python -m eval.bench.roofline_cpu`: XLA:CPU options against the bandwidth-bound components, values checked.
 
     python -m eval.bench.roofline_cpu --preset bench --out eval/results/roofline_cpu_flags
+    python -m eval.bench.roofline_cpu --preset bench --layouts --out eval/results/roofline_cpu_layouts
 
 Each configuration (`CONFIGS`: a set of XLA flags) runs in its own process (XLA reads its flags once, at
 start), in rounds so that every configuration sees the machine's load drift alike. A process builds the model
@@ -11,7 +12,8 @@ from the default's changes computed values and is reported as such (the runtime 
 
 Output: flags.json (per configuration and round: component ms, hashes, machine load) and report.md (medians
 over rounds, each as a ratio to the default's, the fraction of the bandwidth limit, and whether values are
-bit-identical).
+bit-identical). `--layouts` instead times each projection of π0.5's layers as the model computes it against
+the same product on weights stored in another layout (`layouts`), values compared bit for bit.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ CONFIGS: dict[str, str] = {
 kernel, or its threading)."""
 
 COMPONENTS = ("prefix", "step1:actions", "denoise:actions", "decode1", "decode6")
+COPIES = ("copies:denoise step", "copies:decode step")
 
 
 def _digest(*arrays) -> str:
@@ -90,9 +93,99 @@ def child(args: argparse.Namespace) -> dict:
             h = vla.spec.heads[0]
             digests["prefix_kv"] = _digest(prefix.k, prefix.v)
             digests["actions"] = _digest(hd.sample(vla.params.heads[h.name], h, prefix, noises[h.name]))
+    times |= _copy_times(vla, args.repeats)
     out |= {"ms": times, "limit_ms": limits, "peaks": peaks.to_json(), "digests": digests,
             "loadavg_end": list(os.getloadavg())}
     return out
+
+
+TRANSPOSES = {"q": (1, 0, 2), "kv": (0, 1, 3, 2), "out": (1, 0, 2)}
+"""What XLA:CPU (jaxlib 0.10.2) does to π0.5's attention weights on every call of a decode step or a denoise
+step (their compiled HLO): it copies q [N, D, H] to [D, N, H], k|v [2, K, D, H] to [2, K, H, D] and out [N, H, D]
+to [H, N, D] before the products, inside the step loop."""
+
+
+def _copy_times(vla, repeats: int) -> dict[str, float]:
+    """ms of exactly those copies of one step, alone: the action expert's (a denoise step) and the VLM expert's
+    (a decode step)."""
+    import jax
+    import jax.numpy as jnp
+
+    from eval.bench import roofline_measure as measure
+    from oxygen_jax.nn.layers import Unstacked
+
+    def leaves(layers):
+        per_layer = layers.layers if isinstance(layers, Unstacked) else [layers]
+        return [(getattr(lp, f), perm) for lp in per_layer for f, perm in TRANSPOSES.items()]
+
+    out = {}
+    for name, layers in (("copies:denoise step", vla.params.heads[vla.spec.heads[0].name].layers),
+                         ("copies:decode step", vla.params.decoder.layers)):
+        ws = leaves(layers)
+        fn = jax.jit(lambda arrays, perms=tuple(p for _, p in ws): [jnp.transpose(a, p) + 0 for a, p in zip(arrays, perms)])
+        arrays = [a for a, _ in ws]
+        ms, _ = measure.measure({name: lambda: lambda: fn(arrays)}, repeats)
+        out |= ms
+    return out
+
+
+def _projections(d: int, n: int, k: int, h: int, f: int) -> list[tuple[str, str, tuple, str, tuple]]:
+    """(name, the layer's einsum, weight shape, the same product with the weight stored contraction-dim-minor,
+    the permutation to that storage) of a Gemma / Qwen decoder layer (`models.backbone._block`, `_mlp`)."""
+    return [("q", "YD,NDH->YNH", (n, d, h), "YD,DNH->YNH", (1, 0, 2)),
+            ("kv", "YD,2KDH->2YKH", (2, k, d, h), "YD,2KHD->2YKH", (0, 1, 3, 2)),
+            ("out", "YNH,NHD->YD", (n, h, d), "YNH,HND->YD", (1, 0, 2)),
+            ("gating", "2YD,2DF->2YF", (2, d, f), "2YD,2FD->2YF", (0, 2, 1)),
+            ("linear", "YF,FD->YD", (f, d), "YF,DF->YD", (1, 0))]
+
+
+def layouts(args: argparse.Namespace) -> list[dict]:
+    """Each projection of the VLM expert's layers (decode rows 1 and 6) and the action expert's (denoise rows Ha =
+    10) as the model computes it against the same product on weights stored in the layout XLA:CPU transposes
+    them to (`TRANSPOSES`) or contraction-dim-minor: GB/s of weights over `depth` layers (random weights of the
+    preset's shapes, so the set is larger than the caches), and whether the outputs are bit-identical."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from eval.bench import roofline_measure as measure
+    from oxygen_jax.models.pi05 import model as pi05_model
+    from oxygen_jax.models.pi05.config import model_config
+
+    spec = pi05_model.model_spec(model_config(args.preset))
+    b, e = spec.backbone, spec.heads[0]
+    rng = np.random.default_rng(args.seed)
+    out = []
+    for stack, dims, rows in (("VLM expert", (b.width, b.num_heads, b.num_kv_heads, b.head_dim, b.mlp_dim), (1, 6)),
+                              ("action expert", (e.width, e.num_heads, e.num_kv_heads, e.head_dim, e.mlp_dim), (10,))):
+        size = dict(zip("DNKHF", dims), **{"2": 2})
+        for name, eq, shape, alt, perm in _projections(*dims):
+            ws = [jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in range(b.depth)]
+            alts = [jnp.transpose(w, perm).copy() for w in ws]
+            for y in rows:
+                x = jnp.asarray(rng.standard_normal(tuple(y if c == "Y" else size[c] for c in eq.split(",")[0]), np.float32))
+                now = jax.jit(lambda x, ws, eq=eq: [jnp.einsum(eq, x, w) for w in ws])
+                new = jax.jit(lambda x, ws, alt=alt: [jnp.einsum(alt, x, w) for w in ws])
+                ms, _ = measure.measure({"now": lambda: (lambda: now(x, ws)), "alt": lambda: (lambda: new(x, alts))},
+                                        args.repeats)
+                same = all(np.array_equal(np.asarray(p), np.asarray(q)) for p, q in zip(now(x, ws), new(x, alts)))
+                mb = 4 * np.prod(shape) * len(ws) / 1e6
+                out.append({"stack": stack, "projection": name, "rows": y, "einsum": eq, "stored": alt,
+                            "gbs_now": mb / ms["now"], "gbs_stored": mb / ms["alt"], "bit_identical": same,
+                            "loadavg": list(os.getloadavg())})
+    return out
+
+
+def _layouts_report(rows: list[dict]) -> str:
+    lines = ["# Weight layouts: each projection as computed now against the same product on re-stored weights", "",
+             "GB/s of weights (several layers, more than the caches); values: the two outputs compared bit for bit.", "",
+             "| stack | projection | rows | einsum now | weight stored as | GB/s now | GB/s stored | ratio | values | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['stack']} | {r['projection']} | {r['rows']} | `{r['einsum']}` | `{r['stored']}` | "
+                     f"{r['gbs_now']:.1f} | {r['gbs_stored']:.1f} | {r['gbs_stored'] / r['gbs_now']:.2f} | "
+                     f"{'bit-identical' if r['bit_identical'] else 'differ'} | {r['loadavg'][0]:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -103,12 +196,19 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per component in a process (median)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layouts", action="store_true", help="the weight-layout study instead (in this process)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(child(args)))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.layouts:
+        rows = layouts(args)
+        (args.out / "layouts.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (args.out / "report.md").write_text(_layouts_report(rows))
+        print(_layouts_report(rows))
+        return 0
     runs: dict[str, list[dict]] = {c: [] for c in args.configs}
     base_flags = os.environ.get("XLA_FLAGS", "")
     for r in range(args.rounds):
@@ -155,6 +255,12 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> str:
         pk = "; ".join(f"{r['peaks']['matmul_flops'] / 1e9:.0f}, {r['peaks']['bandwidth'] / 1e9:.1f}" for r in ok[name])
         lines.append(f"| {name} | `{CONFIGS[name] or '(none)'}` | {cells} | {'bit-identical' if same else 'DIFFER'} | "
                      f"{loads} | {pk} |")
+    if base and all(c in base[0]["ms"] for c in COPIES):
+        lines += ["", "The per-call weight copies XLA inserts (`TRANSPOSES`), timed alone (ms, median over the default's "
+                  "rounds), against the step they belong to:", ""]
+        for copy, step in zip(COPIES, ("step1:actions", "decode1")):
+            c = float(np.median([r["ms"][copy] for r in base]))
+            lines.append(f"- {copy}: {c:.1f} ms, {c / med['default'][step]:.0%} of `{step}` ({med['default'][step]:.1f} ms)")
     failed = {n: [r["error"] for r in rs if "error" in r] for n, rs in runs.items()}
     lines += [""] + [f"- {n} failed: {e}" for n, e in failed.items() if e]
     return "\n".join(lines) + "\n"

@@ -7,7 +7,8 @@ What is timed, for a `models.vla.MultiHead` (every family) on one synthetic fram
     vision          the vision encoder on the frame's images
     prefix          the prefix pass (vision + backbone, what every head and the decoder read)
     step1:<head>    the head's prepare and one Euler step;   denoise:<head>  prepare and S steps
-    decode          one decode step of an Ns-slot pool, every slot busy (a burst of 4 steps / 4, as the bench)
+    decode          one decode step of an Ns-slot pool, every slot busy (a burst of 4 steps / 4, as the bench);
+                    decode1 the same with one slot (when Ns > 1)
     verify          one verify step, every slot drafting γ tokens (the full [Ns, γ + 1] block)
     speculative     k verify steps of the same pool (verify cost 1)
     frame           one continuous-batching frame (`runtime.frame.frame_step`): prefix, every head, one
@@ -147,6 +148,16 @@ def calls(vla: MultiHead, plan: Plan, inputs, noises, states) -> tuple[dict[str,
         return run
 
     out["decode"] = decode_call
+    if ns > 1:  # batch 1 as well: a robot's lone request
+        one = [busy_pool(lm, prefix, 1, m)]
+
+        def decode1_call():
+            def run():
+                one[0], toks = decode.decode_burst(lm, one[0], BURST)
+                return toks
+            return run
+
+        out["decode1"] = decode1_call
     if plan.gamma:
         out["verify"] = lambda: functools.partial(speculative.verify_burst, lm, busy_pool(lm, prefix, ns, m, plan.gamma), 1)
         out["speculative"] = lambda: functools.partial(speculative.verify_burst, lm,
@@ -182,6 +193,7 @@ def costs(m: rc.Model, plan: Plan, p: int, prec: rc.Precision) -> dict[str, rc.C
         out[f"denoise:{h.name}"] = rc.denoise(m, h.name, p, prec, plan.steps, horizon=plan.horizon)
     if m.spec.language:
         out["decode"] = rc.decode_step(m, plan.slots, c, prec)
+        out["decode1"] = rc.decode_step(m, 1, c, prec)
         if plan.gamma:
             out["verify"] = rc.verify_block(m, plan.slots, c, plan.gamma, prec)
             out["speculative"] = rc.speculative_burst(m, plan.slots, c, plan.gamma, plan.tokens_per_frame, prec)
@@ -205,7 +217,7 @@ def measure(factories: dict[str, Callable[[], Callable]], repeats: int) -> tuple
             if r == 0:
                 compile_s[name] = dt
             else:
-                times[name].append(dt * 1e3 / (BURST if name == "decode" else 1))
+                times[name].append(dt * 1e3 / (BURST if name in ("decode", "decode1") else 1))
     return {n: float(np.median(t)) for n, t in times.items()}, compile_s
 
 

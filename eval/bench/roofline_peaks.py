@@ -1,7 +1,8 @@
 """Device peaks: the current device's matmul rate and memory bandwidth measured as JAX programs, and a table
 of datasheet peaks for the GPUs the predictions are made for.
 
-Measured (`measure`, in the process that measures the components, so under the same load):
+Measured (`probes`: timed in the same rounds as the components, interleaved with them, so under the same load;
+`measure`: the probes alone):
 
     matmul     C = A B, square, in the compute dtype (float32 on CPUs, bfloat16 elsewhere), at two sizes;
                FLOP/s = 2 n^3 / t, the larger of the two
@@ -11,18 +12,20 @@ Measured (`measure`, in the process that measures the components, so under the s
                (weight bytes / t)
 
 Each is the median of several warm, waited-for runs, the arrays several times larger than the last-level
-cache; `bandwidth` is the largest of the three streaming rates (the best a JAX program reached).
+cache; `bandwidth` is the larger of the two read streams (sum, gemv), the roofline's; the copy (its reads and
+writes counted) shows what reading and writing at once reach.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from eval.bench import roofline_measure
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,83 +88,85 @@ class Peaks:
     copy_bandwidth: float
     gemv_bandwidth: float
     probe_bytes: int  # size of each streaming probe's array
-    loadavg: tuple[float, float, float]  # os.getloadavg() when measured (`best`: the highest of its runs)
+    loadavg: tuple[float, float, float]  # os.getloadavg() when the probes started
 
     @property
     def bandwidth(self) -> float:
-        """The best streaming rate a JAX program reached."""
-        return max(self.sum_bandwidth, self.copy_bandwidth, self.gemv_bandwidth)
+        """The best read stream a JAX program reached (sum, gemv): what the components mostly do, reading weights
+        and K/V. The copy's rate (reads and writes at once) is reported beside it."""
+        return max(self.sum_bandwidth, self.gemv_bandwidth)
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "bandwidth": self.bandwidth}
 
 
-def _median_s(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One peak probe: a factory of its call and the work one call does."""
+
+    factory: Callable[[], Callable]  # returns the call (arrays made once, outside the timing)
+    work: float  # FLOPs (matmul) or bytes moved (streams) per call
 
 
-def _copy_rate(n: int, dtype, repeats: int) -> float:
-    """Read + write bytes per second of x -> x * c into the donated input's buffer."""
-    scale = jax.jit(lambda x: x * jnp.asarray(1.0001, x.dtype), donate_argnums=0)
-    x = [jnp.ones((n,), dtype)]
-
-    def run():
-        x[0] = scale(x[0])
-        return x[0]
-
-    return 2 * n * jnp.dtype(dtype).itemsize / _median_s(run, repeats)
-
-
-def measure(dtype: str | None = None, *, probe_bytes: int | None = None, sizes: tuple[int, ...] | None = None,
-            repeats: int = 7) -> Peaks:
-    """Matmul rate and streaming bandwidth of the default device (module docstring).
+def probes(dtype: str | None = None, *, probe_bytes: int | None = None,
+           sizes: tuple[int, ...] | None = None) -> tuple[str, int, dict[str, Probe]]:
+    """(dtype, probe bytes, name -> `Probe`) of the default device: 'matmul:<n>' per size, 'sum', 'copy', 'gemv'.
 
     Args:
-      dtype: of the matmul probe; default float32 on CPUs, bfloat16 elsewhere (what the models run in).
+      dtype: of the probes; default float32 on CPUs, bfloat16 elsewhere (what the models run in).
       probe_bytes: array size of the streaming probes; default 512 MiB on CPUs, 2 GiB elsewhere.
       sizes: matmul sides; default (1024, 2048) on CPUs, (4096, 8192) elsewhere.
     """
-    backend = jax.default_backend()
-    cpu = backend == "cpu"
+    cpu = jax.default_backend() == "cpu"
     dtype = dtype or ("float32" if cpu else "bfloat16")
     sizes = sizes or ((1024, 2048) if cpu else (4096, 8192))
     probe_bytes = probe_bytes or ((512 if cpu else 2048) << 20)
     dt = jnp.dtype(dtype)
-    mm = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=dt))
-    by_size = {}
-    for n in sizes:
-        a = jax.random.normal(jax.random.key(n), (n, n), dt)
-        by_size[n] = 2.0 * n ** 3 / _median_s(lambda a=a: mm(a, a), repeats)
-        del a
     n = probe_bytes // dt.itemsize
-    x = jnp.ones((n,), dt)
+    arrays: dict = {}  # made on first use, kept for the run
+
+    def array(key, make):
+        if key not in arrays:
+            arrays[key] = make()
+        return arrays[key]
+
+    mm = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=dt))
     total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    sum_bw = n * dt.itemsize / _median_s(lambda: total(x), repeats)
-    del x
-    copy_bw = _copy_rate(n, dt, repeats)
-    k = 4096
-    w = jnp.ones((k, n // k), dt)
-    v = jnp.ones((1, k), dt)
+    scale = jax.jit(lambda x: x * jnp.asarray(1.0001, x.dtype), donate_argnums=0)
     gemv = jax.jit(lambda v, w: v @ w)
-    gemv_bw = w.size * dt.itemsize / _median_s(lambda: gemv(v, w), repeats)
-    del w
-    return Peaks(device=jax.devices()[0].device_kind, backend=backend, dtype=dtype, matmul_flops=max(by_size.values()),
-                 matmul_by_size=by_size, sum_bandwidth=sum_bw, copy_bandwidth=copy_bw, gemv_bandwidth=gemv_bw,
-                 probe_bytes=int(probe_bytes), loadavg=tuple(os.getloadavg()))
+    k = 4096
+
+    def copy_call():
+        held = [array("copy", lambda: jnp.ones((n,), dt))]
+
+        def run():
+            held[0] = arrays["copy"] = scale(held[0])
+            return held[0]
+        return run
+
+    out = {f"matmul:{m}": Probe(lambda m=m: (lambda a=array(m, lambda: jax.random.normal(jax.random.key(m), (m, m), dt)):
+                                             mm(a, a)), 2.0 * m ** 3) for m in sizes}
+    out["sum"] = Probe(lambda: (lambda x=array("sum", lambda: jnp.ones((n,), dt)): total(x)), n * dt.itemsize)
+    out["copy"] = Probe(copy_call, 2 * n * dt.itemsize)
+    out["gemv"] = Probe(lambda: (lambda w=array("gemv", lambda: jnp.ones((k, n // k), dt)), v=jnp.ones((1, k), dt):
+                                 gemv(v, w)), (n // k) * k * dt.itemsize)
+    return dtype, int(probe_bytes), out
 
 
-def best(*runs: Peaks) -> Peaks:
-    """Each figure's best over several measurements (before and after the components: other processes sharing
-    the machine only ever lower what a probe sees); the load: the highest any of them saw."""
-    first = runs[0]
-    sizes = {n: max(r.matmul_by_size.get(n, 0.0) for r in runs) for n in first.matmul_by_size}
-    return dataclasses.replace(
-        first, matmul_flops=max(r.matmul_flops for r in runs), matmul_by_size=sizes,
-        sum_bandwidth=max(r.sum_bandwidth for r in runs), copy_bandwidth=max(r.copy_bandwidth for r in runs),
-        gemv_bandwidth=max(r.gemv_bandwidth for r in runs), loadavg=tuple(max(r.loadavg[i] for r in runs) for i in range(3)))
+def from_times(dtype: str, probe_bytes: int, found: dict[str, Probe], ms: dict[str, float],
+               loadavg: tuple[float, float, float]) -> Peaks:
+    """`Peaks` from the probes' median times (ms)."""
+    rate = {name: p.work / (ms[name] * 1e-3) for name, p in found.items()}
+    by_size = {int(name.split(":")[1]): r for name, r in rate.items() if name.startswith("matmul:")}
+    return Peaks(device=jax.devices()[0].device_kind, backend=jax.default_backend(), dtype=dtype,
+                 matmul_flops=max(by_size.values()), matmul_by_size=by_size, sum_bandwidth=rate["sum"],
+                 copy_bandwidth=rate["copy"], gemv_bandwidth=rate["gemv"], probe_bytes=probe_bytes, loadavg=loadavg)
+
+
+def measure(dtype: str | None = None, *, probe_bytes: int | None = None, sizes: tuple[int, ...] | None = None,
+            repeats: int = 7) -> Peaks:
+    """Matmul rate and streaming bandwidth of the default device, the probes alone (`probes`; warm medians)."""
+    dtype, size, found = probes(dtype, probe_bytes=probe_bytes, sizes=sizes)
+    load = tuple(os.getloadavg())
+    ms, _ = roofline_measure.measure({name: p.factory for name, p in found.items()}, repeats)
+    return from_times(dtype, size, found, ms, load)
