@@ -175,9 +175,10 @@ def _predictions(args: argparse.Namespace, robot) -> tuple[dict, list[str]]:
     models = {**({named.name: lambda: named} if named is not None else {}), **PREDICTED}
     for label, build in models.items():
         pm = build()
-        w = report.Workload(prefix_len=rc.prefix_length(pm, robot.num_cameras, robot.max_token_len, 224),
+        size = rc.default_image_size(pm) if pm.spec.input_kind == "observation" else args.image_size
+        w = report.Workload(prefix_len=rc.prefix_length(pm, robot.num_cameras, robot.max_token_len, size),
                             images=robot.num_cameras, horizon=robot.action_horizon, steps=None, decode_len=args.N,
-                            tokens_per_frame=args.k, slots=_slots(args), image_size=224)
+                            tokens_per_frame=args.k, slots=_slots(args), image_size=size)
         preds = report.predictions(pm, w, bf16)
         out[label] = {"workload": vars(w), "devices": preds}
         lines += [f"### {label}: P = {w.prefix_len}", ""] + report.prediction_table(preds) + [""]
@@ -185,6 +186,13 @@ def _predictions(args: argparse.Namespace, robot) -> tuple[dict, list[str]]:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except (ValueError, FileNotFoundError) as e:  # a model or checkpoint that cannot be read: one line
+        raise SystemExit(f"python -m eval.roofline: {e}".splitlines()[0]) from None
+
+
+def _main(argv) -> int:
     args = _parser().parse_args(argv)
     if args.heads and args.ckpt is None:
         raise SystemExit("--heads puts random heads on a bare Hugging Face --ckpt; --mot-preset names its own heads")
