@@ -4,6 +4,7 @@ Read from the sources with `ast`, so the test sees every import, also those insi
 """
 
 import ast
+import functools
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -43,6 +44,7 @@ def floor_of(module: str) -> int:
     return floor
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     mods = _modules()
 
