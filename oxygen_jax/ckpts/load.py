@@ -55,7 +55,7 @@ from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05 import params as pi05_params
 from oxygen_jax.models.pi05 import pi0_fast
 from oxygen_jax.models.vla import MultiHead
-from oxygen_jax.models.pi05.config import EOS_ID, DType, ModelConfig, Pi0FastConfig, PromptAttention, model_config
+from oxygen_jax.models.pi05.config import EOS_ID, DType, ModelConfig, PromptAttention, model_config
 from oxygen_jax.robots import fast_prompt
 from oxygen_jax.robots.io import FastPreprocess, OpenpiPreprocess, RobotIO
 from oxygen_jax.robots.lerobot import LeRobotPreprocess
@@ -297,7 +297,8 @@ def _check_family(path: Path, source: Source, family: Family | None) -> None:
                  "hf": "a Hugging Face checkpoint", "xr0": "a Xiaomi-Robotics-0 checkpoint",
                  "starvla": "a StarVLA checkpoint"}[source]
         needs = {"pi05": "a π0.5 model (an oxygen_jax or openpi checkpoint, or a π0.5 preset)",
-                 "multihead": "a backbone with heads (a Hugging Face Qwen3 / Qwen3-VL directory or a ModelSpec)"}
+                 "multihead": "a backbone with heads (a Hugging Face Qwen3 / Qwen3-VL directory or a ModelSpec)",
+                 "pi0_fast": "a π0-FAST model (an openpi π0-FAST checkpoint)"}
         raise ValueError(f"{path} is {label} of a {have} model, but this command needs {needs[family]}")
 
 
@@ -438,7 +439,7 @@ def _starvla_outputs(spec: ModelSpec, dataset_statistics: dict, key: str | None)
 
 def _robot_io(model: LoadedModel, dataset_key: str | None = None, lerobot_io=None, fast_codec=None) -> RobotIO:
     """What `model`'s checkpoint says about its robot I/O (`robots.io.RobotIO`)."""
-    if isinstance(model.config, Pi0FastConfig):  # openpi π0-FAST: quantile stats, its prompt, the FAST codec
+    if model.family == "pi0_fast":  # openpi π0-FAST: quantile stats, its prompt, the FAST codec
         return RobotIO(tokenizer=model.tokenizer, tokenizer_hint=PALIGEMMA_TOKENIZER_HINT,
                        preprocess=FastPreprocess(model.norm_stats), action_codec=fast_codec, stop_ids=(EOS_ID,),
                        action_horizon=None if fast_codec is None else fast_codec.horizon)

@@ -63,15 +63,15 @@ def frame_noise(seed: int, stream: int, frame: int, horizon: int, action_dim: in
     return np.random.default_rng(key).standard_normal((horizon, action_dim)).astype(np.float32)
 
 
+def _stack_rows(parts: Sequence, rows: int) -> np.ndarray:
+    """Concatenates batch-1 arrays and pads to `rows` by repeating the first row."""
+    x = np.concatenate([np.asarray(p) for p in parts], axis=0)
+    return np.concatenate([x, np.repeat(x[:1], rows - len(x), axis=0)], axis=0) if rows > len(x) else x
+
+
 def _stack_observations(observations: Sequence[Observation], rows: int) -> Observation:
     """Concatenates batch-1 observations and pads to `rows` by repeating the first one."""
-    fields = []
-    for parts in zip(*(dataclasses.astuple(o) for o in observations)):
-        x = np.concatenate([np.asarray(p) for p in parts], axis=0)
-        if rows > len(x):
-            x = np.concatenate([x, np.repeat(x[:1], rows - len(x), axis=0)], axis=0)
-        fields.append(x)
-    return Observation(*fields)
+    return Observation(*(_stack_rows(parts, rows) for parts in zip(*(dataclasses.astuple(o) for o in observations))))
 
 
 class _Codec:
@@ -172,8 +172,7 @@ class ObservationCodec(_Codec):
         obs = _stack_observations([r.observation for r in rows], bucket)
         if not self.state_dims:
             return obs, None
-        states = np.concatenate([r.state for r in rows])
-        states = np.concatenate([states, np.repeat(states[:1], bucket - len(states), axis=0)]) if bucket > len(states) else states
+        states = _stack_rows([r.state for r in rows], bucket)
         return obs, {name: states for name in self.state_dims}
 
     def prompt_full(self, row) -> bool:
