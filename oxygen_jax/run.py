@@ -199,10 +199,9 @@ def main(argv=None) -> int:
             mask = cm.read_action_mask(args.action_mask)
         except ValueError as e:
             return _fail(str(e))
-        where = f"--ckpt {args.ckpt}: " if args.ckpt else ""
+        where, dtype = f"--ckpt {args.ckpt}: " if args.ckpt else "", cm.resolve_dtype(args.dtype)
         try:  # params laid out for the backend: unrolled layer loop on CPU, scanned on accelerators
-            model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset,
-                            dtype=cm.resolve_dtype(args.dtype),
+            model = cm.load(args.ckpt, heads=args.heads, size=args.head_size, preset=args.preset, dtype=dtype,
                             seed=args.seed, prompt_attention=args.prompt_attention, action_mask=mask,
                             vision_heads=args.vision_heads)
         except (ValueError, OSError) as e:
@@ -215,7 +214,6 @@ def main(argv=None) -> int:
             where = f"--tokenizer {args.tokenizer}: " if args.tokenizer else ""
             return _fail(f"{where}{str(e).splitlines()[0]}")
         vla, io, what = model.vla(args.steps, tokenizer=toks.rows), model.io, model.what
-        dtype = cm.resolve_dtype(args.dtype)
         robot = io.robot(robot)
         try:
             rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)

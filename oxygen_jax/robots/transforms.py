@@ -401,7 +401,8 @@ def make_observation(
         robot, vision.image_size, model_config.vocab_size, samples, default_prompt=default_prompt,
         normalize=lambda x: normalize_state(x, norm_stats, quantile=quantile),
         pixels=lambda im, size: to_model_pixels(resize_with_pad(im, size, size)),
-        prompt=lambda task, state, t: tokenize_action_prompt(tokenizer, task, state if robot.discrete_state_input else None, t))
+        prompt=lambda task, state, t: tokenize_action_prompt(tokenizer, task, state if robot.discrete_state_input else None,
+                                                             t))
     return obs
 
 
