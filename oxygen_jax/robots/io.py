@@ -124,9 +124,6 @@ class RobotIO:
     def rows(self) -> Preprocess:
         return self.preprocess or OpenpiPreprocess()
 
-    def replace(self, **changes) -> RobotIO:
-        return dataclasses.replace(self, **changes)
-
 
 def observation_rows(io: RobotIO, robot: RobotConfig, image_size: int, vocab_size: int, tokenizer: Tokenizer,
                      samples: Sequence[Mapping], *, state_dim: int = 0,
