@@ -102,7 +102,9 @@ log = logging.getLogger("oxygen_jax.serve")
 _ALOHA_RESET_POSE = [0, -1.5, 1.5, 0, 0, 0]  # openpi's ALOHA policy metadata
 _INTERNAL_ERROR = "Internal server error; the server log has the details under the id in the previous frame."
 MAX_REPLY_CHARS = 1000  # a text reply (BadRequest, busy, ...) is cut to this length
-_FRAME_SLACK = 1024  # bytes beyond the last reply still in flight: frame headers, pings, a close frame
+# Bytes beyond the last reply still in flight: its frame header (<= 14) and a ping or pong (<= 131). Less than any
+# reply (a 7-dim LIBERO chunk is 516 bytes), or one more reply could hide in it: 1024 let 3 frames run ahead.
+_FRAME_SLACK = 160
 _TAKEN_POLL_S = 0.005  # how often a client that has not taken its replies is looked at again
 _TRUNCATION_WARNING_S = 60.0  # at most one "prompt fills every token" warning per this many seconds
 
