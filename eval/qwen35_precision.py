@@ -5,7 +5,7 @@
     python -m eval.qwen35_precision --before /tmp/before_checkout --exact OUT_DIR DIR   # against reference_f64.npz
 
 Each DIR is a Qwen3.5 reference directory (`../shared/fixtures/qwen35_tiny`, or one written by
-`eval/qwen35_refs.py`). `--before` is another checkout of this repository (e.g. `git archive <commit> | tar -x
+`eval/refs/qwen35_refs.py`). `--before` is another checkout of this repository (e.g. `git archive <commit> | tar -x
 -C /tmp/before`); the current one is "after". Every directory is compared by `eval.parity.qwen35.run_fixture`
 (the slot-pool rows left out) in a subprocess per checkout, and one markdown table per directory lists each
 float quantity's max error (hidden states: relative to max |ref|), the tolerance and the error / bound ratio

@@ -10,7 +10,7 @@ Two references, neither made with our code:
   float32; LoRA is added after the base projection, `s * (x A) B` on attention (attn_vec's B summed over
   heads) and unscaled on the MLP. Everything else runs in float64, so the remaining difference is our
   float32 rounding.
-* `tests/data/openpi_refs/width{48,72}.npz`: the outputs of openpi's own code (`eval/openpi_refs.py`, jax 0.5.3
+* `tests/data/openpi_refs/width{48,72}.npz`: the outputs of openpi's own code (`eval/refs/openpi_refs.py`, jax 0.5.3
   on CPU) with their weights; loaded here through our openpi checkpoint loader in both layouts.
 
 Widths are swept over ones whose square root is not a bfloat16 number (48 and 72, the stored references' widths)

@@ -1,5 +1,5 @@
 """Qwen3.5 against transformers at dims other than the public fixture's, without torch: the reference
-outputs in tests/data/qwen35_refs (made by `eval/qwen35_refs.py`, its COMPACT shapes: an untied head with
+outputs in tests/data/qwen35_refs (made by `eval/refs/qwen35_refs.py`, its COMPACT shapes: an untied head with
 2 groups of (linear, linear, full) and conv kernel 3; a tied head with 3 groups of (linear, full), full
 rotary and kernel 5; both Dk != Dv) compared by `eval.parity.qwen35` at its stated tolerances: logits,
 every hidden state, full-layer K/V, delta-rule outputs, conv windows and recurrent states after prefill,

@@ -1,5 +1,5 @@
 """`nn.torch_order`: float32 results equal torch's CPU kernels bit for bit (torch's outputs stored in
-tests/data/qwen35_refs/torch_primitives.npz by `eval/qwen35_refs.py --primitives`; no torch needed here),
+tests/data/qwen35_refs/torch_primitives.npz by `eval/refs/qwen35_refs.py --primitives`; no torch needed here),
 and the orderings it promises hold for any size (checked against numpy emulations)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 FIXTURE_DIR holds an HF Qwen3.5 checkpoint (config.json with model_type 'qwen3_5' or 'qwen3_5_text',
 model.safetensors) and `reference.npz` made by transformers' own Qwen3.5 (the fixture's README lists the arrays;
-`eval/qwen35_refs.py` writes the same layout at any dims, without images; arrays it leaves out are skipped).
+`eval/refs/qwen35_refs.py` writes the same layout at any dims, without images; arrays it leaves out are skipped).
 The spec comes from config.json and every shape from the arrays; nothing about the fixture is hard-wired.
 
 Compared, for the text batch and (when present) the image batch:

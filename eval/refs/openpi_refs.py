@@ -1,6 +1,6 @@
 """Reference arrays of π0.5's VLM expert made by openpi's own JAX code, in both checkpoint layouts, at any width.
 
-    PYTHONPATH=<openpi>/src <side venv>/bin/python -m eval.openpi_refs --widths 48 72 --out tests/data/openpi_refs
+    PYTHONPATH=<openpi>/src <side venv>/bin/python -m eval.refs.openpi_refs --widths 48 72 --out tests/data/openpi_refs
 
 Not part of the library, the tests or CI (which only read the `.npz` files it writes): it imports openpi's
 `src/openpi/models/gemma.py` and runs it, so it needs openpi's source tree and its JAX stack (jax 0.5.3,

@@ -1,9 +1,9 @@
 """A π0.5 LoRA fixture at any width, made by openpi's own JAX code, laid out like the shared openpi fixtures.
 
-    PYTHONPATH=<openpi>/src <side venv>/bin/python -m eval.openpi_fixture --width 48 --out /tmp/fx48
+    PYTHONPATH=<openpi>/src <side venv>/bin/python -m eval.refs.openpi_fixture --width 48 --out /tmp/fx48
     python -m eval.parity /tmp/fx48
 
-Not part of the library, the tests or CI (like `eval.openpi_refs`, whose set-up it shares). It builds openpi's
+Not part of the library, the tests or CI (like `eval.refs.openpi_refs`, whose set-up it shares). It builds openpi's
 `Pi0Config(pi05=True)` with LoRA on both experts at the given dims (openpi's `gemma.get_config`,
 `PALIGEMMA_VOCAB_SIZE` and SigLIP's `decode_variant` patched at run time, nothing copied), perturbs every leaf
 (numpy `PCG64([100, i])`, the shared LoRA fixture's rule: LoRA A += N(0, 1/fan_in), B += N(0, 0.25/rank),
@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from eval.openpi_refs import stand_in_torch
+from eval.refs.openpi_refs import stand_in_torch
 
 
 def main():  # noqa: C901, PLR0915  (one straight-line recipe)

@@ -3,8 +3,8 @@
 Run in a side environment that has torch and transformers (not this project's venv; CI never imports this):
 
     python3 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors numpy
-    OMP_NUM_THREADS=1 /tmp/hfvenv/bin/python eval/qwen35_refs.py --shape untied_g3 --out /tmp/q35   # -> /tmp/q35/untied_g3
-    OMP_NUM_THREADS=1 /tmp/hfvenv/bin/python eval/qwen35_refs.py --all --compact --primitives --out tests/data/qwen35_refs
+    OMP_NUM_THREADS=1 /tmp/hfvenv/bin/python eval/refs/qwen35_refs.py --shape untied_g3 --out /tmp/q35   # -> /tmp/q35/untied_g3
+    OMP_NUM_THREADS=1 /tmp/hfvenv/bin/python eval/refs/qwen35_refs.py --all --compact --primitives --out tests/data/qwen35_refs
 
 Each output directory is an HF text-only Qwen3.5 checkpoint (`Qwen3_5ForCausalLM`: config.json with
 model_type 'qwen3_5_text', model.safetensors in HF's layout, `lm_head.weight` only when untied) plus
