@@ -1,8 +1,8 @@
 """Qwen3.5 parity before and after a change, per quantity, on any set of reference directories.
 
-    python -m eval.qwen35_precision --before /tmp/before_checkout DIR [DIR ...]  > table.md
-    python -m eval.qwen35_precision --before /tmp/before_checkout --summary DIR [DIR ...]
-    python -m eval.qwen35_precision --before /tmp/before_checkout --exact OUT_DIR DIR   # against reference_f64.npz
+    python -m eval.results.qwen35_precision.run --before /tmp/before_checkout DIR [DIR ...]  > table.md
+    python -m eval.results.qwen35_precision.run --before /tmp/before_checkout --summary DIR [DIR ...]
+    python -m eval.results.qwen35_precision.run --before /tmp/before_checkout --exact OUT_DIR DIR   # against reference_f64.npz
 
 Each DIR is a Qwen3.5 reference directory (`../shared/fixtures/qwen35_tiny`, or one written by
 `eval/refs/qwen35_refs.py`). `--before` is another checkout of this repository (e.g. `git archive <commit> | tar -x
@@ -184,7 +184,7 @@ def summary_row(name: str, before: list[dict], after: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.qwen35_precision", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eval.results.qwen35_precision.run", description=__doc__.split("\n")[0])
     ap.add_argument("--before", type=Path, required=True, help="checkout of the code before the change")
     ap.add_argument("--summary", action="store_true", help="one row per directory instead of a table each")
     ap.add_argument("--exact", type=Path, metavar="OUT_DIR", help="against DIR/reference_f64.npz; results into OUT_DIR")

@@ -1,6 +1,6 @@
 """Decode-step cost of the hybrid (Qwen3.5) vs an attention-only backbone, against batch and context length.
 
-    python -m eval.qwen35_decode_cost --out eval/results/qwen35_decode_cost
+    python -m eval.results.qwen35_decode_cost.run --out eval/results/qwen35_decode_cost
 
 One `runtime.decode.decode_step` (every slot active) on two language models of the same width and depth:
 `qwen35.preset("qwen35_bench")` (6 Gated DeltaNet + 2 full-attention layers, 1024 wide) and the Qwen3-VL
@@ -122,7 +122,7 @@ def table(records) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.qwen35_decode_cost", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eval.results.qwen35_decode_cost.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="result directory (results.json, table.md)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 30])
     ap.add_argument("--capacities", type=int, nargs="+", default=[256, 2048], help="slot lengths C (prefix + room)")

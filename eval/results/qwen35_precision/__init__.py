@@ -1,0 +1,1 @@
+"""The qwen35_precision study: `run.py` made this folder's results."""
