@@ -1,9 +1,9 @@
-"""Reading speed and peak memory of `training.lerobot` on a LeRobot v3.0 video dataset, with the decode cache on
+"""Reading speed and peak memory of `training.data.lerobot` on a LeRobot v3.0 video dataset, with the decode cache on
 and off.
 
     python -m eval.lerobot_read_bench [--episodes 8 --length 50 --size 224 --out DIR]
 
-Writes a synthetic v3.0 dataset (`training.lerobot.synthetic`: two AV1 cameras of SIZE x SIZE, LeRobot's encoder
+Writes a synthetic v3.0 dataset (`training.data.lerobot.synthetic`: two AV1 cameras of SIZE x SIZE, LeRobot's encoder
 settings, 4 episodes per file so the files roll over), then in a fresh Python process per configuration reads
 every frame once, in dataset order and in a shuffled order (training's access pattern), through
 `LeRobotSource` with the video cache off and on (512 MB, more than the data; 16 MB, less), and each
@@ -28,7 +28,7 @@ from pathlib import Path
 _CHILD = r"""
 import json, sys, time
 import numpy as np
-from training.lerobot import LeRobotSource
+from training.data.lerobot import LeRobotSource
 root, order, cache_mb, read = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "1"
 src = LeRobotSource(root, video_cache_mb=cache_mb)
 idx = np.arange(len(src)) if order == "sequential" else np.random.default_rng(0).permutation(len(src))
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=224, help="camera side in pixels")
     ap.add_argument("--out", type=Path, default=None, help="folder for lerobot_read.md (default: print only)")
     args = ap.parse_args(argv)
-    from training.lerobot.synthetic import write_dataset
+    from training.data.lerobot.synthetic import write_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "ds"

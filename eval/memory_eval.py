@@ -39,7 +39,7 @@ from oxygen_jax.models.pi05.params import Params
 from training.memory.data import TextTask, fixed_batches
 from training.memory.evaluate import engine_answers
 from training.memory.model import answer_loss, load_base, teacher_forced_logits
-from training.memory_data import frame_texts  # text fields only: no image decoding
+from training.data.frames import frame_texts  # text fields only: no image decoding
 
 OTHER = "(other)"
 
@@ -235,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, required=True, help="memory dataset version folder")
     p.add_argument("--libero-hdf5", type=Path, default=None, metavar="DIR",
                    help="LIBERO's raw <suite>/<task>_demo.hdf5 folder; --data is then OxyGen's annotations folder and the "
-                        "report adds their metric (training.oxygen_libero)")
+                        "report adds their metric (training.data.oxygen_libero)")
     p.add_argument("--libero-frames", choices=("eval", "heldout"), default="eval",
                    help="with --libero-hdf5: their 10 greedy-evaluation frames per task, or every held-out frame")
     p.add_argument("--split", default="heldout")
@@ -272,21 +272,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from oxygen_jax.robots.config import robot_config
     from oxygen_jax.models.pi05.params import for_backend
     from training.memory.config import DEMO_PROMPT_LEN
-    from training.lerobot.keys import KeyMap
-    from training.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
-    from training.memory_data import open_memory_dataset
+    from training.data.lerobot.keys import KeyMap
+    from training.data.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
+    from training.data.frames import open_memory_dataset
 
     try:
         params, _, _ = load_base(args.base, args.base_dtype)
         adapter, meta = load_any(args.adapter, params.config, base=args.base)
-        if is_lerobot_dataset(args.data):  # splits by episode, the adapter's target (training.lerobot.splits)
+        if is_lerobot_dataset(args.data):  # splits by episode, the adapter's target (training.data.lerobot.splits)
             heldout = parse_episodes(args.heldout_episodes) if args.heldout_episodes is not None else None
             kw = dict(target=meta.get("extra", {}).get("label_key", "memory"), heldout=heldout,
                       empty_label=args.empty_label, key_map=KeyMap.parse(args.key_map))
             source = open_lerobot_split(args.data, args.split, **kw)
             train_source = open_lerobot_split(args.data, args.train_split, **kw) if args.train_split else None
         elif args.libero_hdf5 is not None:  # OxyGen's split and evaluation frames (seed 7)
-            from training.oxygen_libero import open_oxygen_libero
+            from training.data.oxygen_libero import open_oxygen_libero
             oxygen = open_oxygen_libero(args.data, args.libero_hdf5)
             source = getattr(oxygen, args.libero_frames)
             train_source = oxygen.train if args.train_split else None
@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["base"], report["adapter"], report["data"] = str(args.base), str(args.adapter), f"{args.data} [{args.split}]"
     md = to_markdown(report)
     if args.libero_hdf5 is not None:
-        from training.oxygen_libero import oxygen_metrics
+        from training.data.oxygen_libero import oxygen_metrics
         refs = [str(source.texts(i)[task.label_key]) for i in range(report["n"])]
         report["oxygen"] = {"frames": args.libero_frames, **oxygen_metrics(report["answers"], refs)}
         md += (f"\nOxyGen's metric ({report['n']} {args.libero_frames} frames of their split): normalized exact match "

@@ -17,8 +17,8 @@ not installed here.
 The policy is a small flow-matching MLP, v(x [Ha, Ad], per-token time [Ha], observation (p, v)), Ha = 8,
 Ad = 2. It is trained on the expert's chunks and sampled through our action path: `runtime.rtc.integrate`,
 the Euler loop with guidance and prefix inpainting that π0.5 and the heads use, 5 flow steps. A second copy
-is trained with training-time RTC: `training.rtc.token_time`, d uniform in [0, 4], loss on the postfix only
-(`training.rtc.masked_mean`).
+is trained with training-time RTC: `training.flow.rtc.token_time`, d uniform in [0, 4], loss on the postfix only
+(`training.flow.rtc.masked_mean`).
 
 Execution (kinetix's eval_flow), execution horizon s = 4, for every d in 0..4 in control steps:
 
@@ -51,7 +51,7 @@ import numpy as np
 import optax
 
 from oxygen_jax.runtime import rtc
-from training import rtc as train_rtc
+from training.flow import rtc as train_rtc
 
 HA, AD, OBS = 8, 2, 4
 SPEED, LAG, T_MAX = 0.025, 0.5, 90

@@ -45,6 +45,6 @@ Other backbones (Qwen3-VL)
 
 In einsum strings, a stacked pair (K/V, gate/up) is written `2` and q/k/v `3`. A module with axes
 of its own (the action heads of `models.heads`; image height and width Hi, Wi of other datasets in
-`training.memory_data`) lists them in its docstring and never reuses a letter of this glossary for
+`training.data.frames`) lists them in its docstring and never reuses a letter of this glossary for
 another meaning.
 """

@@ -1,5 +1,5 @@
-"""LIBERO goal predicates and memory labels (training.bddl_goals), and the memory generator's
-simulator-free parts (training.libero: frame keys, state, shards). No simulator needed.
+"""LIBERO goal predicates and memory labels (training.data.libero.bddl_goals), and the memory generator's
+simulator-free parts (training.data.libero: frame keys, state, shards). No simulator needed.
 
 Goal lists, objects and fixtures are copied from libero_10's BDDL files as the simulator parses them
 (`env.env.parsed_problem`).
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from oxygen_jax.robots.libero import quat_to_axis_angle
-from training import bddl_goals as bg
-from training.libero import config, generate, shards
+from training.data.libero import bddl_goals as bg
+from training.data.libero import config, generate, shards
 
 # libero_10 goals, as parsed_problem["goal_state"].
 GOAL_T0 = [["in", "alphabet_soup_1", "basket_1_contain_region"], ["in", "tomato_sauce_1", "basket_1_contain_region"]]

@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from training.lerobot import LeRobotDataset, LeRobotSource, read_meta, read_stats
-from training.lerobot.synthetic import write_dataset
-from training.lerobot.video import VideoFrames
+from training.data.lerobot import LeRobotDataset, LeRobotSource, read_meta, read_stats
+from training.data.lerobot.synthetic import write_dataset
+from training.data.lerobot.video import VideoFrames
 
 CAMERAS = {"image": ("video", 32, 32), "wrist": ("image", 16, 16)}
 LENGTHS = [5, 4]

@@ -1,4 +1,4 @@
-"""The LeRobot reader (`training.lerobot`): LeRobot's own fixtures reproduced bit for bit, and datasets written
+"""The LeRobot reader (`training.data.lerobot`): LeRobot's own fixtures reproduced bit for bit, and datasets written
 here across versions, camera counts and sizes, rates, key names and file roll-over read back as written."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 from eval.parity import lerobot as lerobot_parity
 from tests.helpers import fixture
-from training.lerobot import KeyMap, LeRobotDataset, LeRobotSource, ShardView, read_meta, read_stats, shard_order
-from training.lerobot.language import active_at, speech
-from training.lerobot.synthetic import write_dataset
+from training.data.lerobot import KeyMap, LeRobotDataset, LeRobotSource, ShardView, read_meta, read_stats, shard_order
+from training.data.lerobot.language import active_at, speech
+from training.data.lerobot.synthetic import write_dataset
 
 # ------------------------------------------------------------------------------------------------------------
 # LeRobot's fixtures: every frame, index and string identical to what LeRobot returned
@@ -37,7 +37,7 @@ def test_eval_parity_command_dispatches_a_lerobot_fixture(capsys):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Datasets written here (training.lerobot.synthetic) across dimensions
+# Datasets written here (training.data.lerobot.synthetic) across dimensions
 # ------------------------------------------------------------------------------------------------------------
 
 CASES = {

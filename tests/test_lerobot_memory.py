@@ -1,6 +1,6 @@
 """Text adapters on LeRobot data: `training.memory --data <LeRobot dir> --target memory` trains on the episodes not
 held out, `eval.memory_eval` evaluates on the held-out episodes, and frames without an active label are left out
-(or given the --empty-label text), as `training.lerobot.splits` documents."""
+(or given the --empty-label text), as `training.data.lerobot.splits` documents."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from helpers import save_base
 
 from tests.helpers import fixture
-from training.lerobot.splits import open_lerobot_split, parse_episodes, split_episodes
-from training.lerobot.synthetic import write_dataset
+from training.data.lerobot.splits import open_lerobot_split, parse_episodes, split_episodes
+from training.data.lerobot.synthetic import write_dataset
 
 
 @pytest.fixture(scope="module")

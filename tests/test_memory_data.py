@@ -16,8 +16,8 @@ from helpers import shared_dir
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
-from training import memory_data, rlds_tfrecord
-from training.memory_data import (
+from training.data import frames, rlds_tfrecord
+from training.data.frames import (
     MemoryBatch,
     encode_memory_suffix,
     epoch_batches,
@@ -27,7 +27,7 @@ from training.memory_data import (
     write_array_record_dataset,
     write_memory_dataset,
 )
-from training.rlds_tfrecord import (
+from training.data.rlds_tfrecord import (
     RldsTFRecordSource,
     TFRecordError,
     crc32c,
@@ -36,7 +36,7 @@ from training.rlds_tfrecord import (
     masked_crc32c,
     stack_steps,
 )
-from training.synthetic_memory import (
+from training.data.synthetic_memory import (
     SyntheticMemoryConfig,
     all_labels,
     render_frame,
@@ -208,7 +208,7 @@ def test_text_reads_equal_the_frames_without_images_and_decode_no_jpeg(written, 
     frames, path = written
     src = open_memory_dataset(path, "train")
     full = [src[i] for i in range(len(src))]
-    monkeypatch.setattr(memory_data, "decode_image", lambda *a: pytest.fail("a text read decoded an image"))
+    monkeypatch.setattr(frames, "decode_image", lambda *a: pytest.fail("a text read decoded an image"))
     texts = [src.texts(i) for i in range(len(src))]
     assert texts == [{k: v for k, v in f.items() if k not in ("image", "wrist_image", "state")} for f in full]
     keys = ("memory", "language_instruction", "absent")
@@ -243,7 +243,7 @@ def test_bad_frames_raise_naming_split_frame_and_field(tmp_path, synthetic_confi
 
 
 def test_dataset_missing_a_feature_fails_in_one_line_naming_feature_and_path(tmp_path, synthetic_config):
-    from training.memory_data import memory_features
+    from training.data.frames import memory_features
     import tensorflow_datasets as tfds
 
     full = memory_features(image_size=PX)
@@ -383,7 +383,7 @@ def test_synthetic_labels_are_few_distinct_and_round_trip_through_the_demo_token
 
 def test_synthetic_label_is_what_the_pixels_show(synthetic_config):
     """The block colour appears inside the basket / on the plate exactly when the label says it is done."""
-    from training.synthetic_memory import _layout
+    from training.data.synthetic_memory import _layout
 
     for init in range(3):
         layout = _layout(synthetic_config, init)

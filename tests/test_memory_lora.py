@@ -32,9 +32,9 @@ from training.memory.evaluate import greedy_exact_match
 from training.memory.checkpoints import StateCheckpoints
 from training.memory.loop import train
 from training.memory.model import make_mesh, teacher_forced_logits, with_base_trainable
-from training.memory_data import open_memory_dataset, write_memory_dataset
-from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
-from training.train_step import OptimizerConfig
+from training.data.frames import open_memory_dataset, write_memory_dataset
+from training.data.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
+from training.flow.train_step import OptimizerConfig
 
 PROMPT_LEN, SUFFIX_LEN, BATCH = 48, 40, 8
 # One adapter config for the learning, resume and data-parallel tests (one compiled step); the CLI flags in
@@ -240,7 +240,7 @@ _DATA_PARALLEL = textwrap.dedent("""
     from oxygen_jax.robots.config import robot_config
     from oxygen_jax.models.pi05.params import for_backend, init_params
     from oxygen_jax.robots.tokenizer import train_demo_tokenizer
-    from training.memory_data import open_memory_dataset
+    from training.data.frames import open_memory_dataset
     from training.memory.config import TrainConfig
     from training.memory.data import TextTask
     from training.memory.loop import train

@@ -30,8 +30,8 @@ from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import load_adapter
 from oxygen_jax.models.pi05.params import for_backend
 from training import distributed
-from training.memory_data import write_memory_dataset
-from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
+from training.data.frames import write_memory_dataset
+from training.data.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
 
 # The suite runs the 2-process cases of the CLI and the kill test; OXYGEN_JAX_MULTIHOST_FULL=1 adds the 4-process
 # resume and the flow-matching step (about 100 s more on 2 cores: every worker compiles its own program).
@@ -266,7 +266,7 @@ _FLOW = textwrap.dedent("""
     from oxygen_jax.models.pi05.config import model_config
     from oxygen_jax.models.pi05.params import init_params
     from training.memory.model import make_mesh
-    from training.train_step import OptimizerConfig, init_train_state, make_optimizer, make_sharded_train_step
+    from training.flow.train_step import OptimizerConfig, init_train_state, make_optimizer, make_sharded_train_step
     params = init_params(model_config("tiny"), 0)
     mesh = make_mesh()
     step, state = make_sharded_train_step(mesh, init_train_state(params, make_optimizer(OptimizerConfig(

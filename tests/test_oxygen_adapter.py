@@ -244,8 +244,8 @@ def test_the_cli_imports_and_exports_and_its_help_names_both(case, tmp_path, cap
 
 def test_training_memory_takes_an_openpi_checkpoint_as_base_and_its_adapter_goes_out_and_back(tmp_path, capsys):
     from training.memory.__main__ import main as train_main
-    from training.memory_data import write_memory_dataset
-    from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
+    from training.data.frames import write_memory_dataset
+    from training.data.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
 
     fixture = openpi_fixture()
     config = base_config(fixture)  # from the checkpoint's metadata

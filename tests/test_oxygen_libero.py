@@ -1,6 +1,6 @@
 """OxyGen's memory annotations on LIBERO's raw HDF5 layout: the reader, their split, their samplers, their metric.
 
-The data is written here from the documented layouts (`training.oxygen_libero.synthetic`): three tasks in two
+The data is written here from the documented layouts (`training.data.oxygen_libero.synthetic`): three tasks in two
 suites, 12 / 7 / 6 demonstrations of different lengths (12, so that demo_10 sorts after demo_9 by k, not by
 name), memory texts that change at known frames, one task under the older field name `visual_memory`. Expected
 values are restated from the protocol (sha256 seed + random.sample, kept-frame rule, rotation), not read back
@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from training.memory.data import StepBatches
-from training.memory_data import frame_texts
-from training.oxygen_libero import (
+from training.data.frames import frame_texts
+from training.data.oxygen_libero import (
     BalancedSampler, LiberoHdf5, OxygenLiberoSource, build_split, exact_match, kept_frames, normalize,
     open_oxygen_libero, oxygen_metrics, select_eval_frames, word_f1,
 )
-from training.oxygen_libero.synthetic import write_task
+from training.data.oxygen_libero.synthetic import write_task
 
 TASKS = [  # suite, task, demos, target field name
     ("libero_goal", "KITCHEN_SCENE3_turn_on_the_stove", 12, "textual_memory"),
@@ -220,7 +220,7 @@ def test_normalize_lowercases_collapses_whitespace_and_drops_final_periods():
 
 
 def test_split_command_writes_the_split_and_the_evaluation_frames(roots, data, tmp_path, capsys):
-    from training.oxygen_libero.__main__ import main
+    from training.data.oxygen_libero.__main__ import main
 
     assert main([str(roots[0]), "--out", str(tmp_path / "split.json")]) == 0
     printed = json.loads(capsys.readouterr().out)

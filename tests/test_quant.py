@@ -217,3 +217,23 @@ def test_a_scale_that_does_not_fit_its_values_is_refused_in_one_line(tmp_path, b
     with pytest.raises(CheckpointError, match="mlp/linear") as e:
         restore_params(path)
     assert "\n" not in str(e.value)
+
+
+def test_an_adapter_loads_on_its_base_quantized_or_float_and_on_no_other(saved, tmp_path):
+    from oxygen_jax.ckpts.adapters import load_adapter, save_adapter
+    from oxygen_jax.models.pi05 import lora as pi05_lora
+
+    config, _, root = saved
+    adapter = pi05_lora.init_bank(config, 1, rank=2, seed=3).adapter(1)
+    on_float = save_adapter(tmp_path / "on_float", adapter, prompt="Memory: ", base=root / "float")
+    on_int8 = save_adapter(tmp_path / "on_int8", adapter, prompt="Memory: ", base=root / "int8")
+    with pytest.warns(UserWarning, match=r"trained on the float base .* loaded on its int8 quantization") as w:
+        got, _ = load_adapter(on_float, config, base=root / "int8")
+    assert len(w) == 1 and "\n" not in str(w[0].message) and leaves_equal(got, adapter)
+    with pytest.warns(UserWarning, match=r"trained on the int8 base .* loaded on the float base it was quantized from"):
+        load_adapter(on_int8, config, base=root / "float")
+    # Any other mismatch is refused: a sibling quantization (fp8 of the same source) is not the base either.
+    with pytest.raises(ValueError, match="holds other weights"):
+        load_adapter(on_int8, config, base=root / "fp8")
+    with pytest.raises(ValueError, match="holds other weights"):
+        load_adapter(on_float, config, base=save_params(tmp_path / "other", init_params(config, 1)))

@@ -268,7 +268,7 @@ def test_head_rtc_off_rows_bit_identical_and_guided_rows_follow_the_previous_chu
 def test_training_loss_counts_the_postfix_only_with_clean_prefix_tokens(pi05):
     """d = 0 is the plain flow-matching loss (per-token time equal to the row's); with d > 0 the prefix enters clean,
     so noise under the prefix changes nothing, and the loss averages the postfix entries only."""
-    from training import rtc as train_rtc
+    from training.flow import rtc as train_rtc
 
     params, _, noise, _ = pi05
     cfg = params.config

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import make_obs
-from training.train_step import OptimizerConfig, all_finite, init_train_state, make_optimizer, train_step
+from training.flow.train_step import OptimizerConfig, all_finite, init_train_state, make_optimizer, train_step
 
 
 def _own_copy(params):

@@ -30,8 +30,8 @@ from training.memory.__main__ import main
 from training.memory.config import TrainConfig
 from training.memory.data import StepBatches
 from training.memory.model import init_state
-from training.memory_data import frame_texts, open_memory_dataset, write_memory_dataset
-from training.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
+from training.data.frames import frame_texts, open_memory_dataset, write_memory_dataset
+from training.data.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
 
 STEPS, EVERY, BATCH = 6, 2, 4
 # The held-out labels are longer than every training label: T must come from both splits.
@@ -298,7 +298,7 @@ def _suffix_need(dataset, split: str) -> int:
 
 def _damaged_after(monkeypatch, reads: int) -> None:
     """Training frames read after the first `reads` cannot be read (a damaged file found during training)."""
-    from training.memory_data import MemoryFrameSource
+    from training.data.frames import MemoryFrameSource
 
     real, count = MemoryFrameSource.__getitem__, [0]
 

@@ -1,4 +1,4 @@
-"""LeRobot dataset parity: `training.lerobot` against what LeRobot itself returned for every frame.
+"""LeRobot dataset parity: `training.data.lerobot` against what LeRobot itself returned for every frame.
 
     python -m eval.parity FIXTURE_DIR      # FIXTURE_DIR holds dataset/ (a LeRobot dataset) and reference.npz
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from eval.parity.checks import Checker, Row, report
-from training.lerobot.dataset import LANGUAGE_TEXT_KEYS, LeRobotDataset
-from training.lerobot.keys import KeyMap
-from training.lerobot.language import EVENTS, PERSISTENT
+from training.data.lerobot.dataset import LANGUAGE_TEXT_KEYS, LeRobotDataset
+from training.data.lerobot.keys import KeyMap
+from training.data.lerobot.language import EVENTS, PERSISTENT
 
 TRUTH_MEAN_ABS = 16.0  # mean |decoded - recorded| allowed for a video camera (codec noise is ~3 levels)
 

@@ -4,7 +4,8 @@ Layout of a `save_adapter` directory:
 
     lora/          orbax PyTree item, openpi's nested LoRA paths, e.g. PaliGemma/llm/layers/attn/q_einsum/lora_a
     adapter.json   format, name, request prompt, rank, alpha, rslora, targets, expert ("vlm"), the base
-                   checkpoint's path and fingerprint, each leaf's shape / dtype / SHA-256, optional `extra`
+                   checkpoint's path and fingerprint (a quantized base's also its float source's:
+                   `base_source_fingerprint`, `base_quantization`), each leaf's shape / dtype / SHA-256, optional `extra`
 
 Axes (`oxygen_jax.axes`): L layers (every adapter leaf is stacked [L, ...]), E stored adapters of a bank
 (ids 1..E; id 0 = base weights).
@@ -15,7 +16,8 @@ refuse a base the adapter was not trained on.
 
 A load checks the files before the arrays become weights, each failure one line naming the file and the
 field: adapter.json's `base_fingerprint` is required and must equal the base's (an adapter is only ever
-served on the base it was trained on); `alpha` is a finite number in (0, `MAX_ALPHA`]; `leaves` lists
+served on the base it was trained on; the one exception, said in one warning line: a quantized base and the
+float checkpoint it was made from count as one base, either way round); `alpha` is a finite number in (0, `MAX_ALPHA`]; `leaves` lists
 exactly the leaves in lora/, each matching its SHA-256; every leaf is finite with |x| <= `MAX_LEAF_ABS`.
 
 A save never leaves a moment without an adapter at `path`: it writes a hidden folder beside it and swaps it in
@@ -34,6 +36,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -45,6 +48,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from oxygen_jax.ckpts import lerobot, limits, openpi_lora
 from oxygen_jax.ckpts.orbax_io import resolve_params_item
+from oxygen_jax.ckpts.own import quantization_info
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.config import ModelConfig
@@ -147,6 +151,7 @@ def save_adapter(
         "rank": adapter.attn_rank or adapter.ffn_rank, "alpha": adapter.alpha, "rslora": adapter.rslora,
         "targets": list(adapter.pairs()),
         "base": str(Path(base).expanduser().resolve()), "base_fingerprint": fingerprint,
+        **_source_of(base),
         "leaves": {k: {"shape": list(v.shape), "dtype": v.dtype.name, "sha256": _sha256(v)} for k, v in flat.items()},
         **({"extra": dict(extra)} if extra else {}),
     }
@@ -163,6 +168,16 @@ def save_adapter(
     finally:
         shutil.rmtree(aside, ignore_errors=True)  # left only when something failed before the swap
     return dest
+
+
+def _source_of(base: str | os.PathLike) -> dict:
+    """For a quantized base, the float checkpoint it was made from (adapter.json's `base_source_fingerprint`, so
+    the adapter also loads on that float base) and its weights ("int8" / "fp8"); {} for a float base."""
+    info = _quantization(base)
+    source = (info or {}).get("provenance", {}).get("source_fingerprint")
+    if not isinstance(source, str) or not _FINGERPRINT.fullmatch(source):
+        return {}
+    return {"base_source_fingerprint": source, "base_quantization": info.get("weights")}
 
 
 def replace_dir(new: Path, dest: Path) -> None:
@@ -233,9 +248,42 @@ def _check_meta(meta, meta_file: Path, base: str | os.PathLike | None) -> None:
     if got is None:
         raise ValueError(f"{Path(base).resolve()} is not a π checkpoint (ours, openpi's or LeRobot's), so the adapter's "
                          f"base_fingerprint in {meta_file} cannot be checked; serve it on the base it was trained on")
-    if got != recorded:
+    if got == recorded:
+        return
+    relation = _quantized_relation(meta, base)
+    if relation is None:
         raise ValueError(f"adapter {meta_file.parent} was trained on base {meta.get('base')} but {Path(base).resolve()} "
                          "holds other weights (checksums differ); use the base it was trained on")
+    warnings.warn(f"adapter {meta_file.parent}: {relation}", stacklevel=3)
+
+
+def _quantized_relation(meta: Mapping, base: str | os.PathLike) -> str | None:
+    """Why `base` counts as the adapter's base although its fingerprint differs, or None when it does not.
+
+    Only two cases: `base` is a quantization (`python -m oxygen_jax.quantize`) of the float checkpoint the
+    adapter was trained on (its `quantization/` provenance records that checkpoint's fingerprint), or the
+    adapter was trained on a quantization of `base` (adapter.json's `base_source_fingerprint`). Two
+    quantizations of one source are not the same base: each one's rounding is what the adapter learnt on.
+    """
+    recorded = meta["base_fingerprint"]
+    info = _quantization(base)
+    if info is not None and info.get("provenance", {}).get("source_fingerprint") == recorded:
+        return (f"trained on the float base {meta.get('base')}, loaded on its {info.get('weights')} quantization "
+                f"{Path(base).resolve()} (the same weights, rounded)")
+    source = meta.get("base_source_fingerprint")
+    if isinstance(source, str) and _FINGERPRINT.fullmatch(source) and source == base_fingerprint(base):
+        return (f"trained on the {meta.get('base_quantization', 'quantized')} base {meta.get('base')}, loaded on the "
+                f"float base it was quantized from, {Path(base).resolve()}")
+    return None
+
+
+def _quantization(base: str | os.PathLike) -> dict | None:
+    """The `quantization/` item of our checkpoint at `base` (`own.quantization_info`), None for any other."""
+    try:
+        info = quantization_info(base)
+    except (OSError, ValueError):  # a directory that is no checkpoint of ours
+        return None
+    return info if isinstance(info, Mapping) else None
 
 
 def load_adapter(path: str | os.PathLike, config: ModelConfig, *, base: str | os.PathLike | None = None

@@ -34,7 +34,7 @@ exactly the plain step `x + dt * v` (bit-identical to `flow.integrate`); the VJP
 asks for it (`lax.cond`). Every value is a per-row array: changing d, s, β, the schedule or the previous
 chunk never recompiles.
 
-Training-time RTC ("trained", models trained with per-token flow time, `training.rtc`): at every step the
+Training-time RTC ("trained", models trained with per-token flow time, `training.flow.rtc`): at every step the
 first d actions of x are overwritten with the committed ones and given the clean time (t = 0), the rest
 the step's time; the returned chunk starts with the committed actions exactly. It needs a velocity that
 takes a per-token time [B, Ha] (π0.5: per-token adaRMS conditioning); other rows are untouched.

@@ -27,8 +27,8 @@ Two modes:
   suffix path (prefix inside the gradient), e.g. "Scene: ..." descriptions standing in for a VLM's
   pretraining. The action expert and the action/time projections are not in the optimised tree.
 
-Optimisation: optax AdamW after global-norm clipping, warm-up + cosine schedule (`training.train_step`'s
-`make_optimizer`). Data: `training.memory_data` frames; the batch of step s is a pure function of (seed, s)
+Optimisation: optax AdamW after global-norm clipping, warm-up + cosine schedule (`training.flow.train_step`'s
+`make_optimizer`). Data: `training.data.frames` frames; the batch of step s is a pure function of (seed, s)
 (`epoch_batches`), so a resumed run sees exactly the batches an uninterrupted one would. State (step,
 trainable leaves, optimizer state) is saved by an orbax `CheckpointManager` with a SHA-256 per leaf; resuming
 verifies them, falls back past damaged steps and is bit-identical. A step whose loss, gradient norm or state is

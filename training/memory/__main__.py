@@ -48,9 +48,9 @@ from training.memory.loop import NonFiniteStepError, train
 from oxygen_jax.ckpts.load import base_tokenizer
 from training.memory.model import load_base, make_mesh, with_base_trainable
 from training.memory.run_folder import RunFolder
-from training.memory_data import MEMORY_PROMPT, frame_texts, open_memory_dataset
-from training.lerobot.keys import KeyMap
-from training.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
+from training.data.frames import MEMORY_PROMPT, frame_texts, open_memory_dataset
+from training.data.lerobot.keys import KeyMap
+from training.data.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
 
 
 MAX_SUFFIX_LEN = 1024  # T: prompt + label + EOS tokens (one long label sizes every batch of the run)
@@ -108,8 +108,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m training.memory",
         description="Train a suffix-only language LoRA (default: the 'Memory: ' adapter) on a base π0.5, or "
                     "pre-train the base (VLM expert + SigLIP + embedding) on a text task with --mode base. "
-                    "Data: a memory dataset folder (training.memory_data / training.synthetic_memory / "
-                    "training.libero --export-tfds). Resumes from OUT/checkpoints when it exists.",
+                    "Data: a memory dataset folder (training.data.frames / training.data.synthetic_memory / "
+                    "training.data.libero --export-tfds). Resumes from OUT/checkpoints when it exists.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Outputs in OUT: adapter/ (adapter mode: load with oxygen_jax.ckpts.adapters.load_bank) or base/ (base "
                "mode: oxygen_jax.ckpts.own.restore_params), tokenizer.model, checkpoints/ (orbax, for resuming), "
@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
                         "splits by episode, see --target, --heldout-episodes, --empty-label; docs/lerobot.md)")
     p.add_argument("--libero-hdf5", type=Path, default=None, metavar="DIR",
                    help="LIBERO's raw <suite>/<task>_demo.hdf5 folder; --data is then OxyGen's annotations folder, split, "
-                        "sampled and evaluated as OxyGen does (training.oxygen_libero; --eval-split '' skips evaluation)")
+                        "sampled and evaluated as OxyGen does (training.data.oxygen_libero; --eval-split '' skips evaluation)")
     p.add_argument("--out", type=Path, required=True, help="output directory (created; an existing one is resumed)")
     p.add_argument("--mode", choices=("adapter", "base"), default="adapter",
                    help="adapter: LoRA bank only, base frozen; base: fine-tune VLM expert + SigLIP + embedding")
@@ -268,7 +268,7 @@ def _open_data(args, label_key: str) -> tuple:
             split.check_cameras()
         train_src, eval_src, folders = opened[args.train_split], opened.get(args.eval_split), [args.data]
     elif args.libero_hdf5 is not None:  # their split, task/target-balanced batches, 10 greedy-eval frames per task
-        from training.oxygen_libero import open_oxygen_libero
+        from training.data.oxygen_libero import open_oxygen_libero
         oxygen = open_oxygen_libero(args.data, args.libero_hdf5)
         train_src, eval_src = oxygen.train, (oxygen.eval if args.eval_split else None)
         folders = [args.data, args.libero_hdf5]

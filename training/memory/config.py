@@ -16,8 +16,8 @@ import optax
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig, model_config
 from oxygen_jax.models.siglip import SiglipConfig
-from training.memory_data import MEMORY_PROMPT
-from training.train_step import OptimizerConfig, make_optimizer
+from training.data.frames import MEMORY_PROMPT
+from training.flow.train_step import OptimizerConfig, make_optimizer
 
 Mode = Literal["adapter", "base"]
 DEMO_PROMPT_LEN = 48  # default Tp: LIBERO instructions (<= 44 tokens with the built-in demo tokenizer) + BOS + "\n"

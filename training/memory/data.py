@@ -3,7 +3,7 @@ every step as a pure function of (seed, step) (`StepBatches`), image augmentatio
 source's read errors as one-line `DataError`s (`CheckedSource`) and the digest of the data a run trains on
 (`data_digest`, agreed by every process of a multi-process run).
 
-Axes (`oxygen_jax.axes`): B batch rows, T suffix tokens, Px image side; frames are `training.memory_data` dicts.
+Axes (`oxygen_jax.axes`): B batch rows, T suffix tokens, Px image side; frames are `training.data.frames` dicts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from oxygen_jax.models.pi05.config import ModelConfig
 from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots.io import RobotIO
 from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
-from training.memory_data import MemoryBatch, epoch_batches, frame_texts, make_memory_batch
+from training.data.frames import MemoryBatch, epoch_batches, frame_texts, make_memory_batch
 
 _HASHED_FILE = 64 << 10  # files of the data folder hashed whole (metadata); larger ones by name and size
 _MAX_LISTED = 1 << 20  # files listed for the digest (a larger folder is refused: not a dataset this reads)
@@ -114,7 +114,7 @@ class TextTask:
 class StepBatches:
     """The batch of every step as a pure function of (seed, step): epoch = step // batches per epoch, rows from
     `epoch_batches(..., seed, epoch)` (full batches only), unless the source draws its own rows with a
-    `batch_indices(step, batch_size, seed)` method (OxyGen's balanced sampler, `training.oxygen_libero`). Resuming
+    `batch_indices(step, batch_size, seed)` method (OxyGen's balanced sampler, `training.data.oxygen_libero`). Resuming
     at any step needs no iterator state.
 
     `rows` = (start, stop): materialise only those rows of every global batch (one process's share,
@@ -135,7 +135,7 @@ class StepBatches:
         self._epoch: tuple[int, list[np.ndarray]] | None = None
 
     def indices(self, step: int) -> np.ndarray:
-        if hasattr(self.source, "batch_indices"):  # a source with its own sampler (training.oxygen_libero)
+        if hasattr(self.source, "batch_indices"):  # a source with its own sampler (training.data.oxygen_libero)
             return self.source.batch_indices(int(step), self.batch_size, self.seed)
         epoch, i = divmod(int(step), self.per_epoch)
         if self._epoch is None or self._epoch[0] != epoch:

@@ -21,7 +21,7 @@ from oxygen_jax.models.pi05.params import Params
 from oxygen_jax.robots.tokenizer import Tokenizer
 from oxygen_jax.runtime.engine import Engine, EngineConfig
 from training.memory.data import TextTask, fixed_batches
-from training.memory_data import MemoryBatch
+from training.data.frames import MemoryBatch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from oxygen_jax.models.pi05.params import for_backend
 from oxygen_jax.robots.tokenizer import Tokenizer
 from training.memory.data import TextTask, fixed_batches
 from training.memory.evaluate import engine_answers
-from training.memory_data import frame_texts, open_memory_dataset
+from training.data.frames import frame_texts, open_memory_dataset
 
 
 def _pick_frames(source: Sequence[Mapping], n: int, seed: int = 0) -> list[int]:

@@ -31,8 +31,8 @@ from oxygen_jax.models.siglip import Siglip
 from oxygen_jax.runtime import decode
 from training import distributed
 from training.memory.config import Mode, TrainConfig
-from training.memory_data import MemoryBatch
-from training.train_step import step_metrics
+from training.data.frames import MemoryBatch
+from training.flow.train_step import step_metrics
 
 
 # -------------------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
 class TrainStep(NamedTuple):
     """A compiled step `fn(state, params, batch) -> (state, metrics)` (donates `state`) and its optimizer.
 
-    metrics: loss, grad_norm, finite (`training.train_step.step_metrics`), tokens and correct (`answer_loss`)."""
+    metrics: loss, grad_norm, finite (`training.flow.train_step.step_metrics`), tokens and correct (`answer_loss`)."""
 
     fn: Callable[[TrainState, Params, MemoryBatch], tuple[TrainState, dict]]
     optimizer: optax.GradientTransformation

@@ -1,6 +1,6 @@
 """The simulator side: one LIBERO task's scene (`TaskScene`) and one placed, settled, checked frame (`make_frame`).
 
-Needs the simulator venv (`training.libero`'s docstring); mujoco and LIBERO are imported when a scene is built.
+Needs the simulator venv (`training.data.libero`'s docstring); mujoco and LIBERO are imported when a scene is built.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from oxygen_jax.robots.libero import camera_images, eef_state
-from training import bddl_goals
-from training.libero.config import RESET_BASE, GenConfig
+from training.data.libero import bddl_goals
+from training.data.libero.config import RESET_BASE, GenConfig
 
 _NOOP = np.array([0, 0, 0, 0, 0, 0, -1.0])  # zero delta pose, gripper open (openpi's LIBERO wait action)
 _PARK_Z = 5.0  # objects being placed wait this high, out of the way of the drop-height rays

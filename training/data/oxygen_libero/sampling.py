@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from training.oxygen_libero.annotations import FrameRef
+from training.data.oxygen_libero.annotations import FrameRef
 
 EVAL_PER_TASK = 10
 

@@ -1,4 +1,4 @@
-"""`python -m training.oxygen_libero ANNOTATIONS [--out split.json]`: rebuild OxyGen's split from the annotation
+"""`python -m training.data.oxygen_libero ANNOTATIONS [--out split.json]`: rebuild OxyGen's split from the annotation
 files alone and print its manifest (with the released annotations: 1,800 training / 200 held-out
 demonstrations, 5,082 held-out frames) and the number of greedy-evaluation frames; --out writes the frame
 lists (suite, task, demo, frame, instruction, target; train, validation, evaluation) as JSON.
@@ -13,12 +13,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from training.oxygen_libero.sampling import EVAL_PER_TASK, select_eval_frames
-from training.oxygen_libero.split import HELDOUT_PER_TASK, SEED, STRIDE, build_split
+from training.data.oxygen_libero.sampling import EVAL_PER_TASK, select_eval_frames
+from training.data.oxygen_libero.split import HELDOUT_PER_TASK, SEED, STRIDE, build_split
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.oxygen_libero", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m training.data.oxygen_libero", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("annotations", type=Path, help="folder holding <suite>/<task>/demo_<k>.jsonl")
     p.add_argument("--seed", type=int, default=SEED)
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         split = build_split(args.annotations, seed=args.seed, heldout_per_task=args.heldout_per_task,
                             stride=args.stride, target=args.target)
     except (FileNotFoundError, ValueError) as e:
-        print(f"python -m training.oxygen_libero: error: {e}", file=sys.stderr)
+        print(f"python -m training.data.oxygen_libero: error: {e}", file=sys.stderr)
         return 2
     picks = select_eval_frames(split.heldout, per_task=args.eval_per_task, seed=args.seed)
     manifest = {**split.manifest(), "evaluation_samples": len(picks)}

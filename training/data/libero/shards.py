@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_jax.robots.libero import CAMERAS
-from training.libero.config import GenConfig
+from training.data.libero.config import GenConfig
 
 
 def _encode(image: np.ndarray, fmt: str, quality: int) -> bytes:

@@ -25,7 +25,7 @@ import optax
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.models.pi05.params import Params
-from training.train_step import TrainState, step_metrics
+from training.flow.train_step import TrainState, step_metrics
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,7 +98,7 @@ def compute_loss_rng(params: Params, rng: jax.Array, observation: Observation, a
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
 def train_step(state: TrainState, rng: jax.Array, observation: Observation, actions: jax.Array, *,
                cfg: RtcTrainConfig):
-    """One optimisation step on the training-time-RTC loss (as `training.train_step.train_step`). Donates `state`.
+    """One optimisation step on the training-time-RTC loss (as `training.flow.train_step.train_step`). Donates `state`.
 
     Returns:
       (new state, {"loss": postfix mean loss, "grad_norm": global gradient norm, "finite": see `step_metrics`}).

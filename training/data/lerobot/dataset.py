@@ -10,7 +10,7 @@ LeRobot returns them, without torch: pyarrow for the parquet rows, PyAV for the 
 
 Frame i is the i-th frame in dataset order (global `index` order) of the selected episodes (`episodes=`: a
 list of episode indices, default all). Cameras come back as uint8 HWC whatever `names` says; video frames are
-the frame nearest to the row's video time (`training.lerobot.video`), image features are their PNG/JPEG bytes
+the frame nearest to the row's video time (`training.data.lerobot.video`), image features are their PNG/JPEG bytes
 decoded. `delta_timestamps` samples a feature at `index + round(dt * fps)` clamped to the episode, as openpi
 trains (`{"actions": [k / fps for k in range(H)]}`): rows past the episode end repeat its last row and
 `<key>_is_pad` flags them, e.g. an episode of 8 frames, H = 5, frame 6 -> rows 6, 7, 7, 7, 7, pad F F T T T.
@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from training.lerobot import language
-from training.lerobot.meta import DEFAULT_COLUMNS, DatasetMeta, read_meta
-from training.lerobot.rows import RowReader
-from training.lerobot.video import TOLERANCE_S, VideoFrames
+from training.data.lerobot import language
+from training.data.lerobot.meta import DEFAULT_COLUMNS, DatasetMeta, read_meta
+from training.data.lerobot.rows import RowReader
+from training.data.lerobot.video import TOLERANCE_S, VideoFrames
 
 LANGUAGE_TEXT_KEYS = ("subtask", "plan", "memory", "interjection", "speech")
 
@@ -64,7 +64,7 @@ class LeRobotDataset:
       episodes: episode indices to read (dataset order is kept), default all.
       delta_timestamps: {feature: [seconds, ...]} chunks (multiples of 1 / fps within `tolerance_s`).
       video_cache_mb: decoded video frames kept for frames read again (0: none). Reading in time order decodes
-        each frame once either way; a random access decodes from the key frame before it (`training.lerobot.video`).
+        each frame once either way; a random access decodes from the key frame before it (`training.data.lerobot.video`).
       row_cache_mb: parquet row groups kept.
       tolerance_s: largest accepted |video frame time - query time|.
       finite: numeric features that must hold finite numbers (e.g. the state and action the key map uses);

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from oxygen_jax.robots.normalize import NormStats
-from training.lerobot.meta import DatasetMeta, read_json, read_jsonl
+from training.data.lerobot.meta import DatasetMeta, read_json, read_jsonl
 
 
 def _arrays(stats: dict, where: str) -> dict[str, dict[str, np.ndarray]]:

@@ -1,4 +1,4 @@
-"""The generator's command line: `python -m training.libero --help` (the package docstring has the runs)."""
+"""The generator's command line: `python -m training.data.libero --help` (the package docstring has the runs)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from training import bddl_goals
-from training.libero.config import RESET_BASE, GenConfig
-from training.libero.export import export_tfds
-from training.libero.generate import generate, load_suite, print_summary, summarize, task_problem, write_showcase
+from training.data.libero import bddl_goals
+from training.data.libero.config import RESET_BASE, GenConfig
+from training.data.libero.export import export_tfds
+from training.data.libero.generate import generate, load_suite, print_summary, summarize, task_problem, write_showcase
 
 DEFAULT_OUT = Path("/work/data/libero_memory")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m training.libero",
+        prog="python -m training.data.libero",
         description="Generate memory-annotated LIBERO frames by placing objects (no demonstrations needed). "
         "Resumable: re-run the same command to continue. Needs the simulator venv (see the package docstring) "
         "and MUJOCO_GL=egl.",
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--showcase", type=int, default=0, metavar="N",
                    help="after generating, copy N held-out frames as PNG to OUT/showcase/")
     p.add_argument("--export-tfds", type=Path, default=None, metavar="DIR",
-                   help="after generating, convert the run with training.memory_data.write_memory_dataset")
+                   help="after generating, convert the run with training.data.frames.write_memory_dataset")
     return p
 
 
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"showcase: {len(meta)} held-out frames in {args.out / 'showcase'}")
     if args.export_tfds is not None:
         path = export_tfds(run_dir, args.export_tfds)
-        print(f"tfds dataset: {path} (read it with training.memory_data.open_memory_dataset(path, 'train'))")
+        print(f"tfds dataset: {path} (read it with training.data.frames.open_memory_dataset(path, 'train'))")
 
 
 if __name__ == "__main__":

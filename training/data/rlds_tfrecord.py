@@ -375,7 +375,7 @@ class RldsTFRecordSource(Sequence):
         if fmt != "tfrecord":
             raise ValueError(
                 f"{self.path}: stored as {fmt}, not tfrecord; read it with tfds' "
-                "builder_from_directory(...).as_data_source(split) (or training.memory_data.open_memory_dataset)"
+                "builder_from_directory(...).as_data_source(split) (or training.data.frames.open_memory_dataset)"
             )
         info = split_info(self.builder, split, self.path)
         self.features = self.builder.info.features

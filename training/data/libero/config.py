@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 # Init index of reset layout k is RESET_BASE + k: LIBERO stores 50 initial states per task (indices 0-49),
-# and a reset layout is a new draw from the same BDDL init regions (`training.libero.scene.TaskScene.layout`).
+# and a reset layout is a new draw from the same BDDL init regions (`training.data.libero.scene.TaskScene.layout`).
 RESET_BASE = 1000
 
 

@@ -1,7 +1,7 @@
 """Planning and running a generation: which frames each task and layout gets (`layout_inits`), making
 every pending one (`generate`, resumable), and reading a run back (`summarize`, `write_showcase`).
 
-Needs the simulator venv (`training.libero`'s docstring) for everything but the summary and showcase.
+Needs the simulator venv (`training.data.libero`'s docstring) for everything but the summary and showcase.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 from oxygen_jax.robots.libero import CAMERAS
-from training import bddl_goals
-from training.libero.config import RESET_BASE, GenConfig, frame_key, frame_rng
-from training.libero.scene import TaskScene, make_frame
-from training.libero.shards import ShardWriter, append_jsonl, iter_frames, read_jsonl
+from training.data.libero import bddl_goals
+from training.data.libero.config import RESET_BASE, GenConfig, frame_key, frame_rng
+from training.data.libero.scene import TaskScene, make_frame
+from training.data.libero.shards import ShardWriter, append_jsonl, iter_frames, read_jsonl
 
 
 # ----------------------------------------------------------------------------- planning

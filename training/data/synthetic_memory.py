@@ -1,4 +1,4 @@
-"""A synthetic memory task with a known answer, in the frame format of `training.memory_data`.
+"""A synthetic memory task with a known answer, in the frame format of `training.data.frames`.
 
 A top-down table scene with a basket (left half) and a plate (right half), each placed per initial-state
 index, and coloured blocks. Each block has a target (basket or plate); a block that is *done* lies inside
@@ -21,7 +21,7 @@ initial-state indices never seen in training, like the LIBERO generator's split:
     splits = synthetic_splits(SyntheticMemoryConfig(image_size=56))   # {"train": 160 frames, "heldout": 40}
     path = write_memory_dataset(out_dir, splits, image_size=56, name="synthetic_memory")
 
-or `python -m training.synthetic_memory --out DIR [--image-size 56]`.
+or `python -m training.data.synthetic_memory --out DIR [--image-size 56]`.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _render_wrist(config, rng) -> np.ndarray:
 
 
 def render_frame(config: SyntheticMemoryConfig, init_index: int, done: Sequence[bool], repeat: int = 0) -> dict:
-    """One frame dict (the `training.memory_data` format) for a layout index and a done-pattern.
+    """One frame dict (the `training.data.frames` format) for a layout index and a done-pattern.
 
     Returns:
       {"image", "wrist_image": uint8 [Px, Px, 3], "state": float32 [Ds], "language_instruction", "memory",
@@ -239,8 +239,8 @@ def write_synthetic_memory_dataset(
     out_dir, config: SyntheticMemoryConfig = SyntheticMemoryConfig(), *, name: str = "synthetic_memory",
     overwrite: bool = False,
 ) -> Path:
-    """Renders both splits and writes them with `training.memory_data.write_memory_dataset` (streamed)."""
-    from training.memory_data import write_memory_dataset
+    """Renders both splits and writes them with `training.data.frames.write_memory_dataset` (streamed)."""
+    from training.data.frames import write_memory_dataset
 
     splits = {
         "train": synthetic_frames(config, range(config.num_train_inits)),

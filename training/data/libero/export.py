@@ -1,4 +1,4 @@
-"""A run's frames as a tfds dataset (`export_tfds`), through `training.memory_data.write_memory_dataset`."""
+"""A run's frames as a tfds dataset (`export_tfds`), through `training.data.frames.write_memory_dataset`."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from training.libero.shards import iter_frames, read_jsonl
+from training.data.libero.shards import iter_frames, read_jsonl
 
 
 def _tfds_frames(run_dir: Path, split: str, suite: str) -> Iterator[dict]:
-    """A run's frames in `training.memory_data`'s frame format (structured fields as JSON strings)."""
+    """A run's frames in `training.data.frames`'s frame format (structured fields as JSON strings)."""
     for f in iter_frames(run_dir, split=split):
         yield {
             "image": f["image"], "wrist_image": f["wrist_image"], "state": f["state"],
@@ -21,13 +21,13 @@ def _tfds_frames(run_dir: Path, split: str, suite: str) -> Iterator[dict]:
 
 
 def export_tfds(run_dir: str | Path, out_dir: str | Path, *, name: str = "libero_memory") -> Path:
-    """Convert a run's shards with `training.memory_data.write_memory_dataset` (splits "train", "heldout";
+    """Convert a run's shards with `training.data.frames.write_memory_dataset` (splits "train", "heldout";
     replaces an earlier export). Returns the dataset version folder."""
     try:
-        from training.memory_data import write_memory_dataset
+        from training.data.frames import write_memory_dataset
     except ImportError as err:
         raise SystemExit(
-            f"--export-tfds needs training.memory_data.write_memory_dataset and its requirements ({err})"
+            f"--export-tfds needs training.data.frames.write_memory_dataset and its requirements ({err})"
         ) from None
     run_dir = Path(run_dir)
     config = json.loads((run_dir / "config.json").read_text())

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from training.oxygen_libero.hdf5 import LiberoHdf5, OxygenLiberoSource, check_hdf5_files
-from training.oxygen_libero.sampling import EVAL_PER_TASK, select_eval_frames
-from training.oxygen_libero.split import HELDOUT_PER_TASK, SEED, STRIDE, Split, build_split
+from training.data.oxygen_libero.hdf5 import LiberoHdf5, OxygenLiberoSource, check_hdf5_files
+from training.data.oxygen_libero.sampling import EVAL_PER_TASK, select_eval_frames
+from training.data.oxygen_libero.split import HELDOUT_PER_TASK, SEED, STRIDE, Split, build_split
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from training.oxygen_libero.annotations import FrameRef, annotation_files, read_demo
+from training.data.oxygen_libero.annotations import FrameRef, annotation_files, read_demo
 
 SEED = 7
 HELDOUT_PER_TASK = 5

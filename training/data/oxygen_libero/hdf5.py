@@ -11,7 +11,7 @@ File layout (what is read):
         demo_<k>/obs/ee_states        [n, 6]
         demo_<k>/obs/gripper_states   [n, 2]
 
-A frame (`training.memory_data`'s frame dict) is built like OxyGen's dataset item:
+A frame (`training.data.frames`'s frame dict) is built like OxyGen's dataset item:
 
     image       = agentview_rgb[frame][::-1, ::-1]       (rotated 180°: LIBERO renders upside down)
     wrist_image = eye_in_hand_rgb[frame][::-1, ::-1]
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from training.oxygen_libero.annotations import MEMORY_TARGETS, FrameRef
-from training.oxygen_libero.sampling import BalancedSampler
+from training.data.oxygen_libero.annotations import MEMORY_TARGETS, FrameRef
+from training.data.oxygen_libero.sampling import BalancedSampler
 
 
 def hdf5_path(root: str | Path, suite: str, task: str) -> Path:

@@ -2,7 +2,7 @@
 samplers and their metric, reproduced so that a model trained and evaluated here is comparable to theirs.
 
     data = open_oxygen_libero("annotations/", "libero_hdf5/")   # split seed 7, 5 held out per task, stride 8
-    data.train[i]        # frame dict (training.memory_data): both cameras rotated 180°, state [8], texts
+    data.train[i]        # frame dict (training.data.frames): both cameras rotated 180°, state [8], texts
     data.eval            # 10 held-out frames per task, the greedy exact-match set
     normalize(pred) == normalize(target)                         # their exact match
 
@@ -16,20 +16,20 @@ Modules, in the order data flows:
     hdf5          frames from the raw HDF5 files (rotation, state), `OxygenLiberoSource`
     dataset       `open_oxygen_libero`: all of the above in one call
     metric        `normalize`, exact match, word F1
-    __main__      `python -m training.oxygen_libero ANNOTATIONS`: the split's manifest (and frame lists as JSON)
+    __main__      `python -m training.data.oxygen_libero ANNOTATIONS`: the split's manifest (and frame lists as JSON)
     synthetic     small LIBERO-layout HDF5 + annotation files, for tests and trying the commands
     recipe.sh     the whole recipe on an openpi π0.5 base: train, then evaluate (docs/memory_lora.md)
 """
 
 # The data
-from training.oxygen_libero.annotations import MEMORY_TARGETS, FrameRef, annotation_files, read_demo
-from training.oxygen_libero.dataset import OxygenLibero, open_oxygen_libero
-from training.oxygen_libero.hdf5 import LiberoHdf5, OxygenLiberoSource
+from training.data.oxygen_libero.annotations import MEMORY_TARGETS, FrameRef, annotation_files, read_demo
+from training.data.oxygen_libero.dataset import OxygenLibero, open_oxygen_libero
+from training.data.oxygen_libero.hdf5 import LiberoHdf5, OxygenLiberoSource
 
 # The protocol
-from training.oxygen_libero.metric import exact_match, normalize, oxygen_metrics, word_f1
-from training.oxygen_libero.sampling import BalancedSampler, select_eval_frames
-from training.oxygen_libero.split import Split, build_split, heldout_demos, kept_frames, task_seed
+from training.data.oxygen_libero.metric import exact_match, normalize, oxygen_metrics, word_f1
+from training.data.oxygen_libero.sampling import BalancedSampler, select_eval_frames
+from training.data.oxygen_libero.split import Split, build_split, heldout_demos, kept_frames, task_seed
 
 __all__ = [
     "MEMORY_TARGETS", "FrameRef", "annotation_files", "read_demo", "OxygenLibero", "open_oxygen_libero",

@@ -54,7 +54,7 @@ from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
 from oxygen_jax.robots.transforms import check_token_ids, make_observation
-from training.rlds_tfrecord import (
+from training.data.rlds_tfrecord import (
     RldsTFRecordSource,
     decode_image,
     load_builder,
@@ -306,7 +306,7 @@ def write_memory_dataset(
     return write_array_record_dataset(
         out_dir, name, memory_features(image_size=image_size, state_dim=state_dim, extras=extras),
         {s: episodes(s) for s in streams}, version=version, overwrite=overwrite,
-        description="Memory-annotated robot frames (one-step RLDS episodes), written by training.memory_data.",
+        description="Memory-annotated robot frames (one-step RLDS episodes), written by training.data.frames.",
         metadata={_ONE_STEP: True},
     )
 
@@ -344,7 +344,7 @@ def check_memory_features(features, path) -> None:
         if key not in have:
             raise ValueError(
                 f"{path}: dataset has no feature {key!r}, needed for memory training (it has {sorted(have)}); "
-                "write memory datasets with training.memory_data.write_memory_dataset"
+                "write memory datasets with training.data.frames.write_memory_dataset"
             )
     for key in REQUIRED_FEATURES[:2]:
         feat = have[key]

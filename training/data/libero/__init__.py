@@ -13,7 +13,7 @@ of tasks 0, 1, 4, 6, 7 (10 frames planned per init state; init states 40-49 are 
 train from 1,389 layouts, 486 held out), 14 distinct labels, 0.21 s per accepted frame on 2 shared CPU
 cores:
 
-    MUJOCO_GL=egl nice -n 10 /work/venv-sim/bin/python -m training.libero --run libero10_v2 \
+    MUJOCO_GL=egl nice -n 10 /work/venv-sim/bin/python -m training.data.libero --run libero10_v2 \
         --tasks 0,1,4,6,7 --variants 3 --resets 240 --reset-variants 1 \
         --export-tfds /work/data/libero_memory_tfds_v2
 
@@ -54,7 +54,7 @@ A shard is written (atomically) before its index lines, so a crash loses at most
 frame also carries a scene label for language pre-training ("Scene: ketchup, milk, basket on table;
 alphabet soup in basket.": every free object's support) and the 8-dim state. `shards.iter_frames(run_dir)`
 reads the frames back as dicts; `--export-tfds DIR` converts them with
-`training.memory_data.write_memory_dataset` (splits "train" / "heldout", by init index);
+`training.data.frames.write_memory_dataset` (splits "train" / "heldout", by init index);
 `--showcase N` copies N held-out frames as PNGs (+ frames.json) to `<out>/showcase/`.
 
 Axis legend: H, W image height and width; the state is [eef xyz (3), eef axis-angle (3), gripper

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from training.lerobot import language
-from training.lerobot.dataset import LeRobotDataset
-from training.lerobot.keys import KeyMap
-from training.lerobot.meta import MAX_TEXT_CHARS, read_meta
-from training.lerobot.source import LeRobotSource
+from training.data.lerobot import language
+from training.data.lerobot.dataset import LeRobotDataset
+from training.data.lerobot.keys import KeyMap
+from training.data.lerobot.meta import MAX_TEXT_CHARS, read_meta
+from training.data.lerobot.source import LeRobotSource
 
 _ACTIVE = ("subtask", "plan", "memory")
 

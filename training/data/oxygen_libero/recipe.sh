@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # OxyGen's LIBERO textual-memory recipe on an openpi π0.5 base, in one command (docs/memory_lora.md §7):
 #
-#   bash training/oxygen_libero/recipe.sh PI05_LIBERO PALIGEMMA_TOKENIZER ANNOTATIONS LIBERO_HDF5 OUT
+#   bash training/data/oxygen_libero/recipe.sh PI05_LIBERO PALIGEMMA_TOKENIZER ANNOTATIONS LIBERO_HDF5 OUT
 #
 #   PI05_LIBERO          openpi's pi05_libero checkpoint (gs://openpi-assets/checkpoints/pi05_libero)
 #   PALIGEMMA_TOKENIZER  paligemma_tokenizer.model (gs://big_vision/paligemma_tokenizer.model)

@@ -1,4 +1,4 @@
-"""A LeRobot dataset as a random-access source of the project's frame dicts (`training.memory_data`'s layout),
+"""A LeRobot dataset as a random-access source of the project's frame dicts (`training.data.frames`'s layout),
 with the key map applied:
 
     src = LeRobotSource("path/to/dataset", episodes=range(0, 40), action_horizon=10)
@@ -10,7 +10,7 @@ with the key map applied:
     src.texts(i)  # the same without cameras: no image bytes read, no video decoded
 
 It follows the tfds / grain data-source protocol (`len`, `__getitem__` with any int in range, deterministic);
-`training.lerobot.sampling` gives shuffled, per-host views. Nothing is read at construction but `meta/`, so a
+`training.data.lerobot.sampling` gives shuffled, per-host views. Nothing is read at construction but `meta/`, so a
 300k-frame dataset costs its episode table; frames are decoded on access (video segments cached, bounded).
 """
 
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from training.lerobot import language
-from training.lerobot.dataset import LANGUAGE_TEXT_KEYS, LeRobotDataset
-from training.lerobot.keys import KeyMap
-from training.lerobot.meta import read_meta
+from training.data.lerobot import language
+from training.data.lerobot.dataset import LANGUAGE_TEXT_KEYS, LeRobotDataset
+from training.data.lerobot.keys import KeyMap
+from training.data.lerobot.meta import read_meta
 
 _META_KEYS = ("episode_index", "frame_index", "index", "task_index", "timestamp")
 
@@ -39,7 +39,7 @@ class LeRobotSource(Sequence):
     Args:
       root: the dataset folder.
       episodes: episode indices to read (e.g. a held-out list), default all.
-      key_map: which features feed image / wrist_image / state / actions (`training.lerobot.keys`).
+      key_map: which features feed image / wrist_image / state / actions (`training.data.lerobot.keys`).
       action_horizon: H > 0 samples `actions` as openpi does (offsets 0 .. H-1 frames, padded at the episode
         end, `actions_is_pad`); None keeps the row's own action vector.
       video_cache_mb, row_cache_mb: cache bounds (`LeRobotDataset`); 0 switches a cache off.
