@@ -96,6 +96,21 @@ def test_the_library_never_imports_training_or_eval():
     assert not bad, "\n".join(bad)
 
 
+# The training loss is decoder maths on the models floor (`LanguageDecoder.suffix_forward`); only the held-out
+# evaluation, which runs the serving engine on purpose (greedy answers as served), reaches the runtime.
+ENGINE_EVALUATION = ("training.memory.evaluate",)
+
+
+def test_training_imports_no_runtime_module_except_its_engine_evaluation():
+    graph = import_graph()
+    gone = [m for m in ENGINE_EVALUATION if m not in graph]
+    assert not gone, f"{gone} moved or removed: update ENGINE_EVALUATION"
+    bad = sorted(f"{m} imports {d}" for m, deps in graph.items()
+                 if m.split(".")[0] == "training" and m not in ENGINE_EVALUATION
+                 for d in deps if d == "oxygen_jax.runtime" or d.startswith("oxygen_jax.runtime."))
+    assert not bad, "training reaches the runtime floor:\n" + "\n".join(bad)
+
+
 # A model family lives in these modules (models/ and ckpts/ files of its own); the runtime, the server and the
 # commands reach a family only through the interfaces (`models.vla.MultiHead`, `models.decoder`, `ckpts.load`,
 # `robots.io.RobotIO`), so a new family is files in models/, ckpts/ and robots/ only.

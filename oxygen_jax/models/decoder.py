@@ -16,6 +16,8 @@ rows of a `prefix.Prefix`. The pool (`runtime.decode`) keeps slot bookkeeping on
     verify(..., judge)                         a block of T tokens per slot (pending token + draft) that
                                                keeps only a judged prefix of it (speculative decoding)
     embed, final_norm, logits_vocab_major      token embedding, the final norm, the head
+    prompt_pass(view, tokens, lengths, ...)    request prompts after gathered prefix rows (shared, on `extend`)
+    suffix_forward(prefix, rows, tokens, ...)  the same pass from a `Prefix`: the teacher-forced training loss
     check_bank(bank)                           the kind of per-row adapter bank this decoder serves
     stop_ids, vocab_size                       the default stop set and the vocabulary
 
@@ -176,6 +178,44 @@ class LanguageDecoder:
         """One-line ValueError when `bank` is not the kind of adapter bank this decoder serves (None: fine)."""
         raise NotImplementedError
 
+    # -- the suffix pass: decoder maths with no slot state --------------------------------------
+
+    def prompt_pass(self, view: PrefixRows, tokens, lengths, bank, adapter):
+        """The request prompts after their prefix rows: (k, v [Lk, J, P + Q, K, H], hidden [J, Q, D] before the
+        final norm, carry at each row's last real entry).
+
+        tokens int32 [J, Q]; lengths int32 [J]: entries >= a row's length are padding (attention layers compute
+        them unseen, recurrent layers run them as identity steps); bank, adapter: adapter bank or None, int32 [J].
+        """
+        ck, cv, x, positions, mask, write = _prompt_inputs(self, view, tokens)
+        real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        lora = row_adapters(bank, adapter)
+        h, (ck, cv), carry = self.extend(x, positions, real, mask, ck, cv, write, view.carry, lora)
+        return ck, cv, h, carry
+
+    def suffix_forward(self, prefix: Prefix, rows: jax.Array, tokens: jax.Array, bank=None,
+                       adapter: jax.Array | None = None):
+        """Runs suffix tokens causally after prefix rows through the language model: the request-prompt pass.
+
+        This is the one forward of a request's own tokens: the slot pool's admission runs it on request
+        prompts, and the memory-LoRA training runs it teacher-forced on [prompt | answer], so a trained adapter
+        sees exactly the computation it is served with.
+
+        Args:
+          prefix: a `Prefix` with the K/V (and carry) the decoder continues.
+          rows: int32 [J] prefix row each sequence continues.
+          tokens: int32 [J, Q] suffix tokens, all real.
+          bank, adapter: optional adapter bank and int32 [J] adapter ids (0 = base weights).
+        Returns:
+          (k, v [Lk, J, P + Q, K, H]: the prefix rows followed by the suffix, hidden [J, Q, D] before the
+          final norm).
+        """
+        self.check_bank(bank)
+        adapter = jnp.zeros((rows.shape[0],), jnp.int32) if adapter is None else adapter
+        lengths = jnp.full((rows.shape[0],), tokens.shape[1], jnp.int32)
+        ck, cv, h, _ = self.prompt_pass(self.rows(prefix, rows), tokens, lengths, bank, adapter)
+        return ck, cv, h
+
     def with_stop_ids(self, stop_ids) -> LanguageDecoder:
         """The same decoder with another default stop set (checked against the vocabulary)."""
         return dataclasses.replace(self, stop_ids=check_stop_ids(stop_ids, self.vocab_size))
@@ -222,6 +262,21 @@ class AttentionDecoder(LanguageDecoder):
         if bank is not None and not isinstance(bank, LoraBank):
             raise ValueError(f"this attention decoder serves a lora.LoraBank, got {type(bank).__name__} "
                              "(a qwen35.HybridBank serves Qwen3.5 language models only)")
+
+
+def _prompt_inputs(lm: LanguageDecoder, view: PrefixRows, tokens):
+    """Slot caches [Lk, J, P + Q, K, H] (prefix rows, then room for Q entries), embedded tokens [J, Q, D],
+    positions [J, Q], mask [J, Q, P + Q] (prefix validity, causal suffix) and write index [J, Q]."""
+    j, q_cap, p = tokens.shape[0], tokens.shape[1], view.mask.shape[-1]
+    pad = [(0, 0), (0, 0), (0, q_cap), (0, 0), (0, 0)]
+    ck, cv = jnp.pad(view.k, pad), jnp.pad(view.v, pad)
+    steps = jnp.arange(q_cap, dtype=jnp.int32)
+    causal = steps[None, :] <= steps[:, None]  # [Q, Q]
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(view.mask[:, None, :], (j, q_cap, p)), jnp.broadcast_to(causal, (j, q_cap, q_cap))], -1
+    )
+    positions = view.next_position[:, None] + steps[None]  # equal on all M-RoPE axes
+    return ck, cv, lm.embed(tokens), positions, mask, jnp.broadcast_to(p + steps, (j, q_cap))
 
 
 def row_adapters(bank, ids: jax.Array) -> RowAdapters | None:

@@ -29,7 +29,7 @@ Any decoder: every function takes a `models.decoder.LanguageDecoder` as its firs
 expert: `pi05.model.language_model(params)`; any `ModelSpec` with language: `mot.language_model`; a
 `MultiHead`'s `language()`). The pool asks it for the shape of a slot's K/V, its carry (per-slot state
 beside the K/V, e.g. Qwen3.5's conv windows and recurrent states, leaves [layers, Ns, ...]), the request
-prompt pass (`extend`) and the decode step (`step`), and keeps the slot bookkeeping here. Admission
+prompt pass (`prompt_pass`, on `extend`) and the decode step (`step`), and keeps the slot bookkeeping here. Admission
 copies a prefix row's K/V and carry into the slot, which is also the reset of a reused slot (K/V past the
 written entries are masked); an inactive slot's step leaves its carry bit for bit. `slot_bytes` is a
 slot's memory per part.
@@ -50,7 +50,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models.decoder import MAX_STOP_IDS, LanguageDecoder, PrefixRows, row_adapters
-from oxygen_jax.models.lora import LoraBank
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.sampling import sample_tokens
 from oxygen_jax.runtime import slot_mesh
@@ -369,63 +368,12 @@ def _check_adapter_ids(requests: Requests, bank) -> None:
         raise ValueError(f"request adapter id {int(bad[0])} is out of range: the bank serves {held}")
 
 
-def _prompt_inputs(lm: LanguageDecoder, view: PrefixRows, tokens):
-    """Slot caches [Lk, J, P + Q, K, H] (prefix rows, then room for Q entries), embedded tokens [J, Q, D],
-    positions [J, Q], mask [J, Q, P + Q] (prefix validity, causal suffix) and write index [J, Q]."""
-    j, q_cap, p = tokens.shape[0], tokens.shape[1], view.mask.shape[-1]
-    pad = [(0, 0), (0, 0), (0, q_cap), (0, 0), (0, 0)]
-    ck, cv = jnp.pad(view.k, pad), jnp.pad(view.v, pad)
-    steps = jnp.arange(q_cap, dtype=jnp.int32)
-    causal = steps[None, :] <= steps[:, None]  # [Q, Q]
-    mask = jnp.concatenate(
-        [jnp.broadcast_to(view.mask[:, None, :], (j, q_cap, p)), jnp.broadcast_to(causal, (j, q_cap, q_cap))], -1
-    )
-    positions = view.next_position[:, None] + steps[None]  # equal on all M-RoPE axes
-    return ck, cv, lm.embed(tokens), positions, mask, jnp.broadcast_to(p + steps, (j, q_cap))
-
-
-def _prompt_pass(lm: LanguageDecoder, view: PrefixRows, tokens, lengths, bank, adapter):
-    """The request prompts after their prefix rows: (k, v [Lk, J, P + Q, K, H], hidden [J, Q, D] before the final
-    norm, carry at each row's last real entry). Entries >= a row's length are padding: attention layers compute
-    them unseen, recurrent layers run them as identity steps."""
-    ck, cv, x, positions, mask, write = _prompt_inputs(lm, view, tokens)
-    real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    h, (ck, cv), carry = lm.extend(x, positions, real, mask, ck, cv, write, view.carry, row_adapters(bank, adapter))
-    return ck, cv, h, carry
-
-
-def suffix_forward(lm: LanguageDecoder, prefix: Prefix, rows: jax.Array, tokens: jax.Array,
-                   bank: LoraBank | None = None, adapter: jax.Array | None = None):
-    """Runs suffix tokens causally after prefix rows through the language model: the request-prompt pass.
-
-    This is the one forward of a request's own tokens: admission runs it on request prompts, and
-    the memory-LoRA training runs it teacher-forced on [prompt | answer], so a trained adapter sees
-    exactly the computation it is served with.
-
-    Args:
-      lm: the language decoder.
-      prefix: a `Prefix` with the K/V (and carry) the decoder continues.
-      rows: int32 [J] prefix row each sequence continues.
-      tokens: int32 [J, Q] suffix tokens, all real.
-      bank, adapter: optional adapter bank and int32 [J] adapter ids (0 = base weights).
-    Returns:
-      (k, v [Lk, J, P + Q, K, H]: the prefix rows followed by the suffix, hidden [J, Q, D] before the
-      final norm).
-    """
-    lm = _decoder(lm)
-    lm.check_bank(bank)
-    adapter = jnp.zeros((rows.shape[0],), jnp.int32) if adapter is None else adapter
-    lengths = jnp.full((rows.shape[0],), tokens.shape[1], jnp.int32)
-    ck, cv, h, _ = _prompt_pass(lm, lm.rows(prefix, rows), tokens, lengths, bank, adapter)
-    return ck, cv, h
-
-
 def _extend_with_prompts(lm: LanguageDecoder, view: PrefixRows, req: Requests, q_cap: int, bank=None):
     """Runs the request prompts after their prefixes: slot caches [Lk, J, P+Q, K, H], seed hidden [J, D] (the
     final-normed state the first token is sampled from) and the rows' carry."""
     if q_cap == 0:
         return view.k, view.v, view.last_hidden, view.carry
-    ck, cv, h, carry = _prompt_pass(lm, view, req.prompt, req.prompt_len, bank, req.adapter)
+    ck, cv, h, carry = lm.prompt_pass(view, req.prompt, req.prompt_len, bank, req.adapter)
     last = jnp.clip(req.prompt_len - 1, 0, q_cap - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
     h_last = lm.final_norm(h_last)
