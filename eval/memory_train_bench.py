@@ -34,7 +34,7 @@ from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import for_backend, init_params
 from training.memory.config import TrainConfig
 from training.memory.model import init_state, load_base, make_train_step
-from training.data.frames import MemoryBatch
+from training.memory.data import MemoryBatch
 
 
 def random_batch(config, batch: int, cameras: int, prompt_len: int, suffix_len: int, seed: int = 0) -> MemoryBatch:

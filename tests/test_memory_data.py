@@ -16,17 +16,9 @@ from helpers import shared_dir
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
-from training.data import frames, rlds_tfrecord
-from training.data.frames import (
-    MemoryBatch,
-    encode_memory_suffix,
-    epoch_batches,
-    frame_texts,
-    memory_batches,
-    open_memory_dataset,
-    write_array_record_dataset,
-    write_memory_dataset,
-)
+from training.data import frames as frame_format, rlds_tfrecord
+from training.data.frames import frame_texts, open_memory_dataset, write_array_record_dataset, write_memory_dataset
+from training.memory.data import MemoryBatch, encode_memory_suffix, epoch_batches, memory_batches
 from training.data.rlds_tfrecord import (
     RldsTFRecordSource,
     TFRecordError,
@@ -208,7 +200,7 @@ def test_text_reads_equal_the_frames_without_images_and_decode_no_jpeg(written, 
     frames, path = written
     src = open_memory_dataset(path, "train")
     full = [src[i] for i in range(len(src))]
-    monkeypatch.setattr(frames, "decode_image", lambda *a: pytest.fail("a text read decoded an image"))
+    monkeypatch.setattr(frame_format, "decode_image", lambda *a: pytest.fail("a text read decoded an image"))
     texts = [src.texts(i) for i in range(len(src))]
     assert texts == [{k: v for k, v in f.items() if k not in ("image", "wrist_image", "state")} for f in full]
     keys = ("memory", "language_instruction", "absent")

@@ -16,7 +16,8 @@ from eval.memory_eval import OTHER, label_metrics, main, majority, to_markdown, 
 from oxygen_jax.ckpts.adapters import save_adapter
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.params import for_backend
-from training.data.frames import MEMORY_PROMPT, write_memory_dataset
+from training.data.frames import write_memory_dataset
+from training.memory.data import MEMORY_PROMPT
 from training.data.synthetic_memory import SyntheticMemoryConfig, all_labels, synthetic_splits
 
 REFS = ["Done: nothing.", "Done: red block in basket.", "Done: red block in basket.", "Done: blue block on plate."]

@@ -42,13 +42,13 @@ from oxygen_jax.robots.tokenizer import (
 from training import distributed
 from training.memory.checkpoints import CheckpointError, first_non_finite
 from training.memory.config import DEMO_PROMPT_LEN, TrainConfig, checkpoint_config_json, preset_config
-from training.memory.data import CheckedSource, DataError, TextTask, data_digest, task_texts
+from training.memory.data import MEMORY_PROMPT, CheckedSource, DataError, TextTask, data_digest, task_texts
 from training.memory.export_demo import main as export_main
 from training.memory.loop import NonFiniteStepError, train
 from oxygen_jax.ckpts.load import base_tokenizer
 from training.memory.model import load_base, make_mesh, with_base_trainable
 from training.memory.run_folder import RunFolder
-from training.data.frames import MEMORY_PROMPT, frame_texts, open_memory_dataset
+from training.data.frames import frame_texts, open_memory_dataset
 from training.data.lerobot.keys import KeyMap
 from training.data.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
 

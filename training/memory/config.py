@@ -16,7 +16,7 @@ import optax
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig, model_config
 from oxygen_jax.models.siglip import SiglipConfig
-from training.data.frames import MEMORY_PROMPT
+from training.memory.data import MEMORY_PROMPT
 from training.flow.train_step import OptimizerConfig, make_optimizer
 
 Mode = Literal["adapter", "base"]

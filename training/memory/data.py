@@ -3,7 +3,13 @@ every step as a pure function of (seed, step) (`StepBatches`), image augmentatio
 source's read errors as one-line `DataError`s (`CheckedSource`) and the digest of the data a run trains on
 (`data_digest`, agreed by every process of a multi-process run).
 
-Axes (`oxygen_jax.axes`): B batch rows, T suffix tokens, Px image side; frames are `training.data.frames` dicts.
+Batches (`memory_batches`): B frames → `MemoryBatch(observation, suffix_tokens, suffix_mask, loss_mask)`,
+where the observation is built exactly as at serving time (`transforms.make_observation` on LIBERO client
+samples) and the suffix is the per-request prompt "Memory: " followed by the label and EOS, padded to a
+static length.
+
+Axes (`oxygen_jax.axes`): B batch rows, Nc cameras, Px image side, Tp prompt tokens, T suffix tokens (the query
+tokens of the teacher-forced suffix forward), Ds state dims; frames are `training.data.frames` dicts.
 """
 
 from __future__ import annotations
@@ -12,18 +18,23 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from oxygen_jax.models.pi05.config import ModelConfig
-
+from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.robots.config import RobotConfig
-from oxygen_jax.robots.io import RobotIO
+from oxygen_jax.robots.io import RobotIO, observation_rows
+from oxygen_jax.robots.normalize import NormStats
 from oxygen_jax.robots.tokenizer import Tokenizer, encode_suffix_prompt
-from training.data.frames import MemoryBatch, epoch_batches, frame_texts, make_memory_batch
+from oxygen_jax.robots.transforms import check_token_ids, make_observation
+from training.data.frames import as_text, frame_texts
 
+MEMORY_PROMPT = "Memory: "  # the request prompt of the memory suffix
+_BATCH_KEYS = ("image", "wrist_image", "state", "language_instruction")  # the frame fields a batch reads
 _HASHED_FILE = 64 << 10  # files of the data folder hashed whole (metadata); larger ones by name and size
 _MAX_LISTED = 1 << 20  # files listed for the digest (a larger folder is refused: not a dataset this reads)
 
@@ -200,3 +211,181 @@ def task_texts(source: Sequence[Mapping], keys: Sequence[str] = ("language_instr
             if k in frame:
                 seen.setdefault(str(frame[k]), None)
     return list(seen)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MemoryBatch:
+    """One training batch for the suffix-only memory loss; every shape is static.
+
+    Attributes:
+      observation: the prefix inputs (images float32 [B, Nc, Px, Px, 3], image_masks [B, Nc], tokens
+        int32 [B, Tp], token_mask [B, Tp]), built as at serving time.
+      suffix_tokens: int32 [B, T]: request prompt ids ‖ label ids ‖ EOS ‖ pad 0, written after the prefix.
+      suffix_mask: bool [B, T]: True on real suffix tokens (prompt, label, EOS).
+      loss_mask: bool [B, T]: True on the tokens to predict (label and EOS). Padding rows (see
+        `memory_batches(drop_remainder=False)`) are all False.
+
+    Example ("Memory: " → [m1, m2], "Done: nothing." → [d1, d2, d3], T = 8):
+
+        suffix_tokens  m1 m2 d1 d2 d3 EOS 0  0
+        suffix_mask    T  T  T  T  T  T   F  F
+        loss_mask      F  F  T  T  T  T   F  F
+
+    Teacher forcing: the logits at suffix position j predict token j + 1, so the cross-entropy targets are
+    `suffix_tokens[:, 1:]` weighted by `loss_mask[:, 1:]` (the first label token is predicted from the last
+    prompt token).
+    """
+
+    observation: Observation
+    suffix_tokens: jax.Array
+    suffix_mask: jax.Array
+    loss_mask: jax.Array
+    state: jax.Array | None = None  # float32 [B, Ad]: the state token's input of a π0 base (the normalised state,
+    #   zero-padded); None for π0.5 (its state is prompt tokens). Read by the served frame of the evaluation only.
+
+    @property
+    def batch_size(self) -> int:
+        return self.suffix_tokens.shape[0]
+
+
+def encode_memory_suffix(
+    tokenizer: Tokenizer, label: str, *, suffix_len: int, prompt: str = MEMORY_PROMPT
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokenizes prompt ‖ label ‖ EOS into T = `suffix_len` slots (see `MemoryBatch`).
+
+    Returns:
+      (suffix_tokens int32 [T], suffix_mask bool [T], loss_mask bool [T]).
+    Raises:
+      ValueError when the suffix does not fit (labels are never truncated) or the prompt is empty.
+    """
+    prompt_ids = encode_suffix_prompt(tokenizer, prompt)
+    if not prompt_ids:
+        raise ValueError("the suffix prompt is empty; the first label token is predicted from the last prompt token")
+    answer = tokenizer.encode(label) + [tokenizer.eos_id]
+    n = len(prompt_ids) + len(answer)
+    if n > suffix_len:
+        raise ValueError(
+            f"label {label!r} needs {n} suffix tokens ({len(prompt_ids)} prompt + {len(answer) - 1} label + EOS) "
+            f"but suffix_len={suffix_len}; raise suffix_len"
+        )
+    tokens = np.full((suffix_len,), tokenizer.pad_id, np.int32)
+    tokens[:n] = prompt_ids + answer
+    suffix_mask = np.arange(suffix_len) < n
+    loss_mask = suffix_mask & (np.arange(suffix_len) >= len(prompt_ids))
+    return tokens, suffix_mask, loss_mask
+
+
+def make_memory_batch(
+    frames: Sequence[Mapping],
+    robot: RobotConfig,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    *,
+    suffix_len: int,
+    prompt: str = MEMORY_PROMPT,
+    label_key: str = "memory",
+    norm_stats: Mapping[str, NormStats] | None = None,
+    io: RobotIO | None = None,
+) -> MemoryBatch:
+    """B frame dicts → a `MemoryBatch` (numpy arrays; the train step places them on device).
+
+    The prefix comes from the base checkpoint's own robot I/O (`io`: `robots.io.observation_rows`, e.g. LeRobot's
+    resize and prompt for a LeRobot base, and π0's state token input) or, without it, from
+    `transforms.make_observation(robot, model_config, tokenizer, samples, norm_stats)` (openpi's) on LIBERO client samples (`observation/image`, `observation/wrist_image`, `observation/state`,
+    `prompt` = the language instruction), so images are resized with padding to the model's Px. The suffix
+    is `prompt` ‖ frame[label_key] ‖ EOS: "Memory: " and the memory label by default; another text field
+    with its own prompt (e.g. "Scene: " and an extra "scene" key) trains another suffix task the same way.
+    """
+    if robot.name != "libero":
+        raise ValueError(f"memory frames are LIBERO client samples; got robot {robot.name!r}, use robot_config('libero')")
+    needed = (*_BATCH_KEYS, label_key)
+    for b, f in enumerate(frames):
+        missing = [k for k in needed if not isinstance(f, Mapping) or k not in f]
+        if missing:
+            raise ValueError(f"frame {b} of the batch lacks {missing}; frames need {list(dict.fromkeys(needed))}")
+    samples = [
+        {"observation/image": f["image"], "observation/wrist_image": f["wrist_image"],
+         "observation/state": f["state"], "prompt": f["language_instruction"]}
+        for f in frames
+    ]
+    state = None
+    if io is None:
+        obs = make_observation(robot, model_config, tokenizer, samples, norm_stats)
+    else:  # π0 reads the state as a token: its input rides with the batch for the served evaluation frame
+        state_dim = model_config.action_dim if model_config.variant == "pi0" else 0
+        obs, state = observation_rows(io, robot, model_config.siglip.image_size, model_config.vocab_size, tokenizer,
+                                      samples, state_dim=state_dim)
+    rows = [encode_memory_suffix(tokenizer, as_text(f[label_key]), suffix_len=suffix_len, prompt=prompt) for f in frames]
+    tokens, suffix_mask, loss_mask = (np.stack(col) for col in zip(*rows))
+    check_token_ids(tokens, model_config.vocab_size, "suffix token ids")
+    return MemoryBatch(observation=obs, suffix_tokens=tokens, suffix_mask=suffix_mask, loss_mask=loss_mask, state=state)
+
+
+def epoch_batches(
+    num_frames: int, *, batch_size: int, seed: int, epoch: int, shuffle: bool = True, drop_remainder: bool = True
+) -> list[np.ndarray]:
+    """Frame indices of every batch of one epoch: a permutation drawn from `(seed, epoch)` (or 0..n-1 in
+    order), cut into batches; a last partial batch is dropped or kept (shorter) by `drop_remainder`.
+
+    Example: n = 5, batch_size 2, shuffle=False → [[0, 1], [2, 3]] (drop) or [[0, 1], [2, 3], [4]] (keep).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = np.random.default_rng([seed, epoch]).permutation(num_frames) if shuffle else np.arange(num_frames)
+    stop = num_frames - num_frames % batch_size if drop_remainder else num_frames
+    return [order[i : i + batch_size] for i in range(0, stop, batch_size)]
+
+
+def memory_batches(
+    source: Sequence[Mapping],
+    robot: RobotConfig,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    *,
+    batch_size: int,
+    suffix_len: int,
+    epochs: int = 1,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_remainder: bool = True,
+    prompt: str = MEMORY_PROMPT,
+    label_key: str = "memory",
+    norm_stats: Mapping[str, NormStats] | None = None,
+) -> Iterator[MemoryBatch]:
+    """Yields fixed-shape `MemoryBatch`es over `epochs` passes of a random-access frame source.
+
+    Deterministic: the order depends only on (`seed`, epoch). Every batch has exactly `batch_size` rows, so
+    a jitted train step compiles once: with `drop_remainder=False` the last partial batch of an epoch is
+    filled with copies of its first frame whose `loss_mask` is all False (they add nothing to a masked
+    mean loss; `loss_mask.any(-1)` tells the real rows).
+
+    Args:
+      source: e.g. `open_memory_dataset(path, split)` or a list of frame dicts.
+      prompt, label_key: the suffix task (see `make_memory_batch`).
+    Raises:
+      ValueError naming the frame indices of a batch whose frames are malformed, or when no batch fits.
+    """
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    n = len(source)
+    if n == 0 or (drop_remainder and n < batch_size):
+        raise ValueError(
+            f"the source has {n} frames, fewer than batch_size={batch_size} with drop_remainder; "
+            "lower batch_size or pass drop_remainder=False"
+        )
+    for epoch in range(epochs):
+        for idx in epoch_batches(n, batch_size=batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
+                                 drop_remainder=drop_remainder):
+            frames = [source[int(i)] for i in idx]
+            frames += [frames[0]] * (batch_size - len(frames))
+            try:
+                batch = make_memory_batch(frames, robot, model_config, tokenizer, suffix_len=suffix_len,
+                                          prompt=prompt, label_key=label_key, norm_stats=norm_stats)
+            except (ValueError, KeyError) as e:
+                raise ValueError(f"frames {idx.tolist()} (epoch {epoch}): {e}") from e
+            if len(idx) < batch_size:
+                loss_mask = batch.loss_mask.copy()
+                loss_mask[len(idx):] = False
+                batch = dataclasses.replace(batch, loss_mask=loss_mask)
+            yield batch

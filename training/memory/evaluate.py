@@ -20,8 +20,7 @@ from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.params import Params
 from oxygen_jax.robots.tokenizer import Tokenizer
 from oxygen_jax.runtime.engine import Engine, EngineConfig
-from training.memory.data import TextTask, fixed_batches
-from training.data.frames import MemoryBatch
+from training.memory.data import MemoryBatch, TextTask, fixed_batches
 
 
 @dataclasses.dataclass(frozen=True)

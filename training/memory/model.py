@@ -31,7 +31,7 @@ from oxygen_jax.models.siglip import Siglip
 from oxygen_jax.runtime import decode
 from training import distributed
 from training.memory.config import Mode, TrainConfig
-from training.data.frames import MemoryBatch
+from training.memory.data import MemoryBatch
 from training.flow.train_step import step_metrics
 
 
