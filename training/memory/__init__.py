@@ -12,7 +12,7 @@ tokens, V vocabulary, L layers, E stored adapters (1 here: adapter id 1; id 0 = 
 One loss, one forward, the serving path:
 
     [ prefix: cameras + task prompt | "Memory: " | answer + EOS | pad ]
-      model.prefill                   decode.suffix_forward (causal, teacher-forced): the slot pool's
+      model.prefill                   LanguageDecoder.suffix_forward (causal, teacher-forced): the slot pool's
                                       request-prompt pass, with the LoRA bank and per-row adapter ids
 
 cross-entropy on the answer tokens only (`MemoryBatch.loss_mask`; the logits at suffix position j predict

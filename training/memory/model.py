@@ -28,7 +28,6 @@ from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.params import Expert, Params
 from oxygen_jax.models.siglip import Siglip
-from oxygen_jax.runtime import decode
 from training import distributed
 from training.memory.config import Mode, TrainConfig
 from training.memory.data import MemoryBatch
@@ -112,7 +111,7 @@ def suffix_logits(params: Params, prefix, tokens: jax.Array, bank: lora.LoraBank
                   adapter: jax.Array | None = None) -> jax.Array:
     """Teacher-forced logits of suffix tokens written after their own prefix rows: float32 [B, T, V].
 
-    Exactly the slot pool's admission computation at every suffix position: `decode.suffix_forward`, then per
+    Exactly the slot pool's admission computation at each suffix position: `LanguageDecoder.suffix_forward`, then per
     position the final RMSNorm of [B, 1, D] and the tied head in vocabulary-major form [V, D]·[D, B], so
     entry [b, j] is, bit for bit, what admission samples from when row b's request prompt is
     `tokens[b, :j + 1]` and the admission batch has these B rows (tested). The per-position loop is what
@@ -124,7 +123,7 @@ def suffix_logits(params: Params, prefix, tokens: jax.Array, bank: lora.LoraBank
       tokens: int32 [B, T]; bank, adapter: optional LoRA bank and int32 [B] adapter ids.
     """
     rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    _, _, h = decode.suffix_forward(model.language_model(params), prefix, rows, tokens, bank, adapter)
+    _, _, h = model.language_model(params).suffix_forward(prefix, rows, tokens, bank, adapter)
 
     def position(h_j):  # [B, D] -> [V, B], as admission computes its seed logits
         normed = model.final_norm(params, h_j[:, None, :])
