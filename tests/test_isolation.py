@@ -55,7 +55,7 @@ from oxygen_jax.runtime import rtc as rtc_mod
 from oxygen_jax.runtime import engine as engine_mod
 from oxygen_jax.runtime.engine import Engine
 from oxygen_jax.serving import rtc_session, wire
-from oxygen_jax.serving.batcher import Frame, LanguageRequest, Stream
+from oxygen_jax.serving.records import Frame, LanguageRequest, Stream
 from oxygen_jax.serving.requests import BadRequest
 from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
 from test_native_prompts import byte_level_tokenizer_json

@@ -31,8 +31,9 @@ from oxygen_jax.models.pi05.model import HEAD, as_vla
 from oxygen_jax.models.pi05.params import abstract_params
 from oxygen_jax.robots import transforms
 from oxygen_jax.serving import wire
-from oxygen_jax.serving.batcher import Frame, Stream, bucket_for, expected_streams, fire_delay
+from oxygen_jax.serving.batcher import bucket_for, expected_streams, fire_delay
 from oxygen_jax.serving.codec import frame_noise, make_codec
+from oxygen_jax.serving.records import Frame, Stream
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.robots.config import robot_config
 from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
@@ -404,7 +405,7 @@ def test_crafted_array_headers_get_an_error_reply_and_the_server_lives(tiny):
 
 
 def test_bucketed_multi_robot_step_equals_each_robots_own_step(tiny, reference, tok):
-    from oxygen_jax.serving.batcher import EngineWorker
+    from oxygen_jax.serving.engine_worker import EngineWorker
 
     codec = make_codec(reference, ROBOT, tok)
     worker = EngineWorker(reference, codec, seed=SEED)

@@ -21,7 +21,7 @@ from oxygen_jax.robots.tokenizer import train_demo_tokenizer
 from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest
 from oxygen_jax.serving import wire
 from oxygen_jax.serving.auto_language import AutoLanguage, AutoRequests
-from oxygen_jax.serving.batcher import LanguageRequest
+from oxygen_jax.serving.records import LanguageRequest
 from oxygen_jax.serving.dedup import dedup_language
 from oxygen_jax.serving.outbox import REPLACED, LanguageOutbox, LanguageRouter
 from oxygen_jax.serving.refusal_log import RefusalLog

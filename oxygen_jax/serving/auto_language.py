@@ -30,7 +30,7 @@ import dataclasses
 import math
 
 from oxygen_jax.serving import requests
-from oxygen_jax.serving.batcher import LanguageRequest
+from oxygen_jax.serving.records import LanguageRequest
 
 MODES = ("new_each_call", "keep", "replace")
 

@@ -7,7 +7,7 @@ and by `on_step` after every engine step; gauges read the server's state when sc
 from __future__ import annotations
 
 from oxygen_jax.serving import health
-from oxygen_jax.serving.batcher import StepOutput
+from oxygen_jax.serving.records import StepOutput
 
 
 class Metrics:

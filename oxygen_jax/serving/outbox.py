@@ -16,7 +16,7 @@ Worked example (two tokens per step; request 7 answers "a" "b" "c", its robot al
     reply of frame 1: updates [{id 7, new_tokens [c], text "abc", finished true}]
                       finished [{id 7, text "abc", tokens [a, b, c], ...}]
 
-`LanguageRouter.route` files one step's events (`batcher.StepOutput`) with the owning robots' outboxes.
+`LanguageRouter.route` files one step's events (`records.StepOutput`) with the owning robots' outboxes.
 Event-loop side only.
 """
 
@@ -99,10 +99,10 @@ class LanguageRouter:
     """Files each engine step's language events with the outbox of the robot that owns each request."""
 
     def __init__(self):
-        self._owner: dict[int, Any] = {}  # live request id -> its `batcher.Stream`
+        self._owner: dict[int, Any] = {}  # live request id -> its `records.Stream`
 
     def route(self, frames: Sequence, out) -> None:
-        """`frames` and their step's `batcher.StepOutput`: requests replaced, accepted, advanced, finished, failed."""
+        """`frames` and their step's `records.StepOutput`: requests replaced, accepted, advanced, finished, failed."""
         for f, res in zip(frames, out.results):
             for rid in res.replaced:
                 self._owner.pop(rid, None)

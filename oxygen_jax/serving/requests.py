@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from oxygen_jax.models.decoder import MAX_STOP_IDS  # a request's explicit "stop" ids: the pool's static width
-from oxygen_jax.serving.batcher import LanguageRequest
+from oxygen_jax.serving.records import LanguageRequest
 from oxygen_jax.serving.wire import short
 
 LANGUAGE_FIELDS = ("prompt", "prompt_tokens", "max_tokens", "temperature", "top_p", "seed", "adapter", "stop_at_eos",

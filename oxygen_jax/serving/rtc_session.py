@@ -249,7 +249,7 @@ class RtcSessions:
 
 
 class RtcEngine:
-    """The engine as `batcher.EngineWorker` calls it, with each stream's RTC inputs added to its row.
+    """The engine as `engine_worker.EngineWorker` calls it, with each stream's RTC inputs added to its row.
 
     Every attribute but `warmup` and `step` is the engine's. Steps where no row asks for RTC run the plain
     program (bit-identical to a server without RTC); the others run the RTC program, where off rows are

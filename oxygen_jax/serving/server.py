@@ -91,9 +91,11 @@ import numpy as np
 from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.serving import auto_language, health, requests, rtc_session, wire
 from oxygen_jax.serving.auto_language import AutoLanguage
-from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy, EngineWorker, Frame, FrameResult, Stream
+from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy
 from oxygen_jax.serving.codec import make_codec
+from oxygen_jax.serving.engine_worker import EngineWorker
 from oxygen_jax.serving.metrics import Metrics
+from oxygen_jax.serving.records import Frame, FrameResult, Stream
 from oxygen_jax.serving.refusal_log import RefusalLog
 from oxygen_jax.serving.requests import BadRequest, parse_language_requests  # noqa: F401 - part of this API
 
