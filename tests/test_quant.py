@@ -237,3 +237,25 @@ def test_an_adapter_loads_on_its_base_quantized_or_float_and_on_no_other(saved, 
         load_adapter(on_int8, config, base=root / "fp8")
     with pytest.raises(ValueError, match="holds other weights"):
         load_adapter(on_float, config, base=save_params(tmp_path / "other", init_params(config, 1)))
+
+
+def test_tensor_parallel_rules_split_values_like_the_weight_and_scales_only_on_kept_output_channels(tiny):
+    from jax.sharding import PartitionSpec as P
+
+    from oxygen_jax.models.partition import param_specs
+
+    params = stack_layers(tiny[1])
+    qparams = quant.quantize_tree(params, "int8")
+    is_q = lambda x: isinstance(x, quant.QArray)  # noqa: E731
+    float_specs = jax.tree.leaves(param_specs(params, "model", 2), is_leaf=lambda x: isinstance(x, P))
+    q_specs = jax.tree.leaves(param_specs(qparams, "model", 2), is_leaf=lambda x: is_q(x) or isinstance(x, P))
+    split = 0
+    for want, got, leaf in zip(float_specs, q_specs, jax.tree.leaves(qparams, is_leaf=is_q), strict=True):
+        if not is_q(leaf):
+            assert got == want
+            continue
+        assert got.values == want  # the int8 values split like the float weight
+        kept = [None if s is None or leaf.scale.shape[i] == 1 else s for i, s in enumerate(want)]
+        assert got.scale == (P(*kept) if any(kept) else P())  # split where it keeps the output channel, else whole
+        split += any(want)
+    assert split and qparams.vlm.layers.q.scale.shape[1] > 1 and qparams.vlm.layers.linear.scale.shape[1] == 1

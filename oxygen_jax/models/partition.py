@@ -16,7 +16,10 @@ One rule table, read by the leaf's dotted path (field names, dict keys, list ind
 
 Anything else (norms, biases of the output projections, Gated DeltaNet's mixer, action-head projections)
 is replicated, and so is a matched leaf whose split axis does not divide by the axis size (Gemma-2B's single
-KV head stays whole). Every sharding is exact: XLA's SPMD partitioner inserts the collectives (an all-reduce
+KV head stays whole). A quantized weight (`nn.quant.QArray`) follows its weight's rule: `values` split like the
+float weight, and `scale` (1 on the reduced input axes) split on the same axis where it keeps it (an output
+channel: q, kv, gating, mlp_in) and replicated where that axis is reduced (out, linear, mlp_out: each device's
+partial sums use the whole per-channel scale). Every sharding is exact: XLA's SPMD partitioner inserts the collectives (an all-reduce
 after each attention output and MLP down projection), so a split only changes where the work runs and the
 order of float32 sums, never what is computed.
 
@@ -30,6 +33,8 @@ import re
 
 import jax
 from jax.sharding import PartitionSpec
+
+from oxygen_jax.nn.quant import QArray
 
 TP_RULES: tuple[tuple[str, int], ...] = (
     (r"(^|\.)(q|q_gate|kv|out)$", -3),
@@ -70,9 +75,11 @@ def param_specs(tree, axis_name: str, size: int):
         raise ValueError(f"the tensor-parallel axis size must be >= 1, got {size}")
 
     def spec(path, leaf):
+        if isinstance(leaf, QArray):  # each of its arrays by the weight's rule (module docstring)
+            return QArray(values=spec(path, leaf.values), scale=spec(path, leaf.scale))
         if size == 1 or not hasattr(leaf, "shape"):
             return PartitionSpec()
         return _leaf_spec(".".join(map(_key_name, path)), tuple(leaf.shape), axis_name, size)
 
-    return jax.tree_util.tree_map_with_path(spec, tree)
+    return jax.tree_util.tree_map_with_path(spec, tree, is_leaf=lambda x: isinstance(x, QArray))
 
