@@ -29,28 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.cli import OneLineParser, int_at_least
-from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import for_backend, init_params
 from training.memory.config import TrainConfig
 from training.memory.model import init_state, load_base, make_train_step
-from training.memory.data import MemoryBatch
-
-
-def random_batch(config, batch: int, cameras: int, prompt_len: int, suffix_len: int, seed: int = 0) -> MemoryBatch:
-    """A MemoryBatch of random inputs: every camera valid, full prompts, a 4-token request prompt then answer."""
-    rng = np.random.default_rng(seed)
-    px, vocab = config.siglip.image_size, config.vocab_size
-    suffix_mask = np.ones((batch, suffix_len), bool)
-    loss_mask = suffix_mask.copy()
-    loss_mask[:, : min(4, suffix_len - 1)] = False
-    return MemoryBatch(
-        observation=Observation(images=rng.uniform(-1, 1, (batch, cameras, px, px, 3)).astype(np.float32),
-                                image_masks=np.ones((batch, cameras), bool),
-                                tokens=rng.integers(3, vocab, (batch, prompt_len)).astype(np.int32),
-                                token_mask=np.ones((batch, prompt_len), bool)),
-        suffix_tokens=rng.integers(3, vocab, (batch, suffix_len)).astype(np.int32), suffix_mask=suffix_mask,
-        loss_mask=loss_mask)
+from training.memory.data import MemoryBatch, random_batch
 
 
 def measure(params, batch: MemoryBatch, config: TrainConfig, steps: int) -> dict:

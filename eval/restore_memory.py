@@ -62,29 +62,15 @@ class PeakRss:
         self.peak = max(self.peak, rss_mib())
 
 
-def _key_metadata(keys: tuple[str, ...]) -> dict:
-    return {"key_metadata": [{"key": k, "key_type": 2} for k in keys],  # 2: a dict key
-            "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False}}
-
-
 def write_checkpoint(preset, root: Path, rss_limit_gib: float | None = 20.0) -> int:
-    """A random checkpoint of `preset` (a preset name or a `ModelConfig`) in openpi's released layout under root/params; returns the float32 bytes.
+    """A random checkpoint of `preset` (a preset name or a `ModelConfig`) in openpi's released layout under
+    root/params (`ckpts.random_openpi.write_random_openpi`, leaf by leaf); returns the float32 bytes.
 
-    orbax's own save copies every numpy leaf into a device array and compresses them all at once:
-    at full size (13 GB of float32) that passes 20 GiB on a 24 GiB machine. This writes the same
-    files leaf by leaf instead: each leaf a zarr v2 array of one zstd chunk in the item's OCDBT
-    database (what orbax 0.12.8 writes from one host), the tree in `_METADATA` as orbax lays it out,
-    and `_CHECKPOINT_METADATA`; orbax reads the result (`tests/test_leaf_stream.py` checks it).
-    Every leaf is a view of one buffer of 0.02 * N(0, 1) float32 draws as long as the largest leaf:
-    random data, so zstd finds nothing to compress, as in a trained checkpoint. A watchdog stops
-    the process if its RSS passes `rss_limit_gib` (None: no watchdog) instead of letting the kernel
-    pick a victim.
+    A watchdog stops the process if its RSS passes `rss_limit_gib` (None: no watchdog) instead of letting the
+    kernel pick a victim.
     """
-    import numpy as np
-    import tensorstore as ts
-
+    from oxygen_jax.ckpts.random_openpi import write_random_openpi
     from oxygen_jax.models.pi05.config import model_config
-    from oxygen_jax.models.pi05.params import openpi_shapes
 
     def watchdog():
         while True:
@@ -95,30 +81,7 @@ def write_checkpoint(preset, root: Path, rss_limit_gib: float | None = 20.0) -> 
 
     if rss_limit_gib is not None:
         threading.Thread(target=watchdog, daemon=True).start()
-    item = (root / "params").resolve()
-    item.mkdir(parents=True, exist_ok=False)
-    shapes = openpi_shapes(model_config(preset) if isinstance(preset, str) else preset)
-    pool = np.random.default_rng(0).standard_normal(max(math.prod(s) for s in shapes.values()), dtype=np.float32)
-    pool *= np.float32(0.02)
-    tree, stored = {}, 0
-    for key, shape in shapes.items():
-        keys = ("params", *key.split("/"))
-        leaf = pool[: math.prod(shape)].reshape(shape)
-        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{item}/", "path": ".".join(keys)},
-                "metadata": {"shape": list(shape), "chunks": list(shape), "dtype": "<f4",
-                             "compressor": {"id": "zstd", "level": 1}}}
-        ts.open(spec, create=True).result().write(leaf).result()
-        tree[str(keys)] = _key_metadata(keys) | {"value_metadata": {
-            "value_type": "np.ndarray", "skip_deserialize": False, "write_shape": list(shape)}}
-        stored += leaf.nbytes
-    (item / "_METADATA").write_text(json.dumps({"tree_metadata": tree, "use_zarr3": False,
-                                                "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
-    now = time.time_ns()
-    (item / "_CHECKPOINT_METADATA").write_text(json.dumps({
-        "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler",
-        "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
-        "custom_metadata": {}}))
-    return stored
+    return write_random_openpi(model_config(preset) if isinstance(preset, str) else preset, root)
 
 
 def measure(path: str, dtype: str, frames: int = 0) -> dict:

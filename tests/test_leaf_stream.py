@@ -160,11 +160,11 @@ def test_layer_pieces_build_unstacked_params_and_refuse_a_mixed_stack():
 
 
 def test_the_benchmarks_hand_written_checkpoint_is_what_orbax_reads(tmp_path):
-    # eval.restore_memory writes full-size checkpoints leaf by leaf (orbax's save does not fit at full size):
+    # ckpts.random_openpi writes full-size checkpoints leaf by leaf (orbax's save does not fit at full size):
     # orbax must restore them, and the streamed restore must give the same bits.
-    from eval.restore_memory import write_checkpoint
+    from oxygen_jax.ckpts.random_openpi import write_random_openpi
 
-    stored = write_checkpoint("tiny", tmp_path, rss_limit_gib=None)
+    stored = write_random_openpi(model_config("tiny"), tmp_path)
     item = tmp_path / "params"
     keys = {("params", *k.split("/")): None for k in OPENPI_PATHS}
     arrays = restore_arrays(item, keys, partial=False)
@@ -184,9 +184,9 @@ def test_restoring_a_checkpoint_and_laying_it_out_for_the_backend_holds_the_weig
     import subprocess
     import sys
 
-    from eval.restore_memory import write_checkpoint
+    from oxygen_jax.ckpts.random_openpi import write_random_openpi
 
-    stored = write_checkpoint(model_config("bench", vocab_size=4096), tmp_path, rss_limit_gib=None)
+    stored = write_random_openpi(model_config("bench", vocab_size=4096), tmp_path)
     run = subprocess.run([sys.executable, "-m", "eval.restore_memory", "--measure", str(tmp_path), "float32"],
                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

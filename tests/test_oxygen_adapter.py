@@ -294,7 +294,7 @@ def test_the_full_size_train_step_traces_with_a_bf16_base_and_a_float32_adapter_
     """eval_shape (no memory): π0.5 at full size, bf16 base, rank 16 on every VLM target at OxyGen's shapes
     (B 2, Tp 100, T 29) is what eval/device_check.sh times; its trainable leaves are float32 and as many as
     OxyGen's released file holds (its trainer checks 18 layers x rank x 96,768)."""
-    from eval.memory_train_bench import random_batch
+    from training.memory.data import random_batch
     from oxygen_jax.ckpts.oxygen_adapter import expected_shapes
     from oxygen_jax.models.pi05.params import abstract_params
     from training.memory.config import TrainConfig

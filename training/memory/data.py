@@ -249,6 +249,23 @@ class MemoryBatch:
         return self.suffix_tokens.shape[0]
 
 
+def random_batch(config, batch: int, cameras: int, prompt_len: int, suffix_len: int, seed: int = 0) -> MemoryBatch:
+    """A MemoryBatch of random inputs for `config` (a pi05 `ModelConfig`): every camera valid, full prompts, a 4-token
+    request prompt then the answer; for timing and tracing a step, whose cost does not depend on the values."""
+    rng = np.random.default_rng(seed)
+    px, vocab = config.siglip.image_size, config.vocab_size
+    suffix_mask = np.ones((batch, suffix_len), bool)
+    loss_mask = suffix_mask.copy()
+    loss_mask[:, : min(4, suffix_len - 1)] = False
+    return MemoryBatch(
+        observation=Observation(images=rng.uniform(-1, 1, (batch, cameras, px, px, 3)).astype(np.float32),
+                                image_masks=np.ones((batch, cameras), bool),
+                                tokens=rng.integers(3, vocab, (batch, prompt_len)).astype(np.int32),
+                                token_mask=np.ones((batch, prompt_len), bool)),
+        suffix_tokens=rng.integers(3, vocab, (batch, suffix_len)).astype(np.int32), suffix_mask=suffix_mask,
+        loss_mask=loss_mask)
+
+
 def encode_memory_suffix(
     tokenizer: Tokenizer, label: str, *, suffix_len: int, prompt: str = MEMORY_PROMPT
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
