@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from oxygen_jax.ckpts.load import load_model
 from oxygen_jax.ckpts.openpi import load_openpi_params
 from oxygen_jax.ckpts.openpi_fast import is_fast_checkpoint, load_fast_codec, load_openpi_fast, load_openpi_fast_params
 from oxygen_jax.models import backbone
@@ -22,9 +23,11 @@ from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.pi05 import pi0_fast, pi0_fast_decode
 from oxygen_jax.models.pi05.config import fast_config
 from oxygen_jax.models.pi05.params import abstract_params, init_params, to_openpi_dict
-from oxygen_jax.robots import fast_prompt
+from oxygen_jax.robots import fast_prompt, transforms
+from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots.fast import FastDecodeError, dct, dct_matrix, idct
-from oxygen_jax.robots.tokenizer import Tokenizer
+from oxygen_jax.robots.io import OPENPI_FAST_CAMERAS, FastPreprocess, RobotIO, observation_rows
+from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 from oxygen_jax.runtime import decode as pool_decode
 from tests.helpers import fixture, make_obs
 
@@ -159,6 +162,46 @@ def test_a_training_row_reads_back_as_its_chunk_at_other_dims(fast_fixture, tmp_
         fast_prompt.extract_actions(tok, codec, np.concatenate([postfix[:5], postfix[-2:]]))
     with pytest.raises(FastDecodeError, match="not a FAST token"):
         fast_prompt.extract_actions(tok, codec, np.concatenate([postfix[:4], tok.encode("cube"), postfix[4:]]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Robot rows: openpi's π0-FAST camera inputs; LeRobot's π0-FAST folders refused
+
+
+def test_fast_rows_feed_the_padding_camera_black_and_unmasked_in_openpis_order():
+    """openpi's DroidInputs / LiberoInputs for PI0_FAST: DROID base, zeros, wrist; LIBERO base, wrist, zeros; every
+    mask True. The rows `observation_rows` makes with π0-FAST's RobotIO equal ones built by hand from that rule
+    (28 px, no statistics); π0.5's rows keep the real slots only."""
+    tok, rng, px = train_demo_tokenizer(), np.random.default_rng(0), 28
+    io = RobotIO(preprocess=FastPreprocess(), cameras=OPENPI_FAST_CAMERAS)
+    image = lambda: rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)  # noqa: E731 - not square: padded
+    pixels = lambda im: transforms.to_model_pixels(transforms.resize_with_pad(im, px, px))  # noqa: E731
+    base, wrist, state = image(), image(), rng.uniform(-1, 1, 8)
+    droid = {"observation/exterior_image_1_left": base, "observation/wrist_image_left": wrist,
+             "observation/joint_position": state[:7], "observation/gripper_position": state[7:], "prompt": "Pick_up"}
+    libero = {"observation/image": base, "observation/wrist_image": wrist, "observation/state": state, "prompt": "Pick_up"}
+    for name, sample, order in (("droid", droid, (base, None, wrist)), ("libero", libero, (base, wrist, None))):
+        robot = robot_config(name, max_token_len=64)
+        obs, _ = observation_rows(io, robot, px, tok.vocab_size, tok, [sample])
+        want = np.stack([np.full((px, px, 3), -1.0, np.float32) if im is None else pixels(im) for im in order])
+        np.testing.assert_array_equal(obs.images[0], want, err_msg=name)
+        assert obs.image_masks.tolist() == [[True] * 3], name
+        row = fast_prompt.tokenize(tok, "Pick_up", state.astype(np.float32), 64)
+        np.testing.assert_array_equal(obs.tokens[0], row.tokens)
+        np.testing.assert_array_equal(obs.token_mask[0], row.mask)
+        pi05, _ = observation_rows(RobotIO(), robot, px, tok.vocab_size, tok, [sample])
+        np.testing.assert_array_equal(pi05.images[0], want[[0, 2 if name == "droid" else 1]])  # padding dropped
+    with pytest.raises(ValueError, match="reads slots .*right_wrist_0_rgb.* that robot 'droid' does not fill"):
+        transforms.CameraLayout(("base_0_rgb", "right_wrist_0_rgb")).check(robot_config("droid"))
+
+
+@pytest.mark.parametrize("kind", ["pi0fast", "pi0_fast"])
+def test_a_lerobot_pi0_fast_folder_is_refused_naming_openpis_checkpoint(tmp_path, kind):
+    folder = tmp_path / "pretrained_model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"type": kind, "chunk_size": 10}))
+    with pytest.raises(ValueError, match=f"type '{kind}' is LeRobot's π0-FAST policy.*use openpi's π0-FAST checkpoint"):
+        load_model(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ initialisation and goes on; this one stops, naming it), a mis-shaped one, a NaN 
 weight, statistics that are not finite or out of order, a processor step it cannot reproduce (relative actions,
 image normalisation, unknown steps), a missing file ("LeRobot π0 checkpoint DIR missing FILE"). Tensors it does
 not use other than the two lm_heads (π0.5's stray state_proj, anything else) are reported (`unused`, a warning).
+LeRobot's π0-FAST folders (config.json `type` 'pi0fast' / 'pi0_fast') are refused by `refuse_unread`, naming
+openpi's π0-FAST checkpoint to use instead (no fixture here checks a reading of their layout).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from oxygen_jax.robots.lerobot import (
 )
 
 TYPES = {"pi05": "π0.5", "pi0": "π0"}  # config.json `type` -> what messages call it
+UNREAD_TYPES = ("pi0fast", "pi0_fast")  # LeRobot's π0-FAST (PI0FASTPolicy, later PI0FastPolicy): refused, named
 NUM_HEADS = 8  # LeRobot's Gemma query heads, both experts (`get_gemma_config`, `compute_layer_complete`)
 SO400M_WIDTH, SO400M_HEADS = 1152, 16  # PaliGemma's SigLIP, the only one LeRobot builds
 WEIGHTS = "model.safetensors"
@@ -121,13 +124,29 @@ def policy_dir(path: PathLike) -> Path:
     return p / "pretrained_model" if (p / "pretrained_model").is_dir() else p
 
 
-def _policy_type(directory: Path) -> str | None:
+def _config_type(directory: Path):
     try:
         cfg = limits.read_json(directory / "config.json")
     except (OSError, ValueError):
         return None
-    kind = cfg.get("type") if isinstance(cfg, dict) else None
+    return cfg.get("type") if isinstance(cfg, dict) else None
+
+
+def _policy_type(directory: Path) -> str | None:
+    kind = _config_type(directory)
     return kind if kind in TYPES else None
+
+
+def refuse_unread(path: PathLike) -> None:
+    """One-line ValueError for a LeRobot π0-FAST policy folder (config.json `type` in `UNREAD_TYPES`, in `path` or its
+    `pretrained_model/` child): no reader maps its weights and processor files, and no fixture would check one."""
+    d = policy_dir(path)
+    kind = _config_type(d)
+    if kind in UNREAD_TYPES:
+        raise ValueError(f"{d / 'config.json'}: type {kind!r} is LeRobot's π0-FAST policy, which is not read here (no "
+                         "reader for its weights and processor files): use openpi's π0-FAST checkpoint instead "
+                         "(pi0_fast_base, pi0_fast_droid or pi0_fast_libero: params/ with assets/ and its FAST "
+                         "processor folder)")
 
 
 def is_lerobot_dir(path: PathLike) -> bool:

@@ -57,7 +57,7 @@ from oxygen_jax.models.pi05 import pi0_fast
 from oxygen_jax.models.vla import MultiHead
 from oxygen_jax.models.pi05.config import EOS_ID, DType, ModelConfig, PromptAttention, model_config
 from oxygen_jax.robots import fast_prompt
-from oxygen_jax.robots.io import FastPreprocess, OpenpiPreprocess, RobotIO
+from oxygen_jax.robots.io import OPENPI_FAST_CAMERAS, FastPreprocess, OpenpiPreprocess, RobotIO
 from oxygen_jax.robots.lerobot import LeRobotPreprocess
 from oxygen_jax.robots.native_prompts import find_beside
 from oxygen_jax.robots.text_tokenizers import load_tokenizer
@@ -193,6 +193,7 @@ def source_kind(path: PathLike) -> Source:
         return "xr0"
     if starvla.is_starvla(p):  # before hf: a flat StarVLA directory holds model.safetensors too
         return "starvla"
+    lerobot.refuse_unread(p)  # LeRobot's π0-FAST: named, not read as a Hugging Face backbone
     if lerobot.is_lerobot_dir(p):  # before hf: LeRobot's policy folder holds config.json and model.safetensors
         return "lerobot"
     if any((p / f).is_file() for f in _HF_FILES):
@@ -439,10 +440,10 @@ def _starvla_outputs(spec: ModelSpec, dataset_statistics: dict, key: str | None)
 
 def _robot_io(model: LoadedModel, dataset_key: str | None = None, lerobot_io=None, fast_codec=None) -> RobotIO:
     """What `model`'s checkpoint says about its robot I/O (`robots.io.RobotIO`)."""
-    if model.family == "pi0_fast":  # openpi π0-FAST: quantile stats, its prompt, the FAST codec
+    if model.family == "pi0_fast":  # openpi π0-FAST: quantile stats, its prompt, the FAST codec, its camera layouts
         return RobotIO(tokenizer=model.tokenizer, tokenizer_hint=PALIGEMMA_TOKENIZER_HINT,
                        preprocess=FastPreprocess(model.norm_stats), action_codec=fast_codec, stop_ids=(EOS_ID,),
-                       action_horizon=None if fast_codec is None else fast_codec.horizon)
+                       action_horizon=None if fast_codec is None else fast_codec.horizon, cameras=OPENPI_FAST_CAMERAS)
     if lerobot_io is not None:  # LeRobot's own preprocessing, chunk length and prompt length
         return RobotIO(tokenizer=model.tokenizer, tokenizer_hint=PALIGEMMA_TOKENIZER_HINT,
                        preprocess=LeRobotPreprocess(lerobot_io), action_horizon=lerobot_io.chunk_size,

@@ -9,6 +9,7 @@ never ask which family a model is: they read these fields.
 | `tokenizer_hint` | what to fetch when none was found (None: a stand-in is fine) | PaliGemma's | same    | same                   |
 | `preprocess`   | normalisation, image resize, prompt (`Preprocess`)    | openpi, quantile | openpi, z-score, π0 prompt | LeRobot's own |
 | `action_codec` | the codec a decoder-written chunk is read with        | —                | —           | —                      |
+| `cameras`      | robot name -> `transforms.CameraLayout` (absent: real slots) | —                | —           | —                      |
 | `action_horizon`, `prompt_len` | the checkpoint's own, else the robot's | robot's          | robot's     | chunk_size, tokenizer_max_length |
 | `outputs`      | head name -> its own chunk-to-robot transform         | none             | none        | none                   |
 | `norm_stats`   | statistics for Qwen-backbone rows (`prompt_rows`)     | —                | —           | —                      |
@@ -22,7 +23,10 @@ a model whose head reads the state as a token (π0's `state_proj`, `MultiHead.st
 state zero-padded to that head's dim beside the observation.
 
 π0-FAST (openpi): `FastPreprocess` (quantile statistics, the prompt "Task: …, State: <bins>;\n" of
-`robots.fast_prompt`), `action_codec` its FAST codec, `action_horizon` the codec's.
+`robots.fast_prompt`), `action_codec` its FAST codec, `action_horizon` the codec's, `cameras` openpi's
+π0-FAST layouts (`OPENPI_FAST_CAMERAS`: the padding camera a black image with its mask True, in the order
+openpi's `DroidInputs` / `LiberoInputs` give for `ModelType.PI0_FAST`; ALOHA's inputs do not depend on the model
+type, so it keeps its real slots, a missing wrist masked).
 
 Axes (`oxygen_jax.axes`): B rows, Nc cameras, Px image side, Tp prompt tokens, Ha horizon, Ad model action dim,
 Ds / Da robot state / action dims.
@@ -100,6 +104,13 @@ class FastPreprocess(OpenpiPreprocess):
         return row.tokens, row.mask
 
 
+_Z = transforms.ZEROS
+OPENPI_FAST_CAMERAS = {  # openpi's π0-FAST inputs per client format (policies/droid_policy.py, libero_policy.py)
+    "droid": transforms.CameraLayout(("base_0_rgb", _Z, "left_wrist_0_rgb")),  # base_0_rgb, base_1_rgb, wrist_0_rgb
+    "libero": transforms.CameraLayout(("base_0_rgb", "left_wrist_0_rgb", _Z)),  # right wrist unmasked
+}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class RobotIO:
     """A checkpoint's robot I/O facts (module table). Defaults: a model with no facts of its own (a random preset)."""
@@ -114,6 +125,7 @@ class RobotIO:
     stop_ids: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
     action_codec: object = None  # what reads a decoder-written chunk (π0-FAST: `robots.fast.FastCodec`), or None
+    cameras: Mapping[str, transforms.CameraLayout] = dataclasses.field(default_factory=dict)  # robot name -> inputs
 
     def robot(self, robot: RobotConfig) -> RobotConfig:
         """`robot` with the checkpoint's own horizon and prompt length where it has them."""
@@ -124,6 +136,10 @@ class RobotIO:
     def rows(self) -> Preprocess:
         return self.preprocess or OpenpiPreprocess()
 
+    def camera_layout(self, robot: RobotConfig) -> transforms.CameraLayout | None:
+        """The camera inputs this checkpoint reads from `robot` (None: its real slots, padding dropped)."""
+        return self.cameras.get(robot.name)
+
 
 def observation_rows(io: RobotIO, robot: RobotConfig, image_size: int, vocab_size: int, tokenizer: Tokenizer,
                      samples: Sequence[Mapping], *, state_dim: int = 0,
@@ -131,7 +147,8 @@ def observation_rows(io: RobotIO, robot: RobotConfig, image_size: int, vocab_siz
     """Client samples -> (the model's `Observation`, and for a state token the states float32 [B, state_dim]).
 
     Per sample (`transforms.observation_arrays`; `transforms.robot_inputs` reads the robot's client format):
-    the state normalised by `io.rows`, each real camera slot mapped to model pixels, the prompt tokenized to
+    the state normalised by `io.rows`, each camera input of `io.camera_layout(robot)` (default: the real slots)
+    mapped to model pixels, the prompt tokenized to
     `robot.max_token_len`; the state token's input (`state_dim` > 0) is the normalised state zero-padded.
 
     Raises:
@@ -141,7 +158,7 @@ def observation_rows(io: RobotIO, robot: RobotConfig, image_size: int, vocab_siz
     return transforms.observation_arrays(
         robot, image_size, vocab_size, samples, default_prompt=default_prompt, normalize=pre.normalize_state,
         pixels=pre.pixels, prompt=lambda task, state, t: pre.prompt(tokenizer, task, state, t, robot),
-        state_dim=state_dim)
+        state_dim=state_dim, cameras=io.camera_layout(robot))
 
 
 def robot_chunk(io: RobotIO, robot: RobotConfig, chunk: np.ndarray, client_state: np.ndarray | None) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Per-robot host-side transforms between openpi client samples and the model (numpy, never jitted).
 
-Axes (`oxygen_jax.axes`): B batch, Nc the robot's real camera slots (`RobotConfig.cameras`, padding
-slots dropped), Px model image side, Hi/Wi client image height/width, Tp prompt tokens, Ha action
+Axes (`oxygen_jax.axes`): B batch, Nc camera inputs (the robot's real slots `RobotConfig.cameras`, padding
+slots dropped; or a checkpoint's `CameraLayout`), Px model image side, Hi/Wi client image height/width, Tp prompt tokens, Ha action
 horizon, Ad padded model state/action dim (32), Ds/Da native state/action dims.
 
     client sample ──robot_inputs──▶ {"images": {slot: uint8 [Hi, Wi, 3]}, "image_masks": {slot: bool},
@@ -24,10 +24,15 @@ Client formats (openpi-client), and the slot each camera fills (mask):
     aloha   images: {cam_high → base (required), cam_left_wrist → left_wrist, cam_right_wrist →
             right_wrist, cam_low (accepted, unused)} (CHW uint8; a missing wrist → zeros, mask F;
             unknown names raise); state (14); prompt optional.
+
+A checkpoint may feed its camera inputs otherwise (`CameraLayout`, carried by `robots.io.RobotIO`): openpi's
+π0-FAST configs feed the padding camera as an unmasked black image in a robot-specific order (DROID: base,
+black, wrist; LIBERO: base, wrist, black), and its attention reads those tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -44,6 +49,40 @@ from oxygen_jax.models.pi05.observation import Observation
 from oxygen_jax.robots.tokenizer import Tokenizer, tokenize_action_prompt
 
 _BASE, _LEFT, _RIGHT = CAMERA_SLOTS
+
+ZEROS = "zeros"
+"""A `CameraLayout` input fed a black image (openpi's padding camera: `np.zeros_like(base_image)`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CameraLayout:
+    """Which image fills each camera input of the prefix, in prefix order (the default, None where it is taken:
+    the robot's real slots `RobotConfig.cameras`, padding dropped).
+
+    Attributes:
+      slots: each a robot camera slot (one of `RobotConfig.cameras`) or `ZEROS`: a black image the size of the
+        sample's first real camera, mapped by the checkpoint's own `pixels` (openpi's: all -1).
+      padding_mask: the image mask of a `ZEROS` input (openpi's π0-FAST: True, so its tokens are attended to).
+
+    Example: openpi's π0-FAST DROID, `CameraLayout(("base_0_rgb", ZEROS, "left_wrist_0_rgb"))`: images
+    [B, 3, Px, Px, 3] = exterior, black, wrist, image_masks all True.
+    """
+
+    slots: tuple[str, ...]
+    padding_mask: bool = True
+
+    def __post_init__(self):
+        unknown = [s for s in self.slots if s not in CAMERA_SLOTS + (ZEROS,)]
+        if unknown or not set(self.slots) - {ZEROS}:
+            raise ValueError(f"CameraLayout slots {self.slots} need at least one camera slot, each of "
+                             f"{CAMERA_SLOTS} or {ZEROS!r}")
+
+    def check(self, robot: RobotConfig) -> None:
+        """ValueError when a slot is not one of `robot`'s real cameras."""
+        missing = [s for s in self.slots if s != ZEROS and s not in robot.cameras]
+        if missing:
+            raise ValueError(f"the checkpoint's camera layout {self.slots} reads slots {missing} that robot "
+                             f"{robot.name!r} does not fill (its cameras: {robot.cameras}); serve it with another --robot")
 
 # -------------------------------------------------------------------------------------------------
 # Images
@@ -408,9 +447,11 @@ def make_observation(
 
 def observation_arrays(robot: RobotConfig, image_size: int, vocab_size: int, samples: Sequence[Mapping], *,
                        normalize: Callable, pixels: Callable, prompt: Callable, default_prompt: str | None = None,
-                       state_dim: int = 0) -> tuple[Observation, np.ndarray | None]:
+                       state_dim: int = 0, cameras: CameraLayout | None = None) -> tuple[Observation, np.ndarray | None]:
     """The batching loop of every convention: per sample `robot_inputs`, then `normalize(state [Ds])`, `pixels(uint8
-    image, Px)` per real camera slot and `prompt(task, normalised state, Tp) -> (ids, mask)`.
+    image, Px)` per camera input and `prompt(task, normalised state, Tp) -> (ids, mask)`.
+
+    `cameras`: the checkpoint's `CameraLayout` (None: the robot's real slots, padding dropped).
 
     Returns:
       (Observation, states float32 [B, state_dim]: the normalised states zero-padded, or None when state_dim is 0).
@@ -419,7 +460,11 @@ def observation_arrays(robot: RobotConfig, image_size: int, vocab_size: int, sam
     """
     if isinstance(samples, Mapping) or len(samples) == 0:
         raise ValueError("make_observation expects a non-empty list of client sample dicts")
-    b_size, c_size, t = len(samples), robot.num_cameras, robot.max_token_len
+    if cameras is not None:
+        cameras.check(robot)
+    slots = robot.cameras if cameras is None else cameras.slots
+    real = next(s for s in slots if s != ZEROS)
+    b_size, c_size, t = len(samples), len(slots), robot.max_token_len
     images = np.empty((b_size, c_size, image_size, image_size, 3), np.float32)
     image_masks = np.empty((b_size, c_size), bool)
     tokens = np.empty((b_size, t), np.int32)
@@ -435,9 +480,13 @@ def observation_arrays(robot: RobotConfig, image_size: int, vocab_size: int, sam
                 states[b, : state.shape[-1]] = state
         except ValueError as e:
             raise ValueError(f"sample {b}: {e}") from e
-        for c, slot in enumerate(robot.cameras):
-            images[b, c] = pixels(inp["images"][slot], image_size)
-            image_masks[b, c] = inp["image_masks"][slot]
+        for c, slot in enumerate(slots):
+            if slot == ZEROS:
+                images[b, c] = pixels(np.zeros_like(inp["images"][real]), image_size)
+                image_masks[b, c] = cameras.padding_mask
+            else:
+                images[b, c] = pixels(inp["images"][slot], image_size)
+                image_masks[b, c] = inp["image_masks"][slot]
         tokens[b], token_mask[b] = prompt(inp["prompt"], state, t)
     check_token_ids(tokens, vocab_size, "tokenizer ids")
     return Observation(images=images, image_masks=image_masks, tokens=tokens, token_mask=token_mask), states
