@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -70,7 +71,7 @@ def test_each_robot_stops_on_its_own_equals_its_decode_alone_and_fails_alone(wor
     # Robot 0 ended at step 2 (EOS-like) while robot 1 went on to step 6; both chunks are what they decode alone.
     np.testing.assert_array_equal(res.actions[0], np.full((HA, AD), ENDS[0] + 1))
     np.testing.assert_array_equal(res.actions[1], np.full((HA, AD), ENDS[1] + 1))
-    assert sorted(res.row_errors) == [2] and "no chunk" in res.row_errors[2] and "FAST" in res.row_errors[2]
+    assert sorted(res.row_errors) == [2] and "failed to decode" in res.row_errors[2] and "FAST" in res.row_errors[2]
     assert not res.actions[2].any() and res.steps == 6  # bursts of 2 until robot 1's stop; none for the others
     # The language request continued robot 1's prefix in the same bursts: robot 1's own greedy tokens.
     (done,) = res.finished
@@ -105,6 +106,28 @@ def test_stream_settings_are_checked(world):
         StreamConfig(on_failure="silent")
 
 
+def test_serve_chunk_flags_show_their_defaults_configure_the_streams_and_a_model_with_heads_refuses_them(world):
+    from oxygen_jax import serve
+
+    ap = serve._parser()
+    shown = {a.dest: serve._Defaults("serve")._get_help_string(a) for a in ap._actions if a.dest.startswith("chunk_")}
+    assert set(shown) == set(serve._CHUNK_UNSET) and all("(default: " in text for text in shown.values())
+    args = ap.parse_args(["--chunk-slots", "2", "--chunk-max-tokens", "64", "--chunk-deadline-steps", "8",
+                          "--chunk-deadline-ms", "40", "--chunk-on-failure", "zeros"])
+    assert serve._stream_config(args, world[0]) == StreamConfig(slots=2, max_tokens=64, deadline_steps=8,
+                                                                deadline_ms=40.0, on_failure="zeros")
+    assert serve._pool_tokens(world[0], 32, args.chunk_max_tokens) == 64 and serve._pool_tokens(world[0], 8) == MAX_TOKENS
+    assert serve._stream_config(ap.parse_args([]), world[0]) == StreamConfig()
+    heads, language = SimpleNamespace(action_stream=None, heads=("actions",)), SimpleNamespace(action_stream=None, heads=())
+    assert serve._stream_config(ap.parse_args([]), heads) is None
+    with pytest.raises(ValueError, match="argument --chunk-deadline-ms: .* this model's actions come from its action heads: drop"):
+        serve._stream_config(ap.parse_args(["--chunk-deadline-ms", "40"]), heads)
+    with pytest.raises(ValueError, match="argument --chunk-on-failure: .* this model has no actions"):
+        serve._stream_config(ap.parse_args(["--chunk-on-failure", "zeros"]), language)
+    with pytest.raises(ValueError, match="--chunk-slots: 17 is more than the pool's --slots 16"):
+        serve._stream_config(ap.parse_args(["--chunk-slots", "17"]), world[0])
+
+
 def test_load_model_serves_an_openpi_pi0_fast_checkpoint_with_its_codec_prompt_and_stops():
     """The fixture (openpi's own π0-FAST): load_model wires its FAST codec, quantile statistics, its prompt and a
     stream that stops at EOS / "|" and reads openpi's working chunk exactly, an unreadable one as that chunk's error."""
@@ -114,6 +137,9 @@ def test_load_model_serves_an_openpi_pi0_fast_checkpoint_with_its_codec_prompt_a
     model = load_model(root)
     assert model.family == "pi0_fast" and model.io.action_codec is not None and model.io.tokenizer_hint
     assert model.io.action_horizon == ref["actions"].shape[1]
+    droid, aloha = robot_config("droid"), robot_config("aloha")  # openpi's π0-FAST camera inputs, chosen by the loader
+    assert model.io.camera_layout(droid).slots == ("base_0_rgb", "zeros", "left_wrist_0_rgb")
+    assert model.io.camera_layout(aloha) is None and load_model(fixture("openpi_tiny_pi05")).io.camera_layout(droid) is None
     with pytest.raises(ValueError, match="needs a pi05 model"):
         load_model(root, family="pi05")
     ids, mask = model.io.rows.prompt(tok, config["strings"]["prompts"][0], ref["state"][0], ref["tok/infer/tokens"].shape[1],
@@ -152,7 +178,14 @@ def test_served_over_openpis_protocol_the_reply_is_the_decoded_chunk_with_langua
             sample = transforms.synthetic_sample(robot, np.random.default_rng(0), prompt="pick up the cube")
             ws.send(wire.pack({**sample, "language_requests": [{"prompt": "ab", "max_tokens": 3, "stop_at_eos": False}]}))
             reply = wire.unpack(ws.recv())
+            # Without the option the same chunk (no stop in 6 tokens) is that robot's BadRequest, naming why and the
+            # flag of openpi's zeros, not the state field (a host setting: nothing compiles).
+            engine.streams.config = dataclasses.replace(engine.streams.config, on_failure="error")
+            ws.send(wire.pack(sample))
+            refused = ws.recv()
         assert server.compiles_after_warmup == 0
+    assert refused.startswith("BadRequest: its action chunk reached 6 tokens without a stop id (1,)")
+    assert refused.endswith("serve --chunk-on-failure zeros") and "observation/state" not in refused
     assert reply["actions"].shape == (4, robot.action_dim) and np.isfinite(reply["actions"]).all()
     (done,) = reply["language"]["finished"]
     assert len(done["tokens"]) == 3

@@ -147,8 +147,8 @@ class FastCodec:
             raise FastDecodeError(f"FAST id {int(bad[0])} is outside the FAST vocabulary [0, {self.vocab_size})")
         text = self.bpe.decode([int(i) for i in arr], skip_special_tokens=False)
         if "\ufffd" in text:
-            raise FastDecodeError("the FAST tokens decode to bytes that are not text (a broken chunk)")
+            raise FastDecodeError("the FAST tokens' BPE decode gives bytes that are not text (a broken chunk)")
         if len(text) != count:
-            raise FastDecodeError(f"the FAST tokens decode to {len(text)} coefficients, not horizon x action_dim = "
-                                  f"{count} (a truncated or overlong chunk)")
+            raise FastDecodeError(f"the FAST tokens' BPE decode gives {len(text)} coefficients, not horizon x "
+                                  f"action_dim = {count} (a truncated or overlong chunk)")
         return np.fromiter(map(ord, text), np.int64, count) + self.min_token

@@ -204,7 +204,7 @@ class Streams:
                     actions[i] = self.stream.chunk(toks)
                     continue
                 except ChunkError as e:
-                    why = f"its action tokens are no chunk: {e}"
+                    why = f"its action chunk failed to decode: {e}"
             (fallbacks if self.config.on_failure == "zeros" else errors)[i] = why
         return Chunks(actions=actions, errors=errors, fallbacks=fallbacks, tokens=tokens, steps=steps)
 

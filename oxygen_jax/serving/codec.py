@@ -11,7 +11,9 @@ with several heads are served by the same code:
   prompt), plus the normalised state for a head that reads it as a token (π0); one head, so a response is
   exactly openpi's. A model whose decoder writes the chunk (`MultiHead.action_stream`, π0-FAST) has no head and
   no noise: "actions" is that robot's decoded chunk, in robot units (a chunk that failed is the engine's
-  `row_errors`, answered as that robot's BadRequest).
+  `row_errors`, answered as that robot's BadRequest naming why, and `failure_advice`: openpi's zeros are
+  `serve --chunk-on-failure zeros`). Its camera inputs are the checkpoint's (`RobotIO.cameras`: openpi's π0-FAST
+  feeds DROID's and LIBERO's padding camera as an unmasked black image).
 * `HeadsCodec`: rows are `prompt_rows.PromptRows` (image tokens + prompt, left-padded to a fixed length;
   a text-only backbone's rows are the prompt alone); the primary head's chunk is "actions" (a model without
   a head, a language-only backbone, answers an empty [0, Da] chunk and metadata "action_horizon": 0; its
@@ -93,6 +95,15 @@ class _Codec:
     def state_field(self) -> str:
         """The client's state field(s), for refusals."""
         return STATE_FIELDS.get(self.robot.name, "the state")
+
+    @property
+    def failure_advice(self) -> str:
+        """What a robot whose row failed is told after the reason: a decoded chunk's failure is the model's, not the
+        robot's input (the reason names it: no "Action: ", a FAST decode, the deadline), so it names openpi's
+        fallback; a head's non-finite chunk points at the inputs."""
+        if self.stream is not None:
+            return "openpi's all-zero chunk instead: serve --chunk-on-failure zeros"
+        return f"check {self.state_field} and the images"
 
     def _bound_state(self, state) -> None:
         """ValueError naming the state field when a head's state token would read |x| > MAX_STATE_ABS."""
