@@ -204,7 +204,7 @@ class EngineWorker:
                 except ValueError as e:
                     why = str(e)
             if why is not None:
-                errors[id(f)] = f"BadRequest: {_cut(why)}; check {self.codec.state_field} and the images"
+                errors[id(f)] = f"BadRequest: {_cut(why)}; {self.codec.failure_advice}"
         withdrawn = self._withdraw([rid for f in frames if id(f) in errors for rid in accepted.get(id(f), [])])
         now = time.perf_counter()
         results = [FrameResult(
