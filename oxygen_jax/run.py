@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         except (ValueError, OSError) as e:
             where = f"--tokenizer {args.tokenizer}: " if args.tokenizer else ""
             return _fail(f"{where}{str(e).splitlines()[0]}")
-        vla, io, what = model.vla(args.steps, tokenizer=toks.rows), model.io, model.what
+        vla, io, what = model.vla(args.steps, tokenizer=toks.rows, robot=robot), model.io, model.what
         robot = io.robot(robot)
         try:
             rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)

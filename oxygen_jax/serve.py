@@ -307,7 +307,7 @@ def build(args: argparse.Namespace):
         toks = cm.tokenizers(model, args.tokenizer)
         if toks.note:
             log.warning(toks.note)
-        vla, io, robot = model.vla(args.steps, tokenizer=toks.rows), model.io, model.io.robot(robot)
+        vla, io, robot = model.vla(args.steps, tokenizer=toks.rows, robot=robot), model.io, model.io.robot(robot)
         rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)
         if not rows and args.prompt_len:  # observation rows: --prompt-len is the prompt's own tokens
             robot = robot.replace(max_token_len=args.prompt_len)

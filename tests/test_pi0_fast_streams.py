@@ -140,6 +140,16 @@ def test_load_model_serves_an_openpi_pi0_fast_checkpoint_with_its_codec_prompt_a
     droid, aloha = robot_config("droid"), robot_config("aloha")  # openpi's π0-FAST camera inputs, chosen by the loader
     assert model.io.camera_layout(droid).slots == ("base_0_rgb", "zeros", "left_wrist_0_rgb")
     assert model.io.camera_layout(aloha) is None and load_model(fixture("openpi_tiny_pi05")).io.camera_layout(droid) is None
+    # openpi's universal FAST processor names no chunk shape: the robot's openpi π0-FAST config gives it.
+    unshaped = dataclasses.replace(model, io=dataclasses.replace(model.io, action_codec=dataclasses.replace(
+        model.io.action_codec, horizon=None, action_dim=None), action_horizon=None))
+    assert unshaped.io.robot(droid).action_horizon == 10 and unshaped.io.robot(droid).max_token_len == 250
+    assert unshaped.vla(tokenizer=tok, robot=droid).action_stream.shape == (10, 8)
+    assert unshaped.vla(tokenizer=tok, robot=robot_config("libero")).action_stream.shape == (10, 7)
+    with pytest.raises(ChunkError, match="names no chunk shape and no robot was given"):
+        unshaped.vla(tokenizer=tok).action_stream.chunk([1])
+    with pytest.raises(ValueError, match="no π0-FAST config for robot 'aloha' .*add time_horizon and action_dim"):
+        unshaped.vla(tokenizer=tok, robot=aloha)
     with pytest.raises(ValueError, match="needs a pi05 model"):
         load_model(root, family="pi05")
     ids, mask = model.io.rows.prompt(tok, config["strings"]["prompts"][0], ref["state"][0], ref["tok/infer/tokens"].shape[1],

@@ -57,7 +57,8 @@ from oxygen_jax.models.pi05 import pi0_fast
 from oxygen_jax.models.vla import MultiHead
 from oxygen_jax.models.pi05.config import EOS_ID, DType, ModelConfig, PromptAttention, model_config
 from oxygen_jax.robots import fast_prompt
-from oxygen_jax.robots.io import OPENPI_FAST_CAMERAS, FastPreprocess, OpenpiPreprocess, RobotIO
+from oxygen_jax.robots.config import RobotConfig
+from oxygen_jax.robots.io import OPENPI_FAST_CAMERAS, OPENPI_FAST_ROBOTS, FastPreprocess, OpenpiPreprocess, RobotIO
 from oxygen_jax.robots.lerobot import LeRobotPreprocess
 from oxygen_jax.robots.native_prompts import find_beside
 from oxygen_jax.robots.text_tokenizers import load_tokenizer
@@ -68,6 +69,7 @@ Family = Literal["pi05", "multihead", "pi0_fast"]
 Source = Literal["preset", "checkpoint", "openpi", "hf", "xr0", "starvla", "lerobot"]
 
 FAST_MAX_TOKENS = 256  # openpi's max_decoding_steps: the most tokens of a π0-FAST chunk
+FAST_UNSHAPED = (32, 32)  # openpi's Pi0FASTConfig defaults (horizon, action dim): a chunk of no known shape, refused
 TOKENIZER_FILE = "tokenizer.model"  # SentencePiece model with the PaliGemma id layout (`robots.tokenizer`)
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json")
 _FAMILY_OF = {"preset": None, "checkpoint": "pi05", "openpi": "pi05", "lerobot": "pi05", "hf": "multihead", "xr0": "multihead",
@@ -103,12 +105,14 @@ class LoadedModel:
     dataset_statistics: dict | None = None
     io: RobotIO = RobotIO()
 
-    def vla(self, num_steps: int = 10, tokenizer=None) -> MultiHead:
+    def vla(self, num_steps: int = 10, tokenizer=None, robot: RobotConfig | None = None) -> MultiHead:
         """The model as the runtime drives it (`Engine`, frame programs, the server). `num_steps`: π0.5's
         denoising steps (other heads carry their own, read from the checkpoint). `tokenizer`: π0-FAST reads its
-        chunks with it (default: the checkpoint's own, `text_tokenizer()`)."""
+        chunks with it (default: the checkpoint's own, `text_tokenizer()`). `robot`: π0-FAST's chunk shape when
+        its FAST processor names none (openpi's universal one): the horizon of openpi's π0-FAST config for that
+        robot (`RobotIO.robots`) and its action dim; without it such a model's chunks fail naming the fix."""
         if self.family == "pi0_fast":
-            return pi0_fast.as_vla(self.params, self._fast_stream(tokenizer or self.text_tokenizer()))
+            return pi0_fast.as_vla(self.params, self._fast_stream(tokenizer or self.text_tokenizer(), robot))
         if self.family == "pi05":
             return pi05_model.as_vla(self.params, num_steps)
         return MultiHead(self.params, self.config)
@@ -118,27 +122,47 @@ class LoadedModel:
         """Where its language requests stop by default (π: EOS; others: the checkpoint's `eos_token_id`s)."""
         return self.io.stop_ids
 
-    def _fast_stream(self, tok) -> ActionStream:
+    def _fast_stream(self, tok, robot: RobotConfig | None) -> ActionStream:
         codec = self.io.action_codec
         if codec is None:
             raise ValueError(f"{self.what} has no FAST processor folder (fast_tokenizer/) in or beside it: fetch "
                              f"{openpi_fast.FAST_TOKENIZER_HINT}")
+        (h, a), why = self._chunk_shape(codec, robot)
         if tok is None:  # its prompts cannot be made either: `command_model.tokenizers` refuses it first
-            def unreadable(_):
-                raise ChunkError(f"no tokenizer to read FAST chunks with: pass {PALIGEMMA_TOKENIZER_HINT}")
-            return ActionStream(horizon=codec.horizon, action_dim=codec.action_dim, stop_ids=(EOS_ID,),
-                                max_tokens=FAST_MAX_TOKENS, decode=unreadable)
-        return fast_action_stream(tok, codec)
+            why = f"no tokenizer to read FAST chunks with: pass {PALIGEMMA_TOKENIZER_HINT}"
+        if why is None:
+            return fast_action_stream(tok, codec, horizon=h, action_dim=a)
+
+        def unreadable(_):
+            raise ChunkError(why)
+        return ActionStream(horizon=h, action_dim=a, stop_ids=(EOS_ID,), max_tokens=FAST_MAX_TOKENS, decode=unreadable)
+
+    def _chunk_shape(self, codec, robot: RobotConfig | None) -> tuple[tuple[int, int], str | None]:
+        """((Ha, Ad) of a π0-FAST chunk, None) or, with neither the processor nor a robot to give it, (openpi's
+        default shape, why its chunks cannot be read). ValueError for a robot openpi has no π0-FAST config for."""
+        if codec.horizon and codec.action_dim:
+            return (codec.horizon, codec.action_dim), None
+        fix = "add time_horizon and action_dim to its processor_config.json"
+        if robot is None:
+            return FAST_UNSHAPED, (f"{codec.source} names no chunk shape and no robot was given (LoadedModel.vla(robot=)),"
+                                   f" so the chunk cannot be read: {fix}")
+        if not codec.horizon and robot.name not in self.io.robots:
+            raise ValueError(f"{codec.source} names no time_horizon and openpi has no π0-FAST config for robot "
+                             f"{robot.name!r} (it has {sorted(self.io.robots)}): {fix}")
+        r = self.io.robot(robot)
+        return (codec.horizon or r.action_horizon, codec.action_dim or r.action_dim), None
 
     def text_tokenizer(self):
         """The tokenizer object of `tokenizer` (`text_tokenizers.load_tokenizer`), or None without one."""
         return None if self.tokenizer is None else load_tokenizer(self.tokenizer)
 
 
-def fast_action_stream(tok, codec, *, max_tokens: int = FAST_MAX_TOKENS) -> ActionStream:
+def fast_action_stream(tok, codec, *, max_tokens: int = FAST_MAX_TOKENS, horizon: int | None = None,
+                       action_dim: int | None = None) -> ActionStream:
     """π0-FAST's chunks as the runtime reads them: stop at EOS or "|" (when the tokenizer spells it as one id),
-    `fast_prompt.extract_actions` with `codec` (a `FastDecodeError` naming why a chunk is unreadable; never zeros)."""
-    h, a = codec.shape()
+    `fast_prompt.extract_actions` with `codec` (a `FastDecodeError` naming why a chunk is unreadable; never zeros).
+    The chunk's shape: `horizon` / `action_dim` where given, else the processor's."""
+    h, a = codec.shape(horizon, action_dim)
     bar = tok.encode(fast_prompt.END_MARK)
     stops = {tok.eos_id} | ({bar[0]} if len(bar) == 1 else set())
     return ActionStream(horizon=h, action_dim=a, stop_ids=tuple(sorted(stops)), max_tokens=max_tokens,
@@ -443,7 +467,8 @@ def _robot_io(model: LoadedModel, dataset_key: str | None = None, lerobot_io=Non
     if model.family == "pi0_fast":  # openpi π0-FAST: quantile stats, its prompt, the FAST codec, its camera layouts
         return RobotIO(tokenizer=model.tokenizer, tokenizer_hint=PALIGEMMA_TOKENIZER_HINT,
                        preprocess=FastPreprocess(model.norm_stats), action_codec=fast_codec, stop_ids=(EOS_ID,),
-                       action_horizon=None if fast_codec is None else fast_codec.horizon, cameras=OPENPI_FAST_CAMERAS)
+                       action_horizon=None if fast_codec is None else fast_codec.horizon, cameras=OPENPI_FAST_CAMERAS,
+                       robots=OPENPI_FAST_ROBOTS)
     if lerobot_io is not None:  # LeRobot's own preprocessing, chunk length and prompt length
         return RobotIO(tokenizer=model.tokenizer, tokenizer_hint=PALIGEMMA_TOKENIZER_HINT,
                        preprocess=LeRobotPreprocess(lerobot_io), action_horizon=lerobot_io.chunk_size,

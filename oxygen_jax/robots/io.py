@@ -10,6 +10,7 @@ never ask which family a model is: they read these fields.
 | `preprocess`   | normalisation, image resize, prompt (`Preprocess`)    | openpi, quantile | openpi, z-score, π0 prompt | LeRobot's own |
 | `action_codec` | the codec a decoder-written chunk is read with        | —                | —           | —                      |
 | `cameras`      | robot name -> `transforms.CameraLayout` (absent: real slots) | —                | —           | —                      |
+| `robots`       | robot name -> the RobotConfig fields its config sets  | —                | —           | —                      |
 | `action_horizon`, `prompt_len` | the checkpoint's own, else the robot's | robot's          | robot's     | chunk_size, tokenizer_max_length |
 | `outputs`      | head name -> its own chunk-to-robot transform         | none             | none        | none                   |
 | `norm_stats`   | statistics for Qwen-backbone rows (`prompt_rows`)     | —                | —           | —                      |
@@ -23,8 +24,9 @@ a model whose head reads the state as a token (π0's `state_proj`, `MultiHead.st
 state zero-padded to that head's dim beside the observation.
 
 π0-FAST (openpi): `FastPreprocess` (quantile statistics, the prompt "Task: …, State: <bins>;\n" of
-`robots.fast_prompt`), `action_codec` its FAST codec, `action_horizon` the codec's, `cameras` openpi's
-π0-FAST layouts (`OPENPI_FAST_CAMERAS`: the padding camera a black image with its mask True, in the order
+`robots.fast_prompt`), `action_codec` its FAST codec, `action_horizon` the codec's (openpi's universal
+processor names none: then `robots`, openpi's π0-FAST configs `OPENPI_FAST_ROBOTS`: DROID 10 steps and 250
+prompt tokens, LIBERO 10 and 180; the chunk's action dim is the robot's), `cameras` openpi's π0-FAST layouts (`OPENPI_FAST_CAMERAS`: the padding camera a black image with its mask True, in the order
 openpi's `DroidInputs` / `LiberoInputs` give for `ModelType.PI0_FAST`; ALOHA's inputs do not depend on the model
 type, so it keeps its real slots, a missing wrist masked).
 
@@ -109,6 +111,10 @@ OPENPI_FAST_CAMERAS = {  # openpi's π0-FAST inputs per client format (policies/
     "droid": transforms.CameraLayout(("base_0_rgb", _Z, "left_wrist_0_rgb")),  # base_0_rgb, base_1_rgb, wrist_0_rgb
     "libero": transforms.CameraLayout(("base_0_rgb", "left_wrist_0_rgb", _Z)),  # right wrist unmasked
 }
+OPENPI_FAST_ROBOTS = {  # openpi's π0-FAST configs per client format: the chunk's horizon, the prompt's tokens
+    "droid": {"action_horizon": 10, "max_token_len": 250},  # pi0_fast_droid (Pi0FASTConfig's default 250 tokens)
+    "libero": {"action_horizon": 10, "max_token_len": 180},  # pi0_fast_libero
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -126,10 +132,14 @@ class RobotIO:
     notes: tuple[str, ...] = ()
     action_codec: object = None  # what reads a decoder-written chunk (π0-FAST: `robots.fast.FastCodec`), or None
     cameras: Mapping[str, transforms.CameraLayout] = dataclasses.field(default_factory=dict)  # robot name -> inputs
+    robots: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)  # robot name -> its config's fields
 
     def robot(self, robot: RobotConfig) -> RobotConfig:
-        """`robot` with the checkpoint's own horizon and prompt length where it has them."""
-        changes = {k: v for k, v in (("action_horizon", self.action_horizon), ("max_token_len", self.prompt_len)) if v}
+        """`robot` with the fields the checkpoint's config for it sets (`robots`: openpi's π0-FAST horizon and
+        prompt tokens), then the checkpoint's own horizon and prompt length where it has them."""
+        changes = dict(self.robots.get(robot.name, {}))
+        changes.update({k: v for k, v in (("action_horizon", self.action_horizon), ("max_token_len", self.prompt_len))
+                        if v})
         return robot.replace(**changes) if changes else robot
 
     @property
