@@ -222,9 +222,11 @@ def test_the_batcher_refuses_only_the_row_the_engine_reports_and_withdraws_its_r
         return out
 
     good = _frame(fam, GOOD, fam["sample"](5), index=3,
-                  language=[LanguageRequest(prompt="", max_tokens=2, tag="g", tokens=())])
+                  language=[LanguageRequest(prompt="", max_tokens=2, tag="g", tokens=(),
+                                            checked=engine.limits.check(max_tokens=2))])
     bad = _frame(fam, BAD, fam["sample"](6), index=3,
-                 language=[LanguageRequest(prompt="", max_tokens=2, tag="b", tokens=())])
+                 language=[LanguageRequest(prompt="", max_tokens=2, tag="b", tokens=(),
+                                            checked=engine.limits.check(max_tokens=2))])
     codec.noise = hostile_noise
     try:
         out = _step(fam, [good, bad])

@@ -36,7 +36,8 @@ from oxygen_jax.serving.codec import frame_noise, make_codec
 from oxygen_jax.serving.records import Frame, Stream
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.robots.config import robot_config
-from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, RequestError, StepResult
+from oxygen_jax.runtime.engine import Engine, EngineConfig, FinishedRequest, StepResult
+from oxygen_jax.runtime.request_limits import CheckedRequest, RequestLimits
 from oxygen_jax.serve import _parser, main, serve_config
 from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
 from oxygen_jax.robots.tokenizer import train_demo_tokenizer
@@ -118,6 +119,8 @@ class ScriptedEngine:
         self.config = EngineConfig(num_slots=4, max_new_tokens=8, prompt_capacity=8, action_horizon=HA)
         self.vla = as_vla(abstract_params(model_config("tiny")))  # shapes only: the codec reads the spec
         self.adapters = {"base": 0}
+        self.tokenizer = train_demo_tokenizer()  # the server tokenizes; the text comes back from the ids
+        self.limits = RequestLimits(max_new_tokens=8, prompt_capacity=8, vocab_size=self.vla.vocab_size)
         self.step_s, self.per_row_s = step_s, per_row_s
         self.gate, self.entered = threading.Event(), threading.Event()
         self.gate.set()
@@ -128,10 +131,9 @@ class ScriptedEngine:
     def warmup(self, observation, states=None) -> float:
         return self.step_s
 
-    def submit(self, prompt=None, *, max_tokens, row, owner, **_) -> int:
-        if not 1 <= max_tokens <= self.config.max_new_tokens:
-            raise RequestError(f"max_tokens must be an integer in [1, {self.config.max_new_tokens}], got {max_tokens}")
-        self._live[self._next] = (prompt or "", max_tokens, row, owner, time.perf_counter())
+    def enqueue(self, request: CheckedRequest, *, owner) -> int:
+        prompt = self.tokenizer.decode(list(request.prompt))
+        self._live[self._next] = (prompt, request.max_tokens, request.row, owner, time.perf_counter())
         self._next += 1
         return self._next - 1
 

@@ -35,7 +35,8 @@ from oxygen_jax.models.vla import MultiHead
 from oxygen_jax.robots import transforms
 from oxygen_jax.robots.text_tokenizers import QwenTextTokenizer
 from oxygen_jax.runtime.engine import Engine, EngineConfig
-from oxygen_jax.serving.requests import BadRequest, parse_language_requests, tokenize_requests
+from oxygen_jax.runtime.request_limits import RequestLimits
+from oxygen_jax.serving.requests import BadRequest, check_requests, parse_language_requests
 from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
@@ -185,12 +186,14 @@ def test_language_requests_take_token_ids_and_stop_lists_and_need_a_tokenizer_fo
     assert req.tokens == (5, 6) and req.stop_ids == (7, 8) and not req.stop_at_eos
     (as_list,) = parse_language_requests([{"prompt": [5, 6]}], max_requests=2, default_max_tokens=3)
     assert as_list.tokens == (5, 6)
-    assert tokenize_requests([req], None, prompt_capacity=4)[0].tokens == (5, 6)
+    limits = RequestLimits(max_new_tokens=3, prompt_capacity=4, vocab_size=16)
+    assert check_requests([req], None, limits=limits)[0].tokens == (5, 6)
     with pytest.raises(BadRequest, match="prompt has 2 tokens; the engine's prompt_capacity is 1"):
-        tokenize_requests([req], None, prompt_capacity=1)
+        check_requests([req], None, limits=dataclasses.replace(limits, prompt_capacity=1))
     with pytest.raises(BadRequest, match="stop has 9 entries; at most 8"):
-        parse_language_requests([{"prompt": "x", "stop": list(range(9))}], max_requests=2, default_max_tokens=3)
+        check_requests(parse_language_requests([{"prompt": "", "stop": list(range(9))}], max_requests=2,
+                                               default_max_tokens=3), None, limits=limits)
     for bad, field in (({"prompt": "a", "prompt_tokens": [1]}, "not both"), ({"prompt_tokens": [-1]}, "prompt_tokens"),
                        ({"prompt": "a", "stop": "x"}, "stop")):
         with pytest.raises(BadRequest, match=field):
-            parse_language_requests([bad], max_requests=2, default_max_tokens=3)
+            check_requests(parse_language_requests([bad], max_requests=2, default_max_tokens=3), None, limits=limits)

@@ -37,7 +37,6 @@ its own, bounded by a deadline (`StreamConfig`); a chunk that fails is that row'
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from collections.abc import Sequence
 
@@ -45,25 +44,19 @@ import jax
 import numpy as np
 
 from oxygen_jax.runtime import action_streams, decode, slot_mesh
-from oxygen_jax.models.decoder import MAX_STOP_IDS
 from oxygen_jax.models.lora import LoraBank
 from oxygen_jax.models.vla import MultiHead
-from oxygen_jax.nn.sampling import check_temperature, check_top_p
 from oxygen_jax.runtime import rtc as rtc_mod
 from oxygen_jax.runtime.frame import FrameOutput, frame_step
+from oxygen_jax.runtime.request_limits import (  # noqa: F401 - MAX_SEED, RequestError: part of this API
+    MAX_SEED, MAX_STREAM, CheckedRequest, RequestError, RequestLimits, is_int, show_value)
 from oxygen_jax.runtime.scheduler import Scheduler, Ticket
 
-MAX_SEED = 2**32 - 1
-MAX_STREAM = 2**31 - 1  # stream ids (rows) are int32 on the device side; -1 marks a padding row
 MAX_STATE_ABS = 1e4
 """Bound on |state| a head's state token reads (the normalised state: trained states lie within a few units).
 
 A state projector multiplies the state into the residual stream, where a float32-finite 3e38 becomes inf;
 1e4 is far beyond any trained range and far below where a projector or a norm's square overflows."""
-
-
-class RequestError(ValueError):
-    """A language request that cannot be accepted; the message names the field and the allowed range."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,27 +122,6 @@ class StepResult:
     fallbacks: dict[int, str] = dataclasses.field(default_factory=dict)  # batch row -> why its chunk is openpi's zeros
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _show(value, limit: int = 40) -> str:
-    """A caller's value for an error message, at most `limit` characters (a 3 MiB value is not echoed)."""
-    if _is_int(value) and int(value).bit_length() > 64:
-        return f"an integer of {int(value).bit_length()} bits"
-    if isinstance(value, (numbers.Number, str, bytes, type(None))):
-        text = repr(value)
-    elif isinstance(value, (list, tuple)) and len(value) <= 8:
-        text = repr(type(value)(_show(v, 12) for v in value)).replace("'", "")
-    else:
-        text = f"{type(value).__name__}" + (f" of length {len(value)}" if hasattr(value, "__len__") else "")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _float32_finite(x) -> bool:
     """Every value finite once cast to float32 (a float64 1e300 is finite, but inf on the device)."""
     with np.errstate(over="ignore", invalid="ignore"):
@@ -173,16 +145,16 @@ def _check_rows(rows, b: int) -> list[int]:
     if isinstance(rows, np.ndarray):
         rows = rows.tolist() if rows.ndim == 1 and np.issubdtype(rows.dtype, np.integer) else None
     if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
-        raise ValueError(f"rows must be a sequence of stream ids, got {_show(rows)}: {want}")
+        raise ValueError(f"rows must be a sequence of stream ids, got {show_value(rows)}: {want}")
     if len(rows) != b:
         raise ValueError(f"rows names {len(rows)} streams but the observation has {b} rows: {want}")
-    bad = next((r for r in rows if not (_is_int(r) and -1 <= r <= MAX_STREAM)), None)
+    bad = next((r for r in rows if not (is_int(r) and -1 <= r <= MAX_STREAM)), None)
     if bad is not None:
-        raise ValueError(f"rows holds {_show(bad)}: {want}")
+        raise ValueError(f"rows holds {show_value(bad)}: {want}")
     rows = [int(r) for r in rows]
     real = [r for r in rows if r >= 0]
     if len(set(real)) != len(real):
-        raise ValueError(f"rows names a stream twice ({_show(rows)}): each stream has at most one batch row per frame")
+        raise ValueError(f"rows names a stream twice ({show_value(rows)}): each stream has at most one batch row per frame")
     return rows
 
 
@@ -223,6 +195,9 @@ class Engine:
         self.adapters: dict[str, int] = {"base": 0, **{n: i + 1 for i, n in enumerate(adapter_names)}}
         if len(self.adapters) != len(adapter_names) + 1:
             raise ValueError(f"adapter names must be unique and not 'base', got {list(adapter_names)}")
+        self.limits = RequestLimits(max_new_tokens=config.max_new_tokens, prompt_capacity=config.prompt_capacity,
+                                    vocab_size=self.vla.vocab_size, adapters=("base", *adapter_names),
+                                    stop_ids=tuple(self.vla.stop_ids))
         self.streams = self._streams(streams)
         self._sched = Scheduler(config.num_slots, config.admissions_per_frame, config.prompt_capacity,
                                 speculate=config.speculate, max_new_tokens=config.max_new_tokens,
@@ -268,80 +243,42 @@ class Engine:
         Its own prompt (`prompt_tokens`, or `prompt` text with a tokenizer) is written after that
         prefix. It stops at any of `stop_ids` (None: the model's own, `MultiHead.stop_ids`; () decodes exactly
         `max_tokens` tokens; at most 8 ids). `adapter` is a name given to
-        the engine, "base", an adapter id, or None (the base weights).
+        the engine, "base", an adapter id, or None (the base weights). Every field is checked against
+        `self.limits` (`runtime.request_limits`).
 
         Raises:
           RequestError: naming the first invalid field; nothing is queued.
         """
-        cfg, vocab = self.config, self.vla.vocab_size
         if prompt is not None and prompt_tokens is not None:
-            raise RequestError("give either prompt (text) or prompt_tokens, not both")
+            raise RequestError("give either prompt (text) or prompt_tokens, not both", "prompt_tokens")
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+                raise RequestError(f"prompt must be a string, got {type(prompt).__name__}", "prompt_tokens")
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer, so prompts are token ids: send prompt_tokens "
-                                   "(a list of ints), or give the engine the checkpoint's tokenizer")
+                                   "(a list of ints), or give the engine the checkpoint's tokenizer", "prompt_tokens")
             prompt_tokens = self.tokenizer.encode(prompt)
-        if prompt_tokens is None:
-            prompt_tokens = []
-        if isinstance(prompt_tokens, np.ndarray):
-            if prompt_tokens.ndim != 1 or not np.issubdtype(prompt_tokens.dtype, np.integer):
-                raise RequestError(f"prompt_tokens must be a 1-D integer array, got {prompt_tokens.dtype} {prompt_tokens.shape}")
-            prompt_tokens = prompt_tokens.tolist()
-        if not isinstance(prompt_tokens, (list, tuple)) or not all(_is_int(t) for t in prompt_tokens):
-            raise RequestError("prompt_tokens must be a list of integer token ids")
-        prompt_tokens = [int(t) for t in prompt_tokens]
-        if len(prompt_tokens) > cfg.prompt_capacity:
-            raise RequestError(
-                f"request prompt has {len(prompt_tokens)} tokens but EngineConfig.prompt_capacity is {cfg.prompt_capacity}")
-        if any(not 0 <= t < vocab for t in prompt_tokens):
-            raise RequestError(f"request prompt token ids must lie in [0, {vocab})")
-        if not _is_int(max_tokens) or not 1 <= max_tokens <= cfg.max_new_tokens:
-            raise RequestError(f"max_tokens must be an integer in [1, {cfg.max_new_tokens}] "
-                               f"(EngineConfig.max_new_tokens), got {_show(max_tokens)}")
-        try:  # checked as the float32 values the device samples with
-            temperature, top_p = check_temperature(temperature), check_top_p(top_p)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        stop_ids = self._stop_ids(stop_ids, vocab)
-        if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
-            raise RequestError(f"seed must be None or an integer in [0, {MAX_SEED}], got {_show(seed)}")
-        if not _is_int(row) or not 0 <= row <= MAX_STREAM:
-            raise RequestError(f"row must be an integer stream id in [0, {MAX_STREAM}] (the stream / batch row), "
-                               f"got {_show(row)}")
-        adapter_id = self.adapter_id(adapter)
+        request = self.limits.check(
+            prompt_tokens=[] if prompt_tokens is None else prompt_tokens, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, stop_ids=stop_ids, seed=seed, row=row, adapter=adapter)
+        return self.enqueue(request, owner=owner)
+
+    def enqueue(self, request: CheckedRequest, *, owner: object = None) -> int:
+        """Queues a request `self.limits.check` accepted (no second check: the policy server checks on its
+        prep thread); returns its id. `owner` is any object, given back with the request's results."""
         rid = self._next_id
         self._next_id += 1
         self._sched.enqueue(Ticket.make(
-            rid, budget=int(max_tokens), row=int(row), prompt=prompt_tokens, stop_ids=stop_ids,
-            temperature=float(temperature), top_p=float(top_p), seed=seed, adapter=adapter_id,
+            rid, budget=request.max_tokens, row=request.row, prompt=list(request.prompt),
+            stop_ids=request.stop_ids,
+            temperature=request.temperature, top_p=request.top_p, seed=request.seed, adapter=request.adapter,
             arrival_frame=self._frame, owner=owner,
         ))
         return rid
 
-    def _stop_ids(self, stop_ids, vocab: int) -> tuple[int, ...]:
-        if stop_ids is None:
-            return self.vla.stop_ids
-        if _is_int(stop_ids):
-            stop_ids = [stop_ids]
-        if (not isinstance(stop_ids, (list, tuple)) or len(stop_ids) > MAX_STOP_IDS
-                or not all(_is_int(t) and 0 <= t < vocab for t in stop_ids)):
-            raise RequestError(f"stop_ids must be None (the model's), or a list of at most {MAX_STOP_IDS} token ids in "
-                               f"[0, {vocab}), got {_show(stop_ids)}")
-        return tuple(sorted({int(t) for t in stop_ids}))
-
     def adapter_id(self, adapter: str | int | None) -> int:
         """The id of an adapter name or id (None = the base weights); RequestError for unknown ones."""
-        if adapter is None:
-            return 0
-        if isinstance(adapter, str):
-            if adapter not in self.adapters:
-                raise RequestError(f"unknown adapter {_show(adapter)}; this engine has {sorted(self.adapters)}")
-            return self.adapters[adapter]
-        if not _is_int(adapter) or not 0 <= adapter < len(self.adapters):
-            raise RequestError(f"adapter id must be an integer in [0, {len(self.adapters)}), got {_show(adapter)}")
-        return int(adapter)
+        return self.limits.adapter_id(adapter)
 
     def cancel(self, request_id: int) -> bool:
         """Drops a queued request, or frees a running one's slot at the next step. False if unknown/finished."""

@@ -129,9 +129,8 @@ def prepare(auto: AutoLanguage | None, engine, *, max_prompt_chars: int) -> Auto
         (req,) = requests.parse_language_requests(
             [{"prompt": auto.prompt, "max_tokens": max_tokens, "temperature": float(auto.temperature),
               "adapter": auto.adapter, **({} if auto.seed is None else {"seed": auto.seed})}],
-            max_requests=1, default_max_tokens=max_tokens, max_new_tokens=e.max_new_tokens,
-            max_prompt_chars=max_prompt_chars)
-        (req,) = requests.tokenize_requests([req], tokenizer, prompt_capacity=e.prompt_capacity)
+            max_requests=1, default_max_tokens=max_tokens, max_prompt_chars=max_prompt_chars)
+        (req,) = requests.check_requests([req], tokenizer, limits=engine.limits)
     except requests.BadRequest as err:
         what = str(err).replace("language_requests[0].", "the automatic request's ")
         cap = "--max-prompt-chars" if "characters" in what else "--prompt-capacity"

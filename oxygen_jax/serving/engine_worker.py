@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ import numpy as np
 
 from oxygen_jax.runtime import compile_cache
 from oxygen_jax.runtime.engine import RequestError
-from oxygen_jax.serving.records import Frame, FrameResult, LanguageRequest, StepOutput
+from oxygen_jax.serving.records import Frame, FrameResult, StepOutput
 
 log = logging.getLogger("oxygen_jax.serve")
 
@@ -150,18 +151,16 @@ class EngineWorker:
             times[b] = padding_step(b)
         return times
 
-    def _stops(self, req: LanguageRequest) -> tuple[int, ...]:
-        return tuple(sorted(set(self.engine.vla.stop_ids if req.stop_at_eos else ()) | set(req.stop_ids)))
-
     def _submit(self, frame: Frame) -> list[int]:
+        """Queues the frame's requests, checked on the prep thread (`requests.check_requests`), on its stream."""
         ids = []
         try:
             for req in frame.language:
-                text = {"prompt": req.prompt} if req.tokens is None else {"prompt_tokens": list(req.tokens)}
-                ids.append(self.engine.submit(
-                    **text, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    seed=req.seed, adapter=req.adapter, stop_ids=self._stops(req),
-                    row=frame.stream.id, owner=frame.stream))
+                if req.checked is None:
+                    raise RequestError("the request was not checked against the engine's limits "
+                                       "(serving.requests.check_requests)")
+                ids.append(self.engine.enqueue(dataclasses.replace(req.checked, row=frame.stream.id),
+                                               owner=frame.stream))
         except RequestError as e:
             for rid in ids:
                 self.engine.cancel(rid)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from oxygen_jax.runtime.engine import FailedRequest, FinishedRequest
+from oxygen_jax.runtime.request_limits import CheckedRequest
 from oxygen_jax.serving.outbox import LanguageOutbox
 
 
@@ -63,7 +64,8 @@ class Stream:
 
 @dataclasses.dataclass(frozen=True)
 class LanguageRequest:
-    """One language request carried by an observation (already type-checked; ranges are the Engine's)."""
+    """One language request carried by an observation: its fields as the robot sent them (type-checked,
+    `requests.parse_language_requests`), then `checked` against the engine's limits (`requests.check_requests`)."""
 
     prompt: str
     max_tokens: int
@@ -76,6 +78,7 @@ class LanguageRequest:
     tag: str | int | None = None  # the client's id for it, echoed back
     tokens: tuple[int, ...] | None = None  # the prompt's ids, tokenized on a prep thread (None: the engine does)
     auto: bool = False  # opened by the server for this observation (`serving.auto_language`), not by the robot
+    checked: CheckedRequest | None = None  # the fields the engine queues (`Engine.enqueue`; row set per frame)
 
 
 @dataclasses.dataclass(eq=False)

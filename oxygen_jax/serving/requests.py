@@ -2,14 +2,16 @@
 
 Every check here runs on a prep thread (never the event loop, never the engine thread) and is cheap
 whatever the client sends: lengths are compared before anything is decoded or tokenized, a language
-prompt is tokenized here (bounded by `max_prompt_chars`) and compared with the engine's
-`prompt_capacity` before the engine sees it, and every value a refusal quotes goes through `wire.short`,
-so no reply is larger than a few hundred characters whatever the frame carried.
+prompt is tokenized here (bounded by `max_prompt_chars`), and every value a refusal quotes is cut short
+(`wire.short`, `request_limits.show_value`), so no reply is larger than a few hundred characters whatever
+the frame carried. A language request's fields are read here (types, names, string caps) and checked
+against the engine's limits in one place, `runtime.request_limits` (`engine.limits`): the engine thread
+queues the result (`Engine.enqueue`) without a second check.
 
     sample = wire.unpack(frame)                       # depth, container and size caps (serving.wire)
     prompt_of(sample, max_chars=1024)                 # "prompt" (str or msgpack bin) capped before decoding
-    parse_language_requests(sample.get("language_requests"), max_requests=8, max_new_tokens=32, ...)
-    tokenize_requests(requests, tokenizer, prompt_capacity=16)   # token count checked before the engine
+    requests = parse_language_requests(sample.get("language_requests"), max_requests=8, default_max_tokens=32)
+    check_requests(requests, tokenizer, limits=engine.limits)   # tokenized, then every field against the limits
 
 Refusals raise `BadRequest` (a ValueError); the server sends its text as "BadRequest: ..." and keeps the
 connection. A refusal is cheap but not free (the frame was read and decoded), so `RefusalBudget` caps how
@@ -19,13 +21,12 @@ fast one connection's refused frames are read.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from oxygen_jax.models.decoder import MAX_STOP_IDS  # a request's explicit "stop" ids: the pool's static width
+from oxygen_jax.runtime.request_limits import RequestError, RequestLimits, is_int
 from oxygen_jax.serving.records import LanguageRequest
 from oxygen_jax.serving.wire import short
 
@@ -36,10 +37,6 @@ MAX_NAME_CHARS = 128  # a language request's "id" tag and "adapter" name
 
 class BadRequest(ValueError):
     """A frame the server refuses; the text is sent back and the connection stays open."""
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_real(x) -> bool:
@@ -103,17 +100,17 @@ def _name(value, where: str, what: str):
         if len(value) > MAX_NAME_CHARS:
             raise BadRequest(f"{where} has {len(value)} characters; at most {MAX_NAME_CHARS}")
         return value
-    if _is_int(value):
+    if is_int(value):
         return int(value)
     raise BadRequest(f"{where} must be {what}, got {short(value)}")
 
 
-def parse_language_requests(value, *, max_requests: int, default_max_tokens: int, max_new_tokens: int | None = None,
+def parse_language_requests(value, *, max_requests: int, default_max_tokens: int,
                             max_prompt_chars: int = 1024) -> list[LanguageRequest]:
     """Reads the optional "language_requests" field: a list of maps (or one map) of request fields.
 
-    Types, string lengths, `max_tokens` (in [1, max_new_tokens] when given) and finiteness of the
-    sampling values are checked here; the engine checks the rest (adapter names, sampling ranges).
+    Field names, types and string lengths are checked here; values against the engine's limits (token
+    budget, sampling ranges, token ids, adapters) in `check_requests`.
 
     Raises:
       BadRequest naming the request index and field.
@@ -138,42 +135,36 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
                              f"known: {list(LANGUAGE_FIELDS)}")
         prompt, tokens = _prompt(req, where, max_prompt_chars)
         max_tokens = req.get("max_tokens", default_max_tokens)
-        if not _is_int(max_tokens):
+        if not is_int(max_tokens):
             raise BadRequest(f"{where}.max_tokens must be an integer, got {short(max_tokens)}")
-        if max_new_tokens is not None and not 1 <= max_tokens <= max_new_tokens:
-            raise BadRequest(f"{where}.max_tokens must be in [1, {max_new_tokens}], got {short(max_tokens)}")
         for name, default in (("temperature", 0.0), ("top_p", 1.0)):
             x = req.get(name, default)
-            if not _is_real(x) or not math.isfinite(float(x)):
-                raise BadRequest(f"{where}.{name} must be a finite number, got {short(x)}")
+            if not _is_real(x):
+                raise BadRequest(f"{where}.{name} must be a number, got {short(x)}")
         seed = req.get("seed")
-        if seed is not None and not _is_int(seed):
+        if seed is not None and not is_int(seed):
             raise BadRequest(f"{where}.seed must be an integer, got {short(seed)}")
         adapter = _name(req.get("adapter", "base"), f"{where}.adapter", "an adapter name")
         stop = req.get("stop_at_eos", True)
         if not isinstance(stop, (bool, np.bool_)):
             raise BadRequest(f"{where}.stop_at_eos must be true or false, got {short(stop)}")
-        stop_ids = _ids(req.get("stop", []), f"{where}.stop", MAX_STOP_IDS)
+        stop_ids = _ids(req.get("stop", []), f"{where}.stop")
         tag = req.get("id")
         if tag is not None:
             tag = _name(tag, f"{where}.id", "a string or an integer")
         out.append(LanguageRequest(
-            prompt=prompt, max_tokens=int(max_tokens), temperature=float(req.get("temperature", 0.0)),
-            top_p=float(req.get("top_p", 1.0)), seed=None if seed is None else int(seed), adapter=adapter,
+            prompt=prompt, max_tokens=int(max_tokens), temperature=req.get("temperature", 0.0),
+            top_p=req.get("top_p", 1.0), seed=None if seed is None else int(seed), adapter=adapter,
             stop_at_eos=bool(stop), stop_ids=stop_ids, tag=tag, tokens=tokens))
     return out
 
 
-def _ids(value, where: str, limit: int) -> tuple[int, ...]:
-    """A list of at most `limit` non-negative token ids (range against the vocabulary: the engine's)."""
+def _ids(value, where: str) -> tuple[int, ...]:
+    """A list of integers (their count and range against the vocabulary: `check_requests`)."""
     if isinstance(value, np.ndarray):
-        value = value.tolist() if value.ndim == 1 and len(value) <= limit else value
-    if not isinstance(value, (list, tuple)):
+        value = value.tolist() if value.ndim == 1 else value
+    if not isinstance(value, (list, tuple)) or not all(is_int(t) for t in value):
         raise BadRequest(f"{where} must be a list of token ids, got {short(value)}")
-    if len(value) > limit:
-        raise BadRequest(f"{where} has {len(value)} entries; at most {limit}")
-    if not all(_is_int(t) and 0 <= t < 2**31 for t in value):
-        raise BadRequest(f"{where} must hold token ids (integers >= 0), got {short(value)}")
     return tuple(int(t) for t in value)
 
 
@@ -185,7 +176,7 @@ def _prompt(req: Mapping, where: str, max_chars: int) -> tuple[str, tuple[int, .
     if prompt is not None and tokens is not None:
         raise BadRequest(f"{where}: give either prompt (text) or prompt_tokens (token ids), not both")
     if tokens is not None:
-        return "", _ids(tokens, f"{where}.prompt_tokens", max_chars)
+        return "", _ids(tokens, f"{where}.prompt_tokens")
     if not isinstance(prompt, str):
         raise BadRequest(f"{where}.prompt must be a string (e.g. 'Subtask: ') or a list of token ids "
                          f"(or give prompt_tokens), got {type(prompt).__name__}")
@@ -194,31 +185,39 @@ def _prompt(req: Mapping, where: str, max_chars: int) -> tuple[str, tuple[int, .
     return prompt, None
 
 
-def tokenize_requests(requests: Sequence[LanguageRequest], tokenizer, *, prompt_capacity: int) -> list[LanguageRequest]:
-    """Tokenizes each request's prompt (`tokenizer.encode`, as `Engine.submit` would) and checks its length.
+def check_requests(requests: Sequence[LanguageRequest], tokenizer, *, limits: RequestLimits) -> list[LanguageRequest]:
+    """Tokenizes each request's text prompt (`tokenizer.encode`), then checks every field against `limits`.
 
     Runs on a prep thread: a costly prompt is paid for there, never on the thread that steps the
-    engine, and a prompt that cannot fit `prompt_capacity` is refused before the engine sees it.
-    The requests come back with `tokens` set (the engine is handed ids, not text). Requests that came
-    as token ids keep them (checked against `prompt_capacity` too); without a tokenizer a text prompt is
-    left for the engine, which refuses it naming prompt_tokens.
+    engine, and a request the engine could not run is refused before the engine sees it. The requests
+    come back with `tokens` and `checked` set (`request_limits.CheckedRequest`, what `Engine.enqueue`
+    queues); their stop ids are the model's (`limits.stop_ids`, unless "stop_at_eos" is false) and the
+    client's "stop".
 
     Raises:
-      BadRequest when a prompt has more tokens than `prompt_capacity`.
+      BadRequest naming the request index and field (the one-line `RequestError` of `limits.check`).
     """
     out = []
     for i, req in enumerate(requests):
+        where = f"language_requests[{i}]"
         if req.tokens is not None:
             ids = list(req.tokens)
-        elif tokenizer is None:  # the engine refuses text in one line (it has no tokenizer either)
-            out.append(req)
-            continue
+        elif tokenizer is None and req.prompt:
+            raise BadRequest(f"{where}.prompt: this model has no tokenizer, so prompts are token ids: send "
+                             "prompt_tokens (a list of ints)")
         else:
             ids = [int(t) for t in tokenizer.encode(req.prompt)] if req.prompt else []
-        if len(ids) > prompt_capacity:
-            raise BadRequest(f"language_requests[{i}].prompt has {len(ids)} tokens; the engine's prompt_capacity "
-                             f"is {prompt_capacity}")
-        out.append(dataclasses.replace(req, tokens=tuple(ids)))  # the engine thread never tokenizes
+        stops = (*(limits.stop_ids if req.stop_at_eos else ()), *req.stop_ids)
+        labels = {f: f"{where}.{f}" for f in ("max_tokens", "temperature", "top_p", "seed", "adapter")}
+        labels.update(stop_ids=f"{where}.stop", prompt_tokens=f"{where}.prompt" if req.tokens is None else
+                      f"{where}.prompt_tokens")
+        try:
+            checked = limits.check(prompt_tokens=ids, max_tokens=req.max_tokens, temperature=req.temperature,
+                                   top_p=req.top_p, stop_ids=sorted(set(stops)), seed=req.seed, adapter=req.adapter,
+                                   labels=labels)
+        except RequestError as e:
+            raise BadRequest(str(e)) from None
+        out.append(dataclasses.replace(req, tokens=tuple(ids), checked=checked))  # the engine thread never tokenizes
     return out
 
 

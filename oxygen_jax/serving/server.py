@@ -549,9 +549,8 @@ class PolicyServer:
         deadline = requests.deadline_s(sample, max_ms=c.max_deadline_ms)
         language = requests.parse_language_requests(
             sample.get("language_requests"), max_requests=c.max_requests_per_robot,
-            default_max_tokens=e.max_new_tokens, max_new_tokens=e.max_new_tokens, max_prompt_chars=c.max_prompt_chars)
-        language = requests.tokenize_requests(language, getattr(self.engine, "tokenizer", None),
-                                              prompt_capacity=e.prompt_capacity)
+            default_max_tokens=e.max_new_tokens, max_prompt_chars=c.max_prompt_chars)
+        language = requests.check_requests(language, getattr(self.engine, "tokenizer", None), limits=self.engine.limits)
         try:
             observation = self.codec.prepare(sample)
             state = transforms.client_state(self.robot, sample)
