@@ -417,6 +417,8 @@ async def _serve_until_signal(server: PolicyServer, sock: socket.socket | None =
     one = "; one robot needs only --batch-sizes 1" if len(c.buckets) > 1 else ""
     print(f"listening on ws://{c.host}:{server.port} (robot {server.robot.name}); compiling batch sizes "
           f"{list(c.buckets)} ... (/healthz answers 503 until done{one})", flush=True)
+    if server.metrics.speculation is not None:
+        print(server.metrics.speculation.describe(server.engine.config.verify_cost), flush=True)
     warm = asyncio.ensure_future(server.wait_ready())
     await asyncio.wait([warm, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if warm.done() and warm.exception() is not None:

@@ -95,3 +95,41 @@ def test_haproxy_config_renders_one_checked_server_per_replica():
                  "stick on url_param(robot)", "timeout tunnel"):
         assert line in text, line
     assert "${" not in text  # every placeholder filled
+
+
+def test_a_speculating_server_names_its_drafter_in_metadata_healthz_and_metrics():
+    import dataclasses
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from oxygen_jax.robots.tokenizer import train_demo_tokenizer
+    from oxygen_jax.serving import health
+    from oxygen_jax.serving.records import StepOutput, Stream
+    from oxygen_jax.serving.server import PolicyServer
+    from test_serve import ROBOT
+
+    plain, engine = ScriptedEngine(), ScriptedEngine()
+    engine.config = dataclasses.replace(engine.config, speculate=3, verify_cost=1.5)
+    servers = [PolicyServer(e, train_demo_tokenizer(), ROBOT) for e in (plain, engine)]  # not started: no compile
+    try:
+        off, on = servers
+        stream = Stream(id=0, deadline_s=0.1)
+        assert "speculative" not in off.metadata(stream) and "speculative" not in health.of_server(off).as_dict()
+        assert "speculative" not in off.metrics.render()[0]
+        assert on.metadata(stream)["speculative"] == {"draft_tokens": 3, "drafter": on.metrics.speculation.summary()[
+            "drafter"], "verify_cost": 1.5}
+        for proposed, accepted in ((10, 7), (0, 0), (2, 2)):  # three steps' results
+            on.metrics.on_step(StepOutput(results=[], finished=[], failed=[], emitted={}, rows=0, bucket=0, step_ms=0.0,
+                                          language_active=0, language_queued=0, drafts_proposed=proposed,
+                                          drafts_accepted=accepted))
+        body = health.of_server(on).as_dict()["speculative"]
+        assert (body["draft_tokens"], body["drafts_proposed"], body["drafts_accepted"], body["acceptance_rate"]) == (
+            3, 12, 9, 0.75)
+        text = on.metrics.render()[0]
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert (got["oxygen_speculative_drafts_proposed_total"], got["oxygen_speculative_drafts_accepted_total"],
+                got["oxygen_speculative_acceptance_rate"]) == (12, 9, 0.75)
+        assert on.metrics.speculation.describe(1.5).startswith("speculative decoding on: γ = 3 draft tokens")
+    finally:
+        for s in servers:
+            s._stop_threads()

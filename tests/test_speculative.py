@@ -232,3 +232,21 @@ def test_serve_and_run_take_speculate_as_a_non_negative_gamma(command):
         EngineConfig(speculate=2, verify_cost=0.5)
     with pytest.raises(ValueError, match="verify_cost"):
         EngineConfig(speculate=2, verify_cost=float("nan"))  # NaN compares False with everything
+
+
+def test_a_burst_marks_the_drafts_it_rejected_so_the_host_counts_proposed_and_accepted(dense):
+    lm, prefix, bank = dense  # the greedy test's pool shape: its compiled programs
+    assert speculative.draft_counts(np.array([[5, 6, -2, -2, 7, -1, -1, -1]]), 3) == (3, 1)  # the docstring's steps
+    free, _ = _run(lm, prefix, bank, _requests([M] * NS, [-1] * NS), speculate=False)
+    counts = {}
+    for name, ref in [("right", _refs(free)), ("wrong", _refs(np.where(free >= 0, (free + 1) % lm.vocab_size, -1)))]:
+        pool = decode.init_pool(lm, NS, decode.prefix_length(prefix), M, Q, speculate=G)
+        pool, _, _ = decode.admit(lm, pool, prefix, _requests([M] * NS, [-1] * NS, ref), bank)
+        pool, toks = speculative.verify_burst(lm, pool, M, bank)
+        np.testing.assert_array_equal(np.asarray(pool.tokens), free, err_msg=name)
+        counts[name] = speculative.draft_counts(np.asarray(toks), G)
+    # Right drafts: every draft accepted; each slot emits its M - 1 burst tokens in ceil((M - 1) / (γ + 1)) steps.
+    steps = -(-(M - 1) // (G + 1))
+    assert counts["right"] == (NS * (M - 1 - steps),) * 2
+    proposed, accepted = counts["wrong"]
+    assert proposed > accepted  # the previous answer's first token is wrong: its draft is rejected

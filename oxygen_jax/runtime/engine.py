@@ -120,6 +120,8 @@ class StepResult:
     steps: int = 0  # decode (or verify) steps this frame's burst ran
     tokens_per_step: float = 0.0  # burst tokens per (slot, step) that emitted: 1 plain, up to γ + 1 speculative
     fallbacks: dict[int, str] = dataclasses.field(default_factory=dict)  # batch row -> why its chunk is openpi's zeros
+    drafts_proposed: int = 0  # speculation: draft tokens this frame's verify steps checked (`speculative.draft_counts`)
+    drafts_accepted: int = 0  # of which emitted
 
 
 def _float32_finite(x) -> bool:
@@ -568,6 +570,7 @@ class Engine:
             head_actions={n: np.asarray(a) for n, a in out.actions.items()}, steps=events.steps,
             new_tokens={rid: [int(t) for t in toks] for rid, toks in events.emitted.items()},
             tokens_per_step=events.burst_tokens / max(events.slot_steps, 1),
+            drafts_proposed=events.drafts[0], drafts_accepted=events.drafts[1],
         )
 
     def requests_of(self, owner: object) -> list[int]:

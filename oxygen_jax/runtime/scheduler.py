@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from oxygen_jax.runtime import decode
+from oxygen_jax.runtime import decode, speculative
 from oxygen_jax.runtime.draft_book import DraftBook
 
 
@@ -84,6 +84,7 @@ class FrameEvents:
       burst_tokens: tokens the burst emitted (token 0 of a request comes from its admission, not counted).
       slot_steps: (slot, step) pairs that emitted: burst_tokens / slot_steps is the accepted tokens per step
         of a slot (1 without speculation, up to γ + 1 with it).
+      drafts: (draft tokens proposed, accepted) this frame under speculation (`speculative.draft_counts`).
     """
 
     admitted: list[Ticket]
@@ -93,6 +94,7 @@ class FrameEvents:
     steps: int
     burst_tokens: int = 0
     slot_steps: int = 0
+    drafts: tuple[int, int] = (0, 0)
 
 
 class Scheduler:
@@ -249,7 +251,9 @@ class Scheduler:
         per_step = burst.reshape(burst.shape[0], -1, self.speculate + 1).any(axis=2)  # [Ns, steps]
         return FrameEvents(admitted=admitted, emitted=emitted, finished=finished, batch=int(out.batch),
                            steps=int(per_step.any(axis=0).sum()), burst_tokens=int(burst.sum()),
-                           slot_steps=int(per_step.sum()))
+                           slot_steps=int(per_step.sum()),
+                           drafts=speculative.draft_counts(new_tokens[:, 1:], self.speculate) if self.speculate
+                           else (0, 0))
 
     def reset_live(self) -> list[Ticket]:
         """Forgets every live request (after the pool was rebuilt); returns them."""

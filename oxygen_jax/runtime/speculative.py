@@ -28,6 +28,10 @@ and a point-mass draft q = δ_d (deterministic drafts): accept d_i with probabil
 = p(d_i); on rejection draw from the residual norm(max(0, p - q)) = p without d_i, renormalised; after a
 fully accepted draft draw from p. Each emitted token is thus distributed as p, as in plain sampling.
 
+**What a burst returns.** Emitted tokens in order, -1 where nothing was emitted, and `REJECTED` (-2) at
+the draft entries a verify step fed but did not emit: a host that reads only ids >= 0 sees the tokens, and
+one that counts also reads the drafts without another transfer (`draft_counts`).
+
 A stop id among the emitted tokens ends the request there. The pool keeps the fed entries up to the last
 emitted token's predecessor (the last emitted token is the next pending one), so K/V past them are masked
 and later overwritten (roll-back by position, no copies); a decoder with a carry leaves it at the last kept
@@ -46,12 +50,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from oxygen_jax.models.decoder import LanguageDecoder, row_adapters
 from oxygen_jax.runtime import slot_mesh
 from oxygen_jax.runtime.decode import DecodePool, Sampling
 
 _NGRAM = 2  # the n of lookup (b)
+REJECTED = -2  # a burst entry: a draft token fed to a verify step and not emitted
+DRAFTER = "lookup: the robot's previous answer, then n-grams of its references (no draft model)"
+"""What proposes the drafts, for a server's start-up line, metadata and /healthz."""
 _SLACK = 1e-4  # float tolerance of the budget test (costs are sums of a few decimals)
 
 
@@ -159,7 +167,10 @@ def _stops(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 
 def _verify_block(lm: LanguageDecoder, pool: DecodePool, draft: jax.Array, length: jax.Array, bank=None):
     """Verifies draft [Ns, T - 1] (valid up to `length` [Ns]) after every active slot's pending token: (pool,
-    emitted int32 [Ns, T], -1 past what a slot emitted)."""
+    emitted int32 [Ns, T], `REJECTED` at the fed entries past what a slot emitted, -1 past those).
+
+    Example (γ 3, a slot drafting 3 tokens, 1 accepted): [d_0, own, -2, -2]; drafting 0: [own, -1, -1, -1].
+    """
     cap, ns = pool.capacity, pool.num_slots
     t = draft.shape[1] + 1
     act, g = pool.active, pool.num_generated
@@ -200,7 +211,7 @@ def _verify_block(lm: LanguageDecoder, pool: DecodePool, draft: jax.Array, lengt
         last_token=jnp.where(act, last, pool.last_token),
         active=act & ~stopped & (n < pool.sampling.budget),
     )
-    return pool, jnp.where(kept, emitted, -1)
+    return pool, jnp.where(kept, emitted, jnp.where(valid, REJECTED, -1))
 
 
 def _budgeted_step(lm: LanguageDecoder, carry, budget: float, bank=None):
@@ -241,8 +252,8 @@ def verify_burst(lm: LanguageDecoder, pool: DecodePool, num_steps: int, bank=Non
     drafts (`_budgeted_step`). The budget changes when tokens come, never which tokens.
 
     Returns:
-      (pool, tokens int32 [Ns, num_steps (γ + 1)]: step s emitted columns s (γ + 1) ... in order, -1 where
-      nothing was emitted).
+      (pool, tokens int32 [Ns, num_steps (γ + 1)]: step s emitted columns s (γ + 1) ... in order, `REJECTED`
+      at draft entries fed and not emitted, -1 where nothing was fed).
     """
     if pool.draft_len < 1 or pool.draft_ref is None:
         raise ValueError("verify_burst needs a speculative pool: build it with decode.init_pool(..., speculate=γ >= 1)")
@@ -253,3 +264,18 @@ def verify_burst(lm: LanguageDecoder, pool: DecodePool, num_steps: int, bank=Non
         return pool, jnp.moveaxis(toks, 0, 1).reshape(pool.num_slots, -1)
 
     return slot_mesh.on_slot_devices(burst, pool, lm, bank)
+
+
+def draft_counts(burst: np.ndarray, gamma: int) -> tuple[int, int]:
+    """(drafts proposed, drafts accepted) of a burst read on the host (int [Ns, steps (γ + 1)], `verify_burst`).
+
+    A verify step in which a slot emitted e >= 1 tokens and left r entries `REJECTED` proposed e - 1 + r
+    draft tokens and gained e - 1 (its last token is the model's own; where a stop id ended the block
+    inside the draft, the stop is counted as the own token). Example (γ 3): [d_0, own, -2, -2]: proposed 3,
+    accepted 1; [own, -1, -1, -1]: proposed 0, accepted 0.
+    """
+    burst = np.asarray(burst)
+    emitted = burst >= 0
+    slot_steps = int(emitted.reshape(burst.shape[0], -1, gamma + 1).any(axis=2).sum())
+    accepted = int(emitted.sum()) - slot_steps
+    return accepted + int((burst == REJECTED).sum()), accepted

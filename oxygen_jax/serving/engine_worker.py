@@ -221,7 +221,8 @@ class EngineWorker:
             emitted={rid: (toks, res.new_text.get(rid, "")) for rid, toks in getattr(res, "new_tokens", {}).items()
                      if rid not in withdrawn} if res else {},
             bucket=bucket if live else 0, step_ms=step_ms, language_active=self.engine.num_active,
-            language_queued=self.engine.num_queued)
+            language_queued=self.engine.num_queued, drafts_proposed=res.drafts_proposed if res else 0,
+            drafts_accepted=res.drafts_accepted if res else 0)
 
     def _step_rows(self, live: Sequence[Frame], bucket: int):
         """(StepResult, step ms) of one Engine step of the live frames' rows, padded to `bucket`."""

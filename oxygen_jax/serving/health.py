@@ -23,6 +23,9 @@ Body (every field is always present; counts are integers):
      "language_queued": 0,       # language requests waiting for a decode slot
      "queue_depth": 0}           # frames waiting for a step
 
+An engine that decodes speculatively adds "speculative": {"draft_tokens": γ, "drafter": ..., "drafts_proposed",
+"drafts_accepted", "acceptance_rate"} (`metrics.Speculation`); without speculation the key is absent.
+
 "full" is `robot_slots_free == 0`: every robot slot or every connection is taken. A connection takes
 its robot slot with its first frame, so open handshakes count as connections, not robots (an idle
 handshake cannot lock robots out; it is closed after --first-frame-timeout).
@@ -52,6 +55,7 @@ class Health:
     language_slots: int
     language_queued: int
     queue_depth: int
+    speculative: dict | None = None  # drafts so far when the engine decodes speculatively (`metrics.Speculation`)
 
     @property
     def robot_slots_free(self) -> int:
@@ -77,7 +81,8 @@ class Health:
         return 200 if self.status == "ok" else 503
 
     def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in _FIELDS}
+        extra = {} if self.speculative is None else {"speculative": self.speculative}
+        return {**{name: getattr(self, name) for name in _FIELDS}, **extra}
 
     def body(self) -> str:
         return json.dumps(self.as_dict()) + "\n"
@@ -90,7 +95,8 @@ def of_server(server) -> Health:
         ready=server.healthy, draining=server._draining, robots=len(server._robots), robot_slots=config.max_robots,
         connections=len(server._streams), connection_slots=config.max_connections,
         language_active=int(engine.num_active), language_slots=int(engine.config.num_slots),
-        language_queued=int(engine.num_queued), queue_depth=server.batcher.queue_depth)
+        language_queued=int(engine.num_queued), queue_depth=server.batcher.queue_depth,
+        speculative=None if server.metrics.speculation is None else server.metrics.speculation.summary())
 
 
 def respond(connection, health: Health):

@@ -1,13 +1,60 @@
 """Prometheus metrics of one policy server (`GET /metrics`), in the server's own registry.
 
 Counters and histograms are updated by the server (frames by outcome, refused connections by reason)
-and by `on_step` after every engine step; gauges read the server's state when scraped.
+and by `on_step` after every engine step; gauges read the server's state when scraped. An engine that
+decodes speculatively (`EngineConfig.speculate` = γ > 0) adds its drafts (`Speculation`):
+
+    oxygen_speculative_drafts_proposed_total 120.0   # draft tokens its verify steps checked
+    oxygen_speculative_drafts_accepted_total 84.0    # of which emitted
+    oxygen_speculative_acceptance_rate 0.7           # accepted / proposed since start (0 before any draft)
+
+They come from each step's results (`StepOutput.drafts_proposed`), read with the step's tokens: no
+transfer of their own.
 """
 
 from __future__ import annotations
 
+from oxygen_jax.runtime.speculative import DRAFTER
 from oxygen_jax.serving import health
 from oxygen_jax.serving.records import StepOutput
+
+
+class Speculation:
+    """Drafts proposed and accepted since start, as Prometheus counters and as numbers (`/healthz`)."""
+
+    def __init__(self, gamma: int, registry=None):
+        """`gamma`: draft tokens per verify step (`EngineConfig.speculate`); `registry`: where the counters go."""
+        from prometheus_client import Counter, Gauge
+
+        self.gamma, self.proposed, self.accepted = gamma, 0, 0
+        self._proposed = Counter("oxygen_speculative_drafts_proposed", "Draft tokens verify steps checked",
+                                 registry=registry)
+        self._accepted = Counter("oxygen_speculative_drafts_accepted", "Draft tokens accepted (emitted)",
+                                 registry=registry)
+        Gauge("oxygen_speculative_acceptance_rate", "Drafts accepted / proposed since start",
+              registry=registry).set_function(lambda: self.acceptance_rate)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / proposed (0.0 before any draft): e.g. 84 of 120 -> 0.7."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self._proposed.inc(proposed)
+        self._accepted.inc(accepted)
+
+    def describe(self, verify_cost: float) -> str:
+        """The server's start-up line, e.g. "speculative decoding on: γ = 4 draft tokens per verify step ..."."""
+        return (f"speculative decoding on: γ = {self.gamma} draft tokens per verify step (drafter: {DRAFTER}; a "
+                f"verify step costs {verify_cost:g} decode steps); drafts proposed / accepted in /metrics "
+                "(oxygen_speculative_*) and /healthz")
+
+    def summary(self) -> dict:
+        """What `/healthz` and the metadata say of it."""
+        return {"draft_tokens": self.gamma, "drafter": DRAFTER, "drafts_proposed": self.proposed,
+                "drafts_accepted": self.accepted, "acceptance_rate": round(self.acceptance_rate, 4)}
 
 
 class Metrics:
@@ -44,6 +91,8 @@ class Metrics:
         health.add_gauges(r, server)  # slots free, accepting, draining: what a load balancer reads
         self.lang_active = Gauge("oxygen_language_active", "Language requests decoding", registry=r)
         self.lang_queued = Gauge("oxygen_language_queued", "Language requests waiting for a slot", registry=r)
+        gamma = getattr(server.engine.config, "speculate", 0)
+        self.speculation = Speculation(gamma, r) if gamma else None
 
     def on_step(self, out: StepOutput) -> None:
         if out.rows:
@@ -60,6 +109,8 @@ class Metrics:
         self.tokens.inc(sum(len(f.tokens) for f in out.finished))
         self.lang_active.set(out.language_active)
         self.lang_queued.set(out.language_queued)
+        if self.speculation is not None:
+            self.speculation.add(out.drafts_proposed, out.drafts_accepted)
 
     def render(self) -> tuple[str, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -133,3 +133,5 @@ class StepOutput:
     step_ms: float  # Engine.step wall time (0 when every frame was rejected)
     language_active: int
     language_queued: int
+    drafts_proposed: int = 0  # speculative decoding: draft tokens the step's verify steps checked
+    drafts_accepted: int = 0  # of which emitted (`StepResult.drafts_accepted`)

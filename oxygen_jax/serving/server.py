@@ -58,7 +58,8 @@ Extensions, ignored by clients that do not use them (openpi's client passes extr
 * Metadata: {"server": "oxygen_jax", "stream", "robot", "action_horizon", "action_dim", "batch_sizes",
   "devices", "step_ms" (steady step time per batch size, measured at warm-up), "deadline_ms",
   "max_message_bytes", "language": {...limits}, "noise": {"seed", "rule"}}, plus "reset_pose" for
-  ALOHA (what openpi's ALOHA configs send).
+  ALOHA (what openpi's ALOHA configs send) and "speculative": {"draft_tokens", "drafter", "verify_cost"}
+  when the engine decodes speculatively (its drafts so far: `/healthz`, `/metrics`).
 * Real-time chunking (`ServeConfig.rtc`): an observation's "rtc" map names the chunk the robot is executing,
   how many of its actions it has executed and its delay in actions; the response's "rtc" map says which
   actions are new (`serving.rtc_session`, docs/rtc.md). Frames without it are served as before.
@@ -89,6 +90,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from oxygen_jax.robots.config import RobotConfig
+from oxygen_jax.runtime.speculative import DRAFTER
 from oxygen_jax.serving import auto_language, health, requests, rtc_session, wire
 from oxygen_jax.serving.auto_language import AutoLanguage
 from oxygen_jax.serving.batcher import BUCKETS, Batcher, Busy
@@ -260,6 +262,8 @@ class PolicyServer:
             meta["language"]["auto"] = {"prompt": a.prompt, "max_tokens": self.auto.request.max_tokens,
                                         "temperature": a.temperature, "seed": a.seed, "adapter": a.adapter,
                                         "mode": a.mode, "tag": a.tag}
+        if self.metrics.speculation is not None:
+            meta["speculative"] = {"draft_tokens": e.speculate, "drafter": DRAFTER, "verify_cost": e.verify_cost}
         if self.rtc is not None:
             meta["rtc"] = self.rtc.metadata()
         if r.name == "aloha":
