@@ -201,6 +201,10 @@ def _parser() -> argparse.ArgumentParser:
         "advancing request's new tokens and text so far ('language.updates') and each final text once")
     auto.add_argument("--auto-language", metavar="PROMPT",
                       help="the prompt of the request opened for every observation, e.g. 'Memory: ' (off without it)")
+    # A flag of its own, not a prefix of --auto-language: any text (even "ids:1,2") stays a text prompt.
+    auto.add_argument("--auto-language-ids", type=_token_ids, metavar="IDS",
+                      help="the same prompt as token ids, for a checkpoint without a tokenizer, e.g. 12,34,56 (checked "
+                           "against the model's vocabulary at start-up); instead of --auto-language")
     auto.add_argument("--auto-max-tokens", type=_positive_int, metavar="N",
                       help="its token budget (default: --max-new-tokens)")
     auto.add_argument("--auto-temperature", type=float_in(0.0), default=0.0, metavar="T",
@@ -447,21 +451,37 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         send_buffer_bytes=args.send_buffer_kb << 10, rtc=args.rtc, auto_language=_auto_language(args))
 
 
+def _token_ids(text: str) -> tuple[int, ...]:
+    """--auto-language-ids: "12,34,56" -> (12, 34, 56); argparse's one-line error otherwise."""
+    try:
+        ids = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        ids = ()
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids (integers >= 0), e.g. 12,34,56; "
+                                         f"got {text!r:.60}")
+    return ids
+
+
 def _auto_language(args: argparse.Namespace) -> AutoLanguage | None:
     """--auto-language and its options (None without it); ValueError naming an option given without it."""
-    if args.auto_language is None:
+    if args.auto_language is not None and args.auto_language_ids is not None:
+        raise ValueError("argument --auto-language-ids: give the automatic prompt as text (--auto-language) or as "
+                         "token ids (--auto-language-ids), not both")
+    if args.auto_language is None and args.auto_language_ids is None:
         given = [f"--auto-{n.replace('_', '-')}" for n, unset in (("max_tokens", None), ("temperature", 0.0),
                                                                   ("seed", None), ("adapter", "base"),
                                                                   ("mode", "new_each_call"))
                  if getattr(args, f"auto_{n}") != unset]
         if given:
             raise ValueError(f"argument {given[0]}: it sets the automatic language request: give --auto-language "
-                             "PROMPT too, or drop it")
+                             "PROMPT (or --auto-language-ids IDS) too, or drop it")
         return None
     if args.auto_max_tokens is not None and args.auto_max_tokens > args.max_new_tokens:
         raise ValueError(f"argument --auto-max-tokens: {args.auto_max_tokens} is above --max-new-tokens "
                          f"{args.max_new_tokens}: lower it or raise --max-new-tokens")
-    return AutoLanguage(prompt=args.auto_language, max_tokens=args.auto_max_tokens, temperature=args.auto_temperature,
+    return AutoLanguage(prompt=args.auto_language, prompt_tokens=args.auto_language_ids,
+                        max_tokens=args.auto_max_tokens, temperature=args.auto_temperature,
                         seed=args.auto_seed, adapter=args.auto_adapter, mode=args.auto_mode)
 
 

@@ -21,6 +21,9 @@ from oxygen_jax.serving.auto_language import AutoLanguage
     (["--auto-language", "Memory: ", "--auto-max-tokens", "33"], "--auto-max-tokens"),  # above --max-new-tokens 32
     (["--auto-seed", "3"], "--auto-seed"),  # an automatic-request option without --auto-language
     (["--preset", "tiny", "--auto-language", "Memory: ", "--auto-adapter", "nope"], "--auto-adapter"),  # after loading
+    (["--auto-language-ids", "12,x"], "--auto-language-ids"),
+    (["--auto-language", "Memory: ", "--auto-language-ids", "12"], "--auto-language-ids"),  # text or ids, not both
+    (["--preset", "tiny", "--auto-language-ids", "12,99999999"], "--auto-language-ids"),  # beyond the vocabulary
 ])
 def test_a_bad_automatic_request_option_is_refused_at_start_up_in_one_line(argv, name, capsys):
     try:
@@ -71,3 +74,20 @@ def test_library_info_lines_are_quiet_at_the_default_level_and_shown_at_debug():
             logging.getLogger(n).setLevel(logging.NOTSET)
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+def test_token_id_auto_language_needs_no_tokenizer_and_is_checked_against_the_vocabulary():
+    from oxygen_jax.serving.auto_language import prepare
+    from test_serve import ScriptedEngine
+
+    args = _parser().parse_args(["--auto-language-ids", "12,34,56", "--auto-max-tokens", "3"])
+    auto = serve_config(args).auto_language
+    assert auto == AutoLanguage(prompt_tokens=(12, 34, 56), max_tokens=3)
+    engine = ScriptedEngine()
+    engine.tokenizer = None  # a checkpoint without one
+    assert prepare(auto, engine, max_prompt_chars=64).request.checked.prompt == (12, 34, 56)
+    vocab = engine.limits.vocab_size
+    with pytest.raises(ValueError, match=rf"^--auto-language-ids: .*token ids in \[0, {vocab}\)"):
+        prepare(AutoLanguage(prompt_tokens=(12, vocab)), engine, max_prompt_chars=64)
+    with pytest.raises(ValueError, match="exactly one"):
+        AutoLanguage(prompt="Memory: ", prompt_tokens=(1,))

@@ -3,7 +3,9 @@
 OxyGen's server opens a memory request ("Memory: ") on every call (`new_each_call`); a robot then reads the
 text as it grows from the per-frame updates of its replies (`serving.outbox`), with no change on its side:
 an unmodified openpi client gets them. `ServeConfig.auto_language = AutoLanguage(prompt="Memory: ", ...)`
-(`serve --auto-language PROMPT`) turns it on for every robot of a server.
+(`serve --auto-language PROMPT`) turns it on for every robot of a server; a checkpoint without a tokenizer
+takes the prompt as token ids, `AutoLanguage(prompt_tokens=(12, 34, 56))` (`serve --auto-language-ids 12,34,56`),
+each checked against the model's vocabulary at start-up.
 
 What happens to a robot's automatic request that is still running when its next observation arrives is
 `AutoLanguage.mode`:
@@ -39,7 +41,8 @@ MODES = ("new_each_call", "keep", "replace")
 class AutoLanguage:
     """The language request a server opens for each observation (CLI: `serve --auto-*`)."""
 
-    prompt: str  # the request's prompt, e.g. "Memory: " (text, in the model's tokenizer)
+    prompt: str | None = None  # the request's prompt, e.g. "Memory: " (text, in the model's tokenizer)
+    prompt_tokens: tuple[int, ...] | None = None  # or its token ids, for a model without a tokenizer (one of the two)
     max_tokens: int | None = None  # token budget; None: the engine's max_new_tokens (--max-new-tokens)
     temperature: float = 0.0  # 0 is greedy
     seed: int | None = None  # the sampling seed of every automatic request; None: each request's own id
@@ -48,8 +51,15 @@ class AutoLanguage:
     tag: str = "auto"  # the "tag" of its accepted / updates / finished entries
 
     def __post_init__(self):
-        if not isinstance(self.prompt, str):
+        if (self.prompt is None) == (self.prompt_tokens is None):
+            raise ValueError("AutoLanguage takes a prompt (--auto-language PROMPT) or its token ids "
+                             "(--auto-language-ids 12,34,56): exactly one of the two")
+        if self.prompt is not None and not isinstance(self.prompt, str):
             raise ValueError(f"AutoLanguage.prompt (--auto-language) must be text, got {type(self.prompt).__name__}")
+        if self.prompt_tokens is not None and (not isinstance(self.prompt_tokens, tuple)
+                                               or not all(isinstance(t, int) and t >= 0 for t in self.prompt_tokens)):
+            raise ValueError("AutoLanguage.prompt_tokens (--auto-language-ids) must be a tuple of token ids (integers "
+                             f">= 0), got {self.prompt_tokens!r:.60}")
         if self.mode not in MODES:
             raise ValueError(f"AutoLanguage.mode (--auto-mode) must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.max_tokens is not None and not self.max_tokens >= 1:
@@ -111,7 +121,7 @@ def prepare(auto: AutoLanguage | None, engine, *, max_prompt_chars: int) -> Auto
         raise ValueError(f"--auto-max-tokens {max_tokens} is above the engine's token cap {e.max_new_tokens}: lower it "
                          "or raise --max-new-tokens")
     tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None and auto.prompt:
+    if tokenizer is None and auto.prompt:  # token ids need none
         raise ValueError("--auto-language: this model has no tokenizer for a text prompt; pass the checkpoint's "
                          "tokenizer with --tokenizer")
     adapters = getattr(engine, "adapters", {"base": 0})
@@ -125,14 +135,18 @@ def prepare(auto: AutoLanguage | None, engine, *, max_prompt_chars: int) -> Auto
             check_temperature(auto.temperature)
         except ValueError as err:
             raise ValueError(f"--auto-temperature: {err}") from None
+    prompt = {"prompt": auto.prompt} if auto.prompt_tokens is None else {"prompt_tokens": list(auto.prompt_tokens)}
     try:
         (req,) = requests.parse_language_requests(
-            [{"prompt": auto.prompt, "max_tokens": max_tokens, "temperature": float(auto.temperature),
+            [{**prompt, "max_tokens": max_tokens, "temperature": float(auto.temperature),
               "adapter": auto.adapter, **({} if auto.seed is None else {"seed": auto.seed})}],
             max_requests=1, default_max_tokens=max_tokens, max_prompt_chars=max_prompt_chars)
         (req,) = requests.check_requests([req], tokenizer, limits=engine.limits)
     except requests.BadRequest as err:
         what = str(err).replace("language_requests[0].", "the automatic request's ")
+        if auto.prompt_tokens is not None and "token ids in" in what:  # outside the model's vocabulary
+            raise ValueError(f"--auto-language-ids: {what}; use ids of this model's tokenizer") from None
         cap = "--max-prompt-chars" if "characters" in what else "--prompt-capacity"
-        raise ValueError(f"--auto-language: {what}; shorten the prompt or raise {cap}") from None
+        flag = "--auto-language" if auto.prompt_tokens is None else "--auto-language-ids"
+        raise ValueError(f"{flag}: {what}; shorten the prompt or raise {cap}") from None
     return AutoRequests(auto, dataclasses.replace(req, tag=auto.tag, auto=True))

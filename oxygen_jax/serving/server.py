@@ -259,7 +259,8 @@ class PolicyServer:
         meta.update(codec)
         if self.auto is not None:
             a = self.auto.auto
-            meta["language"]["auto"] = {"prompt": a.prompt, "max_tokens": self.auto.request.max_tokens,
+            prompt = {"prompt": a.prompt} if a.prompt_tokens is None else {"prompt_tokens": list(a.prompt_tokens)}
+            meta["language"]["auto"] = {**prompt, "max_tokens": self.auto.request.max_tokens,
                                         "temperature": a.temperature, "seed": a.seed, "adapter": a.adapter,
                                         "mode": a.mode, "tag": a.tag}
         if self.metrics.speculation is not None:
