@@ -171,6 +171,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 layout', '2 layouts'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def to_markdown(report: Mapping, title: str = "Memory adapter evaluation") -> str:
     """A readable report: headline table, per-label accuracy, confusion, action differences, wrong answers."""
     lines = [f"# {title}", "", f"{report['n']} held-out frames, request prompt {report['prompt']!r}, label "
@@ -190,8 +195,8 @@ def to_markdown(report: Mapping, title: str = "Memory adapter evaluation") -> st
     lines.append(f"| action max abs diff on/off, on/zeroed, off/zeroed | {a['on_vs_off']:g}, {a['on_vs_zeroed']:g}, "
                  f"{a['off_vs_zeroed']:g} |")
     if "train_layouts" in report:
-        lines += ["", f"Trained on {report['train_frames']} frames from {report['train_layouts']} layouts "
-                      "(instruction, init index)."]
+        lines += ["", f"Trained on {_count(report['train_frames'], 'frame')} from "
+                      f"{_count(report['train_layouts'], 'layout')} (instruction, init index)."]
     lines += ["", "## Per label", "", "| label | n | correct | accuracy |", "|---|---|---|---|"]
     for label, row in report["per_label"].items():
         lines.append(f"| {label} | {row['n']} | {row['correct']} | {_pct(row['accuracy'])} |")
@@ -274,9 +279,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from training.memory.config import DEMO_PROMPT_LEN
     from training.data.lerobot.keys import KeyMap
     from training.data.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
+    from training.data.folders import check_data_folder, lerobot_flags_given
     from training.data.frames import open_memory_dataset
 
     try:
+        if args.libero_hdf5 is None:  # before the base loads: what --data holds, what is expected, "did you mean"
+            check_data_folder(args.data, lerobot_flags=lerobot_flags_given(args))
         params, _, _ = load_base(args.base, args.base_dtype)
         adapter, meta = load_any(args.adapter, params.config, base=args.base)
         if is_lerobot_dataset(args.data):  # splits by episode, the adapter's target (training.data.lerobot.splits)

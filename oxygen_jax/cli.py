@@ -20,6 +20,20 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each option's default printed once: "(default: X)" unless its help already states the
+    default (it then says what an unset option means); not for unset options (None, an empty list) or
+    switches. argparse prints nothing for an option without help text: give every option one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        unset = d is None or d is False or d == argparse.SUPPRESS or (isinstance(d, list) and not d)
+        if "(default" in text or "default:" in text or unset:  # (0 and 0.0 are defaults to show)
+            return text
+        return super()._get_help_string(action)
+
+
 def int_at_least(minimum: int, what: str | None = None):
     """An argparse type: an integer >= minimum."""
     what = what or f"an integer >= {minimum}"

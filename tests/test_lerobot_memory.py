@@ -95,3 +95,5 @@ def test_memory_eval_on_the_held_out_episode(trained):
     assert report["action_max_abs_diff"] == {"on_vs_off": 0.0, "on_vs_zeroed": 0.0, "off_vs_zeroed": 0.0}
     held_out = open_lerobot_split(fixture("lerobot_libero_tiny", "dataset"), "heldout", heldout=[1])
     assert set(report["per_label"]) <= {held_out.texts(k)["memory"].casefold().rstrip(".") for k in range(len(held_out))}
+    n = report["train_layouts"]  # LeRobot frames have no init index: often one layout per instruction, so "1 layout"
+    assert f"from {n} layout{'' if n == 1 else 's'} (instruction" in (report_dir / "memory_eval.md").read_text()

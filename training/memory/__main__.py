@@ -31,7 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from oxygen_jax.cli import OneLineParser, float_in, int_at_least
+from oxygen_jax.cli import DefaultsHelpFormatter, OneLineParser, float_in, int_at_least
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME, replace_dir, save_adapter, tree_digest
 from oxygen_jax.robots.config import RobotConfig, robot_config
@@ -49,6 +49,7 @@ from oxygen_jax.ckpts.load import base_tokenizer
 from training.memory.model import load_base, make_mesh, with_base_trainable
 from training.memory.run_folder import RunFolder
 from training.data.frames import frame_texts, open_memory_dataset
+from training.data.folders import check_data_folder, lerobot_flags_given
 from training.data.lerobot.keys import KeyMap
 from training.data.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
 
@@ -110,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                     "pre-train the base (VLM expert + SigLIP + embedding) on a text task with --mode base. "
                     "Data: a memory dataset folder (training.data.frames / training.data.synthetic_memory / "
                     "training.data.libero --export-tfds). Resumes from OUT/checkpoints when it exists.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         epilog="Outputs in OUT: adapter/ (adapter mode: load with oxygen_jax.ckpts.adapters.load_bank) or base/ (base "
                "mode: oxygen_jax.ckpts.own.restore_params), tokenizer.model, checkpoints/ (orbax, for resuming), "
                "metrics.jsonl, run.json. Assemble the embedded demo folder from a base and an adapter run with "
@@ -154,22 +155,23 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--key-map", action="append", default=[], metavar="FIELD=FEATURE",
                    help="LeRobot data: the feature feeding image / wrist_image / state / actions, e.g. "
                         "wrist_image=observation.images.hand (repeatable; default: openpi's and LeRobot's names)")
-    t.add_argument("--train-split", default="train")
-    t.add_argument("--eval-split", default="heldout")
+    t.add_argument("--train-split", default="train", help="split of --data to train on")
+    t.add_argument("--eval-split", default="heldout", help="held-out split for greedy exact match ('': none)")
     t.add_argument("--suffix-len", type=int_at_least(2), default=None,
                    help=f"T (default: longest prompt + label + EOS in train; at most {MAX_SUFFIX_LEN})")
     o = p.add_argument_group("optimisation")
     d = TrainConfig()
-    o.add_argument("--steps", type=int_at_least(1), default=d.steps)
-    o.add_argument("--batch-size", type=int_at_least(1), default=d.batch_size)
-    o.add_argument("--rank", type=int_at_least(1), default=d.rank)
+    o.add_argument("--steps", type=int_at_least(1), default=d.steps, help="optimizer steps")
+    o.add_argument("--batch-size", type=int_at_least(1), default=d.batch_size,
+                   help="B: frames per step (at most the train split's frames; a multiple of --devices)")
+    o.add_argument("--rank", type=int_at_least(1), default=d.rank, help="LoRA rank")
     o.add_argument("--alpha", type=float_in(0, low_open=True), default=None, help="LoRA alpha (default: rank)")
     o.add_argument("--targets", default=",".join(d.targets), help="comma-separated LoRA targets")
     o.add_argument("--lr", type=float_in(0, low_open=True), default=None, help="peak learning rate (default 3e-3 adapter, 1e-3 base)")
     o.add_argument("--final-lr", type=float_in(0), default=None, help="end of the cosine (default peak / 30)")
-    o.add_argument("--warmup", type=int_at_least(0), default=d.warmup_steps)
-    o.add_argument("--weight-decay", type=float_in(0), default=d.weight_decay)
-    o.add_argument("--clip-norm", type=float_in(0, low_open=True), default=d.clip_norm)
+    o.add_argument("--warmup", type=int_at_least(0), default=d.warmup_steps, help="linear warm-up steps to the peak")
+    o.add_argument("--weight-decay", type=float_in(0), default=d.weight_decay, help="AdamW weight decay")
+    o.add_argument("--clip-norm", type=float_in(0, low_open=True), default=d.clip_norm, help="global gradient-norm clip")
     o.add_argument("--seed", type=int, default=d.seed, help="batch order, adapter init, random base, augmentation")
     o.add_argument("--augment", type=float_in(0), default=d.augment,
                    help="image augmentation: random shift up to this fraction of the side, brightness x(1 +- it)")
@@ -182,8 +184,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: everything replicated)")
     g = p.add_argument_group("multi-process (see docs/multihost.md; none under SLURM / Open MPI: detected)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address and a free port")
-    g.add_argument("--num-processes", type=int_at_least(1), default=None, metavar="N")
-    g.add_argument("--process-id", type=int_at_least(0), default=None, metavar="I")
+    g.add_argument("--num-processes", type=int_at_least(1), default=None, metavar="N", help="processes in the run")
+    g.add_argument("--process-id", type=int_at_least(0), default=None, metavar="I", help="this process's index, 0 to N-1")
     dist = distributed.DistributedConfig()
     g.add_argument("--heartbeat-timeout", type=int_at_least(1), default=dist.heartbeat_timeout_s, metavar="SECONDS",
                    help="a process silent this long counts as dead: every other process exits non-zero")
@@ -236,6 +238,11 @@ def _run(args, argv: list[str]) -> int:
         raise _Refused("adapter mode needs --base (a π0.5 checkpoint: ours or openpi's)")
     if args.base is not None and not args.base.is_dir():
         raise _Refused(f"--base {args.base}: no such directory (a π0.5 checkpoint: ours or openpi's)")
+    if args.libero_hdf5 is None:  # before --out is touched: a wrong path is the commonest first mistake
+        try:
+            check_data_folder(args.data, lerobot_flags=lerobot_flags_given(args))
+        except FileNotFoundError as e:
+            raise _Refused(f"--data {e}") from None
     try:
         folder = RunFolder.open(args.out)
     except OSError as e:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from oxygen_jax.cli import OneLineParser, existing, int_at_least
+from oxygen_jax.cli import DefaultsHelpFormatter, OneLineParser, existing, int_at_least
 from oxygen_jax.ckpts import own
 from oxygen_jax.ckpts.adapters import DEFAULT_ADAPTER_NAME, load_bank
 from oxygen_jax.demo import DEMO_DIR, DEMO_MANIFEST
@@ -105,15 +105,16 @@ def export_demo(base: str | os.PathLike, adapter: str | os.PathLike, data: str |
 def main(argv: Sequence[str]) -> int:
     """`python -m training.memory export-demo ...`; returns the exit status."""
     p = OneLineParser(prog="python -m training.memory export-demo",
-                      description="Assemble the embedded demo folder from a base run and an adapter run.")
+                      description="Assemble the embedded demo folder from a base run and an adapter run.",
+                      formatter_class=DefaultsHelpFormatter)
     p.add_argument("--base", type=Path, required=True, help="the base run's base/ (own.save_params dir)")
     p.add_argument("--adapter", type=Path, required=True, help="the adapter run's adapter/ (tokenizer.model beside it)")
     p.add_argument("--data", type=Path, required=True, help="memory dataset the frames are taken from")
-    p.add_argument("--split", default="heldout")
+    p.add_argument("--split", default="heldout", help="split of --data the frames come from")
     p.add_argument("--frames", type=int_at_least(1), default=8, help="held-out frames to include (PNG, both cameras)")
     p.add_argument("--eval-json", type=existing("file"), default=None,
                    help="eval.memory_eval's memory_eval.json to summarise (its memory_eval.md is copied too)")
-    p.add_argument("--out", type=Path, default=DEMO_DIR)
+    p.add_argument("--out", type=Path, default=DEMO_DIR, help="the demo folder written")
     args = p.parse_args(argv)
     evaluation = None
     if args.eval_json is not None:

@@ -44,6 +44,12 @@ class TrainResult:
     frames_decoded: int = 0  # training frames this process read and decoded (its rows of every step)
 
 
+def progress_label(config: TrainConfig) -> str:
+    """The progress bar's label: what is trained and for which field, e.g. "memory adapter" or "scene base"
+    (tqdm appends ": ", so the label itself ends in no colon)."""
+    return f"{config.label_key} {config.mode}"
+
+
 def train(
     config: TrainConfig,
     params: Params,
@@ -168,8 +174,7 @@ def train(
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=end, initial=start, unit="step", desc=f"{config.mode} {config.prompt.strip()}",
-                       dynamic_ncols=True)
+            bar = tqdm(total=end, initial=start, unit="step", desc=progress_label(config), dynamic_ncols=True)
         try:
             for step in range(start, end):
                 batch = batches(step)

@@ -2,7 +2,8 @@
 is renamed into place when the run ends, so a refused run leaves `--out` without anything from it.
 
     OUT/ absent or empty      writes .OUT.partial/   ended (finished, stopped, diverged): renamed to OUT/
-                                                     refused: removed
+                                                     refused: removed (with the folders above it the
+                                                     run created)
     OUT/ holds a run          writes OUT/            refused: what this run added is taken back (new
                                                      checkpoints removed, metrics.jsonl cut to its old
                                                      length, run.json and tokenizer.model restored)
@@ -34,11 +35,13 @@ class RunFolder:
       final: `--out`, resolved.
       work: where this run writes (`final`, or the hidden folder beside it).
       created: whether this run created `work`.
+      made_parents: the folders above `work` this run created (deepest first), removed again when it is refused.
     """
 
     final: Path
     work: Path
     created: bool
+    made_parents: tuple[Path, ...] = ()
     _entries: frozenset[str] = frozenset()
     _steps: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
     _log_size: int | None = None
@@ -57,6 +60,7 @@ class RunFolder:
         resume_here = final.is_dir() and any(final.iterdir())
         work = final if resume_here else final.parent / f".{final.name}.partial"
         created = not work.exists()
+        made_parents = tuple(a for a in work.parents if not a.exists())  # deepest first
         work.mkdir(parents=True, exist_ok=True)
         for folder in (work, work / "checkpoints"):
             if folder.is_dir():
@@ -66,7 +70,7 @@ class RunFolder:
         for name in (*_RESTORED, _LOG):
             if (work / name).exists() and not os.access(work / name, os.W_OK):
                 raise PermissionError(f"{work / name} is read-only")
-        return cls(final=final, work=work, created=created, _entries=frozenset(p.name for p in work.iterdir()),
+        return cls(final=final, work=work, created=created, made_parents=made_parents, _entries=frozenset(p.name for p in work.iterdir()),
                    _steps={d: frozenset(p.name for p in (work / d).iterdir()) if (work / d).is_dir() else frozenset()
                            for d in _STEPS},
                    _log_size=(work / _LOG).stat().st_size if (work / _LOG).is_file() else None,
@@ -88,6 +92,11 @@ class RunFolder:
         """The run was refused: nothing it wrote stays (see the module docstring)."""
         if self.created:
             shutil.rmtree(self.work, ignore_errors=True)
+            for parent in self.made_parents:  # e.g. --out a/b/run made a/ and a/b/: gone too, unless now in use
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
             return
         rejected = self.work / "checkpoints.rejected"
         for name in sorted(set(_dir_names(rejected)) - self._steps["checkpoints.rejected"]):
