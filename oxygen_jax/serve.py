@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_jax import command_model as cm
-from oxygen_jax.cli import OneLineParser, float_in, int_at_least
+from oxygen_jax.cli import DefaultsHelpFormatter, OneLineParser, float_in, int_at_least
 from oxygen_jax.runtime import compile_cache
 from oxygen_jax.serving.auto_language import MODES, AutoLanguage
 from oxygen_jax.serving.batcher import BUCKETS
@@ -74,22 +74,9 @@ def _buckets(text: str) -> tuple[int, ...]:
     return values
 
 
-class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
-    """Each default printed once: "(default: X)" unless the help already states the default (it then says
-    what an unset option means), and not for unset options or switches."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        d = action.default
-        unset = d is None or d is False or d == argparse.SUPPRESS or (isinstance(d, list) and not d)
-        if "(default" in text or "default:" in text or unset:  # (0 and 0.0 are defaults to show)
-            return text
-        return super()._get_help_string(action)
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="python -m oxygen_jax.serve", description=__doc__.split("\n\n")[0],
-                        formatter_class=_Defaults)
+                        formatter_class=DefaultsHelpFormatter)
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=["tiny", "bench", "pi05", "pi0", "pi0_tiny"],
                        help="random-weight model size (pi0, pi0_tiny: π0 with its state token; default: tiny, without "

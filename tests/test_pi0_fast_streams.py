@@ -108,9 +108,10 @@ def test_stream_settings_are_checked(world):
 
 def test_serve_chunk_flags_show_their_defaults_configure_the_streams_and_a_model_with_heads_refuses_them(world):
     from oxygen_jax import serve
+    from oxygen_jax.cli import DefaultsHelpFormatter
 
     ap = serve._parser()
-    shown = {a.dest: serve._Defaults("serve")._get_help_string(a) for a in ap._actions if a.dest.startswith("chunk_")}
+    shown = {a.dest: DefaultsHelpFormatter("serve")._get_help_string(a) for a in ap._actions if a.dest.startswith("chunk_")}
     assert set(shown) == set(serve._CHUNK_UNSET) and all("(default: " in text for text in shown.values())
     args = ap.parse_args(["--chunk-slots", "2", "--chunk-max-tokens", "64", "--chunk-deadline-steps", "8",
                           "--chunk-deadline-ms", "40", "--chunk-on-failure", "zeros"])
