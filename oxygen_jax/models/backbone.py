@@ -53,7 +53,7 @@ import numpy as np
 from oxygen_jax.models import hidden_states as hs
 from oxygen_jax.models.lora import LayerRows, RowAdapters, check_bank_fits
 from oxygen_jax.models.siglip import SiglipConfig
-from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked, apply_rope, attention, scan_layers
+from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked, apply_rope, attention, merge_heads, project_heads, scan_layers
 from oxygen_jax.nn.masks import make_attn_mask
 
 Family = Literal["gemma", "qwen3", "qwen3_vl", "qwen3_5"]  # qwen3_5: the full-attention layers of models/qwen35.py
@@ -423,8 +423,8 @@ def _block(spec: BackboneSpec, lp, x, cond, rope, mask, kv_fn: KVFn, lora: Layer
     """
     sin, cos = rope
     h, gate = rms_norm(spec, x, lp.attn_norm, cond)
-    q = jnp.einsum("BTD,NDH->BTNH", h, lp.q.astype(h.dtype))
-    kv = jnp.einsum("BSD,2KDH->2BSKH", h, lp.kv.astype(h.dtype))
+    q = project_heads(h, lp.q.astype(h.dtype))
+    kv = jnp.moveaxis(project_heads(h, lp.kv.astype(h.dtype)), -3, 0)  # [2, B, S, K, H]
     if lora is not None:
         q, kv = lora.add("q", q, h), lora.add("kv", kv, h)
     k, v = kv
@@ -438,7 +438,7 @@ def _block(spec: BackboneSpec, lp, x, cond, rope, mask, kv_fn: KVFn, lora: Layer
     k = _rope_lead(k, sin, cos)
     keys, values = kv_fn(k, v)
     a = attention(q, keys, values, mask)
-    o = jnp.einsum("BTNH,NHD->BTD", a, lp.out.astype(a.dtype))
+    o = merge_heads(a, lp.out.astype(a.dtype))
     if lora is not None:
         o = lora.add("out", o, a)
     x = _residual(x, o, gate)
