@@ -18,7 +18,9 @@ FLOORS = (
     ("oxygen_jax.ckpts", "oxygen_jax.runtime"),
     ("oxygen_jax.serving",),
     ("oxygen_jax.cli", "oxygen_jax.demo", "oxygen_jax.run", "oxygen_jax.serve", "oxygen_jax"),
-    ("training", "eval"),
+    ("training", "training.data", "training.distributed"),  # frames and their sources: no trainer imports
+    ("training.flow",),
+    ("training.memory", "eval"),
 )
 
 
