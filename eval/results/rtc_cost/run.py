@@ -1,6 +1,6 @@
 """What real-time chunking costs per frame: guided / stop-gradient / trained frames against plain ones.
 
-    python -m eval.rtc_sweep_cost --preset bench --robots 1 4 --reps 5 --out eval/results/rtc_cost
+    python -m eval.results.rtc_cost.run --preset bench --robots 1 4 --reps 5 --out eval/results/rtc_cost
 
 All frames run in one process on the same observations (LIBERO, the OxyGen benchmark's variant: 3 cameras,
 100 prompt tokens, P = 868, Ha = 10, 10 denoising steps), with random weights. Each frame is
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                              frame_ms=[round(t, 1) for t in times[b, v]]))
             print(f"B={b} {v:14s} {med:8.1f} ms  x{med / plain:.3f}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python -m eval.rtc_sweep_cost", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m eval.results.rtc_cost.run", *(sys.argv[1:] if argv is None else argv)])
     env = dict(command=command, backend=jax.default_backend(),
                devices=[str(d) for d in jax.devices()], machine=platform.machine(), jax=jax.__version__,
                load_average=list(os.getloadavg()), compile_s=compile_s, args=vars(args) | {"out": str(args.out)})

@@ -1,7 +1,7 @@
 """Reading speed and peak memory of `training.data.lerobot` on a LeRobot v3.0 video dataset, with the decode cache on
 and off.
 
-    python -m eval.lerobot_read_bench [--episodes 8 --length 50 --size 224 --out DIR]
+    python -m eval.results.lerobot_read.run [--episodes 8 --length 50 --size 224 --out DIR]
 
 Writes a synthetic v3.0 dataset (`training.data.lerobot.synthetic`: two AV1 cameras of SIZE x SIZE, LeRobot's encoder
 settings, 4 episodes per file so the files roll over), then in a fresh Python process per configuration reads
@@ -52,7 +52,7 @@ def _child(root: Path, order: str, cache_mb: float, read: bool = True) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.lerobot_read_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m eval.results.lerobot_read.run", description=__doc__.splitlines()[0])
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--length", type=int, default=50, help="frames per episode")
     ap.add_argument("--size", type=int, default=224, help="camera side in pixels")
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                 rows.append((order, what, _child(root, order, cache_mb)))
     n = args.episodes * args.length
     load = os.getloadavg()
-    lines = [f"Command: python -m eval.lerobot_read_bench {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
+    lines = [f"Command: python -m eval.results.lerobot_read.run {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
              f"LeRobot v3.0 dataset: {args.episodes} episodes x {args.length} frames = {n} frames, 2 AV1 cameras "
              f"{args.size}x{args.size} (written in {written:.1f} s), 4 episodes per file.",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "

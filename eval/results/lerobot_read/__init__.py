@@ -1,0 +1,1 @@
+"""The LeRobot reading study: `run.py` made this folder's results."""

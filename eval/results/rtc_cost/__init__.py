@@ -1,0 +1,1 @@
+"""The cost of real-time chunking per frame: `run.py` made this folder's results."""
