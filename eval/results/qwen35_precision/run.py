@@ -81,7 +81,7 @@ def exact_rows(before: Path, ref_dir: Path) -> dict:
     (max) and after (max, rms, per layer), and after with in-order decode steps (`Qwen35Spec.step_sums`)."""
     with tempfile.TemporaryDirectory() as tmp:
         old = {r["q"]: r["abs"] for r in rows_of(before, _exact_copy(ref_dir, Path(tmp)))}
-    here = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parents[3]  # the checkout holding eval/results/<study>/run.py
     after, in_order = rows_of(here, ref_dir, _FIDELITY), rows_of(here, ref_dir, _FIDELITY, "in_order")
     plain = {r["quantity"]: r for r in in_order["rows"]}
     out = []
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--exact", type=Path, metavar="OUT_DIR", help="against DIR/reference_f64.npz; results into OUT_DIR")
     ap.add_argument("dirs", type=Path, nargs="+", help="Qwen3.5 reference directories")
     args = ap.parse_args(argv)
-    here = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parents[3]  # the checkout holding eval/results/<study>/run.py
     if args.exact is not None:
         if len(args.dirs) != 1 or not (args.dirs[0] / "reference_f64.npz").is_file():
             ap.error("--exact takes one directory holding reference_f64.npz")
