@@ -13,7 +13,7 @@
 #   settings  python -m eval.bench: isolated / shared_kv / continuous, LIBERO, S = 10, N = 30, k = 5,
 #             20 measured frames, compile time reported apart; its component times (measured first,
 #             each alone) include the decode step t(B) at B = 1, 2, 4, 6, 8, 16, 32, 64 ("decode")
-#   serve     python -m eval.serve_bench: 1 / 4 / 8 robots, batched against one robot at a time
+#   serve     python -m eval.serving.serve_bench: 1 / 4 / 8 robots, batched against one robot at a time
 #   adapter   python -m eval.bench --adapter-rank 16: decode steps and a continuous frame with a
 #             language adapter against the base weights
 #   speculate python -m eval.bench.repeat: the repeat workload (one LIBERO robot, a memory request every
@@ -179,7 +179,7 @@ save_params(sys.argv[1], init_params(model_config(sys.argv[2], dtype=sys.argv[3]
   MODEL=(--ckpt "$WEIGHTS")
   [ -d "$WEIGHTS" ] || MODEL=(--preset "$PRESET")  # no saved weights: every step draws the same ones itself
   BENCH=(-m eval.bench "${MODEL[@]}" --dtype "$DTYPE" --workloads libero --no-progress "${BENCH[@]}")
-  SERVE=(-m eval.serve_bench "${MODEL[@]}" --dtype "$DTYPE" "${SERVE[@]}")
+  SERVE=(-m eval.serving.serve_bench "${MODEL[@]}" --dtype "$DTYPE" "${SERVE[@]}")
   serve_step() {
     # Two servers (batched, serial) share the GPU: neither may preallocate most of its memory.
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 step serve "$CAP_SERVE" "$PY" "${SERVE[@]}" \

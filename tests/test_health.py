@@ -1,8 +1,8 @@
 """What a load balancer reads of one replica: `/healthz` JSON, 503 exactly when no new robot fits, the
-same numbers in `/metrics`, and the HAProxy configuration shipped for N replicas (`eval/replicas.py`).
+same numbers in `/metrics`, and the HAProxy configuration shipped for N replicas (`eval/serving/replicas.py`).
 
 The live test uses a model-free `ScriptedEngine` server with one robot slot; the HAProxy template is only
-rendered here (`eval/replicas.py` runs `haproxy -c` on it and a real balancer in front of two servers).
+rendered here (`eval/serving/replicas.py` runs `haproxy -c` on it and a real balancer in front of two servers).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import pytest
 from websockets.exceptions import InvalidStatus
 
-from eval import replicas
+from eval.serving import replicas
 from oxygen_jax.serving import wire
 from oxygen_jax.serving.health import Health
 from test_serve import HA, ScriptedEngine, _http, _metrics, _raw, _sample, _scripted_server

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from eval import libero_client, serve_bench, serve_bench_hostile
+from eval.serving import libero_client, serve_bench, serve_bench_hostile
 from oxygen_jax.robots.libero import quat_to_axis_angle
 from oxygen_jax.serving.codec import frame_noise
 from oxygen_jax.serving.server import PolicyServer, ServeConfig, ServerThread
@@ -95,7 +95,7 @@ def test_report_files_and_server_commands(server, tmp_path):
     cmd = serve_bench.server_command(args, "batched", 1234)
     assert cmd[1:3] == ["-m", "oxygen_jax.serve"] and cmd[cmd.index("--batch-sizes") + 1] == "1,2,4"
     assert serve_bench.server_command(args, "serial", 1234)[cmd.index("--batch-sizes") + 1] == "1"
-    meta = {"preset": "tiny", "command": "python -m eval.serve_bench", "server_commands": {"batched": " ".join(cmd)},
+    meta = {"preset": "tiny", "command": "python -m eval.serving.serve_bench", "server_commands": {"batched": " ".join(cmd)},
             "startup_s": {"batched": 1.0}}
     serve_bench.write_report(tmp_path, records, meta)
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -1,7 +1,7 @@
 """A LIBERO (robosuite) observation as openpi's LIBERO client sends it: both cameras rotated 180°, and
 the 8-dim state [eef xyz (3), eef axis-angle (3), gripper finger qpos (2)].
 
-Used by the closed-loop client (`eval.libero_client`) and by the frame generator (`training.data.libero`), so
+Used by the closed-loop client (`eval.serving.libero_client`) and by the frame generator (`training.data.libero`), so
 the frames a model is trained on and the frames it is served are built the same way.
 
 Axes: H, W image height and width.

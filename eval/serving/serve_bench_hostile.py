@@ -1,7 +1,7 @@
 """What hostile clients cost a policy server: start-up, memory under idle and non-reading clients, and a
 well-behaved robot's round trip while two robots send frames that are costly to refuse.
 
-    python -m eval.serve_bench_hostile --preset tiny --out eval/results/serve_hostile
+    python -m eval.serving.serve_bench_hostile --preset tiny --out eval/results/serve_hostile
 
 Three measurements, each against its own `python -m oxygen_jax.serve` process:
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.serve_bench import REPO, _free_port, _version, libero_observation, percentile, start_server, stop_server
+from eval.serving.serve_bench import REPO, _free_port, _version, libero_observation, percentile, start_server, stop_server
 from oxygen_jax.cli import OneLineParser, int_at_least
 
 _positive_int = int_at_least(1, "a positive integer")
@@ -232,7 +232,7 @@ def measure_rtt(args, out: Path, cache_dir: str) -> dict:
         for rep in range(args.repeats):
             alone += robot_rtts(url, args.frames)
             attacker = subprocess.Popen(
-                [sys.executable, "-m", "eval.serve_bench_hostile", "--hostile", url, "--seconds", "600"],
+                [sys.executable, "-m", "eval.serving.serve_bench_hostile", "--hostile", url, "--seconds", "600"],
                 cwd=REPO, stdout=subprocess.PIPE, text=True)
             time.sleep(args.attack_lead)  # the attackers are connected and sending
             attacked += robot_rtts(url, args.frames)
@@ -241,7 +241,7 @@ def measure_rtt(args, out: Path, cache_dir: str) -> dict:
             p50s = percentile(alone[-args.frames:], 50), percentile(attacked[-args.frames:], 50)
             print(f"  [{rep}] RTT p50 alone {p50s[0]:.1f} ms, attacked {p50s[1]:.1f} ms", flush=True)
         counter = subprocess.run(
-            [sys.executable, "-m", "eval.serve_bench_hostile", "--hostile", url, "--seconds", "5"], cwd=REPO,
+            [sys.executable, "-m", "eval.serving.serve_bench_hostile", "--hostile", url, "--seconds", "5"], cwd=REPO,
             capture_output=True, text=True, timeout=120)
         hostile = json.loads(counter.stdout.strip().splitlines()[-1])
     finally:
@@ -283,7 +283,7 @@ def write_report(out: Path, summary: dict) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="python -m eval.serve_bench_hostile", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="python -m eval.serving.serve_bench_hostile", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
     ap.add_argument("--steps", type=_positive_int, default=10, help="denoising steps")
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = {"preset": args.preset, "steps": args.steps, "cpu_count": os.cpu_count(), "platform": platform.platform(),
            "jax": _version("jax"), "websockets": _version("websockets"),
-           "command": " ".join(["python", "-m", "eval.serve_bench_hostile", *sys.argv[1:]]),
+           "command": " ".join(["python", "-m", "eval.serving.serve_bench_hostile", *sys.argv[1:]]),
            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "load_before": [round(x, 2) for x in os.getloadavg()]}
     summary = {"environment": env, "startup": {}, "memory": {}, "rtt": {}}

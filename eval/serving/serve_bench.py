@@ -1,7 +1,7 @@
 """Serving benchmark: R robots on one policy server, batched versus one robot at a time.
 
-    python -m eval.serve_bench --preset tiny --robots 1 2 4 8 --out eval/results/serve_tiny
-    python -m eval.serve_bench --preset bench --robots 1 2 4 --frames 6 --warmup-frames 2 --repeats 1 \
+    python -m eval.serving.serve_bench --preset tiny --robots 1 2 4 8 --out eval/results/serve_tiny
+    python -m eval.serving.serve_bench --preset bench --robots 1 2 4 --frames 6 --warmup-frames 2 --repeats 1 \
         --out eval/results/serve_bench
 
 Each mode gets its own `python -m oxygen_jax.serve` process (same model, same flags, a shared persistent
@@ -48,7 +48,7 @@ import numpy as np
 
 from oxygen_jax.cli import OneLineParser, float_in, int_at_least
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODES = {"batched": None, "serial": "1"}  # --batch-sizes per mode (None: powers of two up to max R)
 SUMMARY_KEYS = (
     "mode", "robots", "frames", "wall_s", "action_rate_per_robot", "action_rate_total", "rtt_p50_ms", "rtt_p99_ms",
@@ -344,7 +344,7 @@ def environment(args: argparse.Namespace) -> dict:
         "preset": None if args.ckpt else args.preset, "ckpt": args.ckpt, "dtype": args.dtype,
         "jax": _version("jax"), "websockets": _version("websockets"), "python": platform.python_version(),
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
-        "command": " ".join(["python", "-m", "eval.serve_bench", *sys.argv[1:]]),
+        "command": " ".join(["python", "-m", "eval.serving.serve_bench", *sys.argv[1:]]),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "frames": args.frames, "warmup_frames": args.warmup_frames, "repeats": args.repeats, "steps": args.steps,
         "tokens_per_frame": args.tokens_per_frame, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
@@ -360,7 +360,7 @@ _positive_int = int_at_least(1, "a positive integer")
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="python -m eval.serve_bench", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="python -m eval.serving.serve_bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", default="tiny", choices=["tiny", "bench", "pi05"])

@@ -1,7 +1,7 @@
 """Closed-loop LIBERO episodes against the policy server, asking for language while acting.
 
     python -m oxygen_jax.serve --ckpt /path/to/pi05_libero --robot libero --port 8000      # one shell
-    python -m eval.libero_client --port 8000 --suite libero_spatial --tasks 0 1 --episodes 2 --out results/libero
+    python -m eval.serving.libero_client --port 8000 --suite libero_spatial --tasks 0 1 --episodes 2 --out results/libero
 
 The loop follows openpi's LIBERO example: wait `--wait-steps` with a no-op action while objects settle;
 then, whenever the action queue is empty, send the observation (both cameras rotated 180 degrees and
@@ -188,7 +188,7 @@ _MAX_STEPS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.libero_client", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eval.serving.libero_client", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--suite", default="libero_spatial", choices=sorted(_MAX_STEPS))

@@ -1,10 +1,10 @@
 """Replicas behind HAProxy on loopback: two tiny policy servers, one balancer, unmodified openpi clients.
 
-    python -m eval.replicas                      # results in eval/results/replicas_<UTC date>/
-    python -m eval.replicas --out DIR --haproxy /usr/sbin/haproxy
+    python -m eval.serving.replicas                      # results in eval/results/replicas_<UTC date>/
+    python -m eval.serving.replicas --out DIR --haproxy /usr/sbin/haproxy
 
 Starts replica A (`--max-robots 2`) and replica B (`--max-robots 8`), renders
-`eval/haproxy_replicas.cfg.template` for them, checks it with `haproxy -c`, starts HAProxy, and drives
+`eval/serving/haproxy_replicas.cfg.template` for them, checks it with `haproxy -c`, starts HAProxy, and drives
 robots (`openpi_client.WebsocketClientPolicy` at `ws://127.0.0.1:<balancer>/?robot=<id>`) through it:
 
 1. spread: four robots connect; leastconn places two on each replica; every reply is a finite action chunk.
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.serve_bench import REPO, start_server, stop_server
+from eval.serving.serve_bench import REPO, start_server, stop_server
 
 TEMPLATE = Path(__file__).with_name("haproxy_replicas.cfg.template")
 HA, ACTION_DIM = 10, 7  # the tiny preset's chunk for LIBERO
@@ -275,7 +275,7 @@ def _write(out: Path, result: dict) -> None:
     (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     passed = sum(c["ok"] for c in result["checks"])
     lines = [f"# Replicas behind HAProxy on loopback ({result['date']})", "",
-             f"`python -m eval.replicas`: two tiny replicas (A: --max-robots 2, B: --max-robots 8) behind "
+             f"`python -m eval.serving.replicas`: two tiny replicas (A: --max-robots 2, B: --max-robots 8) behind "
              f"{result['haproxy']}, openpi clients through the balancer. Start-up to healthy: "
              f"A {result['ready_s'].get('A')} s, B {result['ready_s'].get('B')} s. "
              f"{passed} of {len(result['checks'])} checks passed. Configuration: [haproxy.cfg](haproxy.cfg).", "",
