@@ -21,6 +21,9 @@ Two input kinds, chosen by the backbone's vision encoder (`ModelSpec.input_kind`
 | Qwen3.5 (`ModelSpec.hybrid`)              | `PrefixInputs`, valid tokens contiguous | ViT, then `qwen35.prefix_pass`    |
 | any with a `SiglipConfig` (π0.5's Gemma)  | `models.observation.Observation`       | `models.siglip_prefix.prefix_pass` |
 
+The backbone's layers are a `stack.Stack` chosen once from the spec (`ModelSpec.stack`: attention layers, or
+Qwen3.5's hybrid stack); its weights, prefix pass and language decoder come from the stack, never from a kind test.
+
 π0.5 is one instance: `models.pi05.model.as_model(params)` = its Gemma + SigLIP backbone and one
 `adarms_joint` head "actions" (the action expert), the same arrays as its `Params`.
 
@@ -54,8 +57,8 @@ from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.models.qwen35 import Qwen35Spec
 from oxygen_jax.models.siglip import Siglip, SiglipConfig
+from oxygen_jax.models.stack import AttentionStack, Stack
 from oxygen_jax.nn.layers import stack_layers, unstack_layers
-from oxygen_jax.nn.masks import last_valid_index
 
 QWEN3_VL_IMAGE_TOKEN_ID = 151_655  # Qwen3-VL-4B-Instruct config.json `image_token_id`
 QWEN35_IMAGE_TOKEN_ID = 248_056  # Qwen3.5's `image_token_id` (transformers' Qwen3_5Config; ../shared/docs/qwen35.md §2.4)
@@ -89,11 +92,7 @@ class ModelSpec:
 
     def __post_init__(self):
         _require(isinstance(self.backbone, BackboneSpec), f"ModelSpec.backbone must be a BackboneSpec, got {type(self.backbone).__name__}")
-        if self.hybrid is not None:
-            _require(self.hybrid.backbone == self.backbone, "ModelSpec.backbone must be hybrid.backbone for a Qwen3.5 model")
-            kv = [h.name for h in self.heads if h.kv_layers]
-            _require(not kv, f"heads {kv} read K/V, which Qwen3.5's linear-attention layers do not have: use heads that "
-                             f"read hidden states (QwenPI_v3, GR00T)")
+        self.stack.check_heads(self.backbone, self.heads)
         _require(bool(self.heads) or self.language, "ModelSpec needs at least one head or language=True")
         _require(self.stop_ids == dec.check_stop_ids(self.stop_ids, self.backbone.vocab_size),
                  f"ModelSpec.stop_ids must be a sorted tuple of distinct token ids, got {self.stop_ids}")
@@ -105,6 +104,11 @@ class ModelSpec:
             _require(self.image_token_id is not None and 0 <= self.image_token_id < self.backbone.vocab_size,
                      f"ModelSpec.image_token_id must be a token id < {self.backbone.vocab_size} for a vision backbone, "
                      f"got {self.image_token_id}")
+
+    @property
+    def stack(self) -> Stack:
+        """The backbone's layer stack, the one place it is chosen: Qwen3.5's hybrid stack, or attention layers."""
+        return AttentionStack(self.backbone) if self.hybrid is None else qwen35_decoder.HybridStack(self.hybrid)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -127,8 +131,7 @@ class ModelSpec:
         Example: XR0 (K/V of layers 20..35) + QwenPI_v3 (hidden 1..36) + GR00T (hidden 36) +
         language on a 36-layer backbone -> kv 0..35, hidden 1..36, last hidden.
         """
-        every = self.hybrid.full_layers if self.hybrid else range(self.backbone.depth)  # what the decode pool continues
-        kv = set(every) if self.language else {l for h in self.heads for l in h.kv_layers}
+        kv = set(self.stack.kv_layers) if self.language else {l for h in self.heads for l in h.kv_layers}
         hidden = {l for h in self.heads for l in h.hidden_layers}
         return PrefixReads(tuple(sorted(kv)), tuple(sorted(hidden)), self.language)
 
@@ -166,9 +169,8 @@ def init_model(spec: ModelSpec, seed: int = 0, dtype: str = "float32") -> ModelP
     Host-side numpy draws (no per-shape compiles); a head's weights depend on (seed, its name)
     only, so a single-head model built with `ModelParams.only` has the same weights.
     """
-    decoder = qwen35.init_decoder(spec.hybrid, seed, dtype) if spec.hybrid else bb.init_decoder(spec.backbone, seed, dtype)
     return ModelParams(
-        decoder=decoder, vision=_vision_tree(spec, bb.numpy_draws(seed + 1, dtype)),
+        decoder=spec.stack.init(seed, dtype), vision=_vision_tree(spec, bb.numpy_draws(seed + 1, dtype)),
         heads={h.name: hd.init_head(h, seed, dtype) for h in spec.heads},
     )
 
@@ -182,9 +184,8 @@ def _vision_tree(spec: ModelSpec, draw: bb.Draw):
 
 def abstract_model(spec: ModelSpec, dtype: str = "float32") -> ModelParams:
     """`jax.ShapeDtypeStruct` leaves of the whole model via `jax.eval_shape`: nothing is allocated."""
-    decoder = qwen35.abstract_decoder(spec.hybrid, dtype) if spec.hybrid else bb.abstract_decoder(spec.backbone, dtype)
     return ModelParams(
-        decoder=decoder, vision=jax.eval_shape(lambda: _vision_tree(spec, bb.zeros_draws(dtype))),
+        decoder=spec.stack.abstract(dtype), vision=jax.eval_shape(lambda: _vision_tree(spec, bb.zeros_draws(dtype))),
         heads={h.name: hd.abstract_head(h, dtype) for h in spec.heads},
     )
 
@@ -242,11 +243,7 @@ def make_inputs(spec: ModelSpec, input_ids, input_mask, images=()) -> PrefixInpu
     if ids.size:  # JAX would clamp an out-of-range embedding gather silently
         vocab = spec.backbone.vocab_size
         _require(ids.min() >= 0 and ids.max() < vocab, f"input_ids must lie in [0, {vocab}), got [{ids.min()}, {ids.max()}]")
-    if spec.hybrid is not None:  # a recurrent state cannot skip a token: each row's valid tokens in one run
-        starts = np.sum(np.diff(np.pad(mask, [(0, 0), (1, 0)]).astype(np.int8), axis=-1) == 1, axis=-1)
-        bad = np.flatnonzero(starts > 1).tolist()
-        _require(not bad, f"rows {bad} have invalid tokens between valid ones, which Qwen3.5's linear layers cannot mask: "
-                          f"left-pad them (models.qwen35.compact_left)")
+    spec.stack.check_mask(mask)
     vspec = _vision_spec(spec)
     pixels, grid = None, ()
     if len(images):
@@ -270,9 +267,10 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs | Obs
     A SigLIP backbone (`spec.input_kind == "observation"`) takes an `Observation` and runs
     `siglip_prefix.prefix_pass` (π0.5's prefill); the rest of this docstring is the `PrefixInputs` path.
 
-    Reuses `backbone.prefill` (HF-convention hidden states in the backbone's `hidden_states`
-    convention, `models.hidden_states`) with `keep_kv` / `keep_hidden`: K/V and hidden states nobody reads are
-    never stored by the layer loop (stacked or unrolled).
+    The embedded prompt then runs through the layer stack (`ModelSpec.stack.prefix_pass`); attention layers
+    reuse `backbone.prefill` (HF-convention hidden states in the backbone's `hidden_states` convention,
+    `models.hidden_states`) with `keep_kv` / `keep_hidden`: K/V and hidden states nobody reads are never
+    stored by the layer loop (stacked or unrolled).
 
     Returns:
       `prefix.Prefix` with K/V [Lk, B, P, K, H], hidden [Lh, B, P, D], the prefix mask,
@@ -294,23 +292,9 @@ def prefix_pass(spec: ModelSpec, params: ModelParams, inputs: PrefixInputs | Obs
             deepstack = qwen3_vl.scatter_deepstack(enc["deepstack"], image_mask)
     else:
         x = bb.embed_tokens(bspec, decoder, inputs.input_ids)
-    if spec.hybrid is not None:
-        return qwen35.prefix_pass(spec.hybrid, decoder, x, inputs.positions, inputs.input_mask, inputs.next_position,
-                                  hidden_layers=reads.hidden_layers, language=reads.last_hidden)
-    # The layer loop stores only the K/V and hidden states someone reads (the others are never kept).
-    out = bb.prefill(bspec, decoder, x, inputs.positions, inputs.input_mask, deepstack=deepstack,
-                     keep_kv=reads.kv_layers, keep_hidden=reads.hidden_layers)
-    k = v = hidden = last = None
-    if reads.kv_layers:
-        k, v = out["k"], out["v"]
-    if reads.hidden_layers:
-        hidden = out["hidden_states"]
-    if reads.last_hidden:
-        idx = last_valid_index(inputs.input_mask)
-        last = jnp.take_along_axis(out["normed"], idx[:, None, None], axis=1)[:, 0]
-    return Prefix(k=k, v=v, hidden=hidden, mask=inputs.input_mask, positions=inputs.positions,
-                  next_position=inputs.next_position.astype(jnp.int32), last_hidden=last, kv_layers=reads.kv_layers,
-                  hidden_layers=reads.hidden_layers, rope=bspec.rope)
+    return spec.stack.prefix_pass(decoder, x, inputs.positions, inputs.input_mask, inputs.next_position,
+                                  kv_layers=reads.kv_layers, hidden_layers=reads.hidden_layers,
+                                  last_hidden=reads.last_hidden, deepstack=deepstack)
 
 
 def check_inputs(spec: ModelSpec, inputs) -> None:
@@ -338,9 +322,7 @@ def language_model(spec: ModelSpec, params: ModelParams) -> dec.LanguageDecoder:
     `decode.init_pool` / `admit` / `decode_burst` take it; they admit from the `Prefix` of a `prefix_pass`
     with `spec.language` (the K/V the decoder continues and the last hidden).
     """
-    if spec.hybrid is not None:
-        return qwen35_decoder.language_model(spec.hybrid, params.decoder, spec.stop_ids)
-    return dec.AttentionDecoder(decoder=params.decoder, spec=spec.backbone, stop_ids=spec.stop_ids)
+    return spec.stack.language_model(params.decoder, spec.stop_ids)
 
 
 def run_heads(spec: ModelSpec, params: ModelParams, prefix: Prefix, noises: dict[str, jax.Array],

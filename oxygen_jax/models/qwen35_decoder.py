@@ -1,4 +1,5 @@
-"""Qwen3.5 as a `decoder.LanguageDecoder`: K/V for the full-attention layers, a carry for the linear ones.
+"""Qwen3.5 as a `decoder.LanguageDecoder` (K/V for the full-attention layers, a carry for the linear ones) and as
+a `stack.Stack` (`HybridStack`: what `mot` runs for a `ModelSpec` with `hybrid`).
 
 Axes (`oxygen_jax.axes`): Lf full-attention layers, Lg linear (Gated DeltaNet) layers, B rows, T tokens,
 Cc conv channels, Kc conv kernel, Hv value heads, Dk / Dv key / value head dims.
@@ -26,12 +27,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from oxygen_jax.models import qwen35
 from oxygen_jax.models.backbone import BackboneSpec, Decoder
 from oxygen_jax.models.decoder import LanguageDecoder
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.models.qwen35 import Qwen35Spec
+from oxygen_jax.models.stack import Stack
 
 _STATIC = dict(static=True)
 
@@ -98,3 +101,47 @@ class HybridDecoder(LanguageDecoder):
 def language_model(spec: Qwen35Spec, decoder: Decoder, stop_ids: tuple[int, ...] = ()) -> HybridDecoder:
     """The decoder as what `runtime.decode` serves."""
     return HybridDecoder(decoder=decoder, spec=spec, stop_ids=tuple(stop_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridStack(Stack):
+    """Qwen3.5's layer stack as `mot` runs it: K/V in the full-attention layers only, a recurrent state in the
+    linear ones (which is why a prompt's valid tokens must be contiguous and no head may read K/V)."""
+
+    spec: Qwen35Spec
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        return self.spec.full_layers
+
+    def check_heads(self, backbone: BackboneSpec, heads) -> None:
+        if backbone != self.spec.backbone:
+            raise ValueError("ModelSpec.backbone must be hybrid.backbone for a Qwen3.5 model")
+        kv = [h.name for h in heads if h.kv_layers]
+        if kv:
+            raise ValueError(f"heads {kv} read K/V, which Qwen3.5's linear-attention layers do not have: use heads "
+                             f"that read hidden states (QwenPI_v3, GR00T)")
+
+    def check_mask(self, mask: np.ndarray) -> None:
+        # A recurrent state cannot skip a token: each row's valid tokens in one run.
+        starts = np.sum(np.diff(np.pad(mask, [(0, 0), (1, 0)]).astype(np.int8), axis=-1) == 1, axis=-1)
+        bad = np.flatnonzero(starts > 1).tolist()
+        if bad:
+            raise ValueError(f"rows {bad} have invalid tokens between valid ones, which Qwen3.5's linear layers "
+                             f"cannot mask: left-pad them (models.qwen35.compact_left)")
+
+    def init(self, seed: int, dtype: str) -> Decoder:
+        return qwen35.init_decoder(self.spec, seed, dtype)
+
+    def abstract(self, dtype: str) -> Decoder:
+        return qwen35.abstract_decoder(self.spec, dtype)
+
+    def prefix_pass(self, decoder, x, positions, input_mask, next_position, *, kv_layers, hidden_layers, last_hidden,
+                    deepstack=None) -> Prefix:
+        # Qwen3.5's ViT has no DeepStack (`deepstack` stays None); with language the full layers' K/V are kept,
+        # which is `kv_layers` (no head reads K/V: `check_heads`).
+        return qwen35.prefix_pass(self.spec, decoder, x, positions, input_mask, next_position,
+                                  hidden_layers=hidden_layers, language=last_hidden)
+
+    def language_model(self, decoder: Decoder, stop_ids: tuple[int, ...]) -> HybridDecoder:
+        return language_model(self.spec, decoder, stop_ids)
