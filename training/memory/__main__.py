@@ -238,11 +238,6 @@ def _run(args, argv: list[str]) -> int:
         raise _Refused("adapter mode needs --base (a π0.5 checkpoint: ours or openpi's)")
     if args.base is not None and not args.base.is_dir():
         raise _Refused(f"--base {args.base}: no such directory (a π0.5 checkpoint: ours or openpi's)")
-    if args.libero_hdf5 is None:  # before --out is touched: a wrong path is the commonest first mistake
-        try:
-            check_data_folder(args.data, lerobot_flags=lerobot_flags_given(args))
-        except FileNotFoundError as e:
-            raise _Refused(f"--data {e}") from None
     try:
         folder = RunFolder.open(args.out)
     except OSError as e:
@@ -289,6 +284,11 @@ def _open_data(args, label_key: str) -> tuple:
 
 def _run_in(args, argv: list[str], folder: RunFolder) -> int:
     base_mode = args.mode == "base"
+    if args.libero_hdf5 is None:  # first after --out: a wrong path is the commonest first mistake
+        try:
+            check_data_folder(args.data, lerobot_flags=lerobot_flags_given(args))
+        except FileNotFoundError as e:
+            raise _Refused(f"--data {e}") from None
     prompt = args.prompt if args.prompt is not None else ("Scene: " if base_mode else MEMORY_PROMPT)
     label_key = args.label_key or ("scene" if base_mode else "memory")
     out = folder.work
