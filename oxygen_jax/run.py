@@ -213,9 +213,9 @@ def main(argv=None) -> int:
         except (ValueError, OSError) as e:
             where = f"--tokenizer {args.tokenizer}: " if args.tokenizer else ""
             return _fail(f"{where}{str(e).splitlines()[0]}")
-        vla, io, what = model.vla(args.steps, tokenizer=toks.rows, robot=robot), model.io, model.what
-        robot = io.robot(robot)
-        try:
+        io, what = model.io, model.what
+        try:  # the robot's chunk shape (π0-FAST: from openpi's config for this robot) is refused in one line
+            vla, robot = model.vla(args.steps, tokenizer=toks.rows, robot=robot), io.robot(robot)
             rows = cm.prompt_rows(model, toks.rows, robot, args.image_size, args.prompt_len)
         except ValueError as e:
             return _fail(str(e).splitlines()[0])
