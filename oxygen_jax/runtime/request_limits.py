@@ -121,7 +121,8 @@ class RequestLimits:
                                    "prompt_tokens")
             tokens = tokens.tolist()
         if not isinstance(tokens, (list, tuple)) or not all(is_int(t) for t in tokens):
-            raise RequestError(f"{label} must be a list of integer token ids, got {show_value(tokens)}", "prompt_tokens")
+            raise RequestError(f"{label} must be a list of integer token ids, got {show_value(tokens)}",
+                               "prompt_tokens")
         if len(tokens) > self.prompt_capacity:
             prompt = label.removesuffix("_tokens")
             raise RequestError(f"{prompt} has {len(tokens)} tokens; the engine's prompt_capacity is "
