@@ -15,7 +15,9 @@ one decode step at batch B) are measured alone, warm, median of several runs, an
 ideal frame time (`eval.metrics.ideal_frame_ms`).
 
 A *family* (`Family`: `eval.bench.pi05`, `eval.bench.heads`) is a module that loads its model, builds a
-group's inputs and runners, and measures its components; `run` drives any family through the same grid.
+group's inputs (with the `models.vla.MultiHead` every setting runs) and measures its components; the runners,
+one per setting, are the same for every family (`runners`: `ToCompletionRunner`, `ContinuousRunner`); `run`
+drives any family through the same grid.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -164,8 +167,9 @@ class GroupInputs:
     num_frames: int  # warm-up + measured + drain
     warmup: int
     measured_end: int  # frames warmup .. measured_end - 1 are measured; later ones drain
+    vla: object  # the `models.vla.MultiHead` every setting runs (π0.5: `as_vla(params, S)` of the group's S)
     observations: list  # per frame (the same object repeated with --reuse-observation)
-    noise: list
+    noise: list  # per frame: (head name -> noise [1, Ha, Ad], head name -> state [1, Ds] for heads with one)
     arrivals: list[list[int]]  # request ids arriving in each frame
     table: RequestTable
     frame_requests: list  # per frame: device `Requests` of exactly that frame's arrivals, or None
@@ -249,25 +253,123 @@ def pool_slot_bytes(pool: decode.DecodePool | None) -> dict[str, int] | None:
     return None if pool is None else decode.pool_slot_bytes(pool)
 
 
-class ContinuousRunner(Runner):
-    """continuous batching with tokens-per-frame k on a persistent pool, queued by `scheduler.Scheduler`
-    (the engine's own FIFO and output bookkeeping). A family provides the pool and the frame program:
-    `_new_pool()`, `_step(pool, f, requests, evict) -> (pool, outputs)` (donates the pool) and `compile`,
-    which sets `pool` and `tickets`."""
+class ToCompletionRunner(Runner):
+    """isolated, parallel, shared_kv and actions_only for any `MultiHead`: a frame's requests finish in it.
 
-    def __init__(self, k: int, params, inputs: GroupInputs, slots: int):
+    isolated runs each head's own program, timed alone (`head_ms`: what the fan-out ratio divides by), then the
+    text's own; frames without arrivals run the heads alone (isolated and parallel: the single-head programs;
+    shared_kv and actions_only: one prefix pass and every head).
+    """
+
+    def __init__(self, setting: str, inputs: GroupInputs):
+        super().__init__(setting)
+        self.x = inputs
+
+    def _call(self, f: int):
+        """Runs frame f; returns (num_generated or None, {head: ms} of the single-head programs or None)."""
+        x, vla, n = self.x, self.x.vla, self.x.group.decode_len
+        inputs, (noises, states), req = x.observations[f], x.noise[f], x.frame_requests[f]
+        if self.setting == "isolated":
+            head_ms = {}
+            for name in vla.heads:  # each head's own frame, timed alone (to the host)
+                start = time.perf_counter()
+                jax.device_get(schedule.head_program(vla, name, inputs, noises, states))
+                head_ms[name] = (time.perf_counter() - start) * 1e3
+            if req is None:
+                return None, head_ms
+            _, generated = jax.device_get(schedule.text_program(vla, inputs, req, max_new_tokens=n))
+            return generated, head_ms
+        if self.setting == "parallel":
+            _, _, generated = jax.device_get(schedule.run_parallel(vla, inputs, noises, req, None, states,
+                                                                   max_new_tokens=n))
+            return generated, None
+        if req is None or self.setting == "actions_only":
+            jax.device_get(schedule.actions_program(vla, inputs, noises, states))
+            return None, None
+        _, _, generated = jax.device_get(schedule.shared_kv_program(vla, inputs, noises, req, None, states,
+                                                                    max_new_tokens=n))
+        return generated, None
+
+    def compile(self, log: dict[str, float]) -> None:
+        """First calls of every program shape this runner will use (arrival counts differ per frame)."""
+        x, vla = self.x, self.x.vla
+        n, wl, steps = x.group.decode_len, x.group.workload, x.group.num_steps
+        sizes = sorted({len(a) for a in x.arrivals})
+        inputs, (noises, states) = x.observations[0], x.noise[0]
+        keys = []
+        if self.setting in ("isolated", "parallel"):  # parallel runs the isolated executables
+            for name in vla.heads:
+                keys.append((f"head/{wl}/{name}/S={steps}", functools.partial(
+                    schedule.head_program, vla, name, inputs, noises, states)))
+            for j in (s for s in sizes if s > 0):
+                req = x.table.batch([], j)  # shapes are all that matter here
+                keys.append((f"text/{wl}/N={n}/J={j}", functools.partial(
+                    schedule.text_program, vla, inputs, req, max_new_tokens=n)))
+        else:
+            if 0 in sizes or self.setting == "actions_only":
+                keys.append((f"actions/{wl}/S={steps}",
+                             functools.partial(schedule.actions_program, vla, inputs, noises, states)))
+            for j in (s for s in sizes if s > 0 and self.setting == "shared_kv"):
+                req = x.table.batch([], j)
+                keys.append((f"shared_kv/{wl}/S={steps}/N={n}/J={j}", functools.partial(
+                    schedule.shared_kv_program, vla, inputs, noises, req, None, states, max_new_tokens=n)))
+        for key, thunk in keys:
+            first_call(log, key, thunk)
+            self.program_keys.append(key)
+        if self.setting == "parallel":  # start the dispatch threads outside the timed frames
+            j = next((s for s in sizes if s > 0), None)
+            schedule.run_parallel(vla, inputs, noises, x.table.batch([], j) if j else None, None, states,
+                                  max_new_tokens=n)
+
+    def frame(self, f: int) -> None:
+        start = time.perf_counter()
+        generated, head_ms = self._call(f)
+        self._record_to_completion(f, (time.perf_counter() - start) * 1e3, generated)
+        if head_ms is not None:
+            self.frames[-1]["head_ms"] = head_ms
+
+
+class ContinuousRunner(Runner):
+    """continuous batching with tokens-per-frame k: `schedule.frame_step` (the fan-out frame) on a persistent
+    pool, queued by `scheduler.Scheduler` (the engine's own FIFO and output bookkeeping). With a language-adapter
+    `bank`, `adapter_share` of the requests (spread evenly) run on adapter 1."""
+
+    def __init__(self, k: int, inputs: GroupInputs, slots: int, bank=None, adapter_share: float = 0.0):
         super().__init__("continuous", k)
-        self.params, self.x, self.slots = params, inputs, slots
+        self.x, self.slots = inputs, slots
+        if bank is not None:
+            self.label = f"continuous[k={k},adapter={adapter_share:g}]"
+        self.bank, self.adapter_share = bank, adapter_share
         self.admissions = max(1, max(len(a) for a in inputs.arrivals))
         self.sched = Scheduler(slots, self.admissions, 0)
         self.tickets: list[Ticket] = []
         self.pool = None
 
     def _new_pool(self):
-        raise NotImplementedError
+        return decode.init_pool(self.x.vla.language(), self.slots, self.x.prefix_len, self.x.group.decode_len, 0)
 
     def _step(self, pool, f: int, req, evict):
-        raise NotImplementedError
+        """One frame program on `pool` with frame f's inputs (donates the pool)."""
+        x = self.x
+        noises, states = x.noise[f]
+        return schedule.frame_step(x.vla, pool, x.observations[f], noises, req, evict, self.bank, states,
+                                   tokens_per_frame=self.k)
+
+    def compile(self, log: dict[str, float]) -> None:
+        x, g = self.x, self.x.group
+        key = (f"frame_step/{g.workload}/S={g.num_steps}/k={self.k}/N={g.decode_len}/slots={self.slots}"
+               f"/J={self.admissions}") + ("/adapter_bank" if self.bank is not None else "")
+
+        def thunk():  # a throwaway pool with one admitted request, so the compiled program also ran its decode path
+            req = x.table.batch([0] if x.table.budgets else [], self.admissions)
+            return jax.device_get(self._step(self._new_pool(), 0, req, np.zeros((self.slots,), bool))[1])
+
+        first_call(log, key, thunk)
+        self.program_keys.append(key)
+        self.pool = self._new_pool()
+        self.tickets = x.table.tickets()
+        for t in self.tickets:  # exactly a share of the requests (spread evenly) use adapter 1
+            t.adapter = int(int((t.request_id + 1) * self.adapter_share) > int(t.request_id * self.adapter_share))
 
     def frame(self, f: int) -> None:
         x = self.x
@@ -290,6 +392,22 @@ class ContinuousRunner(Runner):
             self.requests[t.request_id]["finish_frame"] = f
         tokens = sum(len(toks) for toks in ev.emitted.values())
         self._record(x, f, ms, tokens, ev.batch, len(x.arrivals[f]), ev.steps)
+
+
+def runners(ctx: RunContext, group: Group, inputs: GroupInputs, bank=None, adapter_share: float = 0.0) -> list[Runner]:
+    """One runner per selected setting, in the order of `--settings`: continuous once per k, and again on the
+    language-adapter `bank` (the same requests, `adapter_share` of them on adapter 1) when there is one."""
+    out: list[Runner] = []
+    for setting in ctx.args.settings:
+        if setting != "continuous":
+            out.append(ToCompletionRunner(setting, inputs))
+            continue
+        for k in group.ks:
+            slots = pool_slots(ctx.args, inputs, k)
+            out.append(ContinuousRunner(k, inputs, slots))
+            if bank is not None:
+                out.append(ContinuousRunner(k, inputs, slots, bank, adapter_share))
+    return out
 
 
 def first_call(log: dict[str, float], key: str, thunk: Callable) -> None:
@@ -343,6 +461,21 @@ def decode_step_ms(lm, cache, b: int, g: int, repeats: int, bank=None, adapters=
         jax.block_until_ready((pool, toks))
         times.append((time.perf_counter() - start) * 1e3 / BURST)
     return float(np.median(times))
+
+
+def decode_components(lm, prefix, batches: Sequence[int], max_new_tokens: int, repeats: int,
+                      bank=None) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """t(B), one decode step with B active requests at each B (`decode_step_ms`) after `prefix`; with a
+    language-adapter `bank`, also with every slot on adapter 1 and with half the slots on it, interleaved with the
+    base measurement per B. Returns (base, all on adapter 1, half on it) ms by B ({} without a bank)."""
+    g = max(max_new_tokens, (repeats + 2) * BURST + 2)  # room for the compile burst and every timed burst
+    decode_ms, adapter_ms, mixed_ms = {}, {}, {}
+    for b in sorted(set(batches)):
+        decode_ms[b] = decode_step_ms(lm, prefix, b, g, repeats)
+        if bank is not None:
+            adapter_ms[b] = decode_step_ms(lm, prefix, b, g, repeats, bank, [1] * b)
+            mixed_ms[b] = decode_step_ms(lm, prefix, b, g, repeats, bank, [i % 2 for i in range(b)])
+    return decode_ms, adapter_ms, mixed_ms
 
 
 # --- JSON -----------------------------------------------------------------------------------------
@@ -406,7 +539,7 @@ class Family(Protocol):
         """The group's frames and requests, on the device."""
 
     def runners(self, ctx: RunContext, group: Group, inputs: GroupInputs) -> list[Runner]:
-        """One runner per selected setting (continuous once per k), in the order of `--settings`."""
+        """`runners(ctx, group, inputs, ...)`, with the family's language-adapter bank if it has one."""
 
     def summary_fields(self, ctx: RunContext, runner: Runner, iso_frames: list[dict] | None) -> dict:
         """Extra fields of `runner`'s summary record (iso_frames: the isolated runner's frames, or None)."""

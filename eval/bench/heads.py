@@ -38,8 +38,6 @@ family).
 from __future__ import annotations
 
 import argparse
-import functools
-import time
 from collections.abc import Sequence
 
 import jax
@@ -51,8 +49,6 @@ from eval.bench import harness
 from eval.bench.grid import WORKLOADS, Group
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models import mot
-from oxygen_jax.runtime import decode
-from oxygen_jax.runtime import frame as schedule
 from oxygen_jax.models.vla import MultiHead
 
 HEADS = {"xr0": "xr0", "starvla": "starvla_qwenpi_v3", "gr00t": "gr00t"}
@@ -147,125 +143,17 @@ def group_inputs(ctx: harness.RunContext, group: Group, robot) -> harness.GroupI
     noise = [_frame_noise(spec, rng) for _ in range(total)]
     arrivals, table, frame_requests = harness.group_requests(group, total, ctx.fixed_length)
     return harness.GroupInputs(group=group, num_frames=total, warmup=warmup, measured_end=warmup + args.frames,
-                               observations=inputs, noise=noise, arrivals=arrivals, table=table,
-                               frame_requests=frame_requests, prefix_len=int(first.input_ids.shape[1]),
+                               vla=MultiHead(ctx.params, spec), observations=inputs, noise=noise, arrivals=arrivals,
+                               table=table, frame_requests=frame_requests, prefix_len=int(first.input_ids.shape[1]),
                                action_horizon=None, config={"heads": list(spec.names), "image_size": args.image_size})
 
 
 # --- runners --------------------------------------------------------------------------------------
 
 
-
-
-class _HeadsRunner(harness.Runner):
-    """isolated, parallel, shared_kv and actions_only for a multi-head model: a frame's requests to completion."""
-
-    def __init__(self, setting: str, params, spec, inputs):
-        super().__init__(setting)
-        self.params, self.spec, self.x = params, spec, inputs
-
-    def _call(self, f: int):
-        """Runs frame f; returns (num_generated or None, {head: ms} of the single-head programs or None)."""
-        x, spec, vla, n = self.x, self.spec, MultiHead(self.params, self.spec), self.x.group.decode_len
-        inputs, (noises, states), req = x.observations[f], x.noise[f], x.frame_requests[f]
-        if self.setting == "isolated":
-            head_ms = {}
-            for name in spec.names:  # each head's own frame, timed alone (to the host)
-                start = time.perf_counter()
-                jax.device_get(schedule.head_program(vla, name, inputs, noises, states))
-                head_ms[name] = (time.perf_counter() - start) * 1e3
-            if req is None:
-                return None, head_ms
-            _, generated = jax.device_get(schedule.text_program(vla, inputs, req, max_new_tokens=n))
-            return generated, head_ms
-        if self.setting == "parallel":
-            _, _, generated = jax.device_get(schedule.run_parallel(vla, inputs, noises, req, None, states,
-                                                                   max_new_tokens=n))
-            return generated, None
-        if req is None or self.setting == "actions_only":
-            jax.device_get(schedule.actions_program(vla, inputs, noises, states))
-            return None, None
-        _, _, generated = jax.device_get(schedule.shared_kv_program(vla, inputs, noises, req, None, states,
-                                                                    max_new_tokens=n))
-        return generated, None
-
-    def compile(self, log: dict[str, float]) -> None:
-        x, spec, vla = self.x, self.spec, MultiHead(self.params, self.spec)
-        n, wl = x.group.decode_len, x.group.workload
-        sizes = sorted({len(a) for a in x.arrivals})
-        inputs, (noises, states) = x.observations[0], x.noise[0]
-        keys = []
-        if self.setting in ("isolated", "parallel"):
-            for name in spec.names:
-                keys.append((f"head/{wl}/{name}", functools.partial(
-                    schedule.head_program, vla, name, inputs, noises, states)))
-            for j in (s for s in sizes if s > 0):
-                req = x.table.batch([], j)
-                keys.append((f"mot_text/{wl}/N={n}/J={j}", functools.partial(
-                    schedule.text_program, vla, inputs, req, max_new_tokens=n)))
-        else:
-            if 0 in sizes or self.setting == "actions_only":
-                keys.append((f"mot_actions/{wl}",
-                             functools.partial(schedule.actions_program, vla, inputs, noises, states)))
-            for j in (s for s in sizes if s > 0 and self.setting == "shared_kv"):
-                req = x.table.batch([], j)
-                keys.append((f"mot_shared_kv/{wl}/N={n}/J={j}", functools.partial(
-                    schedule.shared_kv_program, vla, inputs, noises, req, None, states, max_new_tokens=n)))
-        for key, thunk in keys:
-            harness.first_call(log, key, thunk)
-            self.program_keys.append(key)
-        if self.setting == "parallel":  # start the dispatch threads outside the timed frames
-            j = next((s for s in sizes if s > 0), None)
-            schedule.run_parallel(vla, inputs, noises, x.table.batch([], j) if j else None, None, states,
-                                  max_new_tokens=n)
-
-    def frame(self, f: int) -> None:
-        start = time.perf_counter()
-        generated, head_ms = self._call(f)
-        self._record_to_completion(f, (time.perf_counter() - start) * 1e3, generated)
-        if head_ms is not None:
-            self.frames[-1]["head_ms"] = head_ms
-
-
-class _FanoutRunner(harness.ContinuousRunner):
-    """continuous: `schedule.frame_step` (the fan-out frame) on the harness's persistent pool."""
-
-    def __init__(self, k: int, params, spec, inputs, slots: int):
-        super().__init__(k, params, inputs, slots)
-        self.spec, self.lm = spec, mot.language_model(spec, params)
-
-    def _new_pool(self):
-        return decode.init_pool(self.lm, self.slots, self.x.prefix_len, self.x.group.decode_len, 0)
-
-    def _step(self, pool, f: int, req, evict):
-        noises, states = self.x.noise[f]
-        return schedule.frame_step(MultiHead(self.params, self.spec), pool, self.x.observations[f], noises, req, evict,
-                                   None, states, tokens_per_frame=self.k)
-
-    def compile(self, log: dict[str, float]) -> None:
-        x, g = self.x, self.x.group
-        key = f"mot_frame_step/{g.workload}/k={self.k}/N={g.decode_len}/slots={self.slots}/J={self.admissions}"
-
-        def thunk():  # a throwaway pool with one admitted request, so the decode path ran too
-            req = x.table.batch([0] if x.table.budgets else [], self.admissions)
-            return jax.device_get(self._step(self._new_pool(), 0, req, np.zeros((self.slots,), bool))[1])
-
-        harness.first_call(log, key, thunk)
-        self.program_keys.append(key)
-        self.pool = self._new_pool()
-        self.tickets = x.table.tickets()
-
-
 def runners(ctx: harness.RunContext, group: Group, inputs: harness.GroupInputs) -> list[harness.Runner]:
-    """One runner per selected setting (continuous once per k), in the order of `--settings`."""
-    out: list[harness.Runner] = []
-    for setting in ctx.args.settings:
-        if setting == "continuous":
-            for k in group.ks:
-                out.append(_FanoutRunner(k, ctx.params, ctx.model, inputs, harness.pool_slots(ctx.args, inputs, k)))
-        else:
-            out.append(_HeadsRunner(setting, ctx.params, ctx.model, inputs))
-    return out
+    """`harness.runners` (no language-adapter bank)."""
+    return harness.runners(ctx, group, inputs)
 
 
 # --- summaries and components ---------------------------------------------------------------------
@@ -301,9 +189,8 @@ def measure_components(spec, params, inputs, noises, states, *, batches: Sequenc
     heads_ms = {h.name: harness.median_ms(lambda h=h: sample(params.heads[h.name], h, prefix, noises[h.name],
                                                             states.get(h.name)), repeats)
                 for h in spec.heads}
-    g = max(max_new_tokens, (repeats + 2) * harness.BURST + 2)
-    lm = mot.language_model(spec, params)
-    decode_ms = {b: harness.decode_step_ms(lm, prefix, b, g, repeats) for b in sorted(set(batches))}
+    decode_ms, _, _ = harness.decode_components(mot.language_model(spec, params), prefix, batches, max_new_tokens,
+                                                repeats)
     return metrics.Components(prefill_ms=prefix_ms, denoise_ms={}, decode_step_ms=decode_ms, heads_ms=heads_ms)
 
 

@@ -8,7 +8,9 @@ The settings (`oxygen_jax.runtime.frame`):
     continuous  `schedule.frame_step` on a persistent decode pool: k tokens per active request per frame
     actions_only  prefill + denoise, no language (reference)
 
-Frames without arrivals run the action program alone in the non-batched settings. Observations are synthetic
+π0.5 runs as a `MultiHead` (`as_vla(params, S)`, one head "actions") through the harness's runners, the same
+ones as `eval.bench.heads`. Frames without arrivals run the action program alone in the non-batched settings.
+Observations are synthetic
 client samples of the workload's robot (224 px cameras, prompts by the demo tokenizer or --tokenizer). With
 --adapter-rank, a random language-adapter bank serves --adapter-share of the requests in a second continuous
 run, and its decode steps are timed with every slot / half the slots on it.
@@ -21,8 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +37,6 @@ from oxygen_jax.models.pi05.model import denoise, prefill, prefix_length
 from oxygen_jax.models.pi05.observation import trim_prompt_padding
 from oxygen_jax.robots.tokenizer import Tokenizer, train_demo_tokenizer
 from oxygen_jax.robots.transforms import make_observation, synthetic_sample
-from oxygen_jax.runtime import decode
-from oxygen_jax.runtime import frame as schedule
 from oxygen_jax.models.pi05.model import HEAD, as_vla, language_model
 
 
@@ -121,131 +120,21 @@ def group_inputs(ctx: harness.RunContext, group: Group, robot) -> harness.GroupI
     arrivals, table, frame_requests = harness.group_requests(group, total, ctx.fixed_length)
     base = jax.random.key(args.seed)
     shape = (1, robot.action_horizon, model.cfg.action_dim)
-    noise = [jax.random.normal(jax.random.fold_in(base, f), shape) for f in range(total)]
+    # π0.5's one head, no robot-state input (its state is in the prompt)
+    noise = [({HEAD: jax.random.normal(jax.random.fold_in(base, f), shape)}, None) for f in range(total)]
     prefix_len = prefix_length(ctx.params, stream[0])  # from the cache itself (prompt buckets included)
     return harness.GroupInputs(group=group, num_frames=total, warmup=warmup, measured_end=warmup + args.frames,
-                               observations=stream[:total], noise=noise, arrivals=arrivals, table=table,
-                               frame_requests=frame_requests, prefix_len=prefix_len,
+                               vla=as_vla(ctx.params, group.num_steps), observations=stream[:total], noise=noise,
+                               arrivals=arrivals, table=table, frame_requests=frame_requests, prefix_len=prefix_len,
                                action_horizon=robot.action_horizon)
 
 
 # --- runners --------------------------------------------------------------------------------------
 
 
-def _noises(noise):
-    return {HEAD: noise}
-
-
-class _ToCompletionRunner(harness.Runner):
-    """isolated, shared_kv, parallel and actions_only: each frame decodes its own arrivals to completion."""
-
-    def __init__(self, setting: str, params, inputs: harness.GroupInputs):
-        super().__init__(setting)
-        self.params, self.x = params, inputs
-
-    def _call(self, f: int):
-        g, x, params = self.x.group, self.x, self.params
-        steps, n = g.num_steps, g.decode_len
-        obs, noise, req = x.observations[f], _noises(x.noise[f]), x.frame_requests[f]
-        vla = as_vla(params, steps)
-        if req is None or self.setting == "actions_only":
-            return jax.device_get(schedule.head_program(vla, HEAD, obs, noise)), None
-        if self.setting == "isolated":
-            # The action task finishes (on the host) before the text task starts.
-            actions = jax.device_get(schedule.head_program(vla, HEAD, obs, noise))
-            _, generated = jax.device_get(schedule.text_program(vla, obs, req, max_new_tokens=n))
-            return actions, generated
-        run = schedule.shared_kv_program if self.setting == "shared_kv" else schedule.run_parallel
-        actions, _, generated = jax.device_get(run(vla, obs, noise, req, max_new_tokens=n))
-        return actions, generated
-
-    def compile(self, log: dict[str, float]) -> None:
-        """First calls of every program shape this runner will use (arrival counts differ per frame)."""
-        g, x, params = self.x.group, self.x, self.params
-        steps, n = g.num_steps, g.decode_len
-        sizes = sorted({len(a) for a in x.arrivals})
-        wl = g.workload
-        keys: list[tuple[str, Callable]] = []
-        obs, noise, vla = x.observations[0], _noises(x.noise[0]), as_vla(params, steps)
-        if 0 in sizes or self.setting in ("isolated", "parallel", "actions_only"):
-            keys.append((f"action/{wl}/S={steps}",
-                         lambda: schedule.head_program(vla, HEAD, obs, noise)))
-        for j in (s for s in sizes if s > 0 and self.setting != "actions_only"):
-            req = x.table.batch([], j)  # shapes are all that matter here
-            if self.setting == "shared_kv":
-                keys.append((f"shared_kv/{wl}/S={steps}/N={n}/J={j}", lambda req=req: schedule.shared_kv_program(
-                    vla, obs, noise, req, max_new_tokens=n)))
-            else:  # isolated and parallel run the same action and text executables
-                keys.append((f"text/{wl}/N={n}/J={j}",
-                             lambda req=req: schedule.text_program(vla, obs, req, max_new_tokens=n)))
-        for key, thunk in keys:
-            harness.first_call(log, key, thunk)
-            self.program_keys.append(key)
-        if self.setting == "parallel":  # start the dispatch threads outside the timed frames
-            j = next((s for s in sizes if s > 0), None)
-            if j is not None:
-                schedule.run_parallel(vla, obs, noise, x.table.batch([], j), max_new_tokens=n)
-
-    def frame(self, f: int) -> None:
-        start = time.perf_counter()
-        _, generated = self._call(f)
-        self._record_to_completion(f, (time.perf_counter() - start) * 1e3, generated)
-
-
-class _FrameStepRunner(harness.ContinuousRunner):
-    """continuous: `schedule.frame_step` on the pool; with a `bank`, `adapter_share` of the requests on adapter 1."""
-
-    def __init__(self, k: int, params, inputs: harness.GroupInputs, slots: int, bank=None, adapter_share: float = 0.0):
-        super().__init__(k, params, inputs, slots)
-        if bank is not None:
-            self.label = f"continuous[k={k},adapter={adapter_share:g}]"
-        self.bank, self.adapter_share = bank, adapter_share
-
-    def _new_pool(self):
-        return decode.init_pool(language_model(self.params), self.slots, self.x.prefix_len, self.x.group.decode_len, 0)
-
-    def compile(self, log: dict[str, float]) -> None:
-        g, x = self.x.group, self.x
-        key = (f"frame_step/{g.workload}/S={g.num_steps}/k={self.k}/N={g.decode_len}/slots={self.slots}"
-               f"/J={self.admissions}")
-        if self.bank is not None:
-            key += "/adapter_bank"
-
-        def thunk():
-            # A throwaway pool with one admitted request, so the compiled program also ran its decode path.
-            req = x.table.batch([0] if x.table.budgets else [], self.admissions)
-            _, out = schedule.frame_step(as_vla(self.params, g.num_steps), self._new_pool(), x.observations[0],
-                                         _noises(x.noise[0]), req, np.zeros((self.slots,), bool), self.bank,
-                                         tokens_per_frame=self.k)
-            return jax.device_get(out)
-
-        harness.first_call(log, key, thunk)
-        self.program_keys.append(key)
-        self.pool = self._new_pool()
-        self.tickets = x.table.tickets()
-        for t in self.tickets:  # exactly a share of the requests (spread evenly) use adapter 1
-            t.adapter = int(int((t.request_id + 1) * self.adapter_share) > int(t.request_id * self.adapter_share))
-
-    def _step(self, pool, f: int, req, evict):
-        """One frame program on `pool` with frame f's inputs (donates the pool)."""
-        x = self.x
-        return schedule.frame_step(as_vla(self.params, x.group.num_steps), pool, x.observations[f], _noises(x.noise[f]),
-                                   req, evict, self.bank, tokens_per_frame=self.k)
-
-
 def runners(ctx: harness.RunContext, group: Group, inputs: harness.GroupInputs) -> list[harness.Runner]:
-    """One runner per selected setting; continuous once per k, and again on the adapter bank when there is one."""
-    out: list[harness.Runner] = []
-    for setting in ctx.args.settings:
-        if setting == "continuous":
-            for k in group.ks:
-                slots = harness.pool_slots(ctx.args, inputs, k)
-                out.append(_FrameStepRunner(k, ctx.params, inputs, slots))
-                if ctx.model.bank is not None:  # the same requests, a share of them on the language adapter
-                    out.append(_FrameStepRunner(k, ctx.params, inputs, slots, ctx.model.bank, ctx.args.adapter_share))
-        else:
-            out.append(_ToCompletionRunner(setting, ctx.params, inputs))
-    return out
+    """`harness.runners`; continuous again on the language-adapter bank when there is one (--adapter-rank)."""
+    return harness.runners(ctx, group, inputs, ctx.model.bank, ctx.args.adapter_share)
 
 
 # --- components and summaries ---------------------------------------------------------------------
@@ -255,20 +144,13 @@ def measure_components(params, obs, noise, *, steps: Sequence[int], batches: Seq
                        repeats: int, bank=None) -> metrics.Components:
     """Warm medians of prefill, S denoise steps (each S) and one decode step with B active requests (each B).
 
-    A decode step is timed inside a burst (`harness.decode_step_ms`). With a language-adapter `bank`, the
-    decode step is also timed with every slot on adapter 1 and with half the slots on it, interleaved with
-    the base measurement per B.
+    Decode steps: `harness.decode_components` (also on the language-adapter `bank`, when there is one).
     """
     prefill_ms = harness.median_ms(lambda: prefill(params, obs), repeats)
     cache = prefill(params, obs)
     denoise_ms = {s: harness.median_ms(lambda s=s: denoise(params, cache, noise, s), repeats) for s in sorted(set(steps))}
-    g = max(max_new_tokens, (repeats + 2) * harness.BURST + 2)  # room for the compile burst and every timed burst
-    decode_ms, adapter_ms, mixed_ms = {}, {}, {}
-    for b in sorted(set(batches)):
-        decode_ms[b] = harness.decode_step_ms(language_model(params), cache, b, g, repeats)
-        if bank is not None:
-            adapter_ms[b] = harness.decode_step_ms(language_model(params), cache, b, g, repeats, bank, [1] * b)
-            mixed_ms[b] = harness.decode_step_ms(language_model(params), cache, b, g, repeats, bank, [i % 2 for i in range(b)])
+    decode_ms, adapter_ms, mixed_ms = harness.decode_components(language_model(params), cache, batches,
+                                                                max_new_tokens, repeats, bank)
     return metrics.Components(prefill_ms=prefill_ms, denoise_ms=denoise_ms, decode_step_ms=decode_ms,
                               adapter_step_ms=adapter_ms, mixed_step_ms=mixed_ms)
 
