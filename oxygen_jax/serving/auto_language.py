@@ -117,36 +117,31 @@ def prepare(auto: AutoLanguage | None, engine, *, max_prompt_chars: int) -> Auto
         return None
     e = engine.config
     max_tokens = e.max_new_tokens if auto.max_tokens is None else auto.max_tokens
-    if max_tokens > e.max_new_tokens:
-        raise ValueError(f"--auto-max-tokens {max_tokens} is above the engine's token cap {e.max_new_tokens}: lower it "
-                         "or raise --max-new-tokens")
-    tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None and auto.prompt:  # token ids need none
-        raise ValueError("--auto-language: this model has no tokenizer for a text prompt; pass the checkpoint's "
-                         "tokenizer with --tokenizer")
-    adapters = getattr(engine, "adapters", {"base": 0})
-    if auto.adapter not in adapters:
-        raise ValueError(f"--auto-adapter: unknown adapter {auto.adapter!r}; this server has {sorted(adapters)} "
-                         "(--adapter DIR adds one)")
-    if auto.temperature:
-        from oxygen_jax.nn.sampling import check_temperature
-
-        try:
-            check_temperature(auto.temperature)
-        except ValueError as err:
-            raise ValueError(f"--auto-temperature: {err}") from None
     prompt = {"prompt": auto.prompt} if auto.prompt_tokens is None else {"prompt_tokens": list(auto.prompt_tokens)}
-    try:
+    try:  # the one request check (`check_requests`: the engine's limits), its refusal named by the option
         (req,) = requests.parse_language_requests(
             [{**prompt, "max_tokens": max_tokens, "temperature": float(auto.temperature),
               "adapter": auto.adapter, **({} if auto.seed is None else {"seed": auto.seed})}],
             max_requests=1, default_max_tokens=max_tokens, max_prompt_chars=max_prompt_chars)
-        (req,) = requests.check_requests([req], tokenizer, limits=engine.limits)
+        (req,) = requests.check_requests([req], getattr(engine, "tokenizer", None), limits=engine.limits)
     except requests.BadRequest as err:
         what = str(err).replace("language_requests[0].", "the automatic request's ")
-        if auto.prompt_tokens is not None and "token ids in" in what:  # outside the model's vocabulary
-            raise ValueError(f"--auto-language-ids: {what}; use ids of this model's tokenizer") from None
-        cap = "--max-prompt-chars" if "characters" in what else "--prompt-capacity"
-        flag = "--auto-language" if auto.prompt_tokens is None else "--auto-language-ids"
-        raise ValueError(f"{flag}: {what}; shorten the prompt or raise {cap}") from None
+        raise ValueError(_refusal(auto, err.field, what)) from None
     return AutoRequests(auto, dataclasses.replace(req, tag=auto.tag, auto=True))
+
+
+def _refusal(auto: AutoLanguage, field: str, what: str) -> str:
+    """A start-up refusal of the automatic request: the option to change first, then the fix."""
+    prompt_flag = "--auto-language" if auto.prompt_tokens is None else "--auto-language-ids"
+    flag, fix = {
+        "max_tokens": ("--auto-max-tokens", "lower it or raise --max-new-tokens"),
+        "temperature": ("--auto-temperature", "0 is greedy"),
+        "seed": ("--auto-seed", "pick one in range"),
+        "adapter": ("--auto-adapter", "--adapter DIR adds one"),
+        "tokenizer": ("--auto-language", "pass the checkpoint's tokenizer with --tokenizer, or give the prompt as "
+                                         "token ids with --auto-language-ids"),
+    }.get(field, (prompt_flag, "shorten the prompt or raise "
+                               + ("--max-prompt-chars" if "characters" in what else "--prompt-capacity")))
+    if field == "prompt_tokens" and "token ids in" in what:  # an id outside the model's vocabulary
+        fix = "use ids of this model's tokenizer"
+    return f"{flag}: {what}; {fix}"

@@ -36,7 +36,15 @@ MAX_NAME_CHARS = 128  # a language request's "id" tag and "adapter" name
 
 
 class BadRequest(ValueError):
-    """A frame the server refuses; the text is sent back and the connection stays open."""
+    """A frame the server refuses; the text is sent back and the connection stays open.
+
+    Attributes:
+      field: the language-request field a `check_requests` refusal names ("max_tokens", ...; `RequestError.field`).
+    """
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field
 
 
 def _is_real(x) -> bool:
@@ -204,7 +212,7 @@ def check_requests(requests: Sequence[LanguageRequest], tokenizer, *, limits: Re
             ids = list(req.tokens)
         elif tokenizer is None and req.prompt:
             raise BadRequest(f"{where}.prompt: this model has no tokenizer, so prompts are token ids: send "
-                             "prompt_tokens (a list of ints)")
+                             "prompt_tokens (a list of ints)", "tokenizer")
         else:
             ids = [int(t) for t in tokenizer.encode(req.prompt)] if req.prompt else []
         stops = (*(limits.stop_ids if req.stop_at_eos else ()), *req.stop_ids)
@@ -216,7 +224,7 @@ def check_requests(requests: Sequence[LanguageRequest], tokenizer, *, limits: Re
                                    top_p=req.top_p, stop_ids=sorted(set(stops)), seed=req.seed, adapter=req.adapter,
                                    labels=labels)
         except RequestError as e:
-            raise BadRequest(str(e)) from None
+            raise BadRequest(str(e), e.field) from None
         out.append(dataclasses.replace(req, tokens=tuple(ids), checked=checked))  # the engine thread never tokenizes
     return out
 
