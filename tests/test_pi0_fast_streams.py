@@ -171,9 +171,9 @@ def test_load_model_serves_an_openpi_pi0_fast_checkpoint_with_its_codec_prompt_a
                 stream.chunk(ids)
 
 
-def test_served_over_openpis_protocol_the_reply_is_the_decoded_chunk_with_language_beside(world):
+def test_served_over_openpis_protocol_the_reply_is_the_decoded_chunk_with_language_beside(world, caplog):
     """Served: openpi's reply shape [Ha, Da] from the decoded chunk (openpi's zero fallback asked for explicitly: a
-    random model writes no stop), the language request answered in the same reply."""
+    random model writes no stop, and the server's log says why), the language request answered in the same reply."""
     vla = world[0]
     stream = ActionStream(horizon=4, action_dim=7, stop_ids=(1,), max_tokens=6, decode=vla.stream.decode)
     tok, robot = train_demo_tokenizer(), robot_config("libero", max_token_len=16)
@@ -198,5 +198,6 @@ def test_served_over_openpis_protocol_the_reply_is_the_decoded_chunk_with_langua
     assert refused.startswith("BadRequest: its action chunk reached 6 tokens without a stop id (1,)")
     assert refused.endswith("serve --chunk-on-failure zeros") and "observation/state" not in refused
     assert reply["actions"].shape == (4, robot.action_dim) and np.isfinite(reply["actions"]).all()
+    assert any("all-zero chunk" in r.getMessage() and "without a stop id" in r.getMessage() for r in caplog.records)
     (done,) = reply["language"]["finished"]
     assert len(done["tokens"]) == 3

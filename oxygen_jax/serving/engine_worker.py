@@ -204,6 +204,9 @@ class EngineWorker:
                     why = str(e)
             if why is not None:
                 errors[id(f)] = f"BadRequest: {_cut(why)}; {self.codec.failure_advice}"
+            elif i in res.fallbacks:  # the robot asked for openpi's zeros: it gets them, the log says why
+                log.warning("stream %d frame %d: all-zero chunk (--chunk-on-failure zeros): %s", f.stream.id, f.index,
+                            _cut(res.fallbacks[i]))
         withdrawn = self._withdraw([rid for f in frames if id(f) in errors for rid in accepted.get(id(f), [])])
         now = time.perf_counter()
         results = [FrameResult(
