@@ -435,7 +435,7 @@ def test_4_refusals_quote_at_most_a_few_dozen_characters_of_any_value(quiet, ref
         lang(max_tokens=list(range(4000))),
         lang(temperature={f"k{i}": i for i in range(4000)}),
         lang(id="t" * 800),
-        lang(adapter="a" * 128),  # refused by Engine.submit on the engine thread
+        lang(adapter="a" * 128),  # refused by the request limits on the prep thread
         wire.pack({**valid, "language_requests": [{"prompt": "p", **{f"{'f' * 700}{i}": 1 for i in range(40)}}]}),
         wire.pack({**valid, "deadline_ms": [1.0] * 4000}),
         wire.pack({**valid, "observation/state": b"s" * 500_000}),
