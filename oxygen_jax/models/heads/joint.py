@@ -42,7 +42,8 @@ from oxygen_jax.models.heads.parts import (
 )
 from oxygen_jax.models.heads.spec import DitSpec, check_kv_heads, check_reads_kv, require
 from oxygen_jax.models.prefix import Prefix
-from oxygen_jax.nn.layers import Unstacked, _pytree, apply_rope, attention, scan_layers, stack_layers, unstack_layers
+from oxygen_jax.nn.layers import (Unstacked, _pytree, apply_rope, attention, merge_heads, project_heads, scan_layers, stack_layers,
+                                  unstack_layers)
 
 
 @jax.tree_util.register_static
@@ -259,14 +260,17 @@ def _layer(spec: JointKvSpec, lp: JointLayers, x, mod, ck, cv, st: HeadState) ->
     shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(mod + lp.adaln.astype(x.dtype)[None], 6, axis=1)  # [B, 1, Da] each
     h = _rms(x, lp.norms[0]) * (1 + scale1) + shift1
     q = lin("BTD,DNH->BTNH", h, lp.q)
-    kv = lin("BTD,2DNH->BT2NH", h, lp.kv)  # bias [2, N, H] broadcasts over the trailing axes
+    w = lp.kv.kernel  # [2, Da, N, H]: one batched dot over its 2 slabs [Da, N H] (`project_heads`, no weight copy)
+    kv = project_heads(h, w.reshape(w.shape[:2] + (-1,)).astype(h.dtype)).reshape(h.shape[:2] + (2,) + w.shape[2:])
+    kv = kv + lp.kv.bias.astype(kv.dtype)  # [B, T, 2, N, H]
     k, v = kv[:, :, 0], kv[:, :, 1]
     q = apply_rope(_rms(q, lp.q_norm), st.sin, st.cos) * jnp.asarray(spec.head_dim ** -0.5, q.dtype)
     k = apply_rope(_rms(k, lp.k_norm), st.sin, st.cos)
     a = attention(q, jnp.concatenate([ck, k], axis=1), jnp.concatenate([cv, v], axis=1), st.mask)
-    x = _rms(x + gate1 * jnp.einsum("BTNH,NHD->BTD", a, lp.out.astype(a.dtype)), lp.norms[1])
+    x = _rms(x + gate1 * merge_heads(a, lp.out.astype(a.dtype)), lp.norms[1])
     h = _rms(x, lp.norms[2]) * (1 + scale2) + shift2
-    gate, up = jnp.einsum("BTD,2DF->2BTF", h, lp.gating.astype(h.dtype))
+    gate_up = project_heads(h, lp.gating.astype(h.dtype))  # [B, T, 2, F]
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
     return _rms(x + gate2 * ((jax.nn.silu(gate) * up) @ lp.linear.astype(h.dtype)), lp.norms[3])
 
 
