@@ -85,7 +85,10 @@ def test_plan_selects_layer_weights_by_kind_and_keeps_the_rest(tiny):
     both, mlp = quant.plan(params), quant.plan(params, ("mlp",))
     assert set(mlp) < set(both) and {r.kind for r in mlp.values()} == {"mlp"}
     assert {"vlm/layers/q", "vlm/layers/gating", "action_expert/layers/out", "siglip/layers/query/kernel"} <= set(both)
-    assert not any("norm" in p or p.endswith("bias") or "embedding" in p or "time_mlp" in p for p in both)
+    # Norms enter only as the adaptive norms' modulation projections (their own kind); scales, biases stay float.
+    assert {r.kind for p, r in both.items() if "norm" in p} == {"adanorm"} and \
+        "action_expert/layers/ffw_norm/modulation/kernel" in both
+    assert not any(p.endswith(("scale", "bias")) or "embedding" in p or "time_mlp" in p for p in both)
 
 
 @pytest.fixture(scope="module")

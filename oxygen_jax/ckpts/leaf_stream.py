@@ -36,6 +36,17 @@ _BLOCK = 4 << 20  # elements per cast / value check
 _CONTEXT = {"cache_pool#ocdbt": {"total_bytes_limit": 8 << 20}, "file_io_concurrency": {"limit": 32}}
 
 _ZARR_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16)}
+_ALIGN = 64  # XLA:CPU uses a host array this aligned as the device buffer (`jax.device_put` makes no copy)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """`np.empty(shape, dtype)` starting on a 64-byte boundary: on a CPU, `jax.device_put` of it keeps this memory
+    instead of copying it, so a streamed piece never exists twice (a large `np.empty` is 16 bytes off a page)."""
+    dtype = np.dtype(dtype)
+    n = math.prod(shape) * dtype.itemsize
+    raw = np.empty(n + _ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start:start + n].view(dtype).reshape(shape)
 
 
 def _zarr_dtype(name: str) -> np.dtype | None:
@@ -144,7 +155,7 @@ class LeafReader:
         done = 0
         try:
             for _ in range(parts):
-                out = np.empty(piece_shape, dtype)
+                out = aligned_empty(piece_shape, dtype)
                 flat = out.reshape(-1)
                 for i in range(0, flat.size, scratch.size):
                     n = min(scratch.size, flat.size - i)

@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 WeightDType = Literal["int8", "fp8"]
-Kind = Literal["attn", "mlp"]
+Kind = Literal["attn", "mlp", "adanorm"]
 
 STORED_DTYPE: dict[str, np.dtype] = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 """The dtype each `WeightDType` stores its values in."""
@@ -175,7 +175,7 @@ def error_bound(q: QArray, w) -> np.ndarray:
 class Rule:
     """Leaves whose "/"-joined attribute path matches `pattern` are of `kind` and reduce over `axes`."""
 
-    kind: Kind  # what the `--layers` choice selects: attention projections or the MLP
+    kind: Kind  # what the `--layers` choice selects: attention projections, the MLP or adaptive norms' projections
     pattern: str  # regular expression, `re.search`ed on the path (e.g. "vlm/layers/q")
     axes: tuple[int, ...]  # the input axes, counted from the end; a leading layer axis must precede them
 
@@ -191,11 +191,13 @@ RULES: tuple[Rule, ...] = (
     Rule(kind="attn", pattern=r"(^|/)layers/(q|kv|query|key|value)/kernel$", axes=(-3,)),
     Rule(kind="attn", pattern=r"(^|/)layers/out/kernel$", axes=(-3, -2)),
     Rule(kind="mlp", pattern=r"(^|/)layers/mlp_(in|out)/kernel$", axes=(-2,)),  # SigLIP [L, W, Fv], [L, Fv, W]
+    # Adaptive RMSNorms' modulation projections (π0.5's action expert, from the time embedding): [L, Dc, 3 D]
+    Rule(kind="adanorm", pattern=r"(^|/)layers/(attn_norm|ffw_norm)/modulation/kernel$", axes=(-2,)),
 )
 """The layer-stack leaves that are quantized, by kind. Only stacks whose layers run through
 `nn.layers.scan_layers` may be listed (that is where they are dequantized)."""
 
-KINDS: tuple[Kind, ...] = ("attn", "mlp")
+KINDS: tuple[Kind, ...] = ("attn", "mlp", "adanorm")
 
 
 def _path_str(path) -> str:
