@@ -3,9 +3,8 @@
     python -m eval.quant cost --out eval/results/quant_cost
     python -m eval.quant memory --ckpt /tmp/full/ckpt --out eval/results/quant_memory_pi05
 
-`cost`: for each source (the embedded demo with its held-out frames and memory adapter; each public openpi
-fixture found in ../shared/fixtures, with random observations) and each setting (int8 / fp8, all layer
-weights or the MLPs only), against the same source in float32, same observations and noise:
+`cost --sources demo`: the embedded demo (its held-out frames and memory adapter), for each setting (int8 /
+fp8, all layer weights or the MLPs only), against the same weights in float32, same observations and noise:
 
 * actions: max and mean |Δ| over every action chunk (10 denoising steps), relative to the action scale,
   the RMS of the float32 actions;
@@ -17,6 +16,12 @@ weights or the MLPs only), against the same source in float32, same observations
 * for the demo, the CPU frame time of the README's loop (one frame with one memory request), the median of
   interleaved frames, as a ratio to float32 in the same run (compile time apart). XLA's CPU backend has no
   int8 or fp8 matmul: a quantized layer is dequantized and run in float32, so expect no speed-up here.
+
+`cost --sources families`: the public fixture of every family `load_model` reads (π0.5, π0 and π0-FAST from
+openpi, π0.5 and π0 from LeRobot, Qwen3, Qwen3-VL, Qwen3.5, Xiaomi-Robotics-0, StarVLA QwenPI_v3 and GR00T),
+through the model the runtime drives (`LoadedModel.vla()`: its prefix pass, heads and language decoder, the
+same calls whatever the family), int8 and fp8 on all layer weights: every head's actions, teacher-forced
+greedy tokens, the share of the weights quantized, and what stays float where no rule matches.
 
 `memory`: the full-size π0.5 (the `pi05` preset's shapes, a random openpi-layout checkpoint written as
 `eval.restore_memory` does, float32 on disk) quantized to int8 and fp8 (all layer weights), then in a fresh
@@ -45,7 +50,13 @@ from eval.restore_memory import _run_frames as run_frames  # the README's loop, 
 from oxygen_jax.cli import OneLineParser
 
 SETTINGS = (("int8", ("attn", "mlp")), ("int8", ("mlp",)), ("fp8", ("attn", "mlp")), ("fp8", ("mlp",)))
-FIXTURES = ("openpi_tiny_pi05", "openpi_tiny_pi0")
+FAMILY_SETTINGS = (("int8", ("attn", "mlp")), ("fp8", ("attn", "mlp")))
+FIXTURES = {  # the public fixture of every family `load_model` reads: directory -> the family's name
+    "openpi_tiny_pi05": "π0.5 (openpi)", "lerobot_tiny_pi05": "π0.5 (LeRobot)", "openpi_tiny_pi0": "π0 (openpi)",
+    "lerobot_tiny_pi0": "π0 (LeRobot)", "openpi_tiny_pi0_fast": "π0-FAST (openpi)", "qwen3_tiny": "Qwen3",
+    "qwen3vl_tiny": "Qwen3-VL", "qwen35_tiny": "Qwen3.5", "xr0_tiny": "Xiaomi-Robotics-0",
+    "starvla_qwenpi_v3_tiny": "StarVLA QwenPI_v3", "starvla_gr00t_tiny": "StarVLA GR00T"}
+_BATCH, _REQUEST_TOKENS = 4, 12  # rows per fixture run; teacher-forced request tokens after each row's prefix
 
 
 def _name(weights: str, kinds) -> str:
@@ -71,21 +82,6 @@ def token_agreement(ref: list[list[int]], out: list[list[int]]) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # cost
-
-
-def _random_observation(config, batch: int, seed: int):
-    import jax.numpy as jnp
-
-    from oxygen_jax.models.observation import Observation
-
-    rng = np.random.default_rng(seed)
-    s, t = config.siglip.image_size, 16
-    tokens = rng.integers(3, config.vocab_size, (batch, t)).astype(np.int32)
-    tokens[:, 0] = 2
-    tokens[:, t - 3:] = 0  # padding
-    return Observation(images=jnp.asarray(rng.uniform(-1, 1, (batch, 2, s, s, 3)), jnp.float32),
-                       image_masks=jnp.ones((batch, 2), bool), tokens=jnp.asarray(tokens),
-                       token_mask=jnp.asarray(tokens > 0))
 
 
 def _programs():
@@ -228,19 +224,144 @@ def run_cost(frames_timed: int) -> dict:
             "scene_tokens": token_agreement(base["scene"], t["scene"]),
             "frame_ms": t["frame_ms"], "frame_ratio": t["frame_ms"] / base["frame_ms"]}
     sources["demo"] = rec
-    shared = REPO.parent / "shared" / "fixtures"
-    for fx in FIXTURES:
-        path = shared / fx
-        if not path.is_dir():
-            sources[fx] = {"what": f"{fx}: not found ({shared} absent)"}
-            continue
-        model = load_model(path, family="pi05", dtype="float32", backend="gpu")  # stacked
-        variants = _variants(model.params)
-        obs = _random_observation(model.config, batch=4, seed=0)
-        sources[fx] = {"what": f"{fx} (random observations, {model.config.variant})",
-                       "settings": _compare(run, model.params, variants, obs, 0),
-                       "bytes": _bytes(model.params, variants)}
     return sources
+
+
+# --------------------------------------------------------------------------------------------------
+# cost, every family: through the model the runtime drives (`LoadedModel.vla()`), whatever its family
+
+
+def _vla_inputs(vla, batch: int, rng):
+    """Random inputs of the model's input kind: an `Observation` (SigLIP backbones) or `PrefixInputs` (Qwen
+    backbones: random text, and one random image per row where the backbone has a vision encoder)."""
+    import jax.numpy as jnp
+
+    from oxygen_jax.models import mot
+    from oxygen_jax.models.observation import Observation
+
+    spec = vla.spec
+    if spec.input_kind == "observation":
+        s, t = spec.backbone.vision.image_size, 16
+        tokens = rng.integers(3, spec.backbone.vocab_size, (batch, t)).astype(np.int32)
+        tokens[:, t - 3:] = 0  # padding
+        return Observation(images=jnp.asarray(rng.uniform(-1, 1, (batch, 2, s, s, 3)), jnp.float32),
+                           image_masks=jnp.ones((batch, 2), bool), tokens=jnp.asarray(tokens),
+                           token_mask=jnp.asarray(tokens > 0))
+    if spec.backbone.vision is None:
+        ids = rng.integers(0, spec.backbone.vocab_size, (batch, 16)).astype(np.int32)
+        return mot.make_inputs(spec, ids, np.ones(ids.shape, bool))
+    from eval.bench.heads import prompt_ids
+
+    side = spec.backbone.vision.patch_size * spec.backbone.vision.spatial_merge_size
+    ids = np.stack([prompt_ids(spec, 1, 2 * side, 16, rng) for _ in range(batch)])
+    images = [rng.integers(0, 256, (2 * side, 2 * side, 3), dtype=np.uint8) for _ in range(batch)]
+    return mot.make_inputs(spec, ids, np.ones(ids.shape, bool), images)
+
+
+def _vla_program():
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def run(vla, inputs, noises, states, request):
+        """Each head's chunk, and the greedy token after every request token teacher-forced after the prefix."""
+        prefix = vla.prefix(inputs)
+        actions = vla.actions(prefix, noises, states) if vla.heads else {}
+        if not vla.has_language:
+            return actions, jnp.zeros(request.shape, jnp.int32)
+        lm = vla.language()
+        b, q = request.shape
+        _, _, hidden = lm.suffix_forward(prefix, jnp.arange(b), request)
+        logits = lm.logits_vocab_major(lm.final_norm(hidden.reshape(b * q, -1)))  # [V, B Q]
+        return actions, jnp.argmax(logits, 0).reshape(b, q)
+
+    return run
+
+
+def _coverage(params, kinds) -> dict:
+    """Which share of the weights `kinds` quantizes (`nn.quant.plan`) and the largest leaves left float."""
+    import jax
+
+    from oxygen_jax.nn import quant
+
+    sizes = {quant._path_str(p): int(np.prod(x.shape)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    chosen = quant.plan(params, kinds)
+    left = sorted((k for k in sizes if k not in chosen), key=lambda k: -sizes[k])
+    return {"quantized_share": sum(sizes[k] for k in chosen) / sum(sizes.values()), "quantized_leaves": len(chosen),
+            "largest_float": [(k, sizes[k]) for k in left[:4]]}
+
+
+def _load_options(path: Path) -> dict:
+    """`load_model` options a fixture's files state: a LeRobot fixture's SigLIP head count (its config.json names
+    only the variant; the fixture's generation_config.json records the real sizes)."""
+    gen = path / "generation_config.json"
+    heads = json.loads(gen.read_text()).get("spec", {}).get("vision", {}).get("num_attention_heads") if gen.is_file() else None
+    return {"vision_heads": int(heads)} if heads else {}
+
+
+def family_cost(path: Path, seed: int = 0) -> dict:
+    """One fixture: int8 and fp8 (all layer weights) against float32 through `LoadedModel.vla()`: every head's
+    actions (same inputs and noise; relative to the float32 chunk's RMS, the worst head) and teacher-forced
+    greedy tokens (the share identical to float32's and each row's first divergence)."""
+    import dataclasses
+
+    import jax
+
+    from oxygen_jax.ckpts.load import load_model
+
+    model = load_model(path, dtype="float32", backend="gpu", **_load_options(path))  # stacked: what `quant.plan` walks
+    vla = model.vla()
+    rng = np.random.default_rng(seed)
+    inputs = jax.device_put(_vla_inputs(vla, _BATCH, rng))
+    noises = {h: rng.standard_normal((_BATCH, *vla.action_shape(h, 10))).astype(np.float32) for h in vla.heads}
+    states = {h: rng.standard_normal((_BATCH, d)).astype(np.float32) for h, d in vla.state_dims().items()}
+    hi = vla.vocab_size if vla.spec.image_token_id is None else min(vla.vocab_size, vla.spec.image_token_id - 3)
+    request = rng.integers(0, hi, (_BATCH, _REQUEST_TOKENS)).astype(np.int32)
+    run = _vla_program()
+    ref_a, ref_t = jax.device_get(run(vla, inputs, noises, states, request))
+    cover = _coverage(model.params, ("attn", "mlp"))
+    rec = {"what": f"{FIXTURES.get(path.name, path.name)}: {model.what}", "family": model.family,
+           "heads": list(vla.heads), "language": vla.has_language, "coverage": cover, "settings": {}}
+    if not cover["quantized_leaves"]:
+        return rec
+    for weights, kinds in FAMILY_SETTINGS:
+        from oxygen_jax.nn import quant
+
+        qparams = quant.quantize_tree(model.params, weights, kinds)
+        try:
+            acts, tok = jax.device_get(run(dataclasses.replace(model, params=qparams).vla(), inputs, noises, states,
+                                           request))
+        except Exception as e:  # noqa: BLE001 - a layer loop that cannot take QArray leaves: say which, in the table
+            rec["settings"][_name(weights, kinds)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+            continue
+        errs = [action_error(ref_a[h], acts[h]) for h in vla.heads]
+        out = {"max_rel": max((e["max_rel"] for e in errs), default=None),
+               "mean_rel": max((e["mean_rel"] for e in errs), default=None),
+               "bfloat16_bytes_ratio": served_bytes(qparams, 2) / served_bytes(model.params, 2)}
+        if vla.has_language:
+            out["tokens_teacher_forced"] = float((tok == ref_t).mean())
+            out["tokens"] = token_agreement(ref_t.tolist(), tok.tolist())
+        rec["settings"][_name(weights, kinds)] = out
+    return rec
+
+
+def run_family_cost(names=tuple(FIXTURES)) -> dict:
+    """`family_cost` of each fixture in ../shared/fixtures (a missing one, or one that fails to load, says so)."""
+    shared = REPO.parent / "shared" / "fixtures"
+    out = {}
+    for name in names:
+        path = shared / name
+        if not path.is_dir():
+            out[name] = {"what": f"{FIXTURES.get(name, name)}: fixture not found in {shared}"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            out[name] = family_cost(path)
+        except Exception as e:  # noqa: BLE001 - reported in the table, not skipped
+            out[name] = {"what": FIXTURES.get(name, name), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        out[name]["seconds"] = time.perf_counter() - t0
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,11 +400,11 @@ def _child(args: list[str]) -> str:
     return run.stdout.strip().splitlines()[-1]
 
 
-def run_memory(ckpt: Path, preset: str) -> list[dict]:
+def run_memory(ckpt: Path, preset: str, dtypes=("float32", "bfloat16"), weights_kinds=("int8", "fp8")) -> list[dict]:
     if not (ckpt / "params").exists():
         _child(["-m", "eval.restore_memory", "--preset", preset, "--write", str(ckpt)])
-    records = [json.loads(_child(["-m", "eval.quant", "--measure", str(ckpt), dtype])) for dtype in ("float32", "bfloat16")]
-    for weights in ("int8", "fp8"):
+    records = [json.loads(_child(["-m", "eval.quant", "--measure", str(ckpt), dtype])) for dtype in dtypes]
+    for weights in weights_kinds:
         dest = ckpt.parent / f"{ckpt.name}_{weights}"
         if not dest.exists():
             t0 = time.perf_counter()
@@ -291,7 +412,7 @@ def run_memory(ckpt: Path, preset: str) -> list[dict]:
             quantize_s = time.perf_counter() - t0
         else:
             quantize_s = None
-        for dtype in ("float32", "bfloat16"):
+        for dtype in dtypes:
             records.append(json.loads(_child(["-m", "eval.quant", "--measure", str(dest), dtype]))
                            | {"weights": weights, "quantize_s": quantize_s})
     return records
@@ -330,6 +451,39 @@ def report(summary: dict) -> str:
                         f"{s['scene_tokens']['identical']:.2f} | {s['frame_ms']:.1f} | {s['frame_ratio']:.2f} |")
             lines.append(row)
         lines.append("")
+    fam = summary.get("families")
+    if fam:
+        lines += ["## Every family: the public fixtures through `LoadedModel.vla()`", "",
+                  f"Random inputs ({_BATCH} rows), the same noise and states; actions: every head's chunk (10 "
+                  "denoising steps where the head takes them) against float32, relative to the float32 chunk's RMS, "
+                  f"the worst head; text: the greedy token after each of {_REQUEST_TOKENS} random request tokens "
+                  "teacher-forced after the prefix (share identical to float32's, rows identical throughout, each "
+                  "row's first divergence). Share: the weights (elements) `nn.quant.RULES` quantizes.", "",
+                  "| fixture | family | share quantized | setting | actions max / scale | mean / scale | "
+                  "teacher-forced tokens | rows identical | first divergence | bytes, bf16 serving / bf16 | note |",
+                  "|" + "---|" * 11]
+        for name, rec in fam.items():
+            what = rec["what"].split(":")[0]
+            if "settings" not in rec:
+                lines.append(f"| {name} | {what} | – | – | – | – | – | – | – | – | {rec.get('error', rec['what'])} |")
+                continue
+            share = rec["coverage"]["quantized_share"]
+            if not rec["settings"]:
+                big = ", ".join(k for k, _ in rec["coverage"]["largest_float"][:3])
+                lines.append(f"| {name} | {what} | 0 | – | – | – | – | – | – | 1 | not quantized: no leaf matches "
+                             f"`nn.quant.RULES` (largest: {big}) |")
+                continue
+            for setting, s in rec["settings"].items():
+                if "error" in s:
+                    lines.append(f"| {name} | {what} | {share:.2f} | {setting} | – | – | – | – | – | – | {s['error']} |")
+                    continue
+                t = s.get("tokens")
+                lines.append(f"| {name} | {what} | {share:.2f} | {setting} | {_f(s['max_rel'], '.4f')} | "
+                             f"{_f(s['mean_rel'], '.4f')} | {_f(s.get('tokens_teacher_forced'))} | "
+                             f"{_f(t and t['identical'], '.2f')} | {t and t['first_divergence']} | "
+                             f"{s['bfloat16_bytes_ratio']:.2f} | "
+                             f"{'no heads' if not rec['heads'] else ''}{'' if rec['language'] else 'no language'} |")
+        lines.append("")
     mem = summary.get("memory")
     if mem:
         ref = {r["dtype"]: r for r in mem if "weights" not in r}
@@ -357,9 +511,22 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cost = {k: v for k, v in summary.get("cost", {}).items() if "settings" in v}
+    fam = {k: v for k, v in summary.get("families", {}).items() if v.get("settings")}
     mem = summary.get("memory") or []
-    fig, axes = plt.subplots(1, 3 * bool(cost) + bool(mem), figsize=(5 * (3 * bool(cost) + bool(mem)), 4), squeeze=False)
+    n = 3 * bool(cost) + 2 * bool(fam) + bool(mem)
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
     axes = list(axes[0])
+    if fam:
+        names = list(fam)
+        x = np.arange(len(names))
+        for ax, key, title in zip(axes[3 * bool(cost):], ("mean_rel", "tokens_teacher_forced"),
+                                  ("every family: actions mean |Δ| / RMS", "every family: teacher-forced tokens")):
+            for i, (w, k) in enumerate(FAMILY_SETTINGS):
+                vals = [(fam[f]["settings"].get(_name(w, k), {}).get(key) or 0.0) for f in names]
+                ax.bar(x + i * 0.4, vals, 0.4, label=_name(w, k))
+            ax.set_title(title, fontsize=10)
+            ax.set_xticks(x + 0.2, names, rotation=60, fontsize=7, ha="right")
+            ax.legend(fontsize=7)
     if cost:
         names = [_name(w, k) for w, k in SETTINGS]
         x = np.arange(len(names))
@@ -390,10 +557,16 @@ def main(argv=None) -> int:
     ap = OneLineParser(prog="python -m eval.quant", description=__doc__.split("\n\n")[0])
     ap.add_argument("what", nargs="?", choices=("cost", "memory"), default="cost")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--sources", nargs="+", default=["demo", "families"], choices=("demo", "families"),
+                    help="cost: the embedded demo and / or every family's public fixture")
     ap.add_argument("--frames", type=int, default=8, help="cost: timed demo frames per setting (interleaved)")
     ap.add_argument("--ckpt", type=Path, default=None, help="memory: the random full-size checkpoint (written if "
                     "absent; its quantized copies go beside it as CKPT_int8, CKPT_fp8)")
     ap.add_argument("--preset", default="pi05", choices=("tiny", "bench", "pi05"), help="memory: the model size")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"),
+                    help="memory: the dtypes each checkpoint is restored in")
+    ap.add_argument("--weights", nargs="+", default=["int8", "fp8"], choices=("int8", "fp8"),
+                    help="memory: the quantized copies measured beside the float source")
     ap.add_argument("--frames-after", type=int, default=0, help="with --measure: robot-loop steps after loading")
     ap.add_argument("--measure", nargs=2, metavar=("CKPT", "DTYPE"), help=argparse.SUPPRESS)  # the child processes
     args = ap.parse_args(argv)
@@ -407,10 +580,13 @@ def main(argv=None) -> int:
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "platform": platform.platform(),
         "cpu_count": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}}
     if args.what == "cost":
-        summary["cost"] = run_cost(args.frames)
+        if "demo" in args.sources:
+            summary["cost"] = run_cost(args.frames)
+        if "families" in args.sources:
+            summary["families"] = run_family_cost()
     else:
         ckpt = args.ckpt or Path(tempfile.mkdtemp(prefix="oxygen-quant-")) / "ckpt"
-        summary["memory"] = run_memory(ckpt, args.preset)
+        summary["memory"] = run_memory(ckpt, args.preset, tuple(args.dtypes), tuple(args.weights))
         summary["environment"]["preset"] = args.preset
     summary["environment"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     args.out.mkdir(parents=True, exist_ok=True)
