@@ -1,12 +1,12 @@
 """Quantizes a π0.5 / π0 checkpoint's layer weights to int8 or fp8 and writes it in our format.
 
-    python -m oxygen_jax.quantize --ckpt DIR --out DIR --weights int8|fp8 [--layers attn mlp]
+    python -m oxygen_jax.quantize --ckpt DIR --out DIR --weights int8|fp8 [--layers attn mlp adanorm]
 
 `--ckpt` is any π0.5 / π0 checkpoint `load_model` reads (ours or openpi's, either layout), restored in
-float32 with its layers stacked. The attention projections and / or the MLPs (`--layers`, default both)
-of every layer stack (the VLM expert, the action expert, SigLIP) become `nn.quant.QArray`s with
-per-output-channel scales (`nn.quant.RULES`); embeddings, norms, biases and the projections outside the
-stacks are written as they are. The result is an `own.save_params` directory (fingerprinted by its
+float32 with its layers stacked. The attention projections, the MLPs and / or the adaptive norms'
+modulation projections (`--layers`, default all three) of every layer stack (the VLM expert, the action
+expert, SigLIP) become `nn.quant.QArray`s with per-output-channel scales (`nn.quant.RULES`); embeddings,
+norm scales, biases and the projections outside the stacks are written as they are. The result is an `own.save_params` directory (fingerprinted by its
 checksums) with the source's `assets/` (norm stats) and `tokenizer.model` copied beside it, so `run`,
 `serve` and `load_model` take it like the source: `own.restore_params` returns the quantized leaves,
 and the layer loop dequantizes them (docs/quantization.md).
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", required=True, choices=sorted(quant.STORED_DTYPE),
                     help="int8 (symmetric absmax per output channel) or fp8 (float8 e4m3, per-channel scale)")
     ap.add_argument("--layers", nargs="+", default=list(quant.KINDS), choices=quant.KINDS,
-                    help="which layer weights: attention projections, MLPs (default both)")
+                    help="which layer weights: attention projections, MLPs, adaptive norms' modulation projections "
+                         "(default all)")
     ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = ap.parse_args(argv)
     if args.out.exists() and not args.overwrite:
