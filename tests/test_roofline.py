@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05 import params as pi05_params
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.nn import quant
+from oxygen_jax.nn.layers import merge_heads, project_heads
 from oxygen_jax.runtime import decode, speculative
 
 F32 = rc.Precision.of("float32")
@@ -254,3 +256,18 @@ def test_limits_and_refusals(monkeypatch):
 def test_peaks_probe_is_positive():
     p = roofline_peaks.measure(probe_bytes=1 << 18, sizes=(32,), repeats=1)
     assert p.matmul_flops > 0 and p.copy_bandwidth > 0 and p.bandwidth == max(p.sum_bandwidth, p.gemv_bandwidth) > 0
+
+
+@pytest.mark.parametrize("eq, x_shape, w_shape", [("BTD,NDH->BTNH", (1, 3, 32), (4, 32, 16)),
+                                                  ("BTD,2KDH->BT2KH", (1, 3, 32), (2, 2, 32, 16)),
+                                                  ("BTNH,NHD->BTD", (1, 3, 4, 16), (4, 16, 32))])
+def test_head_projections_equal_the_einsum_without_weight_copies(eq, x_shape, w_shape):
+    """`nn.layers.project_heads` / `merge_heads` (issue 44 item 4): the einsum's values within float32 rounding, and
+    no copy or transpose of the weight in the compiled program (the plain einsum has one on XLA:CPU)."""
+    r = np.random.default_rng(0)
+    x, w = (jnp.asarray(r.standard_normal(s, np.float32)) for s in (x_shape, w_shape))
+    fn = merge_heads if eq.endswith("->BTD") else project_heads
+    np.testing.assert_allclose(fn(x, w), jnp.einsum(eq, x, w), rtol=1e-5, atol=1e-5)
+    hlo = jax.jit(fn).lower(x, w).compile().as_text()
+    copied = [math.prod(int(d) for d in s.split(",")) for s in re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} (?:copy|transpose)\(", hlo)]
+    assert math.prod(w_shape) not in copied, f"{fn.__name__} copies its weight: {hlo}"
