@@ -29,7 +29,7 @@
 #
 # Everything goes to one folder (default eval/results/gpu_<UTC date>): one sub-folder per step, its log,
 # steps.tsv (step, exit code, seconds, command) and summary.md, one page with the key ratios of each
-# step's JSON (`python -m eval.report DIR/settings` makes tables and plots later, on any machine). The
+# step's JSON (`python -m eval.bench.report DIR/settings` makes tables and plots later, on any machine). The
 # steps share one fresh persistent compilation cache, so a later step loads the programs an earlier one
 # compiled (its compile_s is then a cache load). Exit code 0 when every step exited 0, else 1;
 # summary.md is written either way.

@@ -1,4 +1,4 @@
-"""eval.bench and eval.report: grid and CLI handling, and a tiny end-to-end run (JSON, then tables and PNGs)."""
+"""eval.bench and eval.bench.report: grid and CLI handling, and a tiny end-to-end run (JSON, then tables and PNGs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from eval import report
+from eval.bench import report
 from eval.bench import __main__ as bench_cli
 from eval.bench import grid, harness, pi05
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from eval import arrivals, metrics
+from eval.bench import arrivals, metrics
 
 
 def _frames(ms, tokens=None, warmup=0, drain=0, batch=None, setting="continuous"):

@@ -33,7 +33,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from eval import arrivals as arrivals_lib
+from eval.bench import arrivals as arrivals_lib
 from eval.bench import harness, heads, pi05
 from eval.bench.grid import DEFAULT_SETTINGS, GRIDS, SETTINGS, WORKLOADS, Group, build_grid
 from oxygen_jax.cli import float_in, int_at_least
@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
             "  variable_length:5,20   t_max cycles             random_length:5,20@0.3   P(t_max=20) = 0.3\n"
             "  options  :tmax=30  :seed=7  :rate=2 (the *_length kinds)        none   actions only\n\n"
             "examples:\n"
-            "  python -m eval.bench --quick --out results/tiny && python -m eval.report results/tiny\n"
+            "  python -m eval.bench --quick --out results/tiny && python -m eval.bench.report results/tiny\n"
             "  python -m eval.bench --preset bench --settings isolated continuous --N 30 --k 5 --frames 3 --warmup 1\n"
             "  python -m eval.bench --grid workload --preset pi05 --dtype bfloat16 --out results/workload\n"
             "  python -m eval.bench --ckpt ~/.cache/openpi/pi05_libero --workloads libero --N 30 --k 5 --dry-run"

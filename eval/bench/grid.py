@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import re
 
-from eval import arrivals as arrivals_lib
+from eval.bench import arrivals as arrivals_lib
 from oxygen_jax.runtime import frame as schedule
 
 SETTINGS = schedule.BENCH_SETTINGS

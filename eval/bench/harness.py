@@ -12,7 +12,7 @@ frames continuous batching alone runs ceil(N/k) drain frames (not measured, arri
 every request arriving while measuring finishes and has a latency; random weights decode a fixed number of
 tokens (stop token disabled, recorded as `fixed_length_decode`); component times (prefill, S denoise steps,
 one decode step at batch B) are measured alone, warm, median of several runs, and give each setting's
-ideal frame time (`eval.metrics.ideal_frame_ms`).
+ideal frame time (`eval.bench.metrics.ideal_frame_ms`).
 
 A *family* (`Family`: `eval.bench.pi05`, `eval.bench.heads`) is a module that loads its model, builds a
 group's inputs (with the `models.vla.MultiHead` every setting runs) and measures its components; the runners,
@@ -43,8 +43,8 @@ import jaxlib
 import numpy as np
 from tqdm import tqdm
 
-from eval import arrivals as arrivals_lib
-from eval import metrics
+from eval.bench import arrivals as arrivals_lib
+from eval.bench import metrics
 from eval.bench.grid import Group
 from oxygen_jax.models.pi05.config import EOS_ID
 from oxygen_jax.robots.config import oxygen_benchmark_robot

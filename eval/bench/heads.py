@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import metrics
+from eval.bench import metrics
 from eval.bench import harness
 from eval.bench.grid import WORKLOADS, Group
 from oxygen_jax.models import heads as hd

@@ -1,6 +1,6 @@
 """Markdown tables and PNG plots from an `eval.bench` result directory.
 
-    python -m eval.report RESULTS_DIR [--out DIR]
+    python -m eval.bench.report RESULTS_DIR [--out DIR]
 
 Reads `summary.json` (required), `components.json`, `environment.json` and `runs/*.json`, and writes
 into DIR (default RESULTS_DIR):
@@ -349,7 +349,7 @@ def markdown(results: Mapping, plots: Sequence[str]) -> str:
         "host, over measured frames (warm-up excluded); Hz and tokens/s are ratios of sums; request latency runs "
         "from the arrival frame's tick to the end of the frame emitting the last token. *speedup* = isolated mean "
         "frame time / this setting's (same frames, same run); *ideal* values come from component times measured "
-        "alone (`eval.metrics.ideal_frame_ms`); *achieved* = ideal frame time / measured mean frame time.", "",
+        "alone (`eval.bench.metrics.ideal_frame_ms`); *achieved* = ideal frame time / measured mean frame time.", "",
         "## Environment", "", _environment_md(env), "",
         "## Component times", "", _components_md(results["components"]), "",
         *(["## Fan-out: several heads and language on one prefix", "",
@@ -629,7 +629,7 @@ def write_report(results_dir: Path, out_dir: Path | None = None) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(
-        prog="python -m eval.report",
+        prog="python -m eval.bench.report",
         description="Markdown tables and PNG plots from an eval.bench result directory (reads summary.json, "
                     "components.json, environment.json and runs/*.json).",
     )

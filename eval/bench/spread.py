@@ -1,6 +1,6 @@
 """The spread of a bench figure over its measured frames, and rounding a figure to what that spread supports.
 
-`eval.report` prints each frame time as its median with the interquartile range (p25-p75) over the measured
+`eval.bench.report` prints each frame time as its median with the interquartile range (p25-p75) over the measured
 frames, and each speedup as the ratio of mean frame times with the IQR of the per-frame ratios (isolated
 frame f / this setting's frame f: the settings run the same frames interleaved, so frame f of each saw the
 same inputs and nearly the same machine). Every figure is rounded so that the last digit shown is the
