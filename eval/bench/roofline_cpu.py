@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 CONFIGS: dict[str, str] = {
@@ -100,9 +101,10 @@ def child(args: argparse.Namespace) -> dict:
 
 
 TRANSPOSES = {"q": (1, 0, 2), "kv": (0, 1, 3, 2), "out": (1, 0, 2)}
-"""What XLA:CPU (jaxlib 0.10.2) does to π0.5's attention weights on every call of a decode step or a denoise
-step (their compiled HLO): it copies q [N, D, H] to [D, N, H], k|v [2, K, D, H] to [2, K, H, D] and out [N, H, D]
-to [H, N, D] before the products, inside the step loop."""
+"""What XLA:CPU (jaxlib 0.10.2) did to π0.5's attention weights on every call of a decode step or a denoise step
+while the products were plain einsums (their compiled HLO before `nn.layers.project_heads` / `merge_heads`): it
+copied q [N, D, H] to [D, N, H], k|v [2, K, D, H] to [2, K, H, D] and out [N, H, D] to [H, N, D] before the
+products, inside the step loop. `_copy_times` still times those copies alone."""
 
 
 def _copy_times(vla, repeats: int) -> dict[str, float]:
@@ -129,14 +131,21 @@ def _copy_times(vla, repeats: int) -> dict[str, float]:
     return out
 
 
-def _projections(d: int, n: int, k: int, h: int, f: int) -> list[tuple[str, str, tuple, str, tuple]]:
-    """(name, the layer's einsum, weight shape, the same product with the weight stored contraction-dim-minor,
-    the permutation to that storage) of a Gemma / Qwen decoder layer (`models.backbone._block`, `_mlp`)."""
-    return [("q", "YD,NDH->YNH", (n, d, h), "YD,DNH->YNH", (1, 0, 2)),
-            ("kv", "YD,2KDH->2YKH", (2, k, d, h), "YD,2KHD->2YKH", (0, 1, 3, 2)),
-            ("out", "YNH,NHD->YD", (n, h, d), "YNH,HND->YD", (1, 0, 2)),
-            ("gating", "2YD,2DF->2YF", (2, d, f), "2YD,2FD->2YF", (0, 2, 1)),
-            ("linear", "YF,FD->YD", (f, d), "YF,DF->YD", (1, 0))]
+def _projections(d: int, n: int, k: int, h: int, f: int) -> list[tuple[str, str, tuple, str, tuple, Callable | None]]:
+    """(name, the product as one einsum, weight shape, the same product with the weight stored contraction-dim-minor,
+    the permutation to that storage, the model's form on the stored weight when it is not that einsum) of a Gemma /
+    Qwen decoder layer (`models.backbone._block`, `_mlp`; q, k|v and out through `nn.layers.project_heads` /
+    `merge_heads` since issue 44 item 4, each returning the einsum's layout here)."""
+    import jax.numpy as jnp
+
+    from oxygen_jax.nn.layers import merge_heads, project_heads
+
+    return [("q", "YD,NDH->YNH", (n, d, h), "YD,DNH->YNH", (1, 0, 2), project_heads),
+            ("kv", "YD,2KDH->2YKH", (2, k, d, h), "YD,2KHD->2YKH", (0, 1, 3, 2),
+             lambda x, w: jnp.moveaxis(project_heads(x, w), -3, 0)),
+            ("out", "YNH,NHD->YD", (n, h, d), "YNH,HND->YD", (1, 0, 2), merge_heads),
+            ("gating", "2YD,2DF->2YF", (2, d, f), "2YD,2FD->2YF", (0, 2, 1), None),
+            ("linear", "YF,FD->YD", (f, d), "YF,DF->YD", (1, 0), None)]
 
 
 def layouts(args: argparse.Namespace) -> list[dict]:
@@ -159,32 +168,46 @@ def layouts(args: argparse.Namespace) -> list[dict]:
     for stack, dims, rows in (("VLM expert", (b.width, b.num_heads, b.num_kv_heads, b.head_dim, b.mlp_dim), (1, 6)),
                               ("action expert", (e.width, e.num_heads, e.num_kv_heads, e.head_dim, e.mlp_dim), (10,))):
         size = dict(zip("DNKHF", dims), **{"2": 2})
-        for name, eq, shape, alt, perm in _projections(*dims):
+        for name, eq, shape, alt, perm, model_form in _projections(*dims):
             ws = [jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in range(b.depth)]
             alts = [jnp.transpose(w, perm).copy() for w in ws]
             for y in rows:
                 x = jnp.asarray(rng.standard_normal(tuple(y if c == "Y" else size[c] for c in eq.split(",")[0]), np.float32))
                 now = jax.jit(lambda x, ws, eq=eq: [jnp.einsum(eq, x, w) for w in ws])
                 new = jax.jit(lambda x, ws, alt=alt: [jnp.einsum(alt, x, w) for w in ws])
-                ms, _ = measure.measure({"now": lambda: (lambda: now(x, ws)), "alt": lambda: (lambda: new(x, alts))},
-                                        args.repeats)
-                same = all(np.array_equal(np.asarray(p), np.asarray(q)) for p, q in zip(now(x, ws), new(x, alts)))
+                calls = {"now": lambda: (lambda: now(x, ws)), "alt": lambda: (lambda: new(x, alts))}
+                if model_form is not None:
+                    model = jax.jit(lambda x, ws, fn=model_form: [fn(x, w) for w in ws])
+                    calls["model"] = lambda: (lambda: model(x, ws))
+                ms, _ = measure.measure(calls, args.repeats)
+                ref = np.stack([np.asarray(p) for p in now(x, ws)])
+                same = np.array_equal(ref, np.stack([np.asarray(q) for q in new(x, alts)]))
                 mb = 4 * np.prod(shape) * len(ws) / 1e6
-                out.append({"stack": stack, "projection": name, "rows": y, "einsum": eq, "stored": alt,
-                            "gbs_now": mb / ms["now"], "gbs_stored": mb / ms["alt"], "bit_identical": same,
-                            "loadavg": list(os.getloadavg())})
+                row = {"stack": stack, "projection": name, "rows": y, "einsum": eq, "stored": alt,
+                       "gbs_now": mb / ms["now"], "gbs_stored": mb / ms["alt"], "bit_identical": same,
+                       "loadavg": list(os.getloadavg())}
+                if model_form is not None:
+                    diff = np.abs(np.stack([np.asarray(q) for q in model(x, ws)]) - ref)
+                    row |= {"gbs_model": mb / ms["model"], "model_max_rel": float(diff.max() / np.abs(ref).max())}
+                out.append(row)
     return out
 
 
 def _layouts_report(rows: list[dict]) -> str:
-    lines = ["# Weight layouts: each projection as computed now against the same product on re-stored weights", "",
-             "GB/s of weights (several layers, more than the caches); values: the two outputs compared bit for bit.", "",
-             "| stack | projection | rows | einsum now | weight stored as | GB/s now | GB/s stored | ratio | values | load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["# Weight layouts: each projection as one einsum, as the model computes it, and on re-stored weights", "",
+             "GB/s of weights (several layers, more than the caches), the three timed in the same rounds; the model's "
+             "form (`project_heads` / `merge_heads` on the stored weight; – where the model's form is the einsum): its "
+             "largest difference from the einsum relative to the largest output; values: the einsum and the re-stored "
+             "product compared bit for bit.", "",
+             "| stack | projection | rows | einsum | weight stored as | GB/s einsum | GB/s model | GB/s stored | "
+             "model / einsum | stored / einsum | model's max rel. diff | values (stored) | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        model = r.get("gbs_model")
+        cells = (f"{model:.1f} | ", f"{model / r['gbs_now']:.2f} | ", f"{r['model_max_rel']:.1e}") if model else ("– | ", "– | ", "–")
         lines.append(f"| {r['stack']} | {r['projection']} | {r['rows']} | `{r['einsum']}` | `{r['stored']}` | "
-                     f"{r['gbs_now']:.1f} | {r['gbs_stored']:.1f} | {r['gbs_stored'] / r['gbs_now']:.2f} | "
-                     f"{'bit-identical' if r['bit_identical'] else 'differ'} | {r['loadavg'][0]:.1f} |")
+                     f"{r['gbs_now']:.1f} | {cells[0]}{r['gbs_stored']:.1f} | {cells[1]}{r['gbs_stored'] / r['gbs_now']:.2f} | "
+                     f"{cells[2]} | {'bit-identical' if r['bit_identical'] else 'differ'} | {r['loadavg'][0]:.1f} |")
     return "\n".join(lines) + "\n"
 
 
