@@ -13,7 +13,7 @@ import pytest
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models.lora import layer_dims
 from oxygen_jax.models.pi05 import model
-from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.vision import qwen3_vl
 from oxygen_jax.models.pi05.spec import from_expert_layers, pi05_spec
 from oxygen_jax.nn.layers import Unstacked
 

@@ -24,7 +24,7 @@ from helpers import fixture
 
 from oxygen_jax import run, serve
 from oxygen_jax.models import backbone as bb
-from oxygen_jax.models import qwen35
+from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.models.heads import presets
 from oxygen_jax.serving.codec import make_codec
 

@@ -13,7 +13,7 @@ import pytest
 from helpers import make_obs
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models.pi05 import model
-from oxygen_jax.models import siglip
+from oxygen_jax.models.vision import siglip
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask

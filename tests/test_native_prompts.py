@@ -29,7 +29,7 @@ from helpers import fixture
 
 from eval.parity import starvla as parity
 from oxygen_jax.ckpts import starvla, xr0
-from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.vision import qwen3_vl
 from oxygen_jax.robots.config import robot_config
 from oxygen_jax.robots import native_prompts as npr
 from oxygen_jax.robots import transforms

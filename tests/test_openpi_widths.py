@@ -37,7 +37,7 @@ from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig
 from oxygen_jax.models.pi05.model import vlm_decoder
 from oxygen_jax.models.pi05.params import init_params, to_openpi_dict
 from oxygen_jax.models.pi05.spec import gemma_spec, pi05_spec
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 from oxygen_jax.nn.layers import RMSNorm
 
 REFS = Path(__file__).parent / "data" / "openpi_refs"

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import make_obs
-from oxygen_jax.models import backbone, mot, siglip
+from oxygen_jax.models import backbone, mot
+from oxygen_jax.models.vision import siglip
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.config import EOS_ID

@@ -20,8 +20,11 @@ from helpers import shared_dir
 from oxygen_jax.ckpts import hf as hf_checkpoint
 from oxygen_jax.ckpts import qwen35 as ckpt
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
-from oxygen_jax.models import backbone, qwen3_vl, qwen35, qwen35_steps
-from oxygen_jax.models import gated_deltanet as gdn
+from oxygen_jax.models import backbone
+from oxygen_jax.models.vision import qwen3_vl
+from oxygen_jax.models.qwen35 import model as qwen35
+from oxygen_jax.models.qwen35 import steps as qwen35_steps
+from oxygen_jax.models.qwen35 import gated_deltanet as gdn
 from oxygen_jax.nn.layers import param_count
 from oxygen_jax.nn.torch_order import dense as to_dense
 

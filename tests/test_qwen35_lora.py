@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from helpers import FAST_CODEGEN
-from oxygen_jax.models import qwen35_decoder
+from oxygen_jax.models.qwen35 import decoder as qwen35_decoder
 from oxygen_jax.models.decoder import AttentionDecoder
-from oxygen_jax.models import backbone, lora, qwen35
+from oxygen_jax.models import backbone, lora
+from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.models.lora import RowAdapters
 from oxygen_jax.runtime import decode
 

@@ -20,9 +20,10 @@ from eval.bench import harness
 from eval.parity import qwen35 as parity
 from helpers import FAST_CODEGEN, mot_prompt_rows, shared_dir
 from oxygen_jax.ckpts.load import load_model
-from oxygen_jax.models import qwen35_decoder
+from oxygen_jax.models.qwen35 import decoder as qwen35_decoder
 from oxygen_jax.models.decoder import AttentionDecoder
-from oxygen_jax.models import backbone, mot, qwen35
+from oxygen_jax.models import backbone, mot
+from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.runtime import decode, frame
 from oxygen_jax.runtime.engine import Engine, EngineConfig
 from oxygen_jax.models.vla import MultiHead

@@ -18,7 +18,7 @@ from helpers import fixture, shared_dir
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.ckpts import hf as hf_checkpoint
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors, read_safetensors, write_safetensors
-from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.vision import qwen3_vl
 from oxygen_jax.models.pi05.params import to_openpi_dict
 
 

@@ -19,9 +19,10 @@ from eval.bench import heads as bench_heads
 from eval.bench import roofline_cost as rc
 from eval.bench import roofline_peaks, roofline_report
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models import mot, qwen35
+from oxygen_jax.models import mot
+from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.models.backbone import BackboneSpec, RopeSpec
-from oxygen_jax.models.gated_deltanet import GatedDeltaNetSpec
+from oxygen_jax.models.qwen35.gated_deltanet import GatedDeltaNetSpec
 from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05 import params as pi05_params

@@ -22,7 +22,8 @@ import pytest
 from scipy import stats
 
 from helpers import diverse_text_params, make_obs
-from oxygen_jax.models import mot, qwen35
+from oxygen_jax.models import mot
+from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.models.vla import MultiHead

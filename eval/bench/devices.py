@@ -138,7 +138,9 @@ def _qwen35_check(devices: list) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from oxygen_jax.models import backbone, qwen35, qwen35_decoder
+    from oxygen_jax.models import backbone
+    from oxygen_jax.models.qwen35 import model as qwen35
+    from oxygen_jax.models.qwen35 import decoder as qwen35_decoder
     from oxygen_jax.runtime import decode, slot_mesh, speculative
 
     spec, p, q, m, slots = qwen35.preset("qwen35_tiny"), 12, 3, 8, 4

@@ -42,7 +42,7 @@ from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.pi05 import pi0_fast, pi0_fast_decode
 from oxygen_jax.models.pi05.config import ExpertConfig, Pi0FastConfig, fast_config
 from oxygen_jax.models.pi05.params import for_backend, init_params
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 from oxygen_jax.runtime import action_streams, decode
 from oxygen_jax.runtime.scheduler import Scheduler, Ticket
 

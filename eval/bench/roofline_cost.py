@@ -1,7 +1,7 @@
 """An analytic cost model: FLOPs and bytes moved by each component of a frame, for any model spec and dtype.
 
 Axes (`oxygen_jax.axes`): B batch rows, P prefix tokens, Ha horizon, Ns slots, C slot length, J admissions,
-plus the heads' own (`models.heads`) and Qwen3.5's (`models.qwen35`). γ: draft tokens per verify step.
+plus the heads' own (`models.heads`) and Qwen3.5's (`models.qwen35.model`). γ: draft tokens per verify step.
 
 What is counted, per component (`Cost`):
 
@@ -43,7 +43,7 @@ from oxygen_jax.models.heads import HeadSpec
 from oxygen_jax.models.mot import ModelParams, ModelSpec
 from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05.config import ModelConfig
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

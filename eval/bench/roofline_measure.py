@@ -35,10 +35,12 @@ import numpy as np
 from eval.bench import heads as bench_heads
 from eval.bench import roofline_cost as rc
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models import mot, qwen3_vl, siglip
+from oxygen_jax.models import mot
+from oxygen_jax.models.vision import qwen3_vl
+from oxygen_jax.models.vision import siglip
 from oxygen_jax.models.backbone import Qwen3VisionSpec
 from oxygen_jax.models.observation import Observation
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 from oxygen_jax.models.vla import MultiHead
 from oxygen_jax.runtime import decode, speculative
 from oxygen_jax.runtime import frame as frame_lib

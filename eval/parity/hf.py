@@ -36,7 +36,7 @@ from eval.parity.checks import Checker, Row, report
 from oxygen_jax.models import backbone
 from oxygen_jax.ckpts import hf as hf_checkpoint
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
-from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.vision import qwen3_vl
 from oxygen_jax.models.backbone import BackboneSpec, Decoder
 from oxygen_jax.nn.masks import last_valid_index
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from eval.parity.checks import Checker, report
 from oxygen_jax.ckpts import lerobot as ckpt_lerobot
-from oxygen_jax.models import siglip
+from oxygen_jax.models.vision import siglip
 from oxygen_jax.models.heads import time_mlp
 from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.pi05 import model

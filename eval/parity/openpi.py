@@ -49,7 +49,7 @@ from eval.parity.checks import Checker, Row
 from oxygen_jax.ckpts.openpi import load_openpi_lora, load_openpi_params
 from oxygen_jax.runtime import decode
 from oxygen_jax.models.pi05 import model
-from oxygen_jax.models import siglip
+from oxygen_jax.models.vision import siglip
 from oxygen_jax.robots.config import CAMERA_SLOTS
 from oxygen_jax.models.pi05.lora import EXPERTS
 from oxygen_jax.nn.masks import last_valid_index

@@ -45,11 +45,14 @@ import numpy as np
 
 from eval.parity.checks import Checker, Row, report
 from oxygen_jax.ckpts import qwen35 as ckpt
-from oxygen_jax.models import qwen35_decoder
-from oxygen_jax.models import backbone, qwen3_vl, qwen35
-from oxygen_jax.models import qwen35_layers, qwen35_steps
+from oxygen_jax.models.qwen35 import decoder as qwen35_decoder
+from oxygen_jax.models import backbone
+from oxygen_jax.models.vision import qwen3_vl
+from oxygen_jax.models.qwen35 import model as qwen35
+from oxygen_jax.models.qwen35 import layers as qwen35_layers
+from oxygen_jax.models.qwen35 import steps as qwen35_steps
 from oxygen_jax.models.backbone import Decoder
-from oxygen_jax.models.qwen35 import Qwen35Spec
+from oxygen_jax.models.qwen35.model import Qwen35Spec
 from oxygen_jax.nn import torch_order
 from oxygen_jax.nn.masks import last_valid_index
 from oxygen_jax.runtime import decode

@@ -36,7 +36,8 @@ import numpy as np
 
 from eval.parity.checks import Checker, Row, report
 from oxygen_jax.ckpts import starvla
-from oxygen_jax.models import backbone, mot, qwen3_vl
+from oxygen_jax.models import backbone, mot
+from oxygen_jax.models.vision import qwen3_vl
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models.heads import cross, parts
 

@@ -32,7 +32,8 @@ import numpy as np
 from eval.parity.checks import Checker, Row, report
 from oxygen_jax.ckpts import xr0 as xr0_ckpt
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models import mot, qwen3_vl
+from oxygen_jax.models import mot
+from oxygen_jax.models.vision import qwen3_vl
 from oxygen_jax.models.heads import joint
 
 ATOL = 1e-4

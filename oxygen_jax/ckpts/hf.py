@@ -27,7 +27,7 @@ import numpy as np
 from oxygen_jax.ckpts import limits
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
 from oxygen_jax.models import backbone
-from oxygen_jax.models import qwen3_vl
+from oxygen_jax.models.vision import qwen3_vl
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.nn.layers import stack_layers
 

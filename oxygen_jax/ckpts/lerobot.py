@@ -65,7 +65,7 @@ from oxygen_jax.ckpts.orbax_io import PathLike
 from oxygen_jax.ckpts.safetensors import read_safetensors
 from oxygen_jax.models.pi05.config import DType, ExpertConfig, ModelConfig
 from oxygen_jax.models.pi05.params import Params, from_openpi_dict, openpi_shapes
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 from oxygen_jax.robots.lerobot import (
     ACTION_KEY, EMPTY_CAMERA, STATE_KEY, STATS_OF, FeatureNorm, LeRobotIO, check_feature_stats,
 )

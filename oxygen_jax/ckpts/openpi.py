@@ -60,7 +60,7 @@ from oxygen_jax.models.pi05.config import DType, ExpertConfig, ModelConfig, Prom
 from oxygen_jax.models.pi05.params import (
     LAYER_STACKED, Params, from_layer_pieces, from_openpi_dict, openpi_paths, stack_layers, unstack_layers, variant_of,
 )
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 from oxygen_jax.robots.normalize import NormStats, load_norm_stats
 
 

@@ -38,7 +38,7 @@ from oxygen_jax.ckpts.orbax_io import (CheckpointError, PathLike, check_block, r
 from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig
 from oxygen_jax.models.pi05.params import (LAYER_STACKED, Params, from_layer_pieces, from_openpi_dict, openpi_paths, openpi_shapes,
                                            to_openpi_dict)
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 from oxygen_jax.nn.quant import QMAX, STORED_DTYPE, QArray, weight_dtype_of
 
 

@@ -27,10 +27,11 @@ import numpy as np
 
 from oxygen_jax.ckpts import hf, limits
 from oxygen_jax.ckpts.safetensors import read_checkpoint_tensors
-from oxygen_jax.models import qwen3_vl, qwen35
+from oxygen_jax.models.vision import qwen3_vl
+from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
-from oxygen_jax.models.gated_deltanet import GatedDeltaNetSpec
-from oxygen_jax.models.qwen35 import FULL, LINEAR, Qwen35Spec
+from oxygen_jax.models.qwen35.gated_deltanet import GatedDeltaNetSpec
+from oxygen_jax.models.qwen35.model import FULL, LINEAR, Qwen35Spec
 from oxygen_jax.nn.layers import RMSNorm
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")

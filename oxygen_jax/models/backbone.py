@@ -52,11 +52,11 @@ import numpy as np
 
 from oxygen_jax.models import hidden_states as hs
 from oxygen_jax.models.lora import LayerRows, RowAdapters, check_bank_fits
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked, apply_rope, attention, merge_heads, project_heads, scan_layers
 from oxygen_jax.nn.masks import make_attn_mask
 
-Family = Literal["gemma", "qwen3", "qwen3_vl", "qwen3_5"]  # qwen3_5: the full-attention layers of models/qwen35.py
+Family = Literal["gemma", "qwen3", "qwen3_vl", "qwen3_5"]  # qwen3_5: the full-attention layers of models/qwen35/model.py
 
 
 def _require(cond: bool, msg: str) -> None:

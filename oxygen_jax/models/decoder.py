@@ -22,7 +22,7 @@ rows of a `prefix.Prefix`. The pool (`runtime.decode`) keeps slot bookkeeping on
     stop_ids, vocab_size                       the default stop set and the vocabulary
 
 Two kinds implement it: `AttentionDecoder` here (Gemma as π0.5's VLM expert, Qwen3, Qwen3-VL: every layer
-has K/V and no other state) and `models.qwen35_decoder.HybridDecoder` (Qwen3.5: K/V of the full-attention
+has K/V and no other state) and `models.qwen35.decoder.HybridDecoder` (Qwen3.5: K/V of the full-attention
 layers, plus each linear layer's conv window and recurrent state as the carry). A family supplies its view
 (`pi05.model.language_model`, `mot.language_model`); nothing above the models floor asks which kind it holds.
 

@@ -44,7 +44,7 @@ Pytrees (leaves are arrays; alpha and rslora are static):
 
 * `DeltaNetLora` — one adapter of Qwen3.5's Gated DeltaNet (linear-attention) layers, the same
   conventions on their projections (C = Cc conv channels, A = Hv value heads, Z = Dv value head dim;
-  `models/gated_deltanet.py`). The mixer targets are scaled like attention, the MLP is unscaled:
+  `models/qwen35/gated_deltanet.py`). The mixer targets are scaled like attention, the MLP is unscaled:
 
       target  W              A              B              effective update
       qkv     [D, C]         [D, r]         [r, C]         ΔW = s·A·B      (in_proj_qkv)
@@ -54,7 +54,7 @@ Pytrees (leaves are arrays; alpha and rslora are static):
       linear  [F, D]         [F, r]         [r, D]         ΔW = A·B
 
   in_proj_b / in_proj_a ([D, Hv] gate logits) and the conv are not targets. Qwen3.5's bank of both
-  layer kinds, grouped as its layer scan, is `models.qwen35.HybridBank`.
+  layer kinds, grouped as its layer scan, is `models.qwen35.model.HybridBank`.
 
 Shapes come from `LayerDims`, read off a stack's weights (`layer_dims`); `DeltaNetDims` for the
 linear layers. π0.5's two-expert adapters

@@ -19,7 +19,7 @@ Two input kinds, chosen by the backbone's vision encoder (`ModelSpec.input_kind`
 |-------------------------------------------|----------------------------------------|-----------------------------------|
 | Qwen3 / Qwen3-VL (`Qwen3VisionSpec`, none) | `PrefixInputs` (`make_inputs`)         | ViT + DeepStack + M-RoPE, here    |
 | Qwen3.5 (`ModelSpec.hybrid`)              | `PrefixInputs`, valid tokens contiguous | ViT, then `qwen35.prefix_pass`    |
-| any with a `SiglipConfig` (π0.5's Gemma)  | `models.observation.Observation`       | `models.siglip_prefix.prefix_pass` |
+| any with a `SiglipConfig` (π0.5's Gemma)  | `models.observation.Observation`       | `models.vision.siglip_prefix.prefix_pass` |
 
 The backbone's layers are a `stack.Stack` chosen once from the spec (`ModelSpec.stack`: attention layers, or
 Qwen3.5's hybrid stack); its weights, prefix pass and language decoder come from the stack, never from a kind test.
@@ -50,13 +50,16 @@ import numpy as np
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models import decoder as dec
 from oxygen_jax.models import heads as hd
-from oxygen_jax.models import qwen3_vl, qwen35, qwen35_decoder, siglip_prefix
+from oxygen_jax.models.vision import qwen3_vl
+from oxygen_jax.models.qwen35 import model as qwen35
+from oxygen_jax.models.qwen35 import decoder as qwen35_decoder
+from oxygen_jax.models.vision import siglip_prefix
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.models.heads import HeadParams, HeadSpec
 from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.prefix import Prefix
-from oxygen_jax.models.qwen35 import Qwen35Spec
-from oxygen_jax.models.siglip import Siglip, SiglipConfig
+from oxygen_jax.models.qwen35.model import Qwen35Spec
+from oxygen_jax.models.vision.siglip import Siglip, SiglipConfig
 from oxygen_jax.models.stack import AttentionStack, Stack
 from oxygen_jax.nn.layers import stack_layers, unstack_layers
 

@@ -9,7 +9,7 @@ already dropped), Px image side in pixels, Tp prompt tokens.
     token_mask  bool  [B, Tp]             True on real prompt tokens
 
 This is the input kind of every `mot.ModelSpec` whose backbone has a `SiglipConfig` vision encoder
-(π0.5; `models.siglip_prefix`); `oxygen_jax.robots.transforms` builds it from robot (client)
+(π0.5; `models.vision.siglip_prefix`); `oxygen_jax.robots.transforms` builds it from robot (client)
 dictionaries. `models.pi05.observation` re-exports it with π0.5's config-based check.
 """
 

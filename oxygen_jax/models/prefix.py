@@ -19,7 +19,7 @@ K KV heads, H head dim, D VLM width, Mr = 3 M-RoPE axes (t, h, w).
     last_hidden    [B, D]            final-normed output at the last valid prefix token (the first decoded
                                      token's logits); None without a language decoder
     window         [Lg, B, Cc, Kc]   Qwen3.5's linear (Gated DeltaNet) layers, as of the last valid token:
-    state          [Lg, B, Hv, Dk, Dv]  the conv window and the float32 recurrent state (`models/qwen35.py`;
+    state          [Lg, B, Hv, Dk, Dv]  the conv window and the float32 recurrent state (`models/qwen35/model.py`;
                                      k, v then hold the full-attention layers `kv_layers`); None otherwise
 
 Consumers never write a prefix: heads read it for all their denoising steps; the decode pool copies the

@@ -1,5 +1,5 @@
 """Float32 arithmetic in the order PyTorch's CPU kernels round it: the primitives of the Qwen3.5 path
-(`models/qwen35.py`, `models/gated_deltanet.py`), whose parity references come from transformers on CPU.
+(`models/qwen35/model.py`, `models/qwen35/gated_deltanet.py`), whose parity references come from transformers on CPU.
 
 Why: a random-weight reference model amplifies a one-ulp difference in its first layer 10-100x by its
 last, so two correct float32 programs that round differently can be further apart than a parity

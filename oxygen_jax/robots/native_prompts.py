@@ -53,7 +53,8 @@ from typing import Protocol
 
 import numpy as np
 
-from oxygen_jax.models import mot, qwen3_vl
+from oxygen_jax.models import mot
+from oxygen_jax.models.vision import qwen3_vl
 from oxygen_jax.models.mot import ModelSpec
 from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots import transforms

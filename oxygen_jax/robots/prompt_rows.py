@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from oxygen_jax.models import mot, qwen3_vl
+from oxygen_jax.models import mot
+from oxygen_jax.models.vision import qwen3_vl
 from oxygen_jax.models.mot import ModelSpec, PrefixInputs
 from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.robots import transforms

@@ -15,7 +15,7 @@ import optax
 
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig, model_config
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 from training.memory.data import MEMORY_PROMPT
 from training.flow.train_step import OptimizerConfig, make_optimizer
 

@@ -27,7 +27,7 @@ from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05 import model
 from oxygen_jax.models.pi05.params import Expert, Params
-from oxygen_jax.models.siglip import Siglip
+from oxygen_jax.models.vision.siglip import Siglip
 from training import distributed
 from training.memory.config import Mode, TrainConfig
 from training.memory.data import MemoryBatch

@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.models import qwen35_decoder
+from oxygen_jax.models import backbone, mot
 from oxygen_jax.models.decoder import AttentionDecoder, LanguageDecoder
-from oxygen_jax.models import backbone, mot, qwen35
+from oxygen_jax.models.qwen35 import decoder as qwen35_decoder
+from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.runtime import decode
 

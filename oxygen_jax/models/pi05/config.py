@@ -17,7 +17,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 
 PALIGEMMA_VOCAB_SIZE = 257_152
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2

@@ -8,7 +8,7 @@ width.
 tied head) + one head of kind `adarms_joint` named "actions" (the action expert, `head_spec`):
 
     as_model(params) -> (ModelSpec, ModelParams)     the same arrays, no copy
-    prefill   = mot.prefix_pass  (models/siglip_prefix.py: SigLIP per camera, prompt, every layer's K/V)
+    prefill   = mot.prefix_pass  (models/vision/siglip_prefix.py: SigLIP per camera, prompt, every layer's K/V)
     velocity  = heads.adarms.velocity                (joint K/V read, adaRMS time conditioning)
     denoise   = heads.denoise                        (`flow.integrate`, accumulated float32 clock from t = 1)
 
@@ -32,7 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.models import backbone, mot, siglip_prefix
+from oxygen_jax.models import backbone, mot
+from oxygen_jax.models.vision import siglip_prefix
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models.backbone import Decoder
 from oxygen_jax.models.decoder import AttentionDecoder

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models.pi05.config import ModelConfig, Pi0FastConfig
-from oxygen_jax.models.siglip import Siglip, SiglipLayers
+from oxygen_jax.models.vision.siglip import Siglip, SiglipLayers
 from oxygen_jax.nn import layers as nn_layers
 from oxygen_jax.nn.layers import AdaRMSNorm, Dense, LayerNorm, RMSNorm, _pytree
 

@@ -28,7 +28,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.models import backbone, siglip_prefix
+from oxygen_jax.models import backbone
+from oxygen_jax.models.vision import siglip_prefix
 from oxygen_jax.models.backbone import BackboneSpec, Decoder
 from oxygen_jax.models.decoded_actions import ActionStream, DecodedActions
 from oxygen_jax.models.decoder import AttentionDecoder

@@ -13,7 +13,7 @@ from typing import Literal
 from oxygen_jax.models.backbone import BackboneSpec, DecoderLayers, RopeSpec
 from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig, PromptAttention
 from oxygen_jax.models.pi05.params import ExpertLayers
-from oxygen_jax.models.siglip import SiglipConfig
+from oxygen_jax.models.vision.siglip import SiglipConfig
 from oxygen_jax.nn.layers import Unstacked
 
 

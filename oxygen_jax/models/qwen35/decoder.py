@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxygen_jax.models import qwen35
+from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.models.backbone import BackboneSpec, Decoder
 from oxygen_jax.models.decoder import LanguageDecoder
 from oxygen_jax.models.prefix import Prefix
-from oxygen_jax.models.qwen35 import Qwen35Spec
+from oxygen_jax.models.qwen35.model import Qwen35Spec
 from oxygen_jax.models.stack import Stack
 
 _STATIC = dict(static=True)
@@ -66,7 +66,7 @@ class HybridDecoder(LanguageDecoder):
     def _carry_rows(self, prefix: Prefix, rows: jax.Array) -> dict[str, jax.Array]:
         if prefix.window is None or prefix.state is None:
             raise ValueError("a Qwen3.5 language model decodes from a prefix with its linear layers' window and state: "
-                             "build it with models.qwen35.prefix_pass(..., language=True)")
+                             "build it with models.qwen35.model.prefix_pass(..., language=True)")
         return dict(window=prefix.window[:, rows], state=prefix.state[:, rows])
 
     def _forward(self, form, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora):
@@ -128,7 +128,7 @@ class HybridStack(Stack):
         bad = np.flatnonzero(starts > 1).tolist()
         if bad:
             raise ValueError(f"rows {bad} have invalid tokens between valid ones, which Qwen3.5's linear layers "
-                             f"cannot mask: left-pad them (models.qwen35.compact_left)")
+                             f"cannot mask: left-pad them (models.qwen35.model.compact_left)")
 
     def init(self, seed: int, dtype: str) -> Decoder:
         return qwen35.init_decoder(self.spec, seed, dtype)

@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from oxygen_jax.models import backbone as bb
-from oxygen_jax.models import siglip
+from oxygen_jax.models.vision import siglip
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Draw
 from oxygen_jax.models.observation import Observation, validate
 from oxygen_jax.models.prefix import Prefix, next_positions
-from oxygen_jax.models.siglip import Siglip, SiglipConfig, SiglipLayers
+from oxygen_jax.models.vision.siglip import Siglip, SiglipConfig, SiglipLayers
 from oxygen_jax.nn.layers import Dense, LayerNorm
 from oxygen_jax.nn.masks import last_valid_index, make_attn_mask, positions_from_mask
 

@@ -1,13 +1,13 @@
 """Qwen3.5: a hybrid stack of Gated DeltaNet (linear attention) layers and gated full-attention layers.
 
 Axes: B batch, T tokens, S key tokens, D width, F MLP, N query heads, K KV heads, H head dim, L layers,
-V vocabulary, Mr M-RoPE axes (`oxygen_jax.axes`); Hk, Hv, Dk, Dv, Cc, Kc as in `models/gated_deltanet.py`;
+V vocabulary, Mr M-RoPE axes (`oxygen_jax.axes`); Hk, Hv, Dk, Dv, Cc, Kc as in `models/qwen35/gated_deltanet.py`;
 of this module: G layer groups, Pl / Pf linear / full layers per group, Lg = G Pl linear layers, Lf = G Pf
 full layers.
 
 `layer_types` repeats one group (the released checkpoints: 3 linear + 1 full), so the weights are stacked
 [G, Pl, ...] and [G, Pf, ...] and the stack is one `lax.scan` over groups: a full-size model compiles one
-group, not L layers. The layers are `models/qwen35_layers.py`'s: the full-attention layer is the
+group, not L layers. The layers are `models/qwen35/layers.py`'s: the full-attention layer is the
 transformer layer of `models.backbone` with Qwen3.5's spec fields ((1 + w) norms, q/k-norm,
 partial rotary (`rotary_dim` = H / 4), interleaved M-RoPE, the output gate `FullLayers.q_gate`); the
 linear layers share the norms and the MLP and replace attention by `gated_deltanet.mixer`. Both round
@@ -50,10 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models import backbone
-from oxygen_jax.models import qwen35_layers as layers_lib
+from oxygen_jax.models.qwen35 import layers as layers_lib
 from oxygen_jax.models.backbone import BackboneSpec, Decoder, Draw, Qwen3VisionSpec, RopeSpec
 from oxygen_jax.models import lora as lora_lib
-from oxygen_jax.models.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec, compute_dtype
+from oxygen_jax.models.qwen35.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec, compute_dtype
 from oxygen_jax.models.lora import DeltaNetLora, ExpertLora, LayerRows, LoraPair, RowAdapters
 from oxygen_jax.models.prefix import Prefix, next_positions
 from oxygen_jax.nn.layers import RMSNorm

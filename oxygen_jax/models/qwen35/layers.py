@@ -1,7 +1,7 @@
-"""Qwen3.5's two decoder-layer kinds (`models/qwen35.py` stacks them), in transformers' float32 order.
+"""Qwen3.5's two decoder-layer kinds (`models/qwen35/model.py` stacks them), in transformers' float32 order.
 
 Axes: B batch, T tokens, S key slots, D width, F MLP, N query heads, K KV heads, R = N / K, H head dim,
-Y = B T flattened tokens, Mr M-RoPE axes (`oxygen_jax.axes`); the linear layer's as `models/gated_deltanet.py`.
+Y = B T flattened tokens, Mr M-RoPE axes (`oxygen_jax.axes`); the linear layer's as `models/qwen35/gated_deltanet.py`.
 
     full_layer     (1 + w) RMSNorm, q / gate / k / v projections, (1 + w) q- and k-norms, partial
                    interleaved M-RoPE, softmax(q kᵀ · H^-1/2) v, times sigmoid(gate), o-projection,
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxygen_jax.models import backbone
-from oxygen_jax.models import gated_deltanet as gdn
-from oxygen_jax.models import qwen35_steps
+from oxygen_jax.models.qwen35 import gated_deltanet as gdn
+from oxygen_jax.models.qwen35 import steps as qwen35_steps
 from oxygen_jax.models.backbone import BackboneSpec
 from oxygen_jax.models.lora import LayerRows
 from oxygen_jax.nn import torch_order as to

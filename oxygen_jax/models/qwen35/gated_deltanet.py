@@ -2,7 +2,7 @@
 (chunked for prefill, recurrent for decode) and the gated output norm, all pure functions over explicit
 state.
 
-Axes: B batch, T tokens, D width (`oxygen_jax.axes`); of this module (and `models/qwen35.py`): Hk key heads,
+Axes: B batch, T tokens, D width (`oxygen_jax.axes`); of this module (and `models/qwen35/model.py`): Hk key heads,
 Hv value heads (r = Hv / Hk value heads per key head), Dk key head dim, Dv value head dim, Cc = 2 Hk Dk + Hv Dv
 conv channels, Kc conv kernel, Tc chunk length, Nt chunks. Einsum letters: A = Hv, X = Dk, Z = Dv, I and J
 tokens inside one chunk (no other meaning in this module).
@@ -35,7 +35,7 @@ Invalid tokens (padding) are identity steps: g = 0 and β = 0 leave S bit for bi
 inputs are zeroed (a select, not a multiply, so a non-finite pad cannot leak). The window after a call ends
 at the last valid token. This is exact when the valid tokens of a row are contiguous: left padding before
 an empty window (prefill), right padding anywhere (request prompts and bursts in the decode pool). Valid
-tokens with invalid ones between them (masked cameras) must be compacted first (`models/qwen35.py`).
+tokens with invalid ones between them (masked cameras) must be compacted first (`models/qwen35/model.py`).
 Example, Kc = 4, a row [pad, pad, a, b, c, pad] from an empty window: the conv of `a` sees (0, 0, 0, a),
 the state absorbs a, b, c only, and the window is (0, a, b, c).
 """
@@ -47,7 +47,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.models import qwen35_steps
+from oxygen_jax.models.qwen35 import steps as qwen35_steps
 from oxygen_jax.models.lora import LayerRows
 from oxygen_jax.nn import torch_order as to
 from oxygen_jax.nn.layers import RMSNorm
