@@ -20,7 +20,7 @@ FLOORS = (
     ("oxygen_jax.cli", "oxygen_jax.demo", "oxygen_jax.run", "oxygen_jax.serve", "oxygen_jax"),
     ("training", "training.data", "training.distributed"),  # frames and their sources: no trainer imports
     ("training.flow",),
-    ("training.memory", "eval"),
+    ("training.memory", "eval", "eval.bench", "eval.serving", "eval.parity", "eval.refs", "eval.results"),
 )
 
 
@@ -134,6 +134,46 @@ def test_the_runtime_the_server_and_the_commands_import_no_model_family():
                  for d in deps if inside(d, FAMILY_MODULES))
     assert not bad, "family modules imported above the interfaces:\n" + "\n".join(bad)
     assert inside("oxygen_jax.models.pi05.model", FAMILY_MODULES) and not inside("oxygen_jax.models.vla", FAMILY_MODULES)
+
+
+# eval/ by concern: the bench and its report, serving studies, parity against fixtures, reference generators
+# (run in side venvs with each family's own code: nothing here may import them) and studies kept in their result
+# folder (`eval.results.<study>.run`: commands, imported by nothing).
+EVAL_DRAWERS = ("eval.bench", "eval.serving", "eval.parity", "eval.refs", "eval.results")
+
+
+def _test_imports() -> set[str]:
+    out = set()
+    for p in (REPO / "tests").glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                out |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+    return out
+
+
+def test_reference_generators_and_result_studies_are_imported_by_nothing_else():
+    graph = import_graph()
+    edges = [(m, d) for m, deps in graph.items() for d in deps] + [("tests", d) for d in _test_imports()]
+    bad = sorted(f"{m} imports {d}" for m, d in edges for drawer in ("eval.refs", "eval.results")
+                 if d.startswith(drawer + ".") and not m.startswith(drawer + "."))
+    assert not bad, "\n".join(bad)
+    assert all(m in graph for m in EVAL_DRAWERS), "an eval drawer moved: update EVAL_DRAWERS"
+
+
+def test_every_eval_and_training_module_is_imported_or_a_command_the_docs_name():
+    graph = import_graph()
+    used = {d for deps in graph.values() for d in deps} | _test_imports()
+    docs = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    loose = []
+    for m, p in _modules().items():
+        if m.split(".")[0] not in ("eval", "training") or p.name == "__init__.py" or m in used:
+            continue
+        command = m.removesuffix(".__main__")
+        if f"-m {command}" not in docs and str(p.relative_to(REPO)) not in docs:
+            loose.append(m)
+    assert not loose, f"modules tied to nothing (neither imported nor a command named in README or docs): {loose}"
 
 
 def test_no_import_cycle_between_modules():
