@@ -16,6 +16,8 @@ at a time and then split: correct, but the transient memory is that leaf's.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import math
 from pathlib import Path
@@ -37,6 +39,33 @@ _CONTEXT = {"cache_pool#ocdbt": {"total_bytes_limit": 8 << 20}, "file_io_concurr
 
 _ZARR_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _ALIGN = 64  # XLA:CPU uses a host array this aligned as the device buffer (`jax.device_put` makes no copy)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt: allocations from this size on come straight from mmap
+_PIECE_MMAP = 1 << 20  # while streaming: every piece-sized buffer is mapped, and unmapped when freed
+_GLIBC_MMAP_MAX = 32 << 20  # glibc's own dynamic threshold settles here (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
+
+
+@contextlib.contextmanager
+def mapped_pieces():
+    """glibc only (elsewhere nothing): buffers of 1 MiB and more come from mmap while a checkpoint streams.
+
+    The stream frees a stored-dtype piece, a read range or a scratch block (4-32 MiB) after every layer while
+    the cast pieces it keeps interleave with them on the heap; glibc keeps such holes resident (about 100 MiB
+    at π0.5's full size, measured in docs/quantization.md). Mapped, each is returned to the system when freed.
+    Afterwards the threshold is glibc's dynamic one's ceiling, where a process that frees large buffers ends.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, _PIECE_MMAP):
+        yield
+        return
+    try:
+        yield
+    finally:
+        mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_MAX)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:

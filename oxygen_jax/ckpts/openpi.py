@@ -49,7 +49,7 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict
 
-from oxygen_jax.ckpts.leaf_stream import LeafReader
+from oxygen_jax.ckpts.leaf_stream import LeafReader, mapped_pieces
 from oxygen_jax.ckpts.orbax_io import (
     PathLike, check_values, is_pytree_item, read_tree_metadata, resolve_params_item, restore_arrays,
 )
@@ -314,11 +314,12 @@ def _stream_params(ck: _OpenpiItem, dtype: np.dtype, unstacked: bool, max_abs: f
     piece = lambda k: math.prod(shapes[k][1:] if k in split else shapes[k]) * np.dtype(ck.meta[k].dtype).itemsize  # noqa: E731
     reader, values = LeafReader(ck.item), {}
     # A host piece and its device copy coexist for a moment: the largest pieces go first, while least is resident.
-    for k in sorted(paths, key=piece, reverse=True):
-        pieces = reader.pieces(("params", *k.split("/"), *suffix), k, shapes[k], dtype, k in split, max_abs)
-        # device_put copies once (jnp.asarray stages a second host copy); each host piece is freed once copied.
-        arrays = [jax.block_until_ready(jax.device_put(p)) for p in pieces]
-        values[k] = arrays if k in split else arrays[0]
+    with mapped_pieces():
+        for k in sorted(paths, key=piece, reverse=True):
+            pieces = reader.pieces(("params", *k.split("/"), *suffix), k, shapes[k], dtype, k in split, max_abs)
+            # device_put copies once (jnp.asarray stages a second host copy); each host piece is freed once copied.
+            arrays = [jax.block_until_ready(jax.device_put(p)) for p in pieces]
+            values[k] = arrays if k in split else arrays[0]
     return from_layer_pieces(values, ck.config)
 
 

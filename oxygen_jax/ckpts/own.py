@@ -18,8 +18,6 @@ returns them as `QArray`s (values as stored, scales in the target dtype).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import hashlib
 import sys
@@ -32,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from oxygen_jax.ckpts.leaf_stream import LeafReader, aligned_empty
+from oxygen_jax.ckpts.leaf_stream import LeafReader, aligned_empty, mapped_pieces
 from oxygen_jax.ckpts.orbax_io import (CheckpointError, PathLike, check_block, read_json_item, read_tree_metadata,
                                        restore_arrays)
 from oxygen_jax.models.pi05.config import ExpertConfig, ModelConfig
@@ -334,36 +332,9 @@ def quantization_info(path: PathLike) -> dict | None:
     return read_json_item(src, "quantization") if (src / "quantization").is_dir() else None
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt: allocations from this size on come straight from mmap
-_PIECE_MMAP = 1 << 20  # while streaming: every piece-sized buffer is mapped, and unmapped when freed
-_GLIBC_MMAP_MAX = 32 << 20  # glibc's own dynamic threshold settles here (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
-
-
-@contextlib.contextmanager
-def _mapped_pieces():
-    """glibc only (elsewhere nothing): buffers of 1 MiB and more come from mmap while a checkpoint streams.
-
-    The stream frees a stored-dtype piece, a read range or a scratch block (4-32 MiB) after every layer while
-    the cast pieces it keeps interleave with them on the heap; glibc keeps such holes resident (about 100 MiB
-    at π0.5's full size, measured in docs/quantization.md). Mapped, each is returned to the system when freed.
-    Afterwards the threshold is glibc's dynamic one's ceiling, where a process that frees large buffers ends.
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, _PIECE_MMAP):
-        yield
-        return
-    try:
-        yield
-    finally:
-        mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_MAX)
-
-
 def _restore_streamed(src: Path, config: ModelConfig, floats: list[str], info: Mapping[str, Any],
                       sums: Mapping[str, Any] | None) -> Params:
-    with _mapped_pieces():
+    with mapped_pieces():
         return _stream_leaves(src, config, floats, info, sums)
 
 
