@@ -234,6 +234,22 @@ def _oxygen(shapes: Shapes) -> None:
     _serve(factories, per_call, info, {"prefill": prefill_s})
 
 
+def lm_head_probe(vocab: int, width: int, rows: tuple[int, ...], repeats: int = 3) -> dict:
+    """ms (median) of the tied LM head's product as OxyGen writes it, `x @ table.T` (x [B, D], table [V, D]), at each
+    B in `rows`: the same program under whichever JAX runs this, so two stacks' XLA:CPU can be set side by side."""
+    import jax
+    import jax.numpy as jnp
+
+    table = jnp.asarray(np.random.default_rng(0).standard_normal((vocab, width), np.float32))
+    head = jax.jit(lambda t, x: jnp.dot(x, t.T))
+    out = {}
+    for b in rows:
+        x = jnp.ones((b, width), jnp.float32)
+        jax.block_until_ready(head(table, x))
+        out[b] = float(np.median([_timed(functools.partial(head, table, x)) for _ in range(repeats)]))
+    return {"jax": jax.__version__, "vocab": vocab, "width": width, "ms": out}
+
+
 # ---------------------------------------------------------------------------------------------------- driver
 
 
@@ -394,6 +410,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", type=Path, help="persistent compilation caches here (DIR/ours, DIR/oxygen); "
                                                       "first calls then measure loading, not compiling")
     p.add_argument("--out", type=Path, help="write oxygen_peer.json and report.md here")
+    p.add_argument("--lm-head-probe", metavar="V,D,B1,B2", help="only time x @ table.T (table [V, D], x [B, D]) at "
+                                                             "each B under this interpreter's JAX and print it")
     p.add_argument("--worker", choices=("ours", "oxygen"), help=argparse.SUPPRESS)
     p.add_argument("--shapes", help=argparse.SUPPRESS)
     return p
@@ -404,6 +422,10 @@ def main(argv=None) -> int:
     if args.worker:
         shapes = Shapes(**json.loads(args.shapes))
         (_ours if args.worker == "ours" else _oxygen)(shapes)
+        return 0
+    if args.lm_head_probe:
+        vocab, width, *rows = (int(v) for v in args.lm_head_probe.split(","))
+        print(json.dumps(lm_head_probe(vocab, width, tuple(rows))))
         return 0
     for flag in ("oxygen_src", "oxygen_python", "out"):
         if getattr(args, flag) is None:
