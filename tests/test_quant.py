@@ -1,9 +1,11 @@
 """Quantized weights (`nn.quant`, `ckpts.own`, `python -m oxygen_jax.quantize`): round-trip error bounds per
 dtype, a quantized tiny π0.5 within the documented bounds of float32 (docs/quantization.md), the layer loop's
-dequantization in both layer layouts, the checkpoint round trip and its refusals."""
+dequantization in both layer layouts (and in Qwen3.5's own group scan), the checkpoint round trip and its
+refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from oxygen_jax.models.pi05 import model as pi05_model
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import init_params, stack_layers
 from oxygen_jax.models.pi05.spec import pi05_spec
+from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.nn import quant
 from oxygen_jax.nn.layers import Unstacked, unstack_layers
 from oxygen_jax.nn.masks import make_attn_mask
@@ -137,6 +140,63 @@ def test_layer_loop_dequantizes_stacked_and_unstacked_layers_alike(tiny):
     stacked = np.asarray(run(layers))
     np.testing.assert_allclose(np.asarray(run(unstack_layers(layers))), stacked, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(run(quant.dequantize_tree(layers))), stacked, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen3.5: its own scan over layer groups, dequantized by the same wrapper as `scan_layers`
+
+# Logits error relative to the float32 logits' RMS, and teacher-forced greedy tokens identical to float32's
+# (docs/quantization.md): a random tiny hybrid stack drifts more than π0.5's trained-like tiny weights.
+QWEN35_BOUNDS = {"int8": {"max": 2.5, "mean": 0.1, "tokens": 0.6}, "fp8": {"max": 6.0, "mean": 0.35, "tokens": 0.35}}
+
+
+@pytest.fixture(scope="module")
+def qwen35_small():
+    """qwen35_tiny's layer dims at 2 groups of (linear, full) and no vision tower: the scan slices a
+    quantized stack over groups, at half the compile of the 8-layer preset."""
+    base = qwen35.preset("qwen35_tiny")
+    spec = dataclasses.replace(base, backbone=dataclasses.replace(base.backbone, depth=4, vision=None),
+                               layer_types=(qwen35.LINEAR, qwen35.FULL) * 2)
+    return spec, qwen35.init_decoder(spec, seed=1)
+
+
+@jax.jit
+def _qwen35_logits(spec, dec, ids):
+    """Logits [B, T, V] of T tokens fed through `forward_step` (the decode path) from an empty cache."""
+    b, t = ids.shape
+    x = backbone.embed_tokens(spec.backbone, dec, ids)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    kv = jnp.zeros((len(spec.full_layers), b, t, spec.backbone.num_kv_heads, spec.backbone.head_dim))
+    window, state = qwen35.empty_state(spec, b, jnp.float32)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    h, _, _ = qwen35.forward_step(spec, dec.layers, x, pos, jnp.ones((b, t), bool), mask, kv, kv, pos, window, state)
+    return backbone.lm_logits(spec.backbone, dec, backbone.final_norm(spec.backbone, dec, h))
+
+
+def test_qwen35_projections_and_mlps_are_quantized_and_the_gates_conv_and_norms_kept(qwen35_small):
+    chosen = quant.plan(qwen35_small[1])
+    assert set(chosen) == {f"layers/linear/{n}" for n in ("qkv", "z", "out", "gating", "linear")} | \
+        {f"layers/full/{n}" for n in ("q", "q_gate", "kv", "out", "gating", "linear")}
+    assert chosen["layers/linear/z"].axes == (-3,) and chosen["layers/full/out"].axes == (-3, -2)
+
+
+def test_quantized_qwen35_is_within_the_documented_bounds_of_float32(qwen35_small):
+    spec, dec = qwen35_small
+    ids = jnp.asarray(np.random.default_rng(0).integers(4, spec.backbone.vocab_size, (2, 16)), jnp.int32)
+    ref = np.asarray(_qwen35_logits(spec, dec, ids))
+    rms = np.sqrt(np.mean(ref ** 2))
+    for weights in ("int8", "fp8"):
+        qdec = quant.quantize_tree(dec, weights)
+        # values * scale on the host (the same float32 products): the float program again, nothing compiled
+        host = jax.tree.map(lambda x: np.asarray(x.values, np.float32) * np.asarray(x.scale) if isinstance(
+            x, quant.QArray) else x, qdec, is_leaf=lambda x: isinstance(x, quant.QArray))
+        deq = np.asarray(_qwen35_logits(spec, host, ids))
+        if weights == "int8":  # the group scan hands its body dequantized weights: exactly the float program's
+            np.testing.assert_array_equal(np.asarray(_qwen35_logits(spec, qdec, ids)), deq)
+        err, agree = np.abs(deq - ref) / rms, (deq.argmax(-1) == ref.argmax(-1)).mean()
+        bound = QWEN35_BOUNDS[weights]
+        assert 0 < err.mean() <= bound["mean"] and err.max() <= bound["max"], (weights, err.max(), err.mean())
+        assert bound["tokens"] <= agree, (weights, agree)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ A quantized weight w ≈ values * scale, elementwise with broadcasting:
 
 E.g. an MLP down-projection stack `linear` [L, F, D] reduces over F: scale [L, 1, D], one per layer and
 output channel. Only leaves of layer stacks are quantized (`RULES`); `nn.layers.scan_layers` dequantizes
-each layer's leaves at the top of its loop body (`dequantizing`), so only one layer's weights ever exist
+each layer's leaves at the top of its loop body (`dequantizing`; Qwen3.5's scan over layer groups wraps its
+body the same way, one group at a time), so only one layer's (group's) weights ever exist
 in the compute dtype and XLA may fuse the convert and the multiply into the matmul. Embeddings, norms,
 biases and the small projections outside the stacks stay in the compute dtype.
 
@@ -193,9 +194,22 @@ RULES: tuple[Rule, ...] = (
     Rule(kind="mlp", pattern=r"(^|/)layers/mlp_(in|out)/kernel$", axes=(-2,)),  # SigLIP [L, W, Fv], [L, Fv, W]
     # Adaptive RMSNorms' modulation projections (π0.5's action expert, from the time embedding): [L, Dc, 3 D]
     Rule(kind="adanorm", pattern=r"(^|/)layers/(attn_norm|ffw_norm)/modulation/kernel$", axes=(-2,)),
+    # Qwen3.5's hybrid stack (`models.qwen35.HybridLayers`, leading [G, P]; dequantized per group in its own
+    # scan). Full-attention layers: the decoder layer's leaves plus the output gate q_gate [G, Pf, N, D, H].
+    Rule(kind="attn", pattern=r"(^|/)layers/full/(q|q_gate)$", axes=(-2,)),  # [G, Pf, N, D, H]
+    Rule(kind="attn", pattern=r"(^|/)layers/full/kv$", axes=(-2,)),  # [G, Pf, 2, K, D, H]
+    Rule(kind="attn", pattern=r"(^|/)layers/full/out$", axes=(-3, -2)),  # [G, Pf, N, H, D]
+    # Gated DeltaNet layers: in_proj_qkv [G, Pl, D, Cc], in_proj_z [G, Pl, D, Hv, Dv], out_proj [G, Pl, Hv, Dv, D].
+    # Kept float: in_proj_b / in_proj_a [D, Hv] (Hv outputs, a few per mille of the bytes, and they set β and
+    # the state's decay exponent, whose error the recurrence compounds), the depthwise conv, A_log, dt_bias, norms.
+    Rule(kind="attn", pattern=r"(^|/)layers/linear/qkv$", axes=(-2,)),
+    Rule(kind="attn", pattern=r"(^|/)layers/linear/z$", axes=(-3,)),
+    Rule(kind="attn", pattern=r"(^|/)layers/linear/out$", axes=(-3, -2)),
+    Rule(kind="mlp", pattern=r"(^|/)layers/(full|linear)/gating$", axes=(-2,)),  # [G, P, 2, D, F]
+    Rule(kind="mlp", pattern=r"(^|/)layers/(full|linear)/linear$", axes=(-2,)),  # [G, P, F, D]
 )
-"""The layer-stack leaves that are quantized, by kind. Only stacks whose layers run through
-`nn.layers.scan_layers` may be listed (that is where they are dequantized)."""
+"""The layer-stack leaves that are quantized, by kind. Only stacks whose loop bodies are wrapped in
+`dequantizing` may be listed (`nn.layers.scan_layers`, Qwen3.5's scan over layer groups)."""
 
 KINDS: tuple[Kind, ...] = ("attn", "mlp", "adanorm")
 

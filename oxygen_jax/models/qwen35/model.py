@@ -56,6 +56,7 @@ from oxygen_jax.models import lora as lora_lib
 from oxygen_jax.models.qwen35.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec, compute_dtype
 from oxygen_jax.models.lora import DeltaNetLora, ExpertLora, LayerRows, LoraPair, RowAdapters
 from oxygen_jax.models.prefix import Prefix, next_positions
+from oxygen_jax.nn import quant
 from oxygen_jax.nn.layers import RMSNorm
 from oxygen_jax.nn.masks import last_valid_index, make_attn_mask
 
@@ -403,9 +404,10 @@ def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, fo
     def rows(bank, kind, i):  # layer i of this group's [P, E, ...] bank slice, or None without adapters
         return None if bank is None else LayerRows(jax.tree.map(lambda a: a[i], getattr(bank, kind)), lora.ids)
 
-    def body(carry, xs):
+    def group(carry, layers_g, extra, g):  # `quant.dequantizing`'s body form: (carry, layer, extra, index)
         x, cache = carry
-        lin, full, win, st, g, bank = xs
+        lin, full = layers_g
+        win, st, bank = extra
         wins, sts, hids, taps = [], [], [], []
         il = jf = 0
         for kind in spec.group:
@@ -430,9 +432,12 @@ def _run_groups(spec: Qwen35Spec, layers: HybridLayers, x, rope, mask, valid, fo
             ys["taps"] = jax.tree.map(lambda *a: jnp.stack(a), *taps)
         return (x, cache), ys
 
-    xs = (layers.linear, layers.full, _grouped(window, spec, LINEAR), _grouped(state, spec, LINEAR), jnp.arange(spec.num_groups),
-          None if lora is None else lora.bank)
-    (x, cache), ys = jax.lax.scan(body, (x, cache), xs)
+    # Quantized leaves (`nn.quant.QArray`) reach `group` dequantized, one group at a time; float layers pass
+    # through untouched (the same program).
+    body = quant.dequantizing(group)
+    xs = ((layers.linear, layers.full), (_grouped(window, spec, LINEAR), _grouped(state, spec, LINEAR),
+                                         None if lora is None else lora.bank), jnp.arange(spec.num_groups))
+    (x, cache), ys = jax.lax.scan(lambda c, a: body(c, *a), (x, cache), xs)
     ys = jax.tree.map(_flat, ys)
     return x, cache, ys.pop("window"), ys.pop("state"), ys
 
