@@ -1,6 +1,7 @@
 """The cost of quantized weights (`python -m oxygen_jax.quantize`): actions, text, bytes, memory, CPU time.
 
     python -m eval.quant cost --out eval/results/quant_cost
+    python -m eval.quant cost --sources families --fixtures qwen35_tiny --out eval/results/quant_cost  # those rows
     python -m eval.quant memory --ckpt /tmp/full/ckpt --out eval/results/quant_memory_pi05
 
 `cost --sources demo`: the embedded demo (its held-out frames and memory adapter), for each setting (int8 /
@@ -430,6 +431,9 @@ def report(summary: dict) -> str:
     env = summary["environment"]
     lines = ["# Quantized weights: measured cost", "", f"`{env['command']}`; {env['timestamp']} UTC, {env['platform']}, "
              f"{env['cpu_count']} CPUs, load average {env['load_average']}.", ""]
+    for r in env.get("reruns", []):
+        lines[-1:-1] = ["", f"Re-run since, their rows replaced: {', '.join(r['fixtures'])} (`{r['command']}`; "
+                            f"{r['timestamp']} UTC, load average {r['load_average']} -> {r.get('load_average_after')})."]
     for src, rec in summary.get("cost", {}).items():
         lines += [f"## {src}: {rec['what']}", ""]
         if "settings" not in rec:
@@ -553,12 +557,23 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _merge_rerun(old: dict, new: dict) -> dict:
+    """`old` with `new`'s family rows in place of its own and `new`'s environment appended to its `reruns`."""
+    merged = dict(old, families={**old.get("families", {}), **new.get("families", {})})
+    rerun = dict(new["environment"], fixtures=list(new.get("families", {})))
+    merged["environment"] = dict(old["environment"], reruns=[*old["environment"].get("reruns", []), rerun])
+    return merged
+
+
 def main(argv=None) -> int:
     ap = OneLineParser(prog="python -m eval.quant", description=__doc__.split("\n\n")[0])
     ap.add_argument("what", nargs="?", choices=("cost", "memory"), default="cost")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sources", nargs="+", default=["demo", "families"], choices=("demo", "families"),
                     help="cost: the embedded demo and / or every family's public fixture")
+    ap.add_argument("--fixtures", nargs="+", choices=tuple(FIXTURES), default=None,
+                    help="cost, families: only these fixtures; their rows replace those of an existing OUT/summary.json "
+                         "(the other rows are kept as measured, the re-run recorded beside them)")
     ap.add_argument("--frames", type=int, default=8, help="cost: timed demo frames per setting (interleaved)")
     ap.add_argument("--ckpt", type=Path, default=None, help="memory: the random full-size checkpoint (written if "
                     "absent; its quantized copies go beside it as CKPT_int8, CKPT_fp8)")
@@ -575,6 +590,8 @@ def main(argv=None) -> int:
         return 0
     if args.out is None:
         ap.error("--out DIR is required")
+    if args.fixtures and (args.what != "cost" or args.sources != ["families"]):
+        ap.error("--fixtures re-runs family rows only: use it with `cost --sources families`")
     summary = {"environment": {
         "command": " ".join(["python", "-m", "eval.quant", *(argv if argv is not None else sys.argv[1:])]),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "platform": platform.platform(),
@@ -583,12 +600,15 @@ def main(argv=None) -> int:
         if "demo" in args.sources:
             summary["cost"] = run_cost(args.frames)
         if "families" in args.sources:
-            summary["families"] = run_family_cost()
+            summary["families"] = run_family_cost(tuple(args.fixtures or FIXTURES))
+        if args.fixtures and (args.out / "summary.json").is_file():
+            summary = _merge_rerun(json.loads((args.out / "summary.json").read_text()), summary)
     else:
         ckpt = args.ckpt or Path(tempfile.mkdtemp(prefix="oxygen-quant-")) / "ckpt"
         summary["memory"] = run_memory(ckpt, args.preset, tuple(args.dtypes), tuple(args.weights))
         summary["environment"]["preset"] = args.preset
-    summary["environment"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    env = summary["environment"]
+    (env["reruns"][-1] if env.get("reruns") else env)["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     (args.out / "report.md").write_text(report(summary) + "\n")
