@@ -17,7 +17,7 @@ from jax.extend import core as jcore
 
 from eval.bench import heads as bench_heads
 from eval.bench import roofline_cost as rc
-from eval.bench import roofline_peaks, roofline_report
+from eval.bench import roofline_compare, roofline_peaks, roofline_report
 from oxygen_jax.models import heads as hd
 from oxygen_jax.models import mot
 from oxygen_jax.models.qwen35 import model as qwen35
@@ -272,3 +272,16 @@ def test_head_projections_equal_the_einsum_without_weight_copies(eq, x_shape, w_
     hlo = jax.jit(fn).lower(x, w).compile().as_text()
     copied = [math.prod(int(d) for d in s.split(",")) for s in re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} (?:copy|transpose)\(", hlo)]
     assert math.prod(w_shape) not in copied, f"{fn.__name__} copies its weight: {hlo}"
+
+
+def test_compare_pairs_runs_in_order():
+    """`eval.bench.roofline_compare`: each pair's ratio and fractions, the medians, and unpaired runs refused."""
+    def run(ms, frac, load):
+        return {"components": [{"name": "decode1", "ms": ms, "fraction_of_limit": frac}], "loadavg_start": [load],
+                "loadavg_end": [load], "peaks": {"bandwidth": 2e10, "matmul_flops": 1e11}}
+
+    text = roofline_compare.compare([run(100.0, 0.5, 1.0), run(80.0, 0.6, 2.0)], [run(50.0, 1.0, 1.5), run(60.0, 0.8, 2.5)])
+    assert "| decode1 | 1 | 100.0 | 50.0 | 0.50 | 0.50 | 1.00 |" in text
+    assert "| **decode1** | median | 90.0 | 55.0 | 0.62 | 0.55 | 0.90 |" in text and "after load 2.5 -> 2.5" in text
+    with pytest.raises(ValueError, match="pair the runs"):
+        roofline_compare.compare([run(1.0, 1.0, 1.0)], [])
