@@ -228,7 +228,10 @@ def test_cross_head_computes_each_blocks_context_kv_once_from_the_layer_it_reads
     b, p = prefix.mask.shape
     traced = {f: jax.make_jaxpr(fn)(prefix).jaxpr for f, fn in (
         ("prepare", lambda pr: hd.prepare(params, spec, pr, state)), ("sample", lambda pr: hd.sample(params, spec, pr, noise, state)))}
-    context = {f: [s for s in _dot_operand_shapes(j) if len(s) == 3 and s[:2] == (b, p)] for f, j in traced.items()}
+    # A context operand is [B, P, Dx], or [G, B P, Dx] where a projection batches its G weight slabs
+    # (`nn.layers.project_heads`).
+    context = {f: [s for s in _dot_operand_shapes(j) if len(s) == 3 and (s[:2] == (b, p) or s[1] == b * p)]
+               for f, j in traced.items()}
     assert context["prepare"] and context["sample"] == context["prepare"]
 
 

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models.backbone import BackboneSpec
 from oxygen_jax.models.heads.parts import (
-    HeadState, Linear, Mlp, compute_dtype, extra_tokens, gelu, lin, linear_tree, mlp, mlp_tree, sinusoid, time_input,
+    HeadState, Linear, Mlp, compute_dtype, extra_tokens, gelu, lin, lin_heads, lin_merge, linear_tree, mlp, mlp_tree, sinusoid,
+    time_input,
 )
 from oxygen_jax.models.heads.spec import DitSpec, require
 from oxygen_jax.models.hidden_states import check_semantics
@@ -317,7 +318,7 @@ def prepare(params: CrossHead, spec: CrossSpec, prefix: Prefix, state: jax.Array
 
     def body(_, blk, extra_l, __):
         ctx = _project(hidden[0] if extra_l[0] is None else extra_l[0], extra_l[1])
-        return None, lin("BPX,2XNH->BP2NH", ctx, blk.kv)
+        return None, lin_heads(ctx, blk.kv)  # [B, P, 2, N, H]
 
     _, kv = scan_layers(body, None, params.cross, per_block)  # [Lc, B, P, 2, N, H]
     mask = jnp.broadcast_to(prefix.mask[:, None, :], (b, t, p))
@@ -346,10 +347,10 @@ def _block(spec: CrossSpec, blk: CrossBlocks, x, temb_act, k, v, mask) -> jax.Ar
     h = layer_norm(x, None, 1e-5) * (1 + scale) + shift
     q = lin("BTD,DNH->BTNH", h, blk.q) * jnp.asarray(spec.head_dim ** -0.5, h.dtype)
     if k is None:
-        kv = lin("BTD,2DNH->BT2NH", h, blk.kv)
+        kv = lin_heads(h, blk.kv)  # [B, T, 2, N, H]
         k, v = kv[:, :, 0], kv[:, :, 1]
         mask = jnp.ones((x.shape[0], x.shape[1], x.shape[1]), bool)
-    x = x + lin("BTNH,NHD->BTD", attention(q, k, v, mask), blk.out)
+    x = x + lin_merge(attention(q, k, v, mask), blk.out)
     h = layer_norm(x, None, 1e-5)
     return x + lin("BTF,FD->BTD", gelu(lin("BTD,DF->BTF", h, blk.ff_in)), blk.ff_out)
 

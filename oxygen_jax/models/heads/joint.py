@@ -38,7 +38,8 @@ from typing import ClassVar, Literal
 from oxygen_jax.models import backbone as bb
 from oxygen_jax.models.backbone import BackboneSpec
 from oxygen_jax.models.heads.parts import (
-    HeadState, Linear, Mlp, compute_dtype, extra_tokens, gelu, lin, linear_tree, mlp, mlp_tree, sinusoid, time_input,
+    HeadState, Linear, Mlp, compute_dtype, extra_tokens, gelu, lin, lin_heads, linear_tree, mlp, mlp_tree, sinusoid,
+    time_input,
 )
 from oxygen_jax.models.heads.spec import DitSpec, check_kv_heads, check_reads_kv, require
 from oxygen_jax.models.prefix import Prefix
@@ -260,9 +261,7 @@ def _layer(spec: JointKvSpec, lp: JointLayers, x, mod, ck, cv, st: HeadState) ->
     shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(mod + lp.adaln.astype(x.dtype)[None], 6, axis=1)  # [B, 1, Da] each
     h = _rms(x, lp.norms[0]) * (1 + scale1) + shift1
     q = lin("BTD,DNH->BTNH", h, lp.q)
-    w = lp.kv.kernel  # [2, Da, N, H]: one batched dot over its 2 slabs [Da, N H] (`project_heads`, no weight copy)
-    kv = project_heads(h, w.reshape(w.shape[:2] + (-1,)).astype(h.dtype)).reshape(h.shape[:2] + (2,) + w.shape[2:])
-    kv = kv + lp.kv.bias.astype(kv.dtype)  # [B, T, 2, N, H]
+    kv = lin_heads(h, lp.kv)  # [B, T, 2, N, H]
     k, v = kv[:, :, 0], kv[:, :, 1]
     q = apply_rope(_rms(q, lp.q_norm), st.sin, st.cos) * jnp.asarray(spec.head_dim ** -0.5, q.dtype)
     k = apply_rope(_rms(k, lp.k_norm), st.sin, st.cos)

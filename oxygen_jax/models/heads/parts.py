@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from oxygen_jax.models.backbone import Draw
 from oxygen_jax.models.heads.spec import DitSpec
-from oxygen_jax.nn.layers import _pytree
+from oxygen_jax.nn.layers import _pytree, merge_heads, project_heads
 
 
 @_pytree
@@ -75,6 +75,20 @@ def compute_dtype(params) -> jnp.dtype:
 def lin(eq: str, x: jax.Array, p: Linear) -> jax.Array:
     """einsum(eq, x, kernel) + bias, in x's dtype."""
     y = jnp.einsum(eq, x, p.kernel.astype(x.dtype))
+    return y if p.bias is None else y + p.bias.astype(y.dtype)
+
+
+def lin_heads(x: jax.Array, p: Linear) -> jax.Array:
+    """x [..., D] by a kernel [G, D, N, H] (e.g. G = 2: k|v) + bias -> [..., G, N, H], in x's dtype: one dot
+    batched over the G slabs [D, N H] (`nn.layers.project_heads`: no per-call copy of the weight)."""
+    w = p.kernel
+    y = project_heads(x, w.reshape(w.shape[:2] + (-1,)).astype(x.dtype)).reshape(x.shape[:-1] + w.shape[:1] + w.shape[2:])
+    return y if p.bias is None else y + p.bias.astype(y.dtype)
+
+
+def lin_merge(a: jax.Array, p: Linear) -> jax.Array:
+    """a [..., N, H] by a kernel [N, H, D] + bias -> [..., D], in a's dtype (`nn.layers.merge_heads`)."""
+    y = merge_heads(a, p.kernel.astype(a.dtype))
     return y if p.bias is None else y + p.bias.astype(y.dtype)
 
 
