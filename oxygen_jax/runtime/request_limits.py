@@ -120,13 +120,13 @@ class RequestLimits:
                 raise RequestError(f"{label} must be a 1-D integer array, got {tokens.dtype} {tokens.shape}",
                                    "prompt_tokens")
             tokens = tokens.tolist()
-        if not isinstance(tokens, (list, tuple)) or not all(is_int(t) for t in tokens):
-            raise RequestError(f"{label} must be a list of integer token ids, got {show_value(tokens)}",
-                               "prompt_tokens")
-        if len(tokens) > self.prompt_capacity:
+        if isinstance(tokens, (list, tuple)) and len(tokens) > self.prompt_capacity:  # the count before any value
             prompt = label.removesuffix("_tokens")
             raise RequestError(f"{prompt} has {len(tokens)} tokens; the engine's prompt_capacity is "
                                f"{self.prompt_capacity}", "prompt_tokens")
+        if not isinstance(tokens, (list, tuple)) or not all(is_int(t) for t in tokens):
+            raise RequestError(f"{label} must be a list of integer token ids, got {show_value(tokens)}",
+                               "prompt_tokens")
         if not all(0 <= t < self.vocab_size for t in tokens):
             raise RequestError(f"{label} must hold token ids in [0, {self.vocab_size}), got {show_value(list(tokens))}",
                                "prompt_tokens")

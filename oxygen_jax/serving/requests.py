@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from oxygen_jax.models.decoder import MAX_STOP_IDS
 from oxygen_jax.runtime.request_limits import RequestError, RequestLimits, is_int
 from oxygen_jax.serving.records import LanguageRequest
 from oxygen_jax.serving.wire import short
@@ -156,7 +157,7 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
         stop = req.get("stop_at_eos", True)
         if not isinstance(stop, (bool, np.bool_)):
             raise BadRequest(f"{where}.stop_at_eos must be true or false, got {short(stop)}")
-        stop_ids = _ids(req.get("stop", []), f"{where}.stop")
+        stop_ids = _ids(req.get("stop", []), f"{where}.stop", MAX_STOP_IDS)
         tag = req.get("id")
         if tag is not None:
             tag = _name(tag, f"{where}.id", "a string or an integer")
@@ -167,11 +168,16 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
     return out
 
 
-def _ids(value, where: str) -> tuple[int, ...]:
-    """A list of integers (their count and range against the vocabulary: `check_requests`)."""
+def _ids(value, where: str, limit: int) -> tuple[int, ...]:
+    """A list of at most `limit` integers (their range against the vocabulary: `check_requests`). The count is
+    read before any value, so a 4 MiB array costs a robot's frame microseconds, not the prep threads seconds."""
     if isinstance(value, np.ndarray):
-        value = value.tolist() if value.ndim == 1 else value
-    if not isinstance(value, (list, tuple)) or not all(is_int(t) for t in value):
+        value = value.tolist() if value.ndim == 1 and len(value) <= limit else value
+    if not isinstance(value, (list, tuple)):
+        raise BadRequest(f"{where} must be a list of token ids, got {short(value)}")
+    if len(value) > limit:
+        raise BadRequest(f"{where} has {len(value)} entries; at most {limit}")
+    if not all(is_int(t) for t in value):
         raise BadRequest(f"{where} must be a list of token ids, got {short(value)}")
     return tuple(int(t) for t in value)
 
@@ -184,7 +190,7 @@ def _prompt(req: Mapping, where: str, max_chars: int) -> tuple[str, tuple[int, .
     if prompt is not None and tokens is not None:
         raise BadRequest(f"{where}: give either prompt (text) or prompt_tokens (token ids), not both")
     if tokens is not None:
-        return "", _ids(tokens, f"{where}.prompt_tokens")
+        return "", _ids(tokens, f"{where}.prompt_tokens", max_chars)
     if not isinstance(prompt, str):
         raise BadRequest(f"{where}.prompt must be a string (e.g. 'Subtask: ') or a list of token ids "
                          f"(or give prompt_tokens), got {type(prompt).__name__}")
