@@ -329,6 +329,7 @@ def build(args: argparse.Namespace):
     streams = _stream_config(args, vla)
     engine = Engine(vla, EngineConfig(
         num_slots=args.slots, max_new_tokens=_pool_tokens(vla, args.max_new_tokens, args.chunk_max_tokens),
+        request_max_tokens=args.max_new_tokens,
         prompt_capacity=args.prompt_capacity,
         tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
         seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=names, mesh=mesh, streams=streams)

@@ -62,7 +62,8 @@ A state projector multiplies the state into the residual stream, where a float32
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     num_slots: int = 8  # Ns: concurrent language requests
-    max_new_tokens: int = 32  # M: per-request token cap (budgets above it are rejected)
+    max_new_tokens: int = 32  # M: a slot's room for new tokens (a language request's cap unless the next is set)
+    request_max_tokens: int | None = None  # a language request's cap when slots are wider (decoded action chunks)
     prompt_capacity: int = 0  # Q: max request-prompt tokens written after the shared prefix
     admissions_per_frame: int = 4  # J: requests admitted per frame at most
     tokens_per_frame: int = 5  # k: decode steps per frame (verify steps under speculation)
@@ -77,6 +78,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
         if self.prompt_capacity < 0:
             raise ValueError("EngineConfig.prompt_capacity must be >= 0")
+        if self.request_max_tokens is not None and not 1 <= self.request_max_tokens <= self.max_new_tokens:
+            raise ValueError(f"EngineConfig.request_max_tokens must be in [1, max_new_tokens = {self.max_new_tokens}], "
+                             f"got {self.request_max_tokens}")
         if self.speculate < 0:
             raise ValueError(f"EngineConfig.speculate must be >= 0 (0 = no speculative decoding), got {self.speculate}")
         if not 1 <= self.verify_cost < float("inf"):  # NaN fails this too
@@ -197,7 +201,8 @@ class Engine:
         self.adapters: dict[str, int] = {"base": 0, **{n: i + 1 for i, n in enumerate(adapter_names)}}
         if len(self.adapters) != len(adapter_names) + 1:
             raise ValueError(f"adapter names must be unique and not 'base', got {list(adapter_names)}")
-        self.limits = RequestLimits(max_new_tokens=config.max_new_tokens, prompt_capacity=config.prompt_capacity,
+        self.limits = RequestLimits(max_new_tokens=config.request_max_tokens or config.max_new_tokens,
+                                    prompt_capacity=config.prompt_capacity,
                                     vocab_size=self.vla.vocab_size, adapters=("base", *adapter_names),
                                     stop_ids=tuple(self.vla.stop_ids))
         self.streams = self._streams(streams)

@@ -115,8 +115,7 @@ def prepare(auto: AutoLanguage | None, engine, *, max_prompt_chars: int) -> Auto
     """
     if auto is None:
         return None
-    e = engine.config
-    max_tokens = e.max_new_tokens if auto.max_tokens is None else auto.max_tokens
+    max_tokens = engine.limits.max_new_tokens if auto.max_tokens is None else auto.max_tokens
     prompt = {"prompt": auto.prompt} if auto.prompt_tokens is None else {"prompt_tokens": list(auto.prompt_tokens)}
     try:  # the one request check (`check_requests`: the engine's limits), its refusal named by the option
         (req,) = requests.parse_language_requests(

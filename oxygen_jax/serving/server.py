@@ -542,7 +542,7 @@ class PolicyServer:
         """
         from oxygen_jax.robots import transforms
 
-        c, e = self.config, self.engine.config
+        c = self.config
         try:
             sample = wire.unpack(message, self.limits)
         except wire.WireError as err:
@@ -554,7 +554,7 @@ class PolicyServer:
         deadline = requests.deadline_s(sample, max_ms=c.max_deadline_ms)
         language = requests.parse_language_requests(
             sample.get("language_requests"), max_requests=c.max_requests_per_robot,
-            default_max_tokens=e.max_new_tokens, max_prompt_chars=c.max_prompt_chars)
+            default_max_tokens=self.engine.limits.max_new_tokens, max_prompt_chars=c.max_prompt_chars)
         language = requests.check_requests(language, getattr(self.engine, "tokenizer", None), limits=self.engine.limits)
         try:
             observation = self.codec.prepare(sample)
