@@ -9,6 +9,7 @@ after 3 tokens, robot 1 after 7, robot 2 after 5) and robot 2's stop id is the o
 from __future__ import annotations
 
 import dataclasses
+import logging
 import json
 from types import SimpleNamespace
 
@@ -174,6 +175,7 @@ def test_load_model_serves_an_openpi_pi0_fast_checkpoint_with_its_codec_prompt_a
 def test_served_over_openpis_protocol_the_reply_is_the_decoded_chunk_with_language_beside(world, caplog):
     """Served: openpi's reply shape [Ha, Da] from the decoded chunk (openpi's zero fallback asked for explicitly: a
     random model writes no stop, and the server's log says why), the language request answered in the same reply."""
+    caplog.set_level(logging.WARNING, logger="oxygen_jax.serve")  # whatever level an earlier serve command set
     vla = world[0]
     stream = ActionStream(horizon=4, action_dim=7, stop_ids=(1,), max_tokens=6, decode=vla.stream.decode)
     tok, robot = train_demo_tokenizer(), robot_config("libero", max_token_len=16)

@@ -69,7 +69,18 @@ class EngineWorker:
         self.engine, self.codec, self.seed, self.mesh = engine, codec, seed, mesh
         self._executor = compile_cache.thread_pool(1, "oxygen-engine")
         self._thread = self._executor.submit(threading.get_ident).result()
+        self._zero_line_at, self._zero_chunks = -float("inf"), 0  # the zero-chunk log line, once a second at most
         _listen_for_compiles()
+
+    def _log_zero_chunk(self, f: Frame, why: str) -> None:
+        """One line a second at most (engine thread only): a model whose chunks keep failing would otherwise log
+        every robot's every frame."""
+        self._zero_chunks += 1
+        now = time.monotonic()
+        if now - self._zero_line_at >= 1.0:
+            log.warning("stream %d frame %d: all-zero chunk (--chunk-on-failure zeros): %s (%d such chunks since the "
+                        "last line)", f.stream.id, f.index, _cut(why), self._zero_chunks)
+            self._zero_line_at, self._zero_chunks = now, 0
 
     def run(self, loop: asyncio.AbstractEventLoop, method: Callable, *args) -> asyncio.Future:
         """Schedules `method(*args)` on the engine thread (FIFO with every other call)."""
@@ -205,8 +216,7 @@ class EngineWorker:
             if why is not None:
                 errors[id(f)] = f"BadRequest: {_cut(why)}; {self.codec.failure_advice}"
             elif i in res.fallbacks:  # the robot asked for openpi's zeros: it gets them, the log says why
-                log.warning("stream %d frame %d: all-zero chunk (--chunk-on-failure zeros): %s", f.stream.id, f.index,
-                            _cut(res.fallbacks[i]))
+                self._log_zero_chunk(f, res.fallbacks[i])
         withdrawn = self._withdraw([rid for f in frames if id(f) in errors for rid in accepted.get(id(f), [])])
         now = time.perf_counter()
         results = [FrameResult(
