@@ -174,7 +174,7 @@ def _source_of(base: str | os.PathLike) -> dict:
     """For a quantized base, the float checkpoint it was made from (adapter.json's `base_source_fingerprint`, so
     the adapter also loads on that float base) and its weights ("int8" / "fp8"); {} for a float base."""
     info = _quantization(base)
-    source = (info or {}).get("provenance", {}).get("source_fingerprint")
+    source = _provenance(info or {}).get("source_fingerprint")
     if not isinstance(source, str) or not _FINGERPRINT.fullmatch(source):
         return {}
     return {"base_source_fingerprint": source, "base_quantization": info.get("weights")}
@@ -250,31 +250,38 @@ def _check_meta(meta, meta_file: Path, base: str | os.PathLike | None) -> None:
                          f"base_fingerprint in {meta_file} cannot be checked; serve it on the base it was trained on")
     if got == recorded:
         return
-    relation = _quantized_relation(meta, base)
+    relation = _quantized_relation(meta, base, got)
     if relation is None:
         raise ValueError(f"adapter {meta_file.parent} was trained on base {meta.get('base')} but {Path(base).resolve()} "
                          "holds other weights (checksums differ); use the base it was trained on")
     warnings.warn(f"adapter {meta_file.parent}: {relation}", stacklevel=3)
 
 
-def _quantized_relation(meta: Mapping, base: str | os.PathLike) -> str | None:
+def _quantized_relation(meta: Mapping, base: str | os.PathLike, got: str) -> str | None:
     """Why `base` counts as the adapter's base although its fingerprint differs, or None when it does not.
 
     Only two cases: `base` is a quantization (`python -m oxygen_jax.quantize`) of the float checkpoint the
     adapter was trained on (its `quantization/` provenance records that checkpoint's fingerprint), or the
     adapter was trained on a quantization of `base` (adapter.json's `base_source_fingerprint`). Two
     quantizations of one source are not the same base: each one's rounding is what the adapter learnt on.
+    `got`: `base`'s own fingerprint (already computed: for a LeRobot base it hashes gigabytes).
     """
     recorded = meta["base_fingerprint"]
     info = _quantization(base)
-    if info is not None and info.get("provenance", {}).get("source_fingerprint") == recorded:
+    if info is not None and _provenance(info).get("source_fingerprint") == recorded:
         return (f"trained on the float base {meta.get('base')}, loaded on its {info.get('weights')} quantization "
                 f"{Path(base).resolve()} (the same weights, rounded)")
     source = meta.get("base_source_fingerprint")
-    if isinstance(source, str) and _FINGERPRINT.fullmatch(source) and source == base_fingerprint(base):
+    if isinstance(source, str) and _FINGERPRINT.fullmatch(source) and source == got:
         return (f"trained on the {meta.get('base_quantization', 'quantized')} base {meta.get('base')}, loaded on the "
                 f"float base it was quantized from, {Path(base).resolve()}")
     return None
+
+
+def _provenance(info: Mapping) -> Mapping:
+    """The `quantization/` item's provenance map ({} where a damaged file holds something else)."""
+    prov = info.get("provenance")
+    return prov if isinstance(prov, Mapping) else {}
 
 
 def _quantization(base: str | os.PathLike) -> dict | None:
