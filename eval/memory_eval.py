@@ -278,13 +278,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from oxygen_jax.models.pi05.params import for_backend
     from training.memory.config import DEMO_PROMPT_LEN
     from training.data.lerobot.keys import KeyMap
-    from training.data.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
-    from training.data.folders import check_data_folder, lerobot_flags_given
+    from training.data.lerobot.splits import open_lerobot_split, parse_episodes
+    from training.data.folders import (check_data_folder, is_lerobot_dataset, lerobot_flags_given,
+                                       refuse_lerobot_flags_with_libero_hdf5)
     from training.data.frames import open_memory_dataset
 
     try:
         if args.libero_hdf5 is None:  # before the base loads: what --data holds, what is expected, "did you mean"
             check_data_folder(args.data, lerobot_flags=lerobot_flags_given(args))
+        refuse_lerobot_flags_with_libero_hdf5(args)
         params, _, _ = load_base(args.base, args.base_dtype)
         adapter, meta = load_any(args.adapter, params.config, base=args.base)
         if is_lerobot_dataset(args.data):  # splits by episode, the adapter's target (training.data.lerobot.splits)

@@ -5,10 +5,11 @@ shows every default, a wrong `--data` is refused in one line that says what was 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
-from training.data.folders import check_data_folder
+from training.data.folders import check_data_folder, refuse_lerobot_flags_with_libero_hdf5
 from training.memory.__main__ import _parser, main
 from training.memory.config import TrainConfig
 from training.memory.export_demo import main as export_main
@@ -84,6 +85,18 @@ def test_data_folder_refusals_say_what_was_found_and_what_is_expected(tmp_path):
         check_data_folder(run)
     with pytest.raises(FileNotFoundError, match="holds nothing \\(no such directory\\)"):
         check_data_folder(tmp_path / "absent")
+
+
+def test_lerobot_flags_on_other_data_name_what_it_holds_and_are_never_ignored(tmp_path):
+    run = tmp_path / "libero_run"
+    _touch(run / "index.jsonl")
+    (run / "shards").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"--heldout-episodes is for LeRobot .* holds index.jsonl, shards/$"):
+        check_data_folder(run, lerobot_flags=["--heldout-episodes"])
+    hdf5 = SimpleNamespace(libero_hdf5=str(tmp_path), heldout_episodes="1", empty_label=None, key_map=None)
+    with pytest.raises(ValueError, match="--heldout-episodes: for LeRobot datasets, but --libero-hdf5"):
+        refuse_lerobot_flags_with_libero_hdf5(hdf5)
+    refuse_lerobot_flags_with_libero_hdf5(SimpleNamespace(libero_hdf5=str(tmp_path), heldout_episodes=None))
 
 
 def test_a_refused_new_run_removes_the_folders_it_created_above_out(tmp_path):

@@ -35,15 +35,29 @@ def lerobot_flags_given(args) -> list[str]:
     return [flag for flag, dest in LEROBOT_FLAGS.items() if getattr(args, dest, None) not in (None, [])]
 
 
+def is_lerobot_dataset(path: str | os.PathLike) -> bool:
+    """A folder with `meta/info.json` (a LeRobot dataset root). A link or special file there counts (the reader
+    then refuses it by name); an unreadable path is no dataset (os.path never raises PermissionError)."""
+    return os.path.lexists(os.path.join(path, "meta", "info.json"))
+
+
+def refuse_lerobot_flags_with_libero_hdf5(args) -> None:
+    """--libero-hdf5 makes --data OxyGen's annotations, which take none of `LEROBOT_FLAGS`: refused, not ignored."""
+    given = lerobot_flags_given(args)
+    if getattr(args, "libero_hdf5", None) is not None and given:
+        raise ValueError(f"{', '.join(given)}: for LeRobot datasets, but --libero-hdf5 makes --data OxyGen's LIBERO "
+                         "annotations, which split and label frames their own way: drop "
+                         f"{'it' if len(given) == 1 else 'them'}")
+
+
 def folder_kind(path: str | os.PathLike) -> str | None:
     """'lerobot', 'tfds' or 'frames' (see the module docstring) by the files that mark each; None otherwise."""
-    p = Path(path)
-    info = p / "meta" / "info.json"
-    if info.exists() or info.is_symlink():  # a special file there is refused later by the reader, by name
+    if is_lerobot_dataset(path):
         return "lerobot"
-    if (p / "dataset_info.json").is_file() and (p / "features.json").is_file():
+    j = lambda name: os.path.join(path, name)  # noqa: E731
+    if os.path.isfile(j("dataset_info.json")) and os.path.isfile(j("features.json")):
         return "tfds"
-    if (p / "index.jsonl").is_file() and (p / "shards").is_dir():
+    if os.path.isfile(j("index.jsonl")) and os.path.isdir(j("shards")):
         return "frames"
     return None
 
@@ -68,9 +82,9 @@ def _candidates(p: Path, kinds: Sequence[str]) -> list[Path]:
 
 
 def _holds(p: Path) -> str:
-    if not p.exists():
+    if not os.path.exists(p):
         return "nothing (no such directory)"
-    if not p.is_dir():
+    if not os.path.isdir(p):
         return "a file, not a folder"
     try:
         names = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(p))
@@ -94,17 +108,17 @@ def check_data_folder(path: str | os.PathLike, *, lerobot_flags: Sequence[str] =
         given): what it holds, what is expected and, when a folder below it is one, "did you mean …".
     """
     p = Path(path)
-    kind = folder_kind(p) if p.is_dir() else None
+    kind = folder_kind(p) if os.path.isdir(p) else None
     if kind == "lerobot" or (kind == "tfds" and not lerobot_flags):
         return kind
     wanted = ("lerobot",) if lerobot_flags else ("lerobot", "tfds")
     if lerobot_flags:
         head = (f"{p}: {', '.join(lerobot_flags)} {'is' if len(lerobot_flags) == 1 else 'are'} for LeRobot datasets "
-                f"(meta/info.json), but this folder holds {_holds(p) if kind is None else 'a tfds dataset'}")
+                f"(meta/info.json), but this folder holds {'a tfds dataset' if kind == 'tfds' else _holds(p)}")
     elif kind == "frames":
         head = (f"{p}: a run of python -m training.data.libero (shards/, index.jsonl), not a dataset yet: convert it "
                 "with --export-tfds DIR and pass DIR/<name>/1.0.0")
     else:
         head = f"{p}: not a dataset folder: it holds {_holds(p)}; expected {_EXPECTED}"
-    near = _candidates(p, wanted) if p.is_dir() else []
+    near = _candidates(p, wanted) if os.path.isdir(p) else []
     raise FileNotFoundError(head + (f"; did you mean {near[0]}?" if near else ""))

@@ -49,9 +49,10 @@ from oxygen_jax.ckpts.load import base_tokenizer
 from training.memory.model import load_base, make_mesh, with_base_trainable
 from training.memory.run_folder import RunFolder
 from training.data.frames import frame_texts, open_memory_dataset
-from training.data.folders import check_data_folder, lerobot_flags_given
+from training.data.folders import (check_data_folder, is_lerobot_dataset, lerobot_flags_given,
+                                   refuse_lerobot_flags_with_libero_hdf5)
 from training.data.lerobot.keys import KeyMap
-from training.data.lerobot.splits import is_lerobot_dataset, open_lerobot_split, parse_episodes
+from training.data.lerobot.splits import open_lerobot_split, parse_episodes
 
 
 MAX_SUFFIX_LEN = 1024  # T: prompt + label + EOS tokens (one long label sizes every batch of the run)
@@ -289,6 +290,11 @@ def _run_in(args, argv: list[str], folder: RunFolder) -> int:
             check_data_folder(args.data, lerobot_flags=lerobot_flags_given(args))
         except FileNotFoundError as e:
             raise _Refused(f"--data {e}") from None
+    else:
+        try:
+            refuse_lerobot_flags_with_libero_hdf5(args)
+        except ValueError as e:
+            raise _Refused(str(e)) from None
     prompt = args.prompt if args.prompt is not None else ("Scene: " if base_mode else MEMORY_PROMPT)
     label_key = args.label_key or ("scene" if base_mode else "memory")
     out = folder.work

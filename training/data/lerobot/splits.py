@@ -42,12 +42,6 @@ from training.data.lerobot.source import LeRobotSource
 _ACTIVE = ("subtask", "plan", "memory")
 
 
-def is_lerobot_dataset(path: str | Path) -> bool:
-    """A folder with `meta/info.json` (a LeRobot dataset root)."""
-    info = Path(path) / "meta" / "info.json"
-    return info.exists() or info.is_symlink()  # a special file there is then refused by name, not taken for absent
-
-
 def parse_episodes(text: str) -> list[int]:
     """'3,7,10-12' -> [3, 7, 10, 11, 12] (ranges inclusive); a one-line ValueError on anything else."""
     out = []
