@@ -197,3 +197,11 @@ def test_language_requests_take_token_ids_and_stop_lists_and_need_a_tokenizer_fo
                        ({"prompt": "a", "stop": "x"}, "stop")):
         with pytest.raises(BadRequest, match=field):
             check_requests(parse_language_requests([bad], max_requests=2, default_max_tokens=3), None, limits=limits)
+
+
+def test_an_id_array_far_over_its_cap_is_refused_by_its_count_before_its_values_are_read():
+    """A 4 MiB array (the largest message) as stop or prompt_tokens: refused by length, never walked value by value."""
+    huge = np.zeros(4 << 20, np.uint8)
+    for req, field in (({"prompt": "a", "stop": huge}, "stop"), ({"prompt_tokens": huge}, "prompt_tokens")):
+        with pytest.raises(BadRequest, match=rf"{field} has {huge.size} entries; at most \d+$"):
+            parse_language_requests([req], max_requests=1, default_max_tokens=3, max_prompt_chars=64)

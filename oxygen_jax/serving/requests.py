@@ -171,9 +171,9 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
 def _ids(value, where: str, limit: int) -> tuple[int, ...]:
     """A list of at most `limit` integers (their range against the vocabulary: `check_requests`). The count is
     read before any value, so a 4 MiB array costs a robot's frame microseconds, not the prep threads seconds."""
-    if isinstance(value, np.ndarray):
-        value = value.tolist() if value.ndim == 1 and len(value) <= limit else value
-    if not isinstance(value, (list, tuple)):
+    if isinstance(value, np.ndarray) and value.ndim == 1 and len(value) <= limit:
+        value = value.tolist()
+    if not isinstance(value, (list, tuple, np.ndarray)) or getattr(value, "ndim", 1) != 1:
         raise BadRequest(f"{where} must be a list of token ids, got {short(value)}")
     if len(value) > limit:
         raise BadRequest(f"{where} has {len(value)} entries; at most {limit}")
