@@ -13,6 +13,7 @@ The specification:
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import numpy as np
 import pytest
@@ -134,3 +135,13 @@ def test_a_state_that_normalises_beyond_float32_is_refused():
     np.testing.assert_allclose(ok, 0.0, atol=1e-2)
     with pytest.raises(ValueError, match="beyond float32"):
         normalize_state(np.array([3e38, 0, 0, 0], np.float32), {"state": stats})
+
+
+def test_a_language_request_is_capped_by_request_max_tokens_where_slots_are_wider(tiny_params):
+    """Slots wide enough for a decoded action chunk (π0-FAST: 256) do not widen a language request's cap."""
+    eng = Engine(as_vla(tiny_params, 1), dataclasses.replace(CFG, max_new_tokens=6, request_max_tokens=3))
+    assert eng.limits.max_new_tokens == 3
+    with pytest.raises(RequestError, match=r"max_tokens must be an integer in \[1, 3\]"):
+        eng.submit([1, 2], max_tokens=4)
+    with pytest.raises(ValueError, match=r"request_max_tokens must be in \[1, max_new_tokens = 6\]"):
+        dataclasses.replace(CFG, max_new_tokens=6, request_max_tokens=7)
