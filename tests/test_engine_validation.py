@@ -14,6 +14,7 @@ The specification:
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import numpy as np
 import pytest
