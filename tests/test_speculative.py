@@ -251,3 +251,19 @@ def test_a_burst_marks_the_drafts_it_rejected_so_the_host_counts_proposed_and_ac
     assert counts["right"] == (NS * (M - 1 - steps),) * 2
     proposed, accepted = counts["wrong"]
     assert proposed > accepted  # the previous answer's first token is wrong: its draft is rejected
+
+
+def test_a_stop_id_inside_an_accepted_draft_counts_as_an_accepted_draft(dense):
+    # Right drafts; request 0 stops at its token 2, the draft's second entry of its first verify step: it emits
+    # drafts d_0 and d_1 (the stop), never its own token, so 3 proposed and 2 accepted. The others run as above.
+    lm, prefix, bank = dense  # the greedy test's pool shape: its compiled programs
+    assert speculative.draft_counts(np.array([[5, 6, -3, -2]]), 3) == (3, 2)  # the docstring's stop
+    free, _ = _run(lm, prefix, bank, _requests([M] * NS, [-1] * NS), speculate=False)
+    stop = int(free[0, 2])
+    assert stop not in free[0, :2], "the tiny model repeats itself: choose another token"
+    pool = decode.init_pool(lm, NS, decode.prefix_length(prefix), M, Q, speculate=G)
+    pool, _, _ = decode.admit(lm, pool, prefix, _requests([M] * NS, [stop, -1, -1, -1], _refs(free)), bank)
+    pool, toks = speculative.verify_burst(lm, pool, M, bank)
+    np.testing.assert_array_equal(np.asarray(pool.tokens)[0], np.where(np.arange(M) < 3, free[0], -1))
+    others = (NS - 1) * (M - 1 - -(-(M - 1) // (G + 1)))
+    assert speculative.draft_counts(np.asarray(toks), G) == (3 + others, 2 + others)

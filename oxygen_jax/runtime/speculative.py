@@ -30,7 +30,9 @@ fully accepted draft draw from p. Each emitted token is thus distributed as p, a
 
 **What a burst returns.** Emitted tokens in order, -1 where nothing was emitted, and `REJECTED` (-2) at
 the draft entries a verify step fed but did not emit: a host that reads only ids >= 0 sees the tokens, and
-one that counts also reads the drafts without another transfer (`draft_counts`).
+one that counts also reads the drafts without another transfer (`draft_counts`). Where a stop id inside the
+accepted draft ended a block, its every emitted token was a draft and the model's own token never came: the
+entry after the stop reads `STOPPED` (-3) instead of `REJECTED`, so the host counts the stop as accepted.
 
 A stop id among the emitted tokens ends the request there. The pool keeps the fed entries up to the last
 emitted token's predecessor (the last emitted token is the next pending one), so K/V past them are masked
@@ -58,6 +60,7 @@ from oxygen_jax.runtime.decode import DecodePool, Sampling
 
 _NGRAM = 2  # the n of lookup (b)
 REJECTED = -2  # a burst entry: a draft token fed to a verify step and not emitted
+STOPPED = -3  # a burst entry: where a stop id inside the accepted draft left the model's own token undrawn
 DRAFTER = "lookup: the robot's previous answer, then n-grams of its references (no draft model)"
 """What proposes the drafts, for a server's start-up line, metadata and /healthz."""
 _SLACK = 1e-4  # float tolerance of the budget test (costs are sums of a few decimals)
@@ -167,9 +170,11 @@ def _stops(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 
 def _verify_block(lm: LanguageDecoder, pool: DecodePool, draft: jax.Array, length: jax.Array, bank=None):
     """Verifies draft [Ns, T - 1] (valid up to `length` [Ns]) after every active slot's pending token: (pool,
-    emitted int32 [Ns, T], `REJECTED` at the fed entries past what a slot emitted, -1 past those).
+    emitted int32 [Ns, T], `REJECTED` at the fed entries past what a slot emitted, -1 past those; `STOPPED` in
+    place of the first `REJECTED` where a stop id inside the accepted draft ended the block).
 
-    Example (γ 3, a slot drafting 3 tokens, 1 accepted): [d_0, own, -2, -2]; drafting 0: [own, -1, -1, -1].
+    Example (γ 3, a slot drafting 3 tokens, 1 accepted): [d_0, own, -2, -2]; drafting 0: [own, -1, -1, -1];
+    drafting 3, all accepted, d_1 a stop id: [d_0, d_1, -3, -2].
     """
     cap, ns = pool.capacity, pool.num_slots
     t = draft.shape[1] + 1
@@ -192,10 +197,10 @@ def _verify_block(lm: LanguageDecoder, pool: DecodePool, draft: jax.Array, lengt
         stop = _stops(emitted, pool.sampling.stop_ids) & (entry <= accepted[:, None])
         count = jnp.minimum(_first_true(stop) + 1, accepted + 1)
         keep = jnp.where(act, count, 0)
-        return keep, (emitted, keep, jnp.any(stop, axis=1))
+        return keep, (emitted, keep, jnp.any(stop, axis=1), act & (count <= accepted))
 
     lm.check_bank(bank)
-    (emitted, count, stopped), (k, v), carry = lm.verify(
+    (emitted, count, stopped, own_undrawn), (k, v), carry = lm.verify(
         lm.embed(block), positions, valid, attend, pool.k, pool.v, write_index, pool.carry,
         row_adapters(bank, pool.adapter), judge)
     kept = entry < count[:, None]
@@ -211,7 +216,8 @@ def _verify_block(lm: LanguageDecoder, pool: DecodePool, draft: jax.Array, lengt
         last_token=jnp.where(act, last, pool.last_token),
         active=act & ~stopped & (n < pool.sampling.budget),
     )
-    return pool, jnp.where(kept, emitted, jnp.where(valid, REJECTED, -1))
+    unfed = jnp.where(own_undrawn[:, None] & (entry == count[:, None]), STOPPED, REJECTED)
+    return pool, jnp.where(kept, emitted, jnp.where(valid, unfed, -1))
 
 
 def _budgeted_step(lm: LanguageDecoder, carry, budget: float, bank=None):
@@ -269,13 +275,14 @@ def verify_burst(lm: LanguageDecoder, pool: DecodePool, num_steps: int, bank=Non
 def draft_counts(burst: np.ndarray, gamma: int) -> tuple[int, int]:
     """(drafts proposed, drafts accepted) of a burst read on the host (int [Ns, steps (γ + 1)], `verify_burst`).
 
-    A verify step in which a slot emitted e >= 1 tokens and left r entries `REJECTED` proposed e - 1 + r
-    draft tokens and gained e - 1 (its last token is the model's own; where a stop id ended the block
-    inside the draft, the stop is counted as the own token). Example (γ 3): [d_0, own, -2, -2]: proposed 3,
-    accepted 1; [own, -1, -1, -1]: proposed 0, accepted 0.
+    Accepted means emitted as drafted: a verify step in which a slot emitted e >= 1 tokens and left r entries
+    `REJECTED` accepted e - 1 drafts (its last token is the model's own) and proposed e - 1 + r; with a
+    `STOPPED` entry (a stop id inside the draft ended the block, the own token never came) it accepted e and
+    proposed e + r. Example (γ 3): [d_0, own, -2, -2]: proposed 3, accepted 1; [d_0, d_1, -3, -2]: proposed
+    3, accepted 2; [own, -1, -1, -1]: proposed 0, accepted 0.
     """
     burst = np.asarray(burst)
     emitted = burst >= 0
-    slot_steps = int(emitted.reshape(burst.shape[0], -1, gamma + 1).any(axis=2).sum())
-    accepted = int(emitted.sum()) - slot_steps
+    own = int(emitted.reshape(burst.shape[0], -1, gamma + 1).any(axis=2).sum()) - int((burst == STOPPED).sum())
+    accepted = int(emitted.sum()) - own
     return accepted + int((burst == REJECTED).sum()), accepted
