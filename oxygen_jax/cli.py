@@ -1,5 +1,6 @@
 """Command-line helpers shared by the entry points (`oxygen_jax.run`, `oxygen_jax.serve`, `eval.bench`, ...).
 
+The flags both `run` and `serve` take are defined here once (`add_chunk_flags`: π0-FAST's decoded chunks).
 Every flag is checked by its argparse `type`, so a bad value is reported by name before anything loads,
 and `OneLineParser` reports it in one line (no usage block, no traceback):
 
@@ -80,3 +81,57 @@ def existing(kind: str):
         return path
 
     return parse
+
+
+# Decoded action chunks (π0-FAST): `runtime.action_streams.StreamConfig` from the command line, in one block.
+CHUNK_UNSET = {"chunk_slots": None, "chunk_max_tokens": None, "chunk_deadline_steps": None, "chunk_deadline_ms": None,
+               "chunk_on_failure": "error"}
+"""Each --chunk-* destination and its value when the flag is not given."""
+
+
+def add_chunk_flags(ap: argparse.ArgumentParser) -> None:
+    """The --chunk-* group of `run` and `serve` (both have --slots and --tokens-per-frame)."""
+    positive, positive_ms = int_at_least(1, "a positive integer"), float_in(0.0, low_open=True)
+    chunk = ap.add_argument_group(
+        "decoded action chunks (π0-FAST; docs/serving.md)",
+        "a model whose decoder writes its chunks decodes one token stream per robot in the decode pool,\n"
+        "each stopping at its own stop id; a model with action heads refuses these flags")
+    chunk.add_argument("--chunk-slots", type=positive, metavar="N",
+                       help="decode slots kept for the robots' chunks; language holds the rest (default: half of --slots)")
+    chunk.add_argument("--chunk-max-tokens", type=positive, metavar="N",
+                       help="tokens a chunk may take before it fails (default: the checkpoint's, openpi's 256)")
+    chunk.add_argument("--chunk-deadline-steps", type=positive, metavar="N",
+                       help="decode steps a frame may run for its chunks, whole bursts of --tokens-per-frame "
+                            "(default: --chunk-max-tokens)")
+    chunk.add_argument("--chunk-deadline-ms", type=positive_ms, metavar="MS",
+                       help="wall time a frame's chunks may take, checked between bursts (default: none)")
+    chunk.add_argument("--chunk-on-failure", choices=["error", "zeros"], default="error",
+                       help="a chunk that fails (no 'Action: ', FAST decode, deadline): error answers that robot a "
+                            "BadRequest naming why; zeros answers openpi's all-zero chunk (default: error)")
+
+
+def stream_config(args: argparse.Namespace, vla):
+    """The `StreamConfig` of --chunk-* (None: the engine's defaults); one-line ValueError for a flag given to a
+    model whose actions are not decoded chunks, or more kept slots than --slots."""
+    from oxygen_jax.runtime.action_streams import StreamConfig
+
+    given = [f"--{k.replace('_', '-')}" for k, unset in CHUNK_UNSET.items() if getattr(args, k) != unset]
+    if vla.action_stream is None:
+        if given:
+            what = "model's actions come from its action heads" if vla.heads else "model has no actions (language only)"
+            raise ValueError(f"argument {given[0]}: it sets how decoded action chunks (π0-FAST) are streamed, and "
+                             f"this {what}: drop it")
+        return None
+    if args.chunk_slots is not None and args.chunk_slots > args.slots:
+        raise ValueError(f"argument --chunk-slots: {args.chunk_slots} is more than the pool's --slots {args.slots}")
+    return StreamConfig(slots=args.chunk_slots, max_tokens=args.chunk_max_tokens or 0,
+                        deadline_steps=args.chunk_deadline_steps or 0, deadline_ms=args.chunk_deadline_ms or 0.0,
+                        on_failure=args.chunk_on_failure)
+
+
+def pool_tokens(vla, max_new_tokens: int, chunk_tokens: int | None = None) -> int:
+    """A slot's room for new tokens: --max-new-tokens, or a whole decoded chunk (--chunk-max-tokens, else the
+    model's) when the model writes its chunks."""
+    if vla.action_stream is None:
+        return max_new_tokens
+    return max(max_new_tokens, chunk_tokens or vla.action_stream.max_tokens)

@@ -126,6 +126,12 @@ def test_run_takes_a_checkpoint_with_its_own_head(capsys):
     assert re.search(r"request 0 .* done after", out)
 
 
+def test_run_refuses_chunk_flags_for_a_model_without_decoded_chunks_in_one_line(capsys):
+    assert run.main(["--ckpt", str(fixture("qwen3_tiny")), "--chunk-slots", "1", "--no-cache"]) == 2  # as serve does
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --chunk-slots: " in err and "no actions (language only)" in err
+
+
 def test_a_bare_backbone_runs_language_only_with_text_from_its_tokenizer_json(tmp_path, capsys):
     pytest.importorskip("tokenizers")
     from test_native_prompts import byte_level_tokenizer_json

@@ -107,27 +107,30 @@ def test_stream_settings_are_checked(world):
         StreamConfig(on_failure="silent")
 
 
-def test_serve_chunk_flags_show_their_defaults_configure_the_streams_and_a_model_with_heads_refuses_them(world):
-    from oxygen_jax import serve
-    from oxygen_jax.cli import DefaultsHelpFormatter
+@pytest.mark.parametrize("command", ["serve", "run"])
+def test_chunk_flags_show_their_defaults_configure_the_streams_and_a_model_with_heads_refuses_them(world, command):
+    import importlib
 
-    ap = serve._parser()
-    shown = {a.dest: DefaultsHelpFormatter("serve")._get_help_string(a) for a in ap._actions if a.dest.startswith("chunk_")}
-    assert set(shown) == set(serve._CHUNK_UNSET) and all("(default: " in text for text in shown.values())
+    from oxygen_jax.cli import CHUNK_UNSET, DefaultsHelpFormatter, pool_tokens, stream_config
+
+    ap = importlib.import_module(f"oxygen_jax.{command}")._parser()  # both commands: one definition (`cli`)
+    slots = ap.parse_args([]).slots
+    shown = {a.dest: DefaultsHelpFormatter(command)._get_help_string(a) for a in ap._actions if a.dest.startswith("chunk_")}
+    assert set(shown) == set(CHUNK_UNSET) and all("(default: " in text for text in shown.values())
     args = ap.parse_args(["--chunk-slots", "2", "--chunk-max-tokens", "64", "--chunk-deadline-steps", "8",
                           "--chunk-deadline-ms", "40", "--chunk-on-failure", "zeros"])
-    assert serve._stream_config(args, world[0]) == StreamConfig(slots=2, max_tokens=64, deadline_steps=8,
-                                                                deadline_ms=40.0, on_failure="zeros")
-    assert serve._pool_tokens(world[0], 32, args.chunk_max_tokens) == 64 and serve._pool_tokens(world[0], 8) == MAX_TOKENS
-    assert serve._stream_config(ap.parse_args([]), world[0]) == StreamConfig()
+    assert stream_config(args, world[0]) == StreamConfig(slots=2, max_tokens=64, deadline_steps=8,
+                                                         deadline_ms=40.0, on_failure="zeros")
+    assert pool_tokens(world[0], 32, args.chunk_max_tokens) == 64 and pool_tokens(world[0], 8) == MAX_TOKENS
+    assert stream_config(ap.parse_args([]), world[0]) == StreamConfig()
     heads, language = SimpleNamespace(action_stream=None, heads=("actions",)), SimpleNamespace(action_stream=None, heads=())
-    assert serve._stream_config(ap.parse_args([]), heads) is None
+    assert stream_config(ap.parse_args([]), heads) is None
     with pytest.raises(ValueError, match="argument --chunk-deadline-ms: .* this model's actions come from its action heads: drop"):
-        serve._stream_config(ap.parse_args(["--chunk-deadline-ms", "40"]), heads)
+        stream_config(ap.parse_args(["--chunk-deadline-ms", "40"]), heads)
     with pytest.raises(ValueError, match="argument --chunk-on-failure: .* this model has no actions"):
-        serve._stream_config(ap.parse_args(["--chunk-on-failure", "zeros"]), language)
-    with pytest.raises(ValueError, match="--chunk-slots: 17 is more than the pool's --slots 16"):
-        serve._stream_config(ap.parse_args(["--chunk-slots", "17"]), world[0])
+        stream_config(ap.parse_args(["--chunk-on-failure", "zeros"]), language)
+    with pytest.raises(ValueError, match=f"--chunk-slots: {slots + 1} is more than the pool's --slots {slots}"):
+        stream_config(ap.parse_args(["--chunk-slots", str(slots + 1)]), world[0])
 
 
 def test_load_model_serves_an_openpi_pi0_fast_checkpoint_with_its_codec_prompt_and_stops():
