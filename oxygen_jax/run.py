@@ -32,15 +32,13 @@ show the timing, not behaviour. `--preset` runs random weights on synthetic obse
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from oxygen_jax import command_model as cm
-from oxygen_jax.cli import OneLineParser, add_chunk_flags, existing, float_in, int_at_least, pool_tokens, stream_config
-from oxygen_jax.nn import quant
+from oxygen_jax.cli import OneLineParser, existing, float_in, int_at_least
 
 _DEMO_LINE = (
     "embedded default: a small pi0.5 trained here on rendered LIBERO frames; a 'Memory: ' language adapter reports\n"
@@ -85,9 +83,6 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
     m.add_argument("--dtype", default="auto", choices=list(cm.DTYPES),
                    help="parameters and activations (default auto: bfloat16 on GPUs, float32 on CPUs)")
-    m.add_argument("--quant-matmul", default="auto", choices=["auto", "weight_only", "fp8", "int8"],
-                   help="quantized weights: dequantized into float matmuls (weight_only), or int8 / fp8 products on "
-                        "activations quantized per row (default auto: by the device, docs/quantization.md)")
     m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                    help="openpi's bidirectional prompt, or OxyGen's causal variant")
     m.add_argument("--tokenizer", type=_tokenizer_file,
@@ -123,13 +118,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--verify-cost", type=float_in(1.0), default=1.0, metavar="C",
                      help="with --speculate: k counts decode steps and a verify step with drafts costs C of them "
                           "(about 1 on a GPU, 1.5-2 on a CPU: keeps the frame time; default: 1)")
+    t.add_argument("--kv-cache", default="float", choices=["float", "int8", "fp8"],
+                   help="the decode slots' K/V storage: int8 / fp8 values with a float32 scale per (layer, slot, "
+                        "position, KV head), about half the slot bytes; actions read a float prefix (default: float)")
     ap.add_argument("--cache-dir", type=Path, default=None,
                     help="persistent compilation cache (default: $OXYGEN_JAX_CACHE_DIR or ~/.cache/oxygen_jax/xla)")
     ap.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
     return ap
 
 
-    add_chunk_flags(ap)
 def _tokenizer_file(text: str) -> str:
     return text if text == cm.DEMO_TOKENIZER else existing("file")(text)
 
@@ -241,26 +238,17 @@ def main(argv=None) -> int:
     heads = {n: vla.action_shape(n, robot.action_horizon) for n in vla.heads}
     if vla.action_stream is not None:  # the decoder writes the chunk (π0-FAST)
         heads = {vla.action_stream.name: vla.action_stream.shape}
-    try:  # --chunk-* for a model whose actions are no decoded chunks is refused in one line
-        streams = stream_config(args, vla)
-    except ValueError as e:
-        return _fail(str(e))
-    try:  # quantized weights: the matmul mode for this device, or a forced one it has
-        params, matmul = quant.start_matmul(vla.params, args.quant_matmul, jax.devices()[0])
-    except ValueError as e:
-        return _fail(str(e))
-    vla = dataclasses.replace(vla, params=params)
-    print(f"model: {what}, {param_count(vla.params) / 1e6:.1f} M params, {dtype}{'; ' + matmul if matmul else ''}; "
-          f"robot: {robot.name} "
+    print(f"model: {what}, {param_count(vla.params) / 1e6:.1f} M params, {dtype}; robot: {robot.name} "
           f"({robot.num_cameras} cameras); heads: "
           + (", ".join(f"{n} [{ha} x {ad}]" for n, (ha, ad) in heads.items()) or "none (language only)")
           + f"; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
 
     eng = Engine(vla, EngineConfig(
-        num_slots=args.slots, max_new_tokens=pool_tokens(vla, max_new, args.chunk_max_tokens),
+        num_slots=args.slots, max_new_tokens=max(max_new, vla.action_stream.max_tokens if vla.action_stream else 0),
         prompt_capacity=max(len(ids) if ids is not None else len(toks.text.encode(prompt)), 1),
         tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
-        seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names, streams=streams)
+        kv_cache=args.kv_cache,
+        seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names)
     codec = make_codec(eng, robot, toks.rows, io=io, **rows)  # the server's: client sample -> model rows
 
     def observation(f: int):

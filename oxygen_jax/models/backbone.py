@@ -53,6 +53,7 @@ import numpy as np
 from oxygen_jax.models import hidden_states as hs
 from oxygen_jax.models.lora import LayerRows, RowAdapters, check_bank_fits
 from oxygen_jax.models.vision.siglip import SiglipConfig
+from oxygen_jax.nn import kv_quant
 from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked, apply_rope, attention, merge_heads, project_heads, scan_layers
 from oxygen_jax.nn.masks import make_attn_mask
 
@@ -559,7 +560,7 @@ def forward_write(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache
     Args:
       x: [B, T, D]; positions: int [B, T] or [Mr, B, T]; mask: bool [B, T, S] over the cache slots
         (it must allow the slots being written, e.g. causally).
-      cache_k, cache_v: [L, B, S, K, H].
+      cache_k, cache_v: [L, B, S, K, H], float or `nn.kv_quant.QuantKV` (entries quantized as written).
       write_index: int [B, T] cache slot for each new token; an index >= S drops that write (rows
         that must not touch the cache).
       lora: per-row adapters of this stack: `RowAdapters(bank, ids)` with bank leaves [L, E, ...]
@@ -581,10 +582,11 @@ def forward_write(spec: BackboneSpec, layers, x, positions, mask, cache_k, cache
         new = {}
 
         def kv_fn(k, v):
-            # Scatter into the carried full cache so XLA updates it in place (no per-layer copy).
-            new["k"] = ck.at[layer, rows, write_index].set(k.astype(ck.dtype), mode="drop")
-            new["v"] = cv.at[layer, rows, write_index].set(v.astype(cv.dtype), mode="drop")
-            return new["k"][layer], new["v"][layer]
+            # Scatter into the carried full cache so XLA updates it in place (no per-layer copy); a quantized
+            # cache stores the entries quantized and is read back dequantized (`nn.kv_quant`).
+            new["k"], keys = kv_quant.write_layer(ck, layer, rows, write_index, k)
+            new["v"], values = kv_quant.write_layer(cv, layer, rows, write_index, v)
+            return keys, values
 
         row_lora = None if lora is None else LayerRows(bank_layer, lora.ids)
         x = _block(spec, lp, x, cond, rope, mask, kv_fn, row_lora)

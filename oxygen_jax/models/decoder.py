@@ -7,6 +7,8 @@ A `LanguageDecoder` is a registered pytree (weights as leaves, spec and stop ids
 rows of a `prefix.Prefix`. The pool (`runtime.decode`) keeps slot bookkeeping only and calls:
 
     kv_layers, num_kv_heads, head_dim, dtype   the shape of a slot's K/V [Lk, Ns, C, K, H]
+    kv_caches, check_kv_cache, init_kv         the K/V storages it takes (`nn.kv_quant`: float, int8, fp8),
+                                               the refusal of others, a pool's empty K/V in one of them
     init_carry(Ns)                             per-slot state beside the K/V (a dict of leaves whose slot
                                                axis is 1: [layers, Ns, ...]), or None / {} when there is none
     rows(prefix, rows)                         what admission copies from the prefix rows (`PrefixRows`)
@@ -26,6 +28,10 @@ has K/V and no other state) and `models.qwen35.decoder.HybridDecoder` (Qwen3.5: 
 layers, plus each linear layer's conv window and recurrent state as the carry). A family supplies its view
 (`pi05.model.language_model`, `mot.language_model`); nothing above the models floor asks which kind it holds.
 
+Quantized K/V (`nn.kv_quant.QuantKV`): a decoder whose every K/V write and read goes through
+`kv_quant.write_layer` (both kinds here: `backbone.forward_write`, Qwen3.5's `forward_step`) lists the three
+storages in `kv_caches`; caches then arrive at `extend` / `step` / `verify` as float arrays or `QuantKV`s alike.
+
 `extend` and `step` take `valid` (bool [B, T]: entries that advance the sequence) beside the cache mask:
 attention layers need only the mask (a padding entry is computed but never attended to), recurrent layers
 run invalid entries as identity steps so the carry ends at the last valid token.
@@ -43,6 +49,7 @@ from oxygen_jax.models import backbone
 from oxygen_jax.models.backbone import BackboneSpec, Decoder
 from oxygen_jax.models.lora import LoraBank, RowAdapters
 from oxygen_jax.models.prefix import Prefix
+from oxygen_jax.nn import kv_quant
 
 _STATIC = dict(static=True)
 
@@ -53,7 +60,8 @@ MAX_STOP_IDS = 8
 class PrefixRows(NamedTuple):
     """What admission reads from J prefix rows (gathered: row j is the request's own prefix row).
 
-    k, v [Lk, J, P, K, H]; mask bool [J, P]; next_position int32 [J] (RoPE position of the first entry after
+    k, v [Lk, J, P, K, H] (float; in a quantized pool's storage once admission converts them, `kv_quant.like`);
+    mask bool [J, P]; next_position int32 [J] (RoPE position of the first entry after
     the prefix); last_hidden [J, D] (final-normed, the first token's logits); carry: the decoder's state
     beyond K/V at the last valid prefix token (leaves [layers, J, ...]), or None.
     """
@@ -110,6 +118,24 @@ class LanguageDecoder:
     @property
     def dtype(self) -> jnp.dtype:
         return self.decoder.embedding.dtype
+
+    @property
+    def kv_caches(self) -> tuple[kv_quant.KVCache, ...]:
+        """The K/V storages this decoder's attention writes and reads (a decoder that stores K/V by itself: float)."""
+        return ("float",)
+
+    def check_kv_cache(self, kv_cache) -> None:
+        """One-line ValueError when `kv_cache` is no storage, or one this decoder cannot take."""
+        if kv_quant.check_kv_cache(kv_cache) not in self.kv_caches:
+            raise ValueError(f"{type(self).__name__} stores K/V as {', '.join(self.kv_caches)} only, not {kv_cache}: "
+                             "serve it with kv_cache='float'")
+
+    def init_kv(self, num_slots: int, capacity: int, kv_cache: kv_quant.KVCache = "float"):
+        """Zeroed slot K/V (k, v), each [Lk, Ns, C, K, H] in the decoder's dtype or a `kv_quant.QuantKV`
+        (`check_kv_cache` first)."""
+        self.check_kv_cache(kv_cache)
+        shape = (len(self.kv_layers), num_slots, capacity, self.num_kv_heads, self.head_dim)
+        return kv_quant.zeros(shape, self.dtype, kv_cache), kv_quant.zeros(shape, self.dtype, kv_cache)
 
     def init_carry(self, num_slots: int) -> dict[str, jax.Array] | None:
         """Zeroed per-slot state beyond K/V, leaves [layers, Ns, ...]; None when the decoder has none."""
@@ -244,6 +270,10 @@ class AttentionDecoder(LanguageDecoder):
     def kv_layers(self) -> tuple[int, ...]:
         return tuple(range(self.spec.depth))
 
+    @property
+    def kv_caches(self) -> tuple[kv_quant.KVCache, ...]:
+        return kv_quant.KV_CACHES  # `backbone.forward_write` stores and reads through `kv_quant.write_layer`
+
     def extend(self, x, positions, valid, mask, cache_k, cache_v, write_index, carry, lora):
         h, kv = backbone.forward_write(self.spec, self.decoder.layers, x, positions, mask, cache_k, cache_v, write_index,
                                        lora=lora)
@@ -265,11 +295,12 @@ class AttentionDecoder(LanguageDecoder):
 
 
 def _prompt_inputs(lm: LanguageDecoder, view: PrefixRows, tokens):
-    """Slot caches [Lk, J, P + Q, K, H] (prefix rows, then room for Q entries), embedded tokens [J, Q, D],
+    """Slot caches [Lk, J, P + Q, K, H] (prefix rows, then room for Q entries; float or `QuantKV`), embedded
+    tokens [J, Q, D],
     positions [J, Q], mask [J, Q, P + Q] (prefix validity, causal suffix) and write index [J, Q]."""
     j, q_cap, p = tokens.shape[0], tokens.shape[1], view.mask.shape[-1]
     pad = [(0, 0), (0, 0), (0, q_cap), (0, 0), (0, 0)]
-    ck, cv = jnp.pad(view.k, pad), jnp.pad(view.v, pad)
+    ck, cv = jax.tree.map(lambda a: jnp.pad(a, pad), (view.k, view.v))
     steps = jnp.arange(q_cap, dtype=jnp.int32)
     causal = steps[None, :] <= steps[:, None]  # [Q, Q]
     mask = jnp.concatenate(

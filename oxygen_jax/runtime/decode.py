@@ -34,6 +34,13 @@ copies a prefix row's K/V and carry into the slot, which is also the reset of a 
 written entries are masked); an inactive slot's step leaves its carry bit for bit. `slot_bytes` is a
 slot's memory per part.
 
+Quantized K/V (`init_pool(..., kv_cache="int8" | "fp8")`, `nn.kv_quant`): the slots' K/V (the prefix copy and
+the suffix) are stored as int8 or float8 e4m3 values with one float32 scale per (layer, slot, position, KV head),
+quantized as each entry is written (admission's prefix copy, the request prompt, every decode and verify step)
+and dequantized where attention reads a layer; the decoder says which storages it takes (`kv_caches`). The
+prefix cache itself, which the action heads read, stays float. "float" (the default) is the program without
+the option, bit for bit.
+
 Language adapters: a bank of the kind the decoder serves (`decoder.check_bank`: a `lora.LoraBank` for
 attention decoders, a `qwen35.HybridBank` for Qwen3.5); each slot's id runs through its request prompt and
 every step, and slots on id 0 compute exactly the bank-free program's numbers.
@@ -51,6 +58,7 @@ import numpy as np
 
 from oxygen_jax.models.decoder import MAX_STOP_IDS, LanguageDecoder, PrefixRows, row_adapters
 from oxygen_jax.models.prefix import Prefix
+from oxygen_jax.nn import kv_quant
 from oxygen_jax.nn.sampling import sample_tokens
 from oxygen_jax.runtime import slot_mesh
 
@@ -108,7 +116,8 @@ class DecodePool:
     """Per-slot decode state. A slot is free when `request_id < 0`.
 
     Attributes:
-      k, v: [L, Ns, C, K, H] slot caches.
+      k, v: [L, Ns, C, K, H] slot caches in the decoder's dtype, or `kv_quant.QuantKV` (int8 / fp8 values,
+        float32 scales [L, Ns, C, K, 1]).
       mask: bool [Ns, C] positions a decode query may attend to.
       base_position: int32 [Ns] RoPE position of suffix entry 0.
       length: int32 [Ns] suffix entries written (request prompt + fed-back tokens).
@@ -170,6 +179,11 @@ class DecodePool:
     @property
     def occupied(self) -> jax.Array:
         return self.request_id >= 0
+
+    @property
+    def kv_cache(self) -> kv_quant.KVCache:
+        """The K/V storage: "float", "int8" or "fp8"."""
+        return kv_quant.storage(self.k)
 
 
 @jax.tree_util.register_dataclass
@@ -287,13 +301,16 @@ def draft_capacity(max_new_tokens: int, prompt_len: int) -> int:
 
 
 def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int = 0,
-              speculate: int = 0, verify_cost: float = 1.0, mesh: jax.sharding.Mesh | None = None) -> DecodePool:
+              speculate: int = 0, verify_cost: float = 1.0, mesh: jax.sharding.Mesh | None = None,
+              kv_cache: kv_quant.KVCache = "float") -> DecodePool:
     """An empty pool of `num_slots` slots for prefixes of `prefix_len` tokens.
 
     Take `prefix_len` from the prefix the pool will serve (`Prefix.length`, `prefix_length`, or
     `model.prefix_length(params, observation)` before any prefill). `speculate` = γ > 0 makes a pool for
     speculative decoding (`runtime.speculative`): it keeps each slot's draft reference. `mesh` (a
     `slot_mesh.serving_mesh`) splits the slots over its `robots` axis: `num_slots` must be a multiple of it.
+    `kv_cache` stores the slots' K/V as float (the decoder's dtype), int8 or fp8 (`nn.kv_quant`); a decoder that
+    cannot take it is refused in one line (`LanguageDecoder.init_kv`).
     """
     if speculate < 0:
         raise ValueError(f"speculate must be >= 0 (γ draft tokens per verify step), got {speculate}")
@@ -302,11 +319,11 @@ def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_toke
     slot_mesh.check_slots(num_slots, mesh)
     lm = _decoder(lm)
     cap = prefix_len + prompt_len + max_new_tokens
-    kv_shape = (len(lm.kv_layers), num_slots, cap, lm.num_kv_heads, lm.head_dim)
+    k, v = lm.init_kv(num_slots, cap, kv_cache)
     # Every field gets its own buffer: donation rejects a pool whose fields alias one array.
     ints = lambda fill=0: jnp.full((num_slots,), fill, jnp.int32)  # noqa: E731
     pool = DecodePool(
-        k=jnp.zeros(kv_shape, lm.dtype), v=jnp.zeros(kv_shape, lm.dtype),
+        k=k, v=v,
         mask=jnp.zeros((num_slots, cap), bool), base_position=ints(), length=ints(), last_token=ints(),
         num_generated=ints(), sampling=_empty_sampling(num_slots), request_id=ints(-1),
         adapter=ints(), active=jnp.zeros((num_slots,), bool),
@@ -320,21 +337,22 @@ def init_pool(lm: LanguageDecoder, num_slots: int, prefix_len: int, max_new_toke
 
 def pool_slot_bytes(pool: DecodePool) -> dict[str, int]:
     """One slot's bytes in `pool` by part, from shapes alone (a donated or abstract pool answers too): `kv` (K and V
-    of the attention layers), each carry part of the decoder (Qwen3.5: `window`, `state`; none for an attention
+    of the attention layers, scales included), each carry part of the decoder (Qwen3.5: `window`, `state`; none for an attention
     decoder) and `total` (with the bookkeeping: mask, tokens, per-slot scalars)."""
-    nbytes = lambda *xs: sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in xs)  # noqa: E731
+    nbytes = kv_quant.nbytes
     carry = {name: nbytes(leaf) for name, leaf in (pool.carry or {}).items()}
-    parts = dict(kv=nbytes(pool.k, pool.v), **carry, total=nbytes(*jax.tree.leaves(pool)))
+    parts = dict(kv=nbytes((pool.k, pool.v)), **carry, total=nbytes(pool))
     return {name: b // pool.num_slots for name, b in parts.items()}
 
 
-def slot_bytes(lm: LanguageDecoder, prefix_len: int, max_new_tokens: int, prompt_len: int = 0) -> dict[str, int | float]:
+def slot_bytes(lm: LanguageDecoder, prefix_len: int, max_new_tokens: int, prompt_len: int = 0,
+               kv_cache: kv_quant.KVCache = "float") -> dict[str, int | float]:
     """One slot's device memory by part, before anything is allocated: `pool_slot_bytes` of the pool `init_pool`
-    would build (shapes only), plus `bookkeeping` (total - K/V - carry), `kv_per_token` (K/V bytes of one
+    would build with this `kv_cache` (shapes only), plus `bookkeeping` (total - K/V - carry), `kv_per_token` (K/V bytes of one
     entry) and `state_tokens` (how many entries' K/V the fixed carry equals): at Qwen3.5-0.8B / 2B in bfloat16
     the fixed part equals the K/V of about 1,600 tokens.
     """
-    pool = jax.eval_shape(lambda: init_pool(lm, 1, prefix_len, max_new_tokens, prompt_len))
+    pool = jax.eval_shape(lambda: init_pool(lm, 1, prefix_len, max_new_tokens, prompt_len, kv_cache=kv_cache))
     out = pool_slot_bytes(pool)
     carry = sum(b for name, b in out.items() if name not in ("kv", "total"))
     kv_per_token = out["kv"] // pool.capacity
@@ -406,6 +424,8 @@ def _write(pool: DecodePool, view: PrefixRows, req: Requests, slot, lm: Language
     """Fills slots `slot` (int32 [J], >= Ns: dropped) from the requests' prefix rows `view`: runs their prompts,
     samples token 0. Returns (pool, first_token int32 [Ns])."""
     s, g, p, q_cap = pool.num_slots, pool.max_new_tokens, pool.prefix_len, pool.prompt_len
+    # The prefix rows in the slots' storage first, so the request prompt attends to what later steps read.
+    view = view._replace(k=kv_quant.like(view.k, pool.k), v=kv_quant.like(view.v, pool.v))
     ck, cv, seed, carry = _extend_with_prompts(lm, view, req, q_cap, bank)
     logits = lm.logits_vocab_major(seed)
     sampling = dataclasses.replace(req.sampling, budget=jnp.clip(req.sampling.budget, 1, g))
@@ -425,8 +445,8 @@ def _write(pool: DecodePool, view: PrefixRows, req: Requests, slot, lm: Language
 
     new = dataclasses.replace(
         pool,
-        k=put_layered(pool.k, ck),
-        v=put_layered(pool.v, cv),
+        k=jax.tree.map(put_layered, pool.k, ck),
+        v=jax.tree.map(put_layered, pool.v, cv),
         mask=put(pool.mask, row_mask),
         base_position=put(pool.base_position, view.next_position),
         length=put(pool.length, req.prompt_len),

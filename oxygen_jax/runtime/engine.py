@@ -46,6 +46,7 @@ import numpy as np
 from oxygen_jax.runtime import action_streams, decode, slot_mesh
 from oxygen_jax.models.lora import LoraBank
 from oxygen_jax.models.vla import MultiHead
+from oxygen_jax.nn import kv_quant
 from oxygen_jax.runtime import rtc as rtc_mod
 from oxygen_jax.runtime.frame import FrameOutput, frame_step
 from oxygen_jax.runtime.request_limits import (  # noqa: F401 - MAX_SEED, RequestError: part of this API
@@ -71,6 +72,7 @@ class EngineConfig:
     verify_cost: float = 1.0  # under speculation k is a budget in decode steps; a verify step with drafts costs this
     action_horizon: int = 10  # π0.5's Ha, for the noise the engine draws when step() gets none
     seed: int = 0  # noise seed (frame f uses fold_in(seed, f))
+    kv_cache: str = "float"  # the slots' K/V storage: "float" (the decoder's dtype), "int8" or "fp8" (nn.kv_quant)
 
     def __post_init__(self):
         for f in ("num_slots", "max_new_tokens", "admissions_per_frame", "tokens_per_frame", "action_horizon"):
@@ -83,6 +85,8 @@ class EngineConfig:
                              f"got {self.request_max_tokens}")
         if self.speculate < 0:
             raise ValueError(f"EngineConfig.speculate must be >= 0 (0 = no speculative decoding), got {self.speculate}")
+        if self.kv_cache not in kv_quant.KV_CACHES:
+            raise ValueError(f"EngineConfig.kv_cache must be one of {', '.join(kv_quant.KV_CACHES)}, got {self.kv_cache!r}")
         if not 1 <= self.verify_cost < float("inf"):  # NaN fails this too
             raise ValueError(f"EngineConfig.verify_cost must be a finite number >= 1 (decode steps a verify step costs), got {self.verify_cost}")
 
@@ -194,6 +198,7 @@ class Engine:
             self.bank = jax.device_put(bank, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         if not self.vla.has_language:
             raise ValueError("Engine decodes language from the shared prefix: build the ModelSpec with language=True")
+        self.vla.language().check_kv_cache(config.kv_cache)
         self._unk = None if tokenizer is None else tokenizer.unk_id
         stored = 0 if bank is None else bank.num_adapters
         if len(adapter_names) != stored:
@@ -224,6 +229,9 @@ class Engine:
             return None
         if cfg.speculate or self.mesh is not None:
             raise ValueError("action streams run on a plain one-device pool: drop speculate / mesh for this model")
+        if cfg.kv_cache != "float":  # the chunks decode in the pool: quantized K/V would change the actions
+            raise ValueError(f"this model decodes its action chunks in the slot pool, whose K/V stay float: drop "
+                             f"kv_cache={cfg.kv_cache!r}")
         return action_streams.Streams(stream, config or action_streams.StreamConfig(), num_slots=cfg.num_slots,
                                       max_new_tokens=cfg.max_new_tokens, prompt_capacity=cfg.prompt_capacity,
                                       tokens_per_frame=cfg.tokens_per_frame)
@@ -372,7 +380,8 @@ class Engine:
 
     def _new_pool(self, num_slots: int, prefix_len: int, max_new_tokens: int, prompt_len: int) -> decode.DecodePool:
         return decode.init_pool(self.vla.language(), num_slots, prefix_len, max_new_tokens, prompt_len,
-                                speculate=self.config.speculate, verify_cost=self.config.verify_cost, mesh=self.mesh)
+                                speculate=self.config.speculate, verify_cost=self.config.verify_cost, mesh=self.mesh,
+                                kv_cache=self.config.kv_cache)
 
     def warmup(self, observation, states=None, rtc=None) -> float:
         """Compiles the frame program for this observation's shapes without touching any request.

@@ -35,6 +35,7 @@ from oxygen_jax.models.decoder import LanguageDecoder
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.models.qwen35.model import Qwen35Spec
 from oxygen_jax.models.stack import Stack
+from oxygen_jax.nn import kv_quant
 
 _STATIC = dict(static=True)
 
@@ -58,6 +59,10 @@ class HybridDecoder(LanguageDecoder):
     @property
     def kv_layers(self) -> tuple[int, ...]:
         return self.spec.full_layers
+
+    @property
+    def kv_caches(self) -> tuple[kv_quant.KVCache, ...]:
+        return kv_quant.KV_CACHES  # the full layers' K/V go through `kv_quant.write_layer` (`forward_step`)
 
     def init_carry(self, num_slots: int) -> dict[str, jax.Array]:
         window, state = qwen35.empty_state(self.spec, num_slots, self.dtype)

@@ -56,7 +56,7 @@ from oxygen_jax.models import lora as lora_lib
 from oxygen_jax.models.qwen35.gated_deltanet import GatedDeltaNetLayers, GatedDeltaNetSpec, compute_dtype
 from oxygen_jax.models.lora import DeltaNetLora, ExpertLora, LayerRows, LoraPair, RowAdapters
 from oxygen_jax.models.prefix import Prefix, next_positions
-from oxygen_jax.nn import quant
+from oxygen_jax.nn import kv_quant, quant
 from oxygen_jax.nn.layers import RMSNorm
 from oxygen_jax.nn.masks import last_valid_index, make_attn_mask
 
@@ -535,7 +535,7 @@ def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, ma
     Args:
       x: [B, T, D]; positions: int [B, T] or [Mr, B, T]; valid: bool [B, T] tokens that advance the state
         (right padding and inactive rows: False, identity steps); mask: bool [B, T, S] over cache slots.
-      cache_k, cache_v: [Lf, B, S, K, H]; write_index: int [B, T] (>= S drops the write).
+      cache_k, cache_v: [Lf, B, S, K, H] (float or `nn.kv_quant.QuantKV`); write_index: int [B, T] (>= S drops the write).
       window: [Lg, B, Cc, Kc]; state: float32 [Lg, B, Hv, Dk, Dv].
       lora: `RowAdapters(HybridBank, ids int32 [B])`: row b runs with adapter ids[b] on both layer kinds
         (0 = base weights; rows on 0 get exactly the adapter-free result); None: the adapter-free program.
@@ -552,10 +552,10 @@ def forward_step(spec: Qwen35Spec, layers: HybridLayers, x, positions, valid, ma
         out = {}
 
         def kv_fn(k, v):
-            ck = cache[0].at[layer, rows, write_index].set(k.astype(cache[0].dtype), mode="drop")
-            cv = cache[1].at[layer, rows, write_index].set(v.astype(cache[1].dtype), mode="drop")
+            ck, keys = kv_quant.write_layer(cache[0], layer, rows, write_index, k)
+            cv, values = kv_quant.write_layer(cache[1], layer, rows, write_index, v)
             out["cache"] = (ck, cv)
-            return ck[layer], cv[layer]
+            return keys, values
         return kv_fn, lambda: out["cache"]
 
     x, (cache_k, cache_v), window, state, _ = _run_groups(spec, layers, x, rope, mask, valid, form, (cache_k, cache_v),
