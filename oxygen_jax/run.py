@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_jax import command_model as cm
-from oxygen_jax.cli import OneLineParser, existing, float_in, int_at_least
+from oxygen_jax.cli import OneLineParser, add_chunk_flags, existing, float_in, int_at_least, pool_tokens, stream_config
 
 _DEMO_LINE = (
     "embedded default: a small pi0.5 trained here on rendered LIBERO frames; a 'Memory: ' language adapter reports\n"
@@ -124,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", type=Path, default=None,
                     help="persistent compilation cache (default: $OXYGEN_JAX_CACHE_DIR or ~/.cache/oxygen_jax/xla)")
     ap.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")
+    add_chunk_flags(ap)
     return ap
 
 
@@ -238,17 +239,21 @@ def main(argv=None) -> int:
     heads = {n: vla.action_shape(n, robot.action_horizon) for n in vla.heads}
     if vla.action_stream is not None:  # the decoder writes the chunk (π0-FAST)
         heads = {vla.action_stream.name: vla.action_stream.shape}
+    try:  # --chunk-* for a model whose actions are no decoded chunks is refused in one line
+        streams = stream_config(args, vla)
+    except ValueError as e:
+        return _fail(str(e))
     print(f"model: {what}, {param_count(vla.params) / 1e6:.1f} M params, {dtype}; robot: {robot.name} "
           f"({robot.num_cameras} cameras); heads: "
           + (", ".join(f"{n} [{ha} x {ad}]" for n, (ha, ad) in heads.items()) or "none (language only)")
           + f"; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
 
     eng = Engine(vla, EngineConfig(
-        num_slots=args.slots, max_new_tokens=max(max_new, vla.action_stream.max_tokens if vla.action_stream else 0),
+        num_slots=args.slots, max_new_tokens=pool_tokens(vla, max_new, args.chunk_max_tokens),
         prompt_capacity=max(len(ids) if ids is not None else len(toks.text.encode(prompt)), 1),
         tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
         kv_cache=args.kv_cache,
-        seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names)
+        seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names, streams=streams)
     codec = make_codec(eng, robot, toks.rows, io=io, **rows)  # the server's: client sample -> model rows
 
     def observation(f: int):

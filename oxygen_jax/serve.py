@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_jax import command_model as cm
-from oxygen_jax.cli import DefaultsHelpFormatter, OneLineParser, float_in, int_at_least
+from oxygen_jax.cli import DefaultsHelpFormatter, OneLineParser, add_chunk_flags, float_in, int_at_least, pool_tokens, \
+    stream_config
 from oxygen_jax.runtime import compile_cache
 from oxygen_jax.serving.auto_language import MODES, AutoLanguage
 from oxygen_jax.serving.batcher import BUCKETS
@@ -207,51 +208,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="a robot's automatic request still running when its next observation arrives: "
                            "new_each_call opens another beside it (OxyGen's), keep opens none until it ends, "
                            "replace cancels it (its result: failed, 'replaced')")
-    _chunk_flags(ap)
+    add_chunk_flags(ap)
     return ap
-
-
-# Decoded action chunks (π0-FAST): `runtime.action_streams.StreamConfig` from the command line, in one block.
-_CHUNK_UNSET = {"chunk_slots": None, "chunk_max_tokens": None, "chunk_deadline_steps": None, "chunk_deadline_ms": None,
-                "chunk_on_failure": "error"}
-
-
-def _chunk_flags(ap: argparse.ArgumentParser) -> None:
-    chunk = ap.add_argument_group(
-        "decoded action chunks (π0-FAST; docs/serving.md)",
-        "a model whose decoder writes its chunks decodes one token stream per robot in the decode pool, each "
-        "stopping at its own stop id; a model with action heads refuses these flags")
-    chunk.add_argument("--chunk-slots", type=_positive_int, metavar="N",
-                       help="decode slots kept for the robots' chunks; language holds the rest (default: half of --slots)")
-    chunk.add_argument("--chunk-max-tokens", type=_positive_int, metavar="N",
-                       help="tokens a chunk may take before it fails (default: the checkpoint's, openpi's 256)")
-    chunk.add_argument("--chunk-deadline-steps", type=_positive_int, metavar="N",
-                       help="decode steps a frame may run for its chunks, whole bursts of --tokens-per-frame "
-                            "(default: --chunk-max-tokens)")
-    chunk.add_argument("--chunk-deadline-ms", type=_positive_float, metavar="MS",
-                       help="wall time a frame's chunks may take, checked between bursts (default: none)")
-    chunk.add_argument("--chunk-on-failure", choices=["error", "zeros"], default="error",
-                       help="a chunk that fails (no 'Action: ', FAST decode, deadline): error answers that robot a "
-                            "BadRequest naming why; zeros answers openpi's all-zero chunk (default: error)")
-
-
-def _stream_config(args: argparse.Namespace, vla):
-    """The `StreamConfig` of --chunk-* (None: the engine's defaults); one-line ValueError for a flag given to a
-    model whose actions are not decoded chunks, or more kept slots than --slots."""
-    from oxygen_jax.runtime.action_streams import StreamConfig
-
-    given = [f"--{k.replace('_', '-')}" for k, unset in _CHUNK_UNSET.items() if getattr(args, k) != unset]
-    if vla.action_stream is None:
-        if given:
-            what = "model's actions come from its action heads" if vla.heads else "model has no actions (language only)"
-            raise ValueError(f"argument {given[0]}: it sets how decoded action chunks (π0-FAST) are streamed, and "
-                             f"this {what}: drop it")
-        return None
-    if args.chunk_slots is not None and args.chunk_slots > args.slots:
-        raise ValueError(f"argument --chunk-slots: {args.chunk_slots} is more than the pool's --slots {args.slots}")
-    return StreamConfig(slots=args.chunk_slots, max_tokens=args.chunk_max_tokens or 0,
-                        deadline_steps=args.chunk_deadline_steps or 0, deadline_ms=args.chunk_deadline_ms or 0.0,
-                        on_failure=args.chunk_on_failure)
 
 
 def _fail(message: str, code: int = 1) -> int:
@@ -329,9 +287,9 @@ def build(args: argparse.Namespace):
             raise ValueError(f"--slots {args.slots} must be a multiple of the {slot_mesh.robots_size(mesh)} devices "
                              "the slots are split over (devices / --tensor-parallel), or pass --no-shard")
         vla = slot_mesh.place_model(vla, mesh)
-    streams = _stream_config(args, vla)
+    streams = stream_config(args, vla)
     engine = Engine(vla, EngineConfig(
-        num_slots=args.slots, max_new_tokens=_pool_tokens(vla, args.max_new_tokens, args.chunk_max_tokens),
+        num_slots=args.slots, max_new_tokens=pool_tokens(vla, args.max_new_tokens, args.chunk_max_tokens),
         request_max_tokens=args.max_new_tokens,
         prompt_capacity=args.prompt_capacity,
         tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
@@ -340,14 +298,6 @@ def build(args: argparse.Namespace):
     # With a tokenizer.json the rows of an XR0 / StarVLA head are its native prompts (`serving.codec`), and
     # language requests are text in that tokenizer (or token ids); their answers come back as text and ids.
     return engine, toks.rows, robot, io, mesh, rows
-
-
-def _pool_tokens(vla, max_new_tokens: int, chunk_tokens: int | None = None) -> int:
-    """A slot's room for new tokens: --max-new-tokens, or a whole decoded chunk (--chunk-max-tokens, else the
-    model's) when the model writes its chunks."""
-    if vla.action_stream is None:
-        return max_new_tokens
-    return max(max_new_tokens, chunk_tokens or vla.action_stream.max_tokens)
 
 
 def _action_mask(args) -> np.ndarray | None:
