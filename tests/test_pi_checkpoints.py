@@ -93,14 +93,14 @@ def test_pi0_needs_its_state_and_pi05_refuses_one(pi0_params, tiny_params):
 
 def test_openpi_pi0_fixture_matches_openpis_prefix_velocity_and_actions():
     """The core of `python -m eval.parity` on openpi's π0 fixture (which checks 71 quantities in both layouts)."""
-    from eval.parity.openpi import _observation
+    from eval.parity.openpi import observation_of
     from oxygen_jax.ckpts.openpi import load_openpi_params
 
     root = fixture("openpi_tiny_pi0")
     ref = dict(np.load(root / "reference.npz"))
     cfg, params = load_openpi_params(root / "params")
     assert cfg.variant == "pi0" and params.state_proj is not None
-    obs, noise = _observation(ref), jnp.asarray(ref["noise"])
+    obs, noise = observation_of(ref), jnp.asarray(ref["noise"])
     cache = model.prefill(params, obs)
     valid = np.asarray(ref["prefix/input_mask"])
     k = np.asarray(cache.k)[:, valid]  # [L, B, P, K, H] at the valid positions

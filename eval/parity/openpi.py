@@ -109,7 +109,9 @@ class Tolerances:
         return _TOL[family]
 
 
-def _observation(ref) -> Observation:
+def observation_of(ref) -> Observation:
+    """The model input a reference holds: its cameras (`image/<slot>` [B, H, W, 3] and `image_mask/<slot>` [B], in
+    `CAMERA_SLOTS` order, those present) and `tokenized_prompt` / `tokenized_prompt_mask` [B, T]."""
     cams = [c for c in CAMERA_SLOTS if f"image/{c}" in ref]
     return Observation(
         images=jnp.stack([jnp.asarray(ref[f"image/{c}"], jnp.float32) for c in cams], 1),
@@ -410,7 +412,7 @@ def run_fixture(fixture: Path, layouts: tuple[str, ...] | None = None) -> list[R
     tol = Tolerances(config.get("suggested_tolerances_float32_cpu"))
     merged_path = fixture / "merged_params.npz"
     merged_npz = dict(np.load(merged_path)) if merged_path.is_file() else {}
-    obs = _observation(ref)
+    obs = observation_of(ref)
     rows, flat_first = [], None
     settings = lora_settings(fixture)
     for index, (layout, path) in enumerate(_layouts(fixture)):
