@@ -237,6 +237,24 @@ def _frame(stream: Stream, arrival: float) -> Frame:
     return Frame(stream=stream, observation=None, state=None, language=[], arrival=arrival, future=None)
 
 
+def test_a_frame_with_an_unchecked_request_is_its_own_one_line_error_and_queues_none_of_its_requests():
+    from oxygen_jax.serving.engine_worker import EngineWorker
+    from oxygen_jax.serving.records import LanguageRequest
+
+    engine = ScriptedEngine()
+    ok = LanguageRequest(prompt="", max_tokens=2, checked=engine.limits.check(prompt_tokens=[5], max_tokens=2))
+    frame = Frame(stream=Stream(id=0, deadline_s=1.0), observation=None, state=None,
+                  language=[ok, LanguageRequest(prompt="", max_tokens=2)], arrival=0.0, future=None)
+    worker = EngineWorker(engine, None)
+    try:
+        (result,) = worker.call(worker.step, [frame], 1).results
+    finally:
+        worker.close()
+    assert result.error == ("BadRequest: language_requests[1]: the request was not checked against the engine's "
+                            "limits (serving.requests.check_requests)")
+    assert engine._next == 0  # request 0 was never queued (no queue-then-cancel)
+
+
 def test_fire_at_once_unless_an_expected_robot_can_still_make_the_tightest_deadline():
     a, b, c = (Stream(id=i, deadline_s=0.1, last_reply=0.0) for i in range(3))
     pending = [_frame(a, arrival=0.0)]

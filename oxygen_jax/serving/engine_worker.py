@@ -163,21 +163,17 @@ class EngineWorker:
         return times
 
     def _submit(self, frame: Frame) -> list[int]:
-        """Queues the frame's requests, checked on the prep thread (`requests.check_requests`), on its stream."""
-        ids = []
-        try:
-            for req in frame.language:
-                if req.checked is None:
-                    raise RequestError("the request was not checked against the engine's limits "
-                                       "(serving.requests.check_requests)")
-                ids.append(self.engine.enqueue(dataclasses.replace(req.checked, row=frame.stream.id),
-                                               owner=frame.stream))
-        except RequestError as e:
-            for rid in ids:
-                self.engine.cancel(rid)
-            reason = str(e) if len(str(e)) <= _MAX_REASON else f"{str(e)[:_MAX_REASON]}…"  # never echo a large value
-            raise RequestError(f"language_requests[{len(ids)}]: {reason}") from None
-        return ids
+        """Queues the frame's requests, checked on the prep thread (`requests.check_requests`), on its stream.
+
+        `Engine.enqueue` checks nothing (the prep thread did): every request is looked at before any is queued,
+        so a refused frame leaves nothing to withdraw.
+        """
+        unchecked = [i for i, req in enumerate(frame.language) if req.checked is None]
+        if unchecked:  # a caller that built the Frame without `check_requests`: this frame's error, not the step's
+            raise RequestError(f"language_requests[{unchecked[0]}]: the request was not checked against the engine's "
+                               "limits (serving.requests.check_requests)")
+        return [self.engine.enqueue(dataclasses.replace(req.checked, row=frame.stream.id), owner=frame.stream)
+                for req in frame.language]
 
     def step(self, frames: Sequence[Frame], bucket: int) -> StepOutput:
         """Submits the frames' language requests, then runs one step of `bucket` rows.
