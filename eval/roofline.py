@@ -40,6 +40,7 @@ from oxygen_jax.cli import int_at_least
 from oxygen_jax.models import mot
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.robots.config import oxygen_benchmark_robot
+from oxygen_jax.runtime import slot_mesh
 
 _positive = int_at_least(1, "a positive integer")
 _nonnegative = int_at_least(0, "an integer >= 0")
@@ -72,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=_positive, help="Ns (default ceil((N - 1) / k): one request per frame, steady)")
     p.add_argument("--gamma", type=_nonnegative, default=4, help="draft tokens of the verify block (0: no verify)")
     p.add_argument("--repeats", type=_positive, default=5, help="timed rounds per component (median)")
+    p.add_argument("--tensor-parallel", type=_positive, default=1, metavar="T",
+                   help="split the model's weights over T devices as `serve --tensor-parallel` does (on a CPU, T host "
+                        "devices share its cores: XLA:CPU runs a few-row product on one core, a split one on T)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-measure", action="store_true", help="the cost model and the predictions only (no timing)")
     p.add_argument("--out", type=Path, help="write roofline.json, report.md and roofline.png here")
@@ -112,6 +116,10 @@ def _measured(args: argparse.Namespace, dtype: str, prec: rc.Precision, robot) -
     model: (record fields, report lines)."""
     vla, what = _load(args, dtype, args.S or 10)
     m = rc.from_params(vla.spec, vla.params, what)
+    if args.tensor_parallel > 1:
+        vla = slot_mesh.place_model(vla, slot_mesh.serving_mesh(jax.devices()[:args.tensor_parallel],
+                                                                args.tensor_parallel))
+        what += f", tensor parallel over {args.tensor_parallel} devices"
     image_size = rc.default_image_size(m) if vla.spec.input_kind == "observation" else args.image_size
     plan = measure.Plan(cameras=robot.num_cameras, prompt_tokens=robot.max_token_len, image_size=image_size,
                         horizon=robot.action_horizon, steps=args.S, slots=_slots(args), max_new_tokens=args.N,
@@ -194,6 +202,14 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     args = _parser().parse_args(argv)
+    if args.tensor_parallel > 1:
+        try:
+            jax.config.update("jax_num_cpu_devices", args.tensor_parallel)
+        except RuntimeError:  # jax already started (a caller in the same process): its devices are what there is
+            pass
+        if len(jax.devices()) < args.tensor_parallel:
+            raise SystemExit(f"--tensor-parallel {args.tensor_parallel}: only {len(jax.devices())} "
+                             f"{jax.default_backend()} devices here")
     if args.heads and args.ckpt is None:
         raise SystemExit("--heads puts random heads on a bare Hugging Face --ckpt; --mot-preset names its own heads")
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
