@@ -139,7 +139,7 @@ def test_noise_is_checked_and_named_adapters_resolve(params, obs1):
     from oxygen_jax.models.pi05.lora import init_bank
 
     eng = Engine(as_vla(params, 1), CFG, bank=init_bank(params.config, 1, rank=2), adapter_names=("memory",))
-    assert eng.adapter_id("memory") == 1 and eng.adapter_id("base") == 0
+    assert eng.adapter_id("memory") == 1 and eng.adapter_id("base") == 0 and eng.limits.adapters == ("base", "memory")
     with pytest.raises(ValueError, match="bank stores 0"):
         Engine(as_vla(params, 1), CFG, adapter_names=("memory",))  # names without a bank
     with pytest.raises(ValueError, match="shape"):

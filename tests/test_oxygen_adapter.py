@@ -163,7 +163,7 @@ def test_serve_adapter_name_equals_dir_serves_ours_and_an_oxygen_folder_by_name(
     args = serve._parser().parse_args(["--ckpt", str(base), "--adapter", f"memory={dest}", "--adapter", f"raw={src}",
                                        "--batch-sizes", "1", "--tokenizer", "demo"])  # random weights: no tokenizer
     engine = serve.build(args)[0]
-    assert engine.adapters == {"base": 0, "memory": 1, "raw": 2}
+    assert engine.limits.adapters == ("base", "memory", "raw")  # names by id
     prefix = dict(zip(("q", "kv", "out", "gating", "linear"), WEIGHTS.values()))  # our target -> OxyGen's keys
     for target, pair in engine.bank.adapters.pairs().items():
         for c in "ab":

@@ -118,7 +118,6 @@ class ScriptedEngine:
     def __init__(self, step_s: float = 0.0, per_row_s: float = 0.0):
         self.config = EngineConfig(num_slots=4, max_new_tokens=8, prompt_capacity=8, action_horizon=HA)
         self.vla = as_vla(abstract_params(model_config("tiny")))  # shapes only: the codec reads the spec
-        self.adapters = {"base": 0}
         self.tokenizer = train_demo_tokenizer()  # the server tokenizes; the text comes back from the ids
         self.limits = RequestLimits(max_new_tokens=8, prompt_capacity=8, vocab_size=self.vla.vocab_size)
         self.step_s, self.per_row_s = step_s, per_row_s
@@ -289,6 +288,7 @@ def test_unmodified_openpi_client_gets_engine_step_actions_and_language_extras(t
     client = client_mod.WebsocketClientPolicy(host="127.0.0.1", port=tiny.port)
     meta = client.get_server_metadata()
     assert (meta["action_horizon"], meta["action_dim"], meta["noise"]["seed"]) == (HA, 7, SEED)
+    assert meta["language"]["adapters"] == ["base"]  # the engine's limits: its one list of adapter names
     sample = _sample(0)
     reply = client.infer(sample)
     assert reply["actions"].shape == (HA, 7) and reply["stream"] == meta["stream"]

@@ -203,8 +203,7 @@ class Engine:
         stored = 0 if bank is None else bank.num_adapters
         if len(adapter_names) != stored:
             raise ValueError(f"adapter_names names {len(adapter_names)} adapters but the bank stores {stored}")
-        self.adapters: dict[str, int] = {"base": 0, **{n: i + 1 for i, n in enumerate(adapter_names)}}
-        if len(self.adapters) != len(adapter_names) + 1:
+        if len({"base", *adapter_names}) != len(adapter_names) + 1:  # ids and names: `self.limits.adapters`
             raise ValueError(f"adapter names must be unique and not 'base', got {list(adapter_names)}")
         self.limits = RequestLimits(max_new_tokens=config.request_max_tokens or config.max_new_tokens,
                                     prompt_capacity=config.prompt_capacity,

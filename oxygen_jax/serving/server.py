@@ -250,7 +250,7 @@ class PolicyServer:
             "deadline_ms": self.config.deadline_ms, "max_message_bytes": self.config.max_message_bytes,
             "language": {"field": "language_requests", "max_tokens": e.max_new_tokens,
                          "prompt_capacity": e.prompt_capacity, "max_requests": self.config.max_requests_per_robot,
-                         "adapters": sorted(getattr(self.engine, "adapters", {"base": 0})),
+                         "adapters": sorted(self.engine.limits.adapters),
                          "text_prompts": getattr(self.engine, "tokenizer", None) is not None,
                          "stop_ids": list(self.engine.vla.stop_ids)},
         }
