@@ -32,6 +32,7 @@ show the timing, not behaviour. `--preset` runs random weights on synthetic obse
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ import numpy as np
 
 from oxygen_jax import command_model as cm
 from oxygen_jax.cli import OneLineParser, add_chunk_flags, existing, float_in, int_at_least, pool_tokens, stream_config
+from oxygen_jax.nn import quant
 
 _DEMO_LINE = (
     "embedded default: a small pi0.5 trained here on rendered LIBERO frames; a 'Memory: ' language adapter reports\n"
@@ -83,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
     m.add_argument("--dtype", default="auto", choices=list(cm.DTYPES),
                    help="parameters and activations (default auto: bfloat16 on GPUs, float32 on CPUs)")
+    m.add_argument("--quant-matmul", default="auto", choices=["auto", "weight_only", "fp8", "int8"],
+                   help="quantized weights: dequantized into float matmuls (weight_only), or int8 / fp8 products on "
+                        "activations quantized per row (default auto: by the device, docs/quantization.md)")
     m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                    help="openpi's bidirectional prompt, or OxyGen's causal variant")
     m.add_argument("--tokenizer", type=_tokenizer_file,
@@ -243,7 +248,13 @@ def main(argv=None) -> int:
         streams = stream_config(args, vla)
     except ValueError as e:
         return _fail(str(e))
-    print(f"model: {what}, {param_count(vla.params) / 1e6:.1f} M params, {dtype}; robot: {robot.name} "
+    try:  # quantized weights: the matmul mode for this device, or a forced one it has
+        params, matmul = quant.start_matmul(vla.params, args.quant_matmul, jax.devices()[0])
+    except ValueError as e:
+        return _fail(str(e))
+    vla = dataclasses.replace(vla, params=params)
+    print(f"model: {what}, {param_count(vla.params) / 1e6:.1f} M params, {dtype}{'; ' + matmul if matmul else ''}; "
+          f"robot: {robot.name} "
           f"({robot.num_cameras} cameras); heads: "
           + (", ".join(f"{n} [{ha} x {ad}]" for n, (ha, ad) in heads.items()) or "none (language only)")
           + f"; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")

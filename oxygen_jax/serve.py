@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -43,6 +44,7 @@ import numpy as np
 from oxygen_jax import command_model as cm
 from oxygen_jax.cli import DefaultsHelpFormatter, OneLineParser, add_chunk_flags, float_in, int_at_least, pool_tokens, \
     stream_config
+from oxygen_jax.nn import quant
 from oxygen_jax.runtime import compile_cache
 from oxygen_jax.serving.auto_language import MODES, AutoLanguage
 from oxygen_jax.serving.batcher import BUCKETS
@@ -117,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
     ap.add_argument("--dtype", default="auto", choices=list(cm.DTYPES),
                     help="parameters and activations (default auto: bfloat16 on GPUs, float32 on CPUs)")
+    ap.add_argument("--quant-matmul", default="auto", choices=["auto", "weight_only", "fp8", "int8"],
+                    help="quantized weights: dequantized into float matmuls (weight_only), or int8 / fp8 products on "
+                         "activations quantized per row (auto: by the device)")
     ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                     help="π0.5: how prompt tokens attend to each other")
     ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model, or an XR0 / StarVLA checkpoint's tokenizer.json; "
@@ -273,6 +278,10 @@ def build(args: argparse.Namespace):
         elif not vla.heads:
             log.info("%s has no action head: serving language only; every reply's 'actions' is an empty [0, %d] "
                      "chunk (metadata action_horizon 0)", model.what, robot.action_dim)
+    params, matmul = quant.start_matmul(vla.params, args.quant_matmul, jax.devices()[0])  # one-line ValueError
+    vla = dataclasses.replace(vla, params=params)
+    if matmul:
+        log.info("quantized: %s", matmul)
     if args.rtc and not vla.heads:
         raise ValueError("argument --rtc: real-time chunking blends action chunks, and this model has no action head "
                          "(language only): drop --rtc")

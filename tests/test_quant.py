@@ -28,13 +28,16 @@ from oxygen_jax.models.pi05.params import init_params, stack_layers
 from oxygen_jax.models.pi05.spec import pi05_spec
 from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.nn import quant
+from oxygen_jax.nn import layers
 from oxygen_jax.nn.layers import Unstacked, unstack_layers
 from oxygen_jax.nn.masks import make_attn_mask
-from oxygen_jax.quantize import main as quantize_main
+from oxygen_jax.quantize import main as quantize_main, quantize_checkpoint
 
 # Documented bounds (docs/quantization.md) for the tiny preset's random weights made text-diverse: actions
 # against float32, relative to the float32 actions' RMS; teacher-forced greedy tokens identical to float32's.
 BOUNDS = {"int8": {"max": 0.25, "mean": 0.03, "tokens": 0.75}, "fp8": {"max": 0.75, "mean": 0.1, "tokens": 0.4}}
+# The same with int8 x int8 / fp8 x fp8 matmuls on activations quantized per row, embedding / LM head included.
+DYNAMIC_BOUNDS = {"int8": {"max": 0.3, "mean": 0.05, "tokens": 0.6}, "fp8": {"max": 0.9, "mean": 0.2, "tokens": 0.4}}
 
 
 def _weight(seed: int, shape=(3, 2, 48, 40)) -> np.ndarray:
@@ -127,6 +130,16 @@ def test_quantized_tiny_model_is_within_the_documented_bounds_of_float32(tiny, w
     bound = BOUNDS[weights]
     assert 0 < err.mean() <= bound["mean"] and err.max() <= bound["max"], (err.max(), err.mean())
     assert bound["tokens"] <= agree, agree
+    # Dynamic-range matmuls (`--quant-matmul int8 / fp8`), the embedding and tied LM head quantized too: every
+    # dynamic leaf's matmul on activations quantized per row (SigLIP and the adaptive norms stay weight-only).
+    dyn = quant.with_matmul(quant.quantize_tree(params, weights, quant.ALL_KINDS), weights)
+    assert quant.matmul_summary(dyn) == {weights: 11, "weight_only": 8} and dyn.embedding.matmul == weights
+    act, tok = map(np.asarray, _actions_and_tokens(dyn, obs, noise))
+    err = np.abs(act - ref_a) / scale
+    agree = (tok[:, -prompt.shape[1]:] == ref_t[:, -prompt.shape[1]:])[prompt].mean()
+    bound = DYNAMIC_BOUNDS[weights]
+    assert 0 < err.mean() <= bound["mean"] and err.max() <= bound["max"], (err.max(), err.mean())
+    assert bound["tokens"] <= agree, agree
 
 
 def test_layer_loop_dequantizes_stacked_and_unstacked_layers_alike(tiny):
@@ -140,6 +153,74 @@ def test_layer_loop_dequantizes_stacked_and_unstacked_layers_alike(tiny):
     stacked = np.asarray(run(layers))
     np.testing.assert_allclose(np.asarray(run(unstack_layers(layers))), stacked, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(run(quant.dequantize_tree(layers))), stacked, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_dynamic_products_are_the_products_of_the_dequantized_operands(weights):
+    """Every projection helper (the choke point) gives x's rows quantized times the stored values, both scales
+    applied: float64 products of the dequantized operands, to float32 rounding (eager, nothing compiled)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((3, 5, 16)).astype(np.float32) * np.float32([[[1]], [[30]], [[1e-3]]]))
+    xq, sx = quant.quantize_rows(x, weights)
+    x_deq = np.asarray(xq, np.float64) * np.asarray(sx, np.float64)  # [3, 5, 16]
+    mode = lambda q: dataclasses.replace(jax.tree.map(jnp.asarray, q), matmul=weights)  # noqa: E731
+    deq = lambda q: np.asarray(q.values, np.float64) * np.asarray(q.scale, np.float64)  # noqa: E731
+    w = lambda *shape: rng.standard_normal(shape).astype(np.float32) * np.exp(rng.uniform(-3, 2, shape[-1:]))  # noqa: E731
+    heads = mode(quant.quantize(w(4, 16, 8), weights, axes=(-2,)))  # [N, D, H]
+    got = np.asarray(layers.project_heads(x, heads))  # [3, 5, N, H]
+    np.testing.assert_allclose(got, np.einsum("btd,ndh->btnh", x_deq, deq(heads)), rtol=2e-6, atol=1e-30)
+    out = mode(quant.quantize(w(2, 8, 16), weights, axes=(-3, -2)))  # [N, H, D]
+    a = x.reshape(3, 5, 2, 8)
+    aq, sa = quant.quantize_rows(a.reshape(15, 16), weights)
+    a_deq = (np.asarray(aq, np.float64) * np.asarray(sa, np.float64)).reshape(3, 5, 2, 8)
+    np.testing.assert_allclose(np.asarray(layers.merge_heads(a, out)), np.einsum("btnh,nhd->btd", a_deq, deq(out)),
+                               rtol=2e-6, atol=1e-30)
+    down = mode(quant.quantize(w(16, 12), weights, axes=(-2,)))  # [F, D]: `h @ w` sites
+    np.testing.assert_allclose(np.asarray(x @ down), x_deq @ deq(down), rtol=2e-6, atol=1e-30)
+    table = mode(quant.quantize(w(16, 40).T, weights, axes=(-1,)))  # [V, D], a scale per row
+    h = x.reshape(15, 16)
+    want = x_deq.reshape(15, 16) @ deq(table).T
+    np.testing.assert_allclose(np.asarray(layers.vocab_logits(h, table)), want, rtol=2e-6, atol=1e-30)
+    np.testing.assert_allclose(np.asarray(layers.vocab_logits(h, table, vocab_major=True)), want.T, rtol=2e-6,
+                               atol=1e-30)
+
+
+def test_embedding_kind_scales_each_row_and_the_lookup_is_the_dequantized_table_lookup(tiny):
+    params = tiny[1]
+    assert set(quant.plan(params, ("embed",))) == {"embedding"}  # only when named: the default kinds keep it float
+    q = quant.quantize_tree(params, "int8", ("embed",)).embedding
+    assert q.values.shape == params.embedding.shape and q.scale.shape == (params.embedding.shape[0], 1)
+    ids = jnp.asarray([[0, 5, 5], [params.embedding.shape[0] - 1, 2, 7]])
+    np.testing.assert_array_equal(np.asarray(layers.take_rows(q, ids)), np.asarray(quant.dequantize(q))[ids])
+    assert (np.abs(np.asarray(quant.dequantize(q)) - np.asarray(params.embedding)) <= np.asarray(q.scale) / 2 * 1.0001).all()
+
+
+H100 = quant.DeviceInfo(platform="gpu", kind="NVIDIA H100 80GB HBM3", capability=(9, 0))
+A100 = quant.DeviceInfo(platform="gpu", kind="NVIDIA A100-SXM4-80GB", capability=(8, 0))
+CPU = quant.DeviceInfo(platform="cpu", kind="cpu")
+
+
+def test_auto_matmul_mode_follows_the_device_and_the_weights():
+    auto = lambda w, d: quant.choose_matmul("auto", w, d)  # noqa: E731
+    assert (auto("fp8", H100), auto("int8", H100), auto("fp8", A100), auto("int8", A100)) == ("fp8", "int8", "weight_only", "int8")
+    # XLA:CPU runs s8 dots natively and fp8 ones only by converting to float32 (docs/quantization.md): never auto.
+    assert (auto("int8", CPU), auto("fp8", CPU), auto(None, H100)) == ("int8", "weight_only", "weight_only")
+    tpu, rocm = quant.DeviceInfo(platform="tpu", kind="TPU v5e"), quant.DeviceInfo(platform="rocm", kind="MI300X")
+    assert (auto("fp8", tpu), auto("int8", tpu), auto("int8", rocm)) == ("weight_only", "int8", "weight_only")
+    assert quant.device_info(jax.devices()[0]).platform == jax.devices()[0].platform
+    assert quant.choose_matmul("fp8", "fp8", CPU) == "fp8"  # forced: emulated, for numerics checks
+
+
+def test_a_forced_matmul_mode_is_refused_where_the_device_or_the_weights_lack_it(tiny):
+    with pytest.raises(ValueError, match=r"A100.*compute capability 8\.0\) has no fp8 x fp8 matmuls.*8\.9"):
+        quant.choose_matmul("fp8", "fp8", A100)
+    with pytest.raises(ValueError, match="'MI300X' on rocm has no int8 x int8 matmuls"):
+        quant.choose_matmul("int8", "int8", quant.DeviceInfo(platform="rocm", kind="MI300X"))
+    with pytest.raises(ValueError, match="needs int8 weights and this model's are fp8"):
+        quant.choose_matmul("int8", "fp8", H100)
+    with pytest.raises(ValueError, match="this model has none"):
+        quant.start_matmul(tiny[1], "int8", jax.devices()[0])
+    assert quant.start_matmul(tiny[1], "auto", jax.devices()[0]) == (tiny[1], "")  # a float model: untouched
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +293,9 @@ def saved(tmp_path_factory):
     (root / "tokenizer.model").write_bytes(b"not a real tokenizer")  # copied beside the result, not read
     assert quantize_main(["--ckpt", str(float_dir), "--out", str(root / "int8"), "--weights", "int8"]) == 0
     assert quantize_main(["--ckpt", str(float_dir), "--out", str(root / "fp8"), "--weights", "fp8",
-                          "--layers", "mlp"]) == 0
+                          "--layers", "mlp", "embed"]) == 0
+    # The command reads its source leaf by leaf; restored whole first (as before it streamed), the same output.
+    assert not quantize_checkpoint(float_dir, root / "int8_whole", "int8", stream=False)["streamed"]
     return config, params, root
 
 
@@ -232,6 +315,13 @@ def test_quantize_command_writes_a_fingerprinted_checkpoint_that_restores_bit_ex
     mlp_only = stack_layers(mlp_only)
     assert mlp_only.vlm.layers.linear.values.dtype == ml_dtypes.float8_e4m3fn
     assert mlp_only.vlm.layers.linear.scale.dtype == jnp.bfloat16 and mlp_only.vlm.layers.q.dtype == jnp.bfloat16
+    want_embed = quant.quantize_tree(params, "fp8", ("embed",)).embedding
+    assert isinstance(mlp_only.embedding, quant.QArray) and mlp_only.embedding.scale.shape == want_embed.scale.shape
+    np.testing.assert_array_equal(np.asarray(mlp_only.embedding.values).view(np.uint8),
+                                  np.asarray(want_embed.values).view(np.uint8))
+    # Streamed and restored-whole quantizations are the same arrays, so the same fingerprint.
+    assert base_fingerprint(root / "int8_whole") == base_fingerprint(root / "int8")
+    assert leaves_equal(stack_layers(restore_params(root / "int8_whole")[1]), want)
     info = quantization_info(root / "int8")
     assert info["weights"] == "int8" and info["provenance"]["source_fingerprint"] == base_fingerprint(root / "float")
     assert quantization_info(root / "float") is None
@@ -322,3 +412,5 @@ def test_tensor_parallel_rules_split_values_like_the_weight_and_scales_only_on_k
         assert got.scale == (P(*kept) if any(kept) else P())  # split where it keeps the output channel, else whole
         split += any(want)
     assert split and qparams.vlm.layers.q.scale.shape[1] > 1 and qparams.vlm.layers.linear.scale.shape[1] == 1
+    dyn = quant.with_matmul(qparams, "int8")  # the matmul mode is part of the tree: specs keep it
+    assert jax.tree.structure(param_specs(dyn, "model", 2)) == jax.tree.structure(dyn)

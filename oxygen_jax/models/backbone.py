@@ -54,7 +54,8 @@ from oxygen_jax.models import hidden_states as hs
 from oxygen_jax.models.lora import LayerRows, RowAdapters, check_bank_fits
 from oxygen_jax.models.vision.siglip import SiglipConfig
 from oxygen_jax.nn import kv_quant
-from oxygen_jax.nn.layers import AdaRMSNorm, RMSNorm, Unstacked, apply_rope, attention, merge_heads, project_heads, scan_layers
+from oxygen_jax.nn.layers import (AdaRMSNorm, RMSNorm, Unstacked, apply_rope, attention, merge_heads, project_heads, scan_layers,
+                                   stacked_matmul, take_rows, vocab_logits)
 from oxygen_jax.nn.masks import make_attn_mask
 
 Family = Literal["gemma", "qwen3", "qwen3_vl", "qwen3_5"]  # qwen3_5: the full-attention layers of models/qwen35/model.py
@@ -397,7 +398,7 @@ def _mlp(spec: BackboneSpec, x: jax.Array, gating: jax.Array, linear: jax.Array,
     """
     lead, d = x.shape[:-1], x.shape[-1]
     xb = jnp.broadcast_to(x.reshape(1, -1, d), (2, x.size // d, d))
-    gate_up = jnp.einsum("2YD,2DF->2YF", xb, gating.astype(x.dtype))
+    gate_up = stacked_matmul(xb, gating.astype(x.dtype))  # [2, Y, F]
     if lora is not None:
         gate_up = lora.add("gating", gate_up, x.reshape(-1, d))
     gate, up = gate_up
@@ -608,7 +609,7 @@ def embed_tokens(spec: BackboneSpec, decoder: Decoder, tokens: jax.Array) -> jax
     E.g. D = 2048: 45.2548 in float32, 45.25 in bfloat16 (openpi's factor for a bfloat16-stored table).
     """
     table = decoder.embedding
-    x = table[tokens]
+    x = take_rows(table, tokens)  # a quantized table dequantizes the gathered rows only
     factor = jnp.asarray(math.sqrt(table.shape[-1]), spec.embed_scale_dtype or table.dtype).astype(table.dtype)
     return x * factor if spec.embed_scale else x
 
@@ -628,12 +629,12 @@ def final_norm(spec: BackboneSpec, decoder: Decoder, hidden: jax.Array) -> jax.A
 
 def lm_logits(spec: BackboneSpec, decoder: Decoder, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [..., D] -> float32 logits [..., V] (tied or untied head by the spec)."""
-    return jnp.einsum("...D,VD->...V", hidden, _head(spec, decoder).astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return vocab_logits(hidden, _head(spec, decoder))
 
 
 def lm_logits_vocab_major(spec: BackboneSpec, decoder: Decoder, hidden: jax.Array) -> jax.Array:
     """`lm_logits(...).T` for hidden [B, D] -> [V, B]: the fast contraction order for decode batches on CPU."""
-    return jnp.einsum("VD,BD->VB", _head(spec, decoder).astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)
+    return vocab_logits(hidden, _head(spec, decoder), vocab_major=True)
 
 
 def prefix_mask(spec: BackboneSpec, input_mask: jax.Array) -> jax.Array:

@@ -29,6 +29,7 @@ order of float32 sums, never what is computed.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -76,7 +77,7 @@ def param_specs(tree, axis_name: str, size: int):
 
     def spec(path, leaf):
         if isinstance(leaf, QArray):  # each of its arrays by the weight's rule (module docstring)
-            return QArray(values=spec(path, leaf.values), scale=spec(path, leaf.scale))
+            return dataclasses.replace(leaf, values=spec(path, leaf.values), scale=spec(path, leaf.scale))
         if size == 1 or not hasattr(leaf, "shape"):
             return PartitionSpec()
         return _leaf_spec(".".join(map(_key_name, path)), tuple(leaf.shape), axis_name, size)

@@ -13,7 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from oxygen_jax.nn.quant import dequantizing
+from oxygen_jax.nn import quant
+from oxygen_jax.nn.quant import QArray, dequantizing
 
 
 def _pytree(cls):
@@ -110,28 +111,64 @@ def dense(d: Dense, x: jax.Array) -> jax.Array:
     return x @ d.kernel.astype(x.dtype) + d.bias.astype(x.dtype)
 
 
-def project_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+def stacked_matmul(xb: jax.Array, w) -> jax.Array:
+    """xb [G, Y, D] by w [G, D, H] -> [G, Y, H]: G products in one dot.
+
+    The projections' one matmul (`project_heads`, an MLP's [gate; up] pair): a `QArray` weight goes through
+    `nn.quant.dot_stacked` (its matmul mode: dequantized, or int8 / fp8 products on rows quantized here).
+    """
+    if isinstance(w, QArray):
+        return quant.dot_stacked(xb, w)
+    return jnp.einsum("GYD,GDH->GYH", xb, w)
+
+
+def project_heads(x: jax.Array, w) -> jax.Array:
     """x [..., D] by per-head weights w [G..., D, H] -> [..., G..., H] (G...: e.g. N, or 2, K).
 
     One dot batched over the weight's flattened leading axes, the activation broadcast to each: every head's
     [D, H] slab is read where it lies. The plain einsum `...D,GDH->...GH` makes XLA:CPU copy the whole weight
-    to [D, G, H] on every call (1.7-7x slower on few rows; eval.bench.roofline_cpu --layouts).
+    to [D, G, H] on every call (1.7-7x slower on few rows; eval.bench.roofline_cpu --layouts). `w` may be a
+    `QArray` (`stacked_matmul`).
     """
     lead, d, h = x.shape[:-1], w.shape[-2], w.shape[-1]
     heads = w.shape[:-2]
     xb = x.reshape(1, -1, d)
-    y = jnp.einsum("GYD,GDH->GYH", jnp.broadcast_to(xb, (math.prod(heads),) + xb.shape[1:]), w.reshape(-1, d, h))
+    flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[-2:]), w)  # [G, D, H] (a QArray's scale [G, 1, H])
+    y = stacked_matmul(jnp.broadcast_to(xb, (math.prod(heads),) + xb.shape[1:]), flat)
     return jnp.moveaxis(y, 0, 1).reshape(lead + heads + (h,))
 
 
-def merge_heads(a: jax.Array, w: jax.Array) -> jax.Array:
+def merge_heads(a: jax.Array, w) -> jax.Array:
     """a [..., N, H] by w [N, H, D] -> [..., D], summed over N and H as one [*, N H] x [N H, D] product.
 
     Both reshapes are free, so XLA:CPU multiplies the weight where it lies (the einsum `...NH,NHD->...D`
-    copies it to [H, N, D] on every call).
+    copies it to [H, N, D] on every call). `w` may be a `QArray` (scale [1, 1, D]; `nn.quant.dot`).
     """
     n, h, d = w.shape
-    return (a.reshape(-1, n * h) @ w.reshape(n * h, d)).reshape(a.shape[:-2] + (d,))
+    flat = jax.tree.map(lambda x: x.reshape(-1, x.shape[-1]), w)  # [N H, D] (a QArray's scale [1, D])
+    return (a.reshape(-1, n * h) @ flat).reshape(a.shape[:-2] + (d,))
+
+
+def take_rows(table, ids: jax.Array) -> jax.Array:
+    """table [V, D] rows at int ids [...] -> [..., D] (a token embedding lookup); a `QArray` table (one scale per
+    row) dequantizes only the gathered rows, in its scale's dtype."""
+    if isinstance(table, QArray):
+        return quant.dequantize(QArray(values=table.values[ids], scale=table.scale[ids]))
+    return table[ids]
+
+
+def vocab_logits(hidden: jax.Array, table, vocab_major: bool = False) -> jax.Array:
+    """float32 logits of hidden [..., D] against a table [V, D] (the LM head): [..., V], or [V, B] for hidden
+    [B, D] when `vocab_major` (the fast contraction order for decode batches on XLA:CPU). A `QArray` table (scale
+    [V, 1]) is dequantized first ("weight_only") or multiplied quantized (`nn.quant.dot_rows`)."""
+    if isinstance(table, QArray) and table.matmul != "weight_only":
+        y = quant.dot_rows(hidden.reshape(-1, hidden.shape[-1]), table, vocab_major)
+        return y if vocab_major else y.reshape(hidden.shape[:-1] + (table.shape[0],))
+    if isinstance(table, QArray):
+        table = quant.dequantize(table)
+    if vocab_major:
+        return jnp.einsum("VD,BD->VB", table.astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)
+    return jnp.einsum("...D,VD->...V", hidden, table.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
 def layer_norm(x: jax.Array, ln: LayerNorm | None, eps: float) -> jax.Array:

@@ -1,5 +1,6 @@
-"""Weight-only quantization: `QArray` leaves (int8 or float8 e4m3 values, per-output-channel scales) in any
-parameter tree, quantized by path rules and turned back into the compute dtype one layer at a time.
+"""Quantized weights: `QArray` leaves (int8 or float8 e4m3 values, per-output-channel scales) in any parameter
+tree, quantized by path rules, and multiplied either in the compute dtype (weight-only: dequantized one layer at
+a time) or as int8 x int8 / fp8 x fp8 products on activations quantized per row at the matmul (dynamic range).
 
 A quantized weight w ≈ values * scale, elementwise with broadcasting:
 
@@ -16,20 +17,31 @@ biases and the small projections outside the stacks stay in the compute dtype.
 
 Error of one element (`error_bound`): int8 at most scale / 2 (half a step); fp8 e4m3 at most 2^-4 |w|
 (3 mantissa bits, round to nearest) or, below the smallest normal, scale * 2^-10.
+
+Matmul modes (`MatmulMode`, a static field of each `QArray`, set at start-up by `with_matmul` from
+`choose_matmul`): "weight_only" (the default) dequantizes as above; "int8" / "fp8" keep the leaves whose
+rule is `dynamic` (their readers multiply them only through `dot`: `nn.layers.project_heads`,
+`merge_heads`, `stacked_matmul`, `x @ w`, the token embedding's `take_rows` / `vocab_logits`) quantized into
+the matmul: each row of the activation x [Y, K] is quantized to the weights' dtype with its own scale
+absmax / QMAX, the product of the stored values accumulates in int32 (int8) or float32 (fp8), and both scales
+multiply the result: y[Y, N] = (xq . wq)[Y, N] * sx[Y] * sw[N].
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 WeightDType = Literal["int8", "fp8"]
-Kind = Literal["attn", "mlp", "adanorm"]
+Kind = Literal["attn", "mlp", "adanorm", "embed"]
+MatmulMode = Literal["weight_only", "fp8", "int8"]
+MATMUL_MODES: tuple[MatmulMode, ...] = ("weight_only", "fp8", "int8")
 
 STORED_DTYPE: dict[str, np.dtype] = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 """The dtype each `WeightDType` stores its values in."""
@@ -48,6 +60,8 @@ class QArray:
 
     values: jax.Array  # [...] int8 or float8_e4m3fn
     scale: jax.Array  # [...] same rank, 1 on the reduced axes; the compute dtype
+    # Static: how matmuls read it ("weight_only": dequantized first; "int8" / "fp8": the values' dtype, `dot`).
+    matmul: MatmulMode = dataclasses.field(default="weight_only", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -65,6 +79,15 @@ class QArray:
     @property
     def weights(self) -> WeightDType:
         return weight_dtype_of(self.values.dtype)
+
+    def astype(self, dtype) -> "QArray":
+        """The same weight with its scale (and so its products) in `dtype`: what a matmul site's
+        `w.astype(x.dtype)` gets when a dynamic leaf reaches it quantized."""
+        return dataclasses.replace(self, scale=self.scale.astype(dtype))
+
+    def __rmatmul__(self, x) -> jax.Array:
+        """`x @ w` at a matmul site (e.g. an MLP's down projection [F, D]) goes through `dot`."""
+        return dot(x, self)
 
 
 def weight_dtype_of(dtype) -> WeightDType:
@@ -135,13 +158,16 @@ def has_quantized(tree) -> bool:
     return any(_is_q(x) for x in jax.tree.leaves(tree, is_leaf=_is_q))
 
 
-def dequantize_tree(tree):
-    """`tree` with every `QArray` replaced by `dequantize` of it (other leaves unchanged)."""
-    return jax.tree.map(lambda x: dequantize(x) if _is_q(x) else x, tree, is_leaf=_is_q)
+def dequantize_tree(tree, dynamic: bool = True):
+    """`tree` with every `QArray` replaced by `dequantize` of it (other leaves unchanged); `dynamic` False
+    keeps the leaves whose matmuls read them quantized (`matmul` "int8" / "fp8")."""
+    pick = (lambda x: _is_q(x)) if dynamic else (lambda x: _is_q(x) and x.matmul == "weight_only")
+    return jax.tree.map(lambda x: dequantize(x) if pick(x) else x, tree, is_leaf=_is_q)
 
 
 def dequantizing(body: Callable) -> Callable:
-    """Wraps a layer-loop body `body(carry, layer, extra, index)` so that it sees `layer` dequantized.
+    """Wraps a layer-loop body `body(carry, layer, extra, index)` so that it sees `layer` dequantized (but for
+    the leaves whose matmuls read them quantized, `with_matmul`).
 
     A layer without `QArray` leaves passes through untouched (the same program as before). With them, an
     optimisation barrier ties the layer's weights to the carry first: in an unrolled loop (XLA's CPU form)
@@ -153,9 +179,54 @@ def dequantizing(body: Callable) -> Callable:
         if not has_quantized(layer):
             return body(carry, layer, extra, index)
         carry, layer = jax.lax.optimization_barrier((carry, layer))
-        return body(carry, dequantize_tree(layer), extra, index)
+        return body(carry, dequantize_tree(layer, dynamic=False), extra, index)
 
     return run
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamic-range matmuls: activations quantized per row at the matmul
+
+
+def quantize_rows(x: jax.Array, weights: WeightDType) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] -> (values [..., K] int8 / float8_e4m3fn, scale float32 [..., 1]): each row's absmax onto QMAX
+    (an all-zero row gets scale 1 / QMAX), int8 rounded to nearest, fp8 cast to nearest."""
+    xf = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    qmax = QMAX[weights]
+    scale = jnp.where(absmax > 0, absmax, 1.0) / qmax
+    scaled = jnp.clip(xf / scale, -qmax, qmax)
+    values = jnp.round(scaled).astype(jnp.int8) if weights == "int8" else scaled.astype(jnp.float8_e4m3fn)
+    return values, scale
+
+
+def _accumulator(w: QArray):
+    """int32 for int8 products, float32 for fp8 ones; ValueError for a mode that is not the values' dtype."""
+    if w.weights != w.matmul:
+        raise ValueError(f"a {w.matmul} matmul reads {w.weights} weights: with_matmul pairs each mode with its own dtype")
+    return jnp.int32 if w.matmul == "int8" else jnp.float32
+
+
+def dot(x: jax.Array, w: QArray) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x's dtype; w's scale [1, N] (K reduced).
+
+    "weight_only": x @ dequantize(w). "int8" / "fp8": rows of x quantized (`quantize_rows`), the stored values
+    multiplied with int32 / float32 accumulation, then both scales applied.
+    """
+    if w.matmul == "weight_only":
+        return x @ dequantize(w).astype(x.dtype)
+    return dot_stacked(x.reshape(1, -1, x.shape[-1]), jax.tree.map(lambda a: a[None], w))[0].reshape(
+        x.shape[:-1] + (w.shape[-1],))
+
+
+def dot_stacked(xb: jax.Array, w: QArray) -> jax.Array:
+    """xb [G, Y, K] by w [G, K, N] (scale [G, 1, N]) -> [G, Y, N] in xb's dtype: G products in one dot."""
+    if w.matmul == "weight_only":
+        return jnp.einsum("GYK,GKN->GYN", xb, dequantize(w).astype(xb.dtype))
+    acc = _accumulator(w)
+    xq, sx = quantize_rows(xb, w.matmul)
+    y = jnp.einsum("GYK,GKN->GYN", xq, w.values, preferred_element_type=acc)
+    return (y.astype(jnp.float32) * sx * w.scale.astype(jnp.float32)).astype(xb.dtype)
 
 
 def error_bound(q: QArray, w) -> np.ndarray:
@@ -168,6 +239,17 @@ def error_bound(q: QArray, w) -> np.ndarray:
     return (np.abs(np.asarray(w, np.float32)) * 2.0 ** -4 + scale * 2.0 ** -10).astype(np.float32)
 
 
+def dot_rows(x: jax.Array, w: QArray, vocab_major: bool = False) -> jax.Array:
+    """x [Y, K] against the rows of w [N, K] (scale [N, 1]: one per row, e.g. an LM head's vocabulary rows), a
+    dynamic mode's products -> float32 [Y, N], or [N, Y] when `vocab_major`. The values are read where they lie."""
+    acc = _accumulator(w)
+    xq, sx = quantize_rows(x, w.matmul)
+    sw = w.scale.astype(jnp.float32)
+    if vocab_major:
+        return jnp.einsum("NK,YK->NY", w.values, xq, preferred_element_type=acc).astype(jnp.float32) * sw * sx.T
+    return jnp.einsum("YK,NK->YN", xq, w.values, preferred_element_type=acc).astype(jnp.float32) * sx * sw.T
+
+
 # --------------------------------------------------------------------------------------------------
 # Which leaves: rules over the leaf's path
 
@@ -176,18 +258,25 @@ def error_bound(q: QArray, w) -> np.ndarray:
 class Rule:
     """Leaves whose "/"-joined attribute path matches `pattern` are of `kind` and reduce over `axes`."""
 
-    kind: Kind  # what the `--layers` choice selects: attention projections, the MLP or adaptive norms' projections
+    kind: Kind  # what the `--layers` choice selects: attention projections, MLP, adaptive norms' projections, embedding
     pattern: str  # regular expression, `re.search`ed on the path (e.g. "vlm/layers/q")
     axes: tuple[int, ...]  # the input axes, counted from the end; a leading layer axis must precede them
+    # Every reader multiplies it through `dot` (the `nn.layers` projection helpers), so a dynamic matmul mode
+    # may keep it quantized into the matmul; other leaves are always dequantized first.
+    dynamic: bool = False
 
 
 RULES: tuple[Rule, ...] = (
-    # Gemma / Qwen3 decoder layers (π0.5's experts, `backbone.DecoderLayers`, the XR0 DiT's `out`):
-    Rule(kind="attn", pattern=r"(^|/)layers/q$", axes=(-2,)),  # [L, N, D, H]
-    Rule(kind="attn", pattern=r"(^|/)layers/kv$", axes=(-2,)),  # [L, 2, K, D, H]
-    Rule(kind="attn", pattern=r"(^|/)layers/out$", axes=(-3, -2)),  # [L, N, H, D]
-    Rule(kind="mlp", pattern=r"(^|/)layers/gating$", axes=(-2,)),  # [L, 2, D, F]
-    Rule(kind="mlp", pattern=r"(^|/)layers/linear$", axes=(-2,)),  # [L, F, D]
+    # Gemma / Qwen3 decoder layers (π0.5's experts, `backbone.DecoderLayers`, the XR0 DiT's `out`), read by
+    # `project_heads`, `merge_heads`, `stacked_matmul` and `@`: dynamic.
+    Rule(kind="attn", pattern=r"(^|/)layers/q$", axes=(-2,), dynamic=True),  # [L, N, D, H]
+    Rule(kind="attn", pattern=r"(^|/)layers/kv$", axes=(-2,), dynamic=True),  # [L, 2, K, D, H]
+    Rule(kind="attn", pattern=r"(^|/)layers/out$", axes=(-3, -2), dynamic=True),  # [L, N, H, D]
+    Rule(kind="mlp", pattern=r"(^|/)layers/gating$", axes=(-2,), dynamic=True),  # [L, 2, D, F]
+    Rule(kind="mlp", pattern=r"(^|/)layers/linear$", axes=(-2,), dynamic=True),  # [L, F, D]
+    # The token embedding [V, D] (the tied LM head of PaliGemma / Gemma) and a separate LM head [V, D]: one
+    # scale per vocabulary row, read by `take_rows` (only the gathered rows dequantized) and `vocab_logits`.
+    Rule(kind="embed", pattern=r"(^|/)(embedding|lm_head)$", axes=(-1,), dynamic=True),
     # Kernels with split head axes (SigLIP's attention, the XR0 DiT's q / kv): [L, (2,) W, N, H] / [L, N, H, W]
     Rule(kind="attn", pattern=r"(^|/)layers/(q|kv|query|key|value)/kernel$", axes=(-3,)),
     Rule(kind="attn", pattern=r"(^|/)layers/out/kernel$", axes=(-3, -2)),
@@ -212,9 +301,13 @@ RULES: tuple[Rule, ...] = (
 `dequantizing` may be listed (`nn.layers.scan_layers`, Qwen3.5's scan over layer groups)."""
 
 KINDS: tuple[Kind, ...] = ("attn", "mlp", "adanorm")
+"""The default `--layers`: the layer stacks' weights."""
+ALL_KINDS: tuple[Kind, ...] = KINDS + ("embed",)
+"""Every kind a `--layers` may name ("embed": the token embedding / LM head, float unless named)."""
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
+    """A jax key path as the "/"-joined attribute path the rules match (e.g. "vlm/layers/q")."""
     parts = []
     for k in path:
         for attr in ("name", "key", "idx"):  # GetAttrKey, DictKey, SequenceKey
@@ -237,12 +330,12 @@ _UNSTACKED = re.compile(r"(^|/)layers/\d+(/|$)")  # a leaf of `nn.layers.Unstack
 
 def plan(tree, kinds=KINDS, rules: tuple[Rule, ...] = RULES) -> dict[str, Rule]:
     """{leaf path: its rule} for the leaves `quantize_tree` would quantize (layer stacks must be stacked)."""
-    bad = set(kinds) - set(KINDS)
+    bad = set(kinds) - set(ALL_KINDS)
     if bad or not kinds:
-        raise ValueError(f"layer kinds must be a non-empty subset of {list(KINDS)}, got {list(kinds)}")
+        raise ValueError(f"layer kinds must be a non-empty subset of {list(ALL_KINDS)}, got {list(kinds)}")
     out = {}
     for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_q)[0]:
-        name = _path_str(path)
+        name = path_str(path)
         if _is_q(x):
             raise ValueError(f"{name} is already quantized")
         if _UNSTACKED.search(name):
@@ -269,7 +362,7 @@ def quantize_tree(tree, weights: WeightDType, kinds=KINDS, rules: tuple[Rule, ..
     chosen = plan(tree, kinds, rules)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     del tree
-    paths, leaves = [_path_str(p) for p, _ in flat], [x for _, x in flat]
+    paths, leaves = [path_str(p) for p, _ in flat], [x for _, x in flat]
     del flat
     for i, path in enumerate(paths):
         r = chosen.get(path)
@@ -290,3 +383,118 @@ def float_bytes(tree, itemsize: int = 4) -> int:
 def weight_bytes(tree) -> int:
     """Bytes of every array in `tree` (quantized values and scales included)."""
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+# --------------------------------------------------------------------------------------------------
+# The matmul mode, chosen at start-up
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceInfo:
+    """What `choose_matmul` reads of a device (`device_info(jax.devices()[0])`)."""
+
+    platform: str  # "cpu", "gpu" (CUDA), "rocm", "tpu", ...
+    kind: str  # e.g. "cpu", "NVIDIA H100 80GB HBM3"
+    capability: tuple[int, int] | None = None  # CUDA compute capability, e.g. (9, 0); None elsewhere
+
+
+def device_info(device) -> DeviceInfo:
+    """A jax device's `DeviceInfo` (CUDA's compute capability from `device.compute_capability`, e.g. "8.9")."""
+    cc = getattr(device, "compute_capability", None)
+    capability = tuple(int(p) for p in str(cc).split(".")[:2]) if cc else None
+    return DeviceInfo(platform=device.platform, kind=device.device_kind, capability=capability)
+
+
+def native_dots(dev: DeviceInfo) -> dict[str, str]:
+    """{"int8" / "fp8": how the device runs that product} for the low-precision dots it has.
+
+    CUDA: int8 (IMMA) everywhere jax runs; fp8 from compute capability 8.9 (Ada, Hopper, Blackwell). XLA:CPU
+    runs s8 x s8 -> s32 dots natively (measured on x86-64, docs/quantization.md) and fp8 dots only by
+    converting both operands to float32 first, so auto never picks fp8 there. TPUs: int8.
+    """
+    if dev.platform in ("gpu", "cuda"):
+        return {"int8": "native", **({"fp8": "native"} if dev.capability and dev.capability >= (8, 9) else {})}
+    if dev.platform == "cpu":
+        return {"int8": "native", "fp8": "emulated (XLA:CPU converts both operands to float32)"}
+    if dev.platform == "tpu":
+        return {"int8": "native"}
+    return {}
+
+
+def choose_matmul(requested: str, weights: WeightDType | None, dev: DeviceInfo) -> MatmulMode:
+    """The matmul mode for a model whose quantized weights are `weights` (None: none quantized) on `dev`.
+
+    "auto": the weights' own dtype where the device runs that product natively, else "weight_only". A forced
+    mode is taken where the device has the product (natively or, fp8 on a CPU, emulated) and the weights are of
+    its dtype; otherwise ValueError in one line naming the device or the weights and the fix.
+    """
+    if requested not in ("auto",) + MATMUL_MODES:
+        raise ValueError(f"--quant-matmul must be auto or one of {list(MATMUL_MODES)}, got {requested!r}")
+    dots = native_dots(dev)
+    if requested == "auto":
+        return weights if weights is not None and dots.get(weights) == "native" else "weight_only"
+    if requested == "weight_only":
+        return "weight_only"
+    if weights is None:
+        raise ValueError(f"--quant-matmul {requested} multiplies quantized weights and this model has none: quantize "
+                         "it (python -m oxygen_jax.quantize) or drop --quant-matmul")
+    if weights != requested:
+        raise ValueError(f"--quant-matmul {requested} needs {requested} weights and this model's are {weights}: use "
+                         f"--quant-matmul {weights} or weight_only")
+    if requested not in dots:
+        cc = f" (compute capability {'.'.join(map(str, dev.capability))})" if dev.capability else ""
+        need = "; fp8 needs compute capability 8.9+ (Ada, Hopper, Blackwell)" if requested == "fp8" else ""
+        raise ValueError(f"--quant-matmul {requested}: the device {dev.kind!r} on {dev.platform}{cc} has no "
+                         f"{requested} x {requested} matmuls{need}: use --quant-matmul auto or weight_only")
+    return requested  # type: ignore[return-value]
+
+
+_UNSTACKED_PART = re.compile(r"/layers/\d+(?=/)")  # Unstacked's own "layers/<i>" under the stack's name
+
+
+def quantized_weights(tree) -> WeightDType | None:
+    """The dtype of `tree`'s quantized leaves ("int8" / "fp8"), None without any; ValueError if they mix."""
+    kinds = {x.weights for x in jax.tree.leaves(tree, is_leaf=_is_q) if _is_q(x)}
+    if len(kinds) > 1:
+        raise ValueError(f"a model holds one kind of quantized weights, these mix {sorted(kinds)}")
+    return kinds.pop() if kinds else None
+
+
+def with_matmul(tree, mode: MatmulMode, rules: tuple[Rule, ...] = RULES):
+    """`tree` with each quantized leaf of a `dynamic` rule read by `mode` matmuls (its values' dtype: the other
+    leaves, and every leaf for "weight_only", are dequantized first). Stacked or `Unstacked` layers alike."""
+    if mode not in MATMUL_MODES:
+        raise ValueError(f"matmul mode must be one of {list(MATMUL_MODES)}, got {mode!r}")
+
+    def one(path, x):
+        if not _is_q(x):
+            return x
+        full = path_str(path)
+        name = _UNSTACKED_PART.sub("", full)  # vlm/layers/layers/3/q (one layer of an Unstacked stack) -> vlm/layers/q
+        r = rule_for(name, x.ndim + (name != full), ALL_KINDS, rules)
+        dynamic = mode != "weight_only" and r is not None and r.dynamic and x.weights == mode
+        return dataclasses.replace(x, matmul=mode if dynamic else "weight_only")
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_q)
+
+
+def matmul_summary(tree) -> dict[str, int]:
+    """{matmul mode: number of quantized leaves (per-layer buffers counted apiece) read by it}."""
+    out: dict[str, int] = {}
+    for x in jax.tree.leaves(tree, is_leaf=_is_q):
+        if _is_q(x):
+            out[x.matmul] = out.get(x.matmul, 0) + 1
+    return out
+
+
+def start_matmul(tree, requested: str, device) -> tuple[Any, str]:
+    """(`tree` read by the matmul mode `choose_matmul` picks on `device`, the start-up line's words for it:
+    e.g. "int8 weights, int8 matmuls (auto on cpu)"; "" for a model without quantized weights)."""
+    weights = quantized_weights(tree)
+    dev = device_info(device)
+    mode = choose_matmul(requested, weights, dev)
+    if weights is None:
+        return tree, ""
+    how = "auto" if requested == "auto" else "forced"
+    cc = f", compute capability {'.'.join(map(str, dev.capability))}" if dev.capability else ""
+    return with_matmul(tree, mode), f"{weights} weights, {mode} matmuls ({how} on {dev.kind}{cc})"
