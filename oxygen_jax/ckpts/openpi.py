@@ -323,6 +323,26 @@ def _stream_params(ck: _OpenpiItem, dtype: np.dtype, unstacked: bool, max_abs: f
     return from_layer_pieces(values, ck.config)
 
 
+def float_leaf_reader(path: PathLike, dtype: DType = "float32"):
+    """(config, read) for reading an openpi π0.5 / π0 item one leaf at a time, or None where `load_openpi_params`
+    restores it otherwise (LoRA leaves to merge, an item without an OCDBT manifest).
+
+    `read(openpi path, per_layer)` yields the leaf cast to `dtype` and value-checked (`MAX_ABS_WEIGHT`), whole or,
+    with `per_layer`, its layers one at a time (`leaf_stream.LeafReader.pieces`). The config is the one
+    `load_openpi_params(path, dtype=dtype)` returns.
+    """
+    ck = _open_openpi(path, dtype, "bidirectional")
+    if ck.lora_paths or not (ck.item / "manifest.ocdbt").is_file():
+        return None
+    suffix, reader, np_dtype = ("value",) if ck.has_value else (), LeafReader(ck.item), np.dtype(ck.config.jnp_dtype)
+
+    def read(k: str, per_layer: bool):
+        return reader.pieces(("params", *k.split("/"), *suffix), k, tuple(ck.meta[k].shape), np_dtype, per_layer,
+                             MAX_ABS_WEIGHT)
+
+    return ck.config, read
+
+
 def load_openpi_params(
     path: PathLike,
     *,

@@ -216,11 +216,17 @@ def save_params(
     Returns:
       The absolute checkpoint path.
     """
+    return save_flat(path, to_openpi_dict(params), params.config if config is None else config, overwrite=overwrite,
+                     provenance=provenance)
+
+
+def save_flat(path: PathLike, flat: Mapping[str, Any], config: ModelConfig, *, overwrite: bool = False,
+              provenance: Mapping[str, Any] | None = None) -> Path:
+    """`save_params` of a flat {openpi path: array or `QArray`} dict (host or device arrays): what a writer that
+    never builds `Params` hands over (`python -m oxygen_jax.quantize` streams its source into one)."""
     dest = Path(path).expanduser().resolve()  # orbax refuses relative paths
     if dest.exists() and not overwrite:
         raise FileExistsError(f"checkpoint directory already exists: {dest} (pass overwrite=True to replace it)")
-    config = params.config if config is None else config
-    flat = to_openpi_dict(params)
     from_openpi_dict({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in flat.items()}, config)  # shapes
     quant = {k: QArray(values=np.asarray(v.values), scale=np.asarray(v.scale, np.float32))
              for k, v in flat.items() if isinstance(v, QArray)}
@@ -323,6 +329,39 @@ def restore_params(path: PathLike, config: ModelConfig | None = None) -> tuple[M
         _verify_checksums(src, arrays, sums)
     np_dtype = np.dtype(config.jnp_dtype)  # cast on the host: no device program per leaf shape
     return config, from_openpi_dict({k: v.astype(np_dtype, copy=False) for k, v in arrays.items()}, config)
+
+
+def float_leaf_reader(path: PathLike, config: ModelConfig):
+    """(config, read) for reading our float checkpoint one leaf at a time (`own.restore_params`'s checks: the
+    config's dims are the stored ones, every leaf's bytes against its checksum).
+
+    `read(openpi path, per_layer)` yields the leaf in `config.dtype`, whole or, with `per_layer`, its layers one at a
+    time, each read in its stored dtype, hashed and cast; the checksum is verified after its last piece.
+    """
+    src = Path(path).expanduser().resolve()
+    stored = stored_config(src)
+    if stored is None or openpi_shapes(stored) != openpi_shapes(config):
+        raise ValueError(f"{src} holds no config/ item of these dimensions (an oxygen_jax float checkpoint, saved by "
+                         "save_params, is read leaf by leaf)")
+    if (src / "quantization").is_dir():
+        raise ValueError(f"{src} is already quantized: quantize its float source")
+    sums = read_json_item(src, "checksums") if (src / "checksums").exists() else None
+    meta = flatten_dict(dict(read_tree_metadata(src / "params")))
+    reader, np_dtype = LeafReader(src / "params"), np.dtype(config.jnp_dtype)
+
+    def read(k: str, per_layer: bool):
+        key = ("params", *k.split("/"))
+        if key not in meta:
+            raise CheckpointError(f"{src / 'params'}: no array {k!r}; the checkpoint is damaged")
+        stored_dtype, shape = np.dtype(meta[key].dtype), tuple(meta[key].shape)
+        digest = hashlib.sha256()
+        for piece in reader.pieces(key, k, shape, stored_dtype, per_layer, None):
+            digest.update(_canonical_bytes(piece))
+            yield piece.astype(np_dtype, copy=False)
+        if sums is not None:
+            _verify_digest(src, k, stored_dtype, shape, digest.hexdigest(), sums)
+
+    return config, read
 
 
 def quantization_info(path: PathLike) -> dict | None:
