@@ -91,3 +91,22 @@ def test_token_id_auto_language_needs_no_tokenizer_and_is_checked_against_the_vo
         prepare(AutoLanguage(prompt_tokens=(12, vocab)), engine, max_prompt_chars=64)
     with pytest.raises(ValueError, match="exactly one"):
         AutoLanguage(prompt="Memory: ", prompt_tokens=(1,))
+
+
+def test_the_automatic_request_values_are_the_one_request_checks_refused_by_option_in_one_line():
+    from oxygen_jax.serving.auto_language import prepare
+    from test_serve import ScriptedEngine
+
+    engine = ScriptedEngine()
+    cases = [(dict(max_tokens=0), "--auto-max-tokens: the automatic request's max_tokens must be an integer in [1, 8]"),
+             (dict(temperature=float("nan")), "--auto-temperature: the automatic request's temperature must be 0"),
+             (dict(temperature="hot"), "--auto-temperature: the automatic request's temperature must be a number"),
+             (dict(seed=-1), "--auto-seed: the automatic request's seed must be None or an integer in [0, "),
+             (dict(prompt=None, prompt_tokens=(1, "a")), "--auto-language-ids: the automatic request's prompt_tokens "
+                                                          "must be a list of token ids")]
+    for fields, start in cases:
+        auto = AutoLanguage(**{"prompt": "Memory: ", **fields})  # values are not refused before the engine is known
+        with pytest.raises(ValueError) as e:
+            prepare(auto, engine, max_prompt_chars=64)
+        assert str(e.value).startswith(start) and "\n" not in str(e.value), str(e.value)
+    assert str(e.value).endswith("; use ids of this model's tokenizer")

@@ -29,7 +29,6 @@ one-line ValueError before the server answers anyone, never a refusal of a robot
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from oxygen_jax.serving import requests
 from oxygen_jax.serving.records import LanguageRequest
@@ -51,25 +50,18 @@ class AutoLanguage:
     tag: str = "auto"  # the "tag" of its accepted / updates / finished entries
 
     def __post_init__(self):
+        # What the request is made of; its values (ids, budget, temperature, seed, adapter) are the one request
+        # check's (`RequestLimits.check`), against the engine's limits, in `prepare`.
         if (self.prompt is None) == (self.prompt_tokens is None):
             raise ValueError("AutoLanguage takes a prompt (--auto-language PROMPT) or its token ids "
                              "(--auto-language-ids 12,34,56): exactly one of the two")
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise ValueError(f"AutoLanguage.prompt (--auto-language) must be text, got {type(self.prompt).__name__}")
-        if self.prompt_tokens is not None and (not isinstance(self.prompt_tokens, tuple)
-                                               or not all(isinstance(t, int) and t >= 0 for t in self.prompt_tokens)):
-            raise ValueError("AutoLanguage.prompt_tokens (--auto-language-ids) must be a tuple of token ids (integers "
-                             f">= 0), got {self.prompt_tokens!r:.60}")
+        if self.prompt_tokens is not None and not isinstance(self.prompt_tokens, tuple):
+            raise ValueError("AutoLanguage.prompt_tokens (--auto-language-ids) must be a tuple of token ids, got "
+                             f"{type(self.prompt_tokens).__name__}")
         if self.mode not in MODES:
             raise ValueError(f"AutoLanguage.mode (--auto-mode) must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.max_tokens is not None and not self.max_tokens >= 1:
-            raise ValueError(f"AutoLanguage.max_tokens (--auto-max-tokens) must be >= 1, got {self.max_tokens}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"AutoLanguage.temperature (--auto-temperature) must be a finite number >= 0 (0 is "
-                             f"greedy), got {self.temperature}")
-        if self.seed is not None and not 0 <= self.seed <= 2**32 - 1:
-            raise ValueError(f"AutoLanguage.seed (--auto-seed) must be in [0, 2**32 - 1], got {self.seed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +111,7 @@ def prepare(auto: AutoLanguage | None, engine, *, max_prompt_chars: int) -> Auto
     prompt = {"prompt": auto.prompt} if auto.prompt_tokens is None else {"prompt_tokens": list(auto.prompt_tokens)}
     try:  # the one request check (`check_requests`: the engine's limits), its refusal named by the option
         (req,) = requests.parse_language_requests(
-            [{**prompt, "max_tokens": max_tokens, "temperature": float(auto.temperature),
+            [{**prompt, "max_tokens": max_tokens, "temperature": auto.temperature,
               "adapter": auto.adapter, **({} if auto.seed is None else {"seed": auto.seed})}],
             max_requests=1, default_max_tokens=max_tokens, max_prompt_chars=max_prompt_chars)
         (req,) = requests.check_requests([req], getattr(engine, "tokenizer", None), limits=engine.limits)
@@ -141,6 +133,6 @@ def _refusal(auto: AutoLanguage, field: str, what: str) -> str:
                                          "token ids with --auto-language-ids"),
     }.get(field, (prompt_flag, "shorten the prompt or raise "
                                + ("--max-prompt-chars" if "characters" in what else "--prompt-capacity")))
-    if field == "prompt_tokens" and "token ids in" in what:  # an id outside the model's vocabulary
+    if field == "prompt_tokens" and "token ids" in what:  # not ids of this model: out of its vocabulary, or no integers
         fix = "use ids of this model's tokenizer"
     return f"{flag}: {what}; {fix}"

@@ -40,7 +40,7 @@ class BadRequest(ValueError):
     """A frame the server refuses; the text is sent back and the connection stays open.
 
     Attributes:
-      field: the language-request field a `check_requests` refusal names ("max_tokens", ...; `RequestError.field`).
+      field: the language-request field a refusal names ("max_tokens", ...; `RequestError.field`), "" for others.
     """
 
     def __init__(self, message: str, field: str = ""):
@@ -104,14 +104,14 @@ def deadline_s(sample: Mapping, *, max_ms: float) -> float | None:
     return min(float(value), max_ms) / 1e3
 
 
-def _name(value, where: str, what: str):
+def _name(value, where: str, what: str, field: str = ""):
     if isinstance(value, str):
         if len(value) > MAX_NAME_CHARS:
-            raise BadRequest(f"{where} has {len(value)} characters; at most {MAX_NAME_CHARS}")
+            raise BadRequest(f"{where} has {len(value)} characters; at most {MAX_NAME_CHARS}", field)
         return value
     if is_int(value):
         return int(value)
-    raise BadRequest(f"{where} must be {what}, got {short(value)}")
+    raise BadRequest(f"{where} must be {what}, got {short(value)}", field)
 
 
 def parse_language_requests(value, *, max_requests: int, default_max_tokens: int,
@@ -145,15 +145,15 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
         prompt, tokens = _prompt(req, where, max_prompt_chars)
         max_tokens = req.get("max_tokens", default_max_tokens)
         if not is_int(max_tokens):
-            raise BadRequest(f"{where}.max_tokens must be an integer, got {short(max_tokens)}")
+            raise BadRequest(f"{where}.max_tokens must be an integer, got {short(max_tokens)}", "max_tokens")
         for name, default in (("temperature", 0.0), ("top_p", 1.0)):
             x = req.get(name, default)
             if not _is_real(x):
-                raise BadRequest(f"{where}.{name} must be a number, got {short(x)}")
+                raise BadRequest(f"{where}.{name} must be a number, got {short(x)}", name)
         seed = req.get("seed")
         if seed is not None and not is_int(seed):
-            raise BadRequest(f"{where}.seed must be an integer, got {short(seed)}")
-        adapter = _name(req.get("adapter", "base"), f"{where}.adapter", "an adapter name")
+            raise BadRequest(f"{where}.seed must be an integer, got {short(seed)}", "seed")
+        adapter = _name(req.get("adapter", "base"), f"{where}.adapter", "an adapter name", "adapter")
         stop = req.get("stop_at_eos", True)
         if not isinstance(stop, (bool, np.bool_)):
             raise BadRequest(f"{where}.stop_at_eos must be true or false, got {short(stop)}")
@@ -168,17 +168,17 @@ def parse_language_requests(value, *, max_requests: int, default_max_tokens: int
     return out
 
 
-def _ids(value, where: str, limit: int) -> tuple[int, ...]:
+def _ids(value, where: str, limit: int, field: str = "") -> tuple[int, ...]:
     """A list of at most `limit` integers (their range against the vocabulary: `check_requests`). The count is
     read before any value, so a 4 MiB array costs a robot's frame microseconds, not the prep threads seconds."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and len(value) <= limit:
         value = value.tolist()
     if not isinstance(value, (list, tuple, np.ndarray)) or getattr(value, "ndim", 1) != 1:
-        raise BadRequest(f"{where} must be a list of token ids, got {short(value)}")
+        raise BadRequest(f"{where} must be a list of token ids, got {short(value)}", field)
     if len(value) > limit:
-        raise BadRequest(f"{where} has {len(value)} entries; at most {limit}")
+        raise BadRequest(f"{where} has {len(value)} entries; at most {limit}", field)
     if not all(is_int(t) for t in value):
-        raise BadRequest(f"{where} must be a list of token ids, got {short(value)}")
+        raise BadRequest(f"{where} must be a list of token ids, got {short(value)}", field)
     return tuple(int(t) for t in value)
 
 
@@ -190,7 +190,7 @@ def _prompt(req: Mapping, where: str, max_chars: int) -> tuple[str, tuple[int, .
     if prompt is not None and tokens is not None:
         raise BadRequest(f"{where}: give either prompt (text) or prompt_tokens (token ids), not both")
     if tokens is not None:
-        return "", _ids(tokens, f"{where}.prompt_tokens", max_chars)
+        return "", _ids(tokens, f"{where}.prompt_tokens", max_chars, "prompt_tokens")
     if not isinstance(prompt, str):
         raise BadRequest(f"{where}.prompt must be a string (e.g. 'Subtask: ') or a list of token ids "
                          f"(or give prompt_tokens), got {type(prompt).__name__}")
