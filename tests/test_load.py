@@ -74,7 +74,7 @@ def test_presets_give_seeded_random_weights_laid_out_for_the_backend():
     spec = mot.preset("tiny")
     m = load_model(preset=spec, seed=1)
     assert m.family == "multihead" and m.config == spec
-    assert leaves_equal(m.params, mot.for_backend(mot.init_model(spec, 1)))
+    assert leaves_equal(m.params, mot.for_backend(spec, mot.init_model(spec, 1)))
 
 
 def test_openpi_checkpoint_brings_its_norm_stats_and_the_tokenizer_beside_it(own_ckpt, tiny):
@@ -103,7 +103,7 @@ def test_hugging_face_qwen3_directory_is_a_language_model():
     assert m.config == mot.ModelSpec(backbone=ck.spec, heads=(), language=True, stop_ids=(eos,))
     assert m.stop_ids == m.vla().stop_ids == (eos,)
     assert m.params.vision is None and m.params.heads == {}
-    assert leaves_equal(m.params.decoder, mot.for_backend(mot.ModelParams(ck.decoder, None, {})).decoder)
+    assert leaves_equal(m.params.decoder, mot.for_backend(m.config, mot.ModelParams(ck.decoder, None, {})).decoder)
     assert m.tokenizer is None and m.norm_stats is None
 
 
@@ -114,8 +114,8 @@ def test_hugging_face_qwen3_vl_backbone_takes_random_heads():
     ck = hf.load(path)
     assert m.config.image_token_id == ck.config["image_token_id"] and m.config.heads == heads
     random = mot.init_model(mot.ModelSpec(backbone=ck.spec, heads=heads, image_token_id=m.config.image_token_id), 2)
-    assert leaves_equal(m.params.heads, mot.for_backend(random).heads)
-    assert leaves_equal(m.params.vision, mot.for_backend(mot.ModelParams(ck.decoder, ck.vision, {})).vision)
+    assert leaves_equal(m.params.heads, mot.for_backend(m.config, random).heads)
+    assert leaves_equal(m.params.vision, mot.for_backend(m.config, mot.ModelParams(ck.decoder, ck.vision, {})).vision)
 
 
 # --------------------------------------------------------------------------------------------

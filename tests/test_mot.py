@@ -105,7 +105,7 @@ def test_prefill_stores_only_the_read_layers_with_the_numbers_of_the_full_stack(
     spec = tiny["spec"].backbone
     decoder = tiny["params"].decoder
     if layout == "unstacked":
-        decoder = mot.for_backend(tiny["params"], "cpu").decoder
+        decoder = mot.for_backend(tiny["spec"], tiny["params"], "cpu").decoder
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((2, 12, 64)), jnp.float32)
     deepstack = jnp.asarray(rng.standard_normal((2, 2, 12, 64)), jnp.float32)

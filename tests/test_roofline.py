@@ -202,7 +202,7 @@ def test_xla_cost_analysis_of_single_layers():
     cfg = cfg.replace(vlm=one(cfg.vlm), action_expert=one(cfg.action_expert), siglip=one(cfg.siglip))
     m = rc.pi05(cfg)
     spec, params = pi05_model.as_model(jax.eval_shape(lambda: pi05_params.init_params(cfg, 0)))
-    params = jax.eval_shape(lambda p: mot.for_backend(p, "cpu"), params)
+    params = jax.eval_shape(lambda p: mot.for_backend(spec, p, "cpu"), params)
     obs = _obs(cfg)
     prefix = jax.eval_shape(lambda prm, x: mot.prefix_pass(spec, prm, x), params, obs)
     pool = _abstract_pool(mot.language_model(spec, params), 2, 44, 8)

@@ -161,7 +161,7 @@ def pi05(config: ModelConfig, num_steps: int = 10, name: str = "pi05", dtype: st
 
 def from_params(spec: ModelSpec, params: ModelParams, name: str) -> Model:
     """A loaded model (`MultiHead.params`, any layer layout, quantized leaves included): its stored dtypes."""
-    return Model(spec, jax.eval_shape(lambda p: mot.for_backend(p, "gpu"), params), name)
+    return Model(spec, jax.eval_shape(lambda p: mot.for_backend(spec, p, "gpu"), params), name)
 
 
 def count(tree) -> int:

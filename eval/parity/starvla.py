@@ -215,7 +215,7 @@ def run_fixture(fixture: Path) -> tuple[starvla.StarVLACheckpoint, list[Row]]:
     ref = dict(np.load(fixture / "reference.npz"))
     rows: list[Row] = []
     with jax.default_matmul_precision("float32"):
-        for layout, params in (("stacked", ck.params), ("unstacked", mot.for_backend(ck.params, "cpu"))):
+        for layout, params in (("stacked", ck.params), ("unstacked", mot.for_backend(ck.spec, ck.params, "cpu"))):
             chk = Checker(_tolerances(fixture), layout)
             check_layout(chk, ck, ref, params)
             rows += chk.rows

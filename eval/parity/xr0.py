@@ -128,7 +128,7 @@ def _run_fixture(fixture: Path) -> tuple[mot.ModelSpec, list[Row]]:
     args[0] = args[0][:, 0]  # state (B, 1, Ds): the one state token
     for layout, backend in (("stacked", "gpu"), ("unstacked", "cpu")):
         chk = Checker(_tolerance, layout)
-        out = jax.device_get(_run(mot.for_backend(ck.params, backend), spec, inputs, *args))
+        out = jax.device_get(_run(mot.for_backend(spec, ck.params, backend), spec, inputs, *args))
         kv_valid = am[:, :, None]  # ours [B, P, L, K, H] after the transpose below; compare real (b, t)
         for name, ours in (("k", out["k_all"]), ("v", out["v_all"])):
             ours = np.transpose(ours, (1, 2, 0, 3, 4))  # [L, B, P, K, H] -> [B, P, L, K, H]

@@ -441,8 +441,8 @@ def load_model(
             vocab = config.backbone.vocab_size
             stops = read_stop_ids(dirs, vocab, None if tokenizer is None else load_tokenizer(tokenizer))
             config = config.replace(stop_ids=stops)
-    lay_out = mot.for_backend if have == "multihead" else pi05_params.for_backend
-    model = LoadedModel(config=config, params=lay_out(params, backend), family=have, source=source, what=what,
+    params = mot.for_backend(config, params, backend) if have == "multihead" else pi05_params.for_backend(params, backend)
+    model = LoadedModel(config=config, params=params, family=have, source=source, what=what,
                         norm_stats=norm_stats, tokenizer=tokenizer, dataset_statistics=stats)
     return dataclasses.replace(model, io=_robot_io(model, dataset_key, lerobot_io, fast_codec))
 

@@ -193,8 +193,9 @@ def abstract_model(spec: ModelSpec, dtype: str = "float32") -> ModelParams:
     )
 
 
-def for_backend(params: ModelParams, backend: str | None = None) -> ModelParams:
-    """Layer stacks unstacked on the CPU backend (see `nn.layers.scan_layers`), stacked elsewhere."""
+def for_backend(spec: ModelSpec, params: ModelParams, backend: str | None = None) -> ModelParams:
+    """Layer stacks unstacked on the CPU backend (see `nn.layers.scan_layers`), stacked elsewhere; the decoder's
+    as its stack lays them out (`Stack.lay_out`)."""
     cpu = (backend or jax.default_backend()) == "cpu"
     layers = unstack_layers if cpu else stack_layers
     if isinstance(params.vision, Siglip):
@@ -202,9 +203,8 @@ def for_backend(params: ModelParams, backend: str | None = None) -> ModelParams:
     else:
         vision = params.vision and dataclasses.replace(params.vision, blocks=layers(params.vision.blocks))
     head = hd.unstack_head if cpu else hd.stack_head
-    dec_layers = params.decoder.layers  # Qwen3.5's stack is its own scan over layer groups on every backend
-    dec_layers = dec_layers if isinstance(dec_layers, qwen35.HybridLayers) else layers(dec_layers)
-    return ModelParams(decoder=dataclasses.replace(params.decoder, layers=dec_layers), vision=vision,
+    decoder = dataclasses.replace(params.decoder, layers=spec.stack.lay_out(params.decoder.layers, cpu))
+    return ModelParams(decoder=decoder, vision=vision,
                        heads={n: head(p) for n, p in params.heads.items()})
 
 

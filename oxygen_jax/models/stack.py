@@ -9,6 +9,7 @@ A `ModelSpec` chooses its stack once (`ModelSpec.stack`); mot then calls only:
     check_heads(backbone, heads)       one-line ValueError for a spec the stack cannot run
     check_mask(mask)                   host check of a prompt mask (`mot.make_inputs`)
     init(seed, dtype), abstract(dtype) the decoder's weights (random draws, or shapes only)
+    lay_out(layers, cpu)               the decoder's layer weights laid out for a backend (`mot.for_backend`)
     prefix_pass(decoder, x, ...)       the embedded prompt through every layer, as a `Prefix`
     language_model(decoder, stop_ids)  the stack as a `decoder.LanguageDecoder`
 
@@ -27,6 +28,7 @@ from oxygen_jax.models import backbone as bb
 from oxygen_jax.models.backbone import BackboneSpec, Decoder
 from oxygen_jax.models.decoder import AttentionDecoder, LanguageDecoder
 from oxygen_jax.models.prefix import Prefix
+from oxygen_jax.nn.layers import stack_layers, unstack_layers
 from oxygen_jax.nn.masks import last_valid_index
 
 
@@ -49,6 +51,11 @@ class Stack:
         raise NotImplementedError
 
     def abstract(self, dtype: str) -> Decoder:
+        raise NotImplementedError
+
+    def lay_out(self, layers, cpu: bool):
+        """`Decoder.layers` in the layout this stack runs fastest on a backend (`cpu`: XLA's CPU backend, else an
+        accelerator); the same weights, a no-op when they are laid out so already."""
         raise NotImplementedError
 
     def prefix_pass(self, decoder: Decoder, x, positions, input_mask, next_position, *, kv_layers: tuple[int, ...],
@@ -89,6 +96,10 @@ class AttentionStack(Stack):
 
     def abstract(self, dtype: str) -> Decoder:
         return bb.abstract_decoder(self.backbone, dtype)
+
+    def lay_out(self, layers, cpu: bool):
+        """Per-layer buffers on the CPU, one stack elsewhere (`nn.layers.scan_layers`)."""
+        return unstack_layers(layers) if cpu else stack_layers(layers)
 
     def prefix_pass(self, decoder, x, positions, input_mask, next_position, *, kv_layers, hidden_layers, last_hidden,
                     deepstack=None) -> Prefix:

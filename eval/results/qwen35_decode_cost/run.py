@@ -34,6 +34,7 @@ from oxygen_jax.models.decoder import AttentionDecoder, LanguageDecoder
 from oxygen_jax.models.qwen35 import decoder as qwen35_decoder
 from oxygen_jax.models.qwen35 import model as qwen35
 from oxygen_jax.models.prefix import Prefix
+from oxygen_jax.models.stack import AttentionStack
 from oxygen_jax.runtime import decode
 
 VOCAB = 16_384
@@ -47,13 +48,13 @@ def models() -> dict[str, LanguageDecoder]:
     lanes = dataclasses.replace(q, step_sums="four_lanes")  # decode steps summed as transformers' at AVX2 MKL
     return {"qwen35_hybrid": qwen35_decoder.language_model(q, qwen35.init_decoder(q, 0)),
             "qwen35_hybrid_four_lanes": qwen35_decoder.language_model(lanes, qwen35.init_decoder(lanes, 0)),
-            "attention_only": AttentionDecoder(decoder=_for_backend(backbone.init_decoder(a, 0)), spec=a)}
+            "attention_only": AttentionDecoder(decoder=_for_backend(backbone.init_decoder(a, 0), a), spec=a)}
 
 
-def _for_backend(dec: backbone.Decoder) -> backbone.Decoder:
+def _for_backend(dec: backbone.Decoder, spec: backbone.BackboneSpec) -> backbone.Decoder:
     """The attention stack as the runtime lays it out (`mot.for_backend`: unrolled on CPU); the hybrid's
     stack is a scan over its layer groups everywhere."""
-    return dataclasses.replace(dec, layers=mot.for_backend(mot.ModelParams(decoder=dec, vision=None, heads={})).decoder.layers)
+    return dataclasses.replace(dec, layers=AttentionStack(spec).lay_out(dec.layers, jax.default_backend() == "cpu"))
 
 
 def _prefix(lm: LanguageDecoder, batch: int, length: int) -> Prefix:

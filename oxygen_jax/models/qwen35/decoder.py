@@ -141,6 +141,10 @@ class HybridStack(Stack):
     def abstract(self, dtype: str) -> Decoder:
         return qwen35.abstract_decoder(self.spec, dtype)
 
+    def lay_out(self, layers, cpu: bool):
+        """As they are on every backend: the stack is its own scan over layer groups."""
+        return layers
+
     def prefix_pass(self, decoder, x, positions, input_mask, next_position, *, kv_layers, hidden_layers, last_hidden,
                     deepstack=None) -> Prefix:
         # Qwen3.5's ViT has no DeepStack (`deepstack` stays None); with language the full layers' K/V are kept,
