@@ -183,7 +183,8 @@ def test_served_over_openpis_protocol_the_reply_is_the_decoded_chunk_with_langua
     stream = ActionStream(horizon=4, action_dim=7, stop_ids=(1,), max_tokens=6, decode=vla.stream.decode)
     tok, robot = train_demo_tokenizer(), robot_config("libero", max_token_len=16)
     engine = Engine(dataclasses.replace(vla, stream=stream),
-                    EngineConfig(num_slots=2, max_new_tokens=6, prompt_capacity=2, tokens_per_frame=3), tokenizer=tok,
+                    EngineConfig(num_slots=2, max_new_tokens=6, request_max_tokens=4, prompt_capacity=2,
+                                 tokens_per_frame=3), tokenizer=tok,
                     streams=StreamConfig(slots=1, on_failure="zeros"))
     server = PolicyServer(engine, tok, robot, ServeConfig(host="127.0.0.1", port=0, buckets=(1,), seed=0))
     with ServerThread(server) as handle:
@@ -191,6 +192,7 @@ def test_served_over_openpis_protocol_the_reply_is_the_decoded_chunk_with_langua
         with connect(f"ws://127.0.0.1:{handle.port}", compression=None, max_size=None) as ws:
             meta = wire.unpack(ws.recv())
             assert meta["action_horizon"] == 4 and "decoded tokens" in meta["noise"]["rule"]
+            assert meta["language"]["max_tokens"] == 4  # a request's cap, not the chunk-sized slots' 6
             sample = transforms.synthetic_sample(robot, np.random.default_rng(0), prompt="pick up the cube")
             ws.send(wire.pack({**sample, "language_requests": [{"prompt": "ab", "max_tokens": 3, "stop_at_eos": False}]}))
             reply = wire.unpack(ws.recv())

@@ -248,7 +248,7 @@ class PolicyServer:
             "devices": self.worker.num_devices,
             "step_ms": {str(b): round(ms, 3) for b, ms in self.batcher.warmup_ms.items()},  # warm-up, per batch size
             "deadline_ms": self.config.deadline_ms, "max_message_bytes": self.config.max_message_bytes,
-            "language": {"field": "language_requests", "max_tokens": e.max_new_tokens,
+            "language": {"field": "language_requests", "max_tokens": self.engine.limits.max_new_tokens,
                          "prompt_capacity": e.prompt_capacity, "max_requests": self.config.max_requests_per_robot,
                          "adapters": sorted(self.engine.limits.adapters),
                          "text_prompts": getattr(self.engine, "tokenizer", None) is not None,
