@@ -213,18 +213,25 @@ fi
 
 # quant (issue 43): the saved weights quantized to int8 and to fp8 (python -m oxygen_jax.quantize, all layer
 # weights), each run by eval.bench in the model dtype (continuous, LIBERO, the settings step's sizes; components:
-# prefix pass, denoise, decode step at B = 1, 6, 64), set beside the settings step's run in summary.md.
-# Smoke runs leave it out unless DEVICE_CHECK_QUANT=1 (two more compiles).
+# prefix pass, denoise, decode step at B = 1, 6, 64), set beside the settings step's run in summary.md. Then
+# matmul_int8 / matmul_fp8: the same quantized weights dequantized (float), weight-only and, where the device has
+# the product (nn.quant.native_dots: fp8 from compute capability 8.9), int8 x int8 / fp8 x fp8 on activations
+# quantized per row, side by side in one process (python -m eval.quant_matmul: prefix pass, action chunk, decode
+# step at B = 1, 64). Smoke runs leave them out unless DEVICE_CHECK_QUANT=1 (more compiles).
 if [ "$SMOKE" = 1 ]; then
   QUANT_SIZES=(--S 1 --N 2 --k 1 --frames 1 --warmup 0 --component-repeats 1 --component-batches 1)
+  MATMUL_SIZES=(--batches 1 --repeats 1)
 else
   QUANT_SIZES=(--S 10 --N 30 --k 5 --frames 20 --component-batches 1,6,64)
+  MATMUL_SIZES=(--batches 1 64 --repeats 10)
 fi
 if [ -n "$PY" ] && [ -d "$WEIGHTS" ] && { [ "$SMOKE" = 0 ] || [ "${DEVICE_CHECK_QUANT:-0}" = 1 ]; }; then
   for QW in int8 fp8; do
     step "quant_$QW" 150 bash -c '"$1" -m oxygen_jax.quantize --ckpt "$2" --out "$3" --weights "$4" && "$1" -m eval.bench \
 --ckpt "$3" --dtype "$5" --workloads libero --no-progress --settings continuous "${@:7}" --out "$6"' _ "$PY" "$WEIGHTS" \
       "$WORK/weights_$QW" "$QW" "$DTYPE" "$OUT_DIR/quant_$QW" "${QUANT_SIZES[@]}"
+    [ -d "$WORK/weights_$QW" ] && step "matmul_$QW" 150 "$PY" -m eval.quant_matmul --ckpt "$WORK/weights_$QW" \
+      --dtype "$DTYPE" "${MATMUL_SIZES[@]}" --out "$OUT_DIR/matmul_$QW"
   done
 fi
 
@@ -416,6 +423,9 @@ for r in rows[1:]:
 print()
 QEOF
 fi
+for MM in "$OUT_DIR"/matmul_*/report.md; do  # the matmul modes' tables, as eval.quant_matmul wrote them
+  [ -f "$MM" ] && { sed 's/^# /## /' "$MM"; echo; } >> "$OUT_DIR/summary.md"
+done
 echo "device_check: summary in $OUT_DIR/summary.md"
 
 if [ -n "$TAR" ]; then tar -czf "$TAR" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"; fi
