@@ -41,7 +41,7 @@ def test_rng_driven_loss_reproduces_openpi_draws():
     noise, time = model.sample_noise_and_time(jax.random.key(seed), ref["loss/actions"].shape)
     np.testing.assert_allclose(noise, ref["loss/noise"], atol=1e-6)
     np.testing.assert_allclose(time, ref["loss/time"], atol=1e-6)
-    obs = openpi_parity._observation(ref)
+    obs = openpi_parity.observation_of(ref)
     loss = model.compute_loss_rng(params, jax.random.key(seed), obs, jnp.asarray(ref["loss/actions"]))
     np.testing.assert_allclose(loss, ref["loss/loss"], atol=5e-4)
 
@@ -50,7 +50,7 @@ def test_dropping_the_masked_camera_of_a_fixture_row_reproduces_openpi_actions()
     fx = openpi_fixture()
     ref = np.load(fx / "reference.npz")
     _, params = load_openpi_params(fx / "params")
-    obs = openpi_parity._observation(ref)
+    obs = openpi_parity.observation_of(ref)
     row = 1  # its left wrist camera is masked in the fixture
     assert not ref["image_mask/left_wrist_0_rgb"][row]
     keep = [0, 2]
