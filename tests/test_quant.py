@@ -221,6 +221,11 @@ def test_a_forced_matmul_mode_is_refused_where_the_device_or_the_weights_lack_it
     with pytest.raises(ValueError, match="this model has none"):
         quant.start_matmul(tiny[1], "int8", jax.devices()[0])
     assert quant.start_matmul(tiny[1], "auto", jax.devices()[0]) == (tiny[1], "")  # a float model: untouched
+    assert quant.weights_info(tiny[1]) == {"quantized": None}
+    if jax.devices()[0].platform == "cpu":  # what run prints and serve's metadata says on this CPU
+        q, line = quant.start_matmul(quant.quantize_tree(tiny[1], "int8", ("mlp",)), "auto", jax.devices()[0])
+        assert line == "int8 weights, int8 matmuls (auto on cpu)"
+        assert quant.weights_info(q) == {"quantized": "int8", "matmul": {"int8": 4, "weight_only": 2}}  # SigLIP's 2
 
 
 # --------------------------------------------------------------------------------------------

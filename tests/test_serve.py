@@ -289,6 +289,7 @@ def test_unmodified_openpi_client_gets_engine_step_actions_and_language_extras(t
     meta = client.get_server_metadata()
     assert (meta["action_horizon"], meta["action_dim"], meta["noise"]["seed"]) == (HA, 7, SEED)
     assert meta["language"]["adapters"] == ["base"]  # the engine's limits: its one list of adapter names
+    assert meta["weights"] == {"quantized": None}  # float weights (a quantized model: its dtype and matmul modes)
     sample = _sample(0)
     reply = client.infer(sample)
     assert reply["actions"].shape == (HA, 7) and reply["stream"] == meta["stream"]

@@ -498,3 +498,11 @@ def start_matmul(tree, requested: str, device) -> tuple[Any, str]:
     how = "auto" if requested == "auto" else "forced"
     cc = f", compute capability {'.'.join(map(str, dev.capability))}" if dev.capability else ""
     return with_matmul(tree, mode), f"{weights} weights, {mode} matmuls ({how} on {dev.kind}{cc})"
+
+
+def weights_info(tree) -> dict:
+    """What a server's metadata says of its weights: {"quantized": None} for a float model, else the weights'
+    dtype and how many quantized leaves each matmul mode reads, e.g. {"quantized": "int8", "matmul": {"int8": 10,
+    "weight_only": 8}}."""
+    weights = quantized_weights(tree)
+    return {"quantized": weights} | ({"matmul": matmul_summary(tree)} if weights else {})

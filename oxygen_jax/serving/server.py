@@ -56,7 +56,8 @@ Extensions, ignored by clients that do not use them (openpi's client passes extr
 * Automatic requests (`ServeConfig.auto_language`, `serving.auto_language`): the server opens a language
   request for each observation, unasked ("accepted" entry with "auto": true), answered as above.
 * Metadata: {"server": "oxygen_jax", "stream", "robot", "action_horizon", "action_dim", "batch_sizes",
-  "devices", "step_ms" (steady step time per batch size, measured at warm-up), "deadline_ms",
+  "devices", "weights" ({"quantized": None}, or its dtype and each matmul mode's leaf count: `nn.quant.weights_info`),
+  "step_ms" (steady step time per batch size, measured at warm-up), "deadline_ms",
   "max_message_bytes", "language": {...limits}, "noise": {"seed", "rule"}}, plus "reset_pose" for
   ALOHA (what openpi's ALOHA configs send) and "speculative": {"draft_tokens", "drafter", "verify_cost"}
   when the engine decodes speculatively (its drafts so far: `/healthz`, `/metrics`).
@@ -89,6 +90,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from oxygen_jax.nn import quant
 from oxygen_jax.robots.config import RobotConfig
 from oxygen_jax.runtime.speculative import DRAFTER
 from oxygen_jax.serving import auto_language, health, requests, rtc_session, wire
@@ -245,7 +247,7 @@ class PolicyServer:
         meta = {
             "server": "oxygen_jax", "protocol": 1, "stream": stream.id, "robot": r.name,
             "action_dim": r.action_dim, "batch_sizes": list(self.config.buckets),
-            "devices": self.worker.num_devices,
+            "devices": self.worker.num_devices, "weights": quant.weights_info(self.engine.vla.params),
             "step_ms": {str(b): round(ms, 3) for b, ms in self.batcher.warmup_ms.items()},  # warm-up, per batch size
             "deadline_ms": self.config.deadline_ms, "max_message_bytes": self.config.max_message_bytes,
             "language": {"field": "language_requests", "max_tokens": self.engine.limits.max_new_tokens,
