@@ -259,12 +259,15 @@ def main(argv=None) -> int:
           + (", ".join(f"{n} [{ha} x {ad}]" for n, (ha, ad) in heads.items()) or "none (language only)")
           + f"; backend {jax.default_backend()} ({jax.devices()[0].device_kind})")
 
-    eng = Engine(vla, EngineConfig(
-        num_slots=args.slots, max_new_tokens=pool_tokens(vla, max_new, args.chunk_max_tokens),
-        prompt_capacity=max(len(ids) if ids is not None else len(toks.text.encode(prompt)), 1),
-        tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost, action_horizon=robot.action_horizon,
-        kv_cache=args.kv_cache,
-        seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names, streams=streams)
+    try:  # e.g. --kv-cache int8 for a model whose action chunks decode in the pool: one line
+        eng = Engine(vla, EngineConfig(
+            num_slots=args.slots, max_new_tokens=pool_tokens(vla, max_new, args.chunk_max_tokens),
+            prompt_capacity=max(len(ids) if ids is not None else len(toks.text.encode(prompt)), 1),
+            tokens_per_frame=args.tokens_per_frame, speculate=args.speculate, verify_cost=args.verify_cost,
+            action_horizon=robot.action_horizon, kv_cache=args.kv_cache,
+            seed=args.seed), tokenizer=toks.text, bank=bank, adapter_names=adapter_names, streams=streams)
+    except ValueError as e:
+        return _fail(str(e))
     codec = make_codec(eng, robot, toks.rows, io=io, **rows)  # the server's: client sample -> model rows
 
     def observation(f: int):
