@@ -26,7 +26,7 @@ import numpy as np
 
 from oxygen_jax.ckpts import openpi, openpi_fast, own
 from oxygen_jax.ckpts.adapters import base_fingerprint
-from oxygen_jax.ckpts.leaf_stream import mapped_pieces
+from oxygen_jax.ckpts.leaf_stream import aligned_empty, mapped_pieces
 from oxygen_jax.ckpts.load import TOKENIZER_FILE, find_tokenizer, load_model, source_kind
 from oxygen_jax.ckpts.orbax_io import CheckpointError
 from oxygen_jax.ckpts.own import save_flat, stored_config
@@ -58,7 +58,7 @@ def quantize_checkpoint(ckpt: Path, out: Path, weights: quant.WeightDType, layer
         del params
     provenance = {"source": str(Path(ckpt).expanduser().resolve()), "source_fingerprint": base_fingerprint(ckpt),
                   "layers": list(layers), "tool": "python -m oxygen_jax.quantize"}
-    dest = save_flat(out, flat, config, overwrite=overwrite, provenance=provenance)
+    dest = save_flat(out, flat, config, overwrite=overwrite, provenance=provenance, lean=streamed is not None)
     src = Path(ckpt).expanduser().resolve()
     assets = next((d / "assets" for d in (src, src.parent) if (d / "assets").is_dir()), None)
     if assets is not None:
@@ -103,7 +103,7 @@ def _streamed(ckpt: Path, weights: quant.WeightDType, kinds: tuple) -> tuple[dic
             if rule is None:
                 flat[k] = next(iter(read(k, False)))
                 continue
-            values = np.empty(shape, quant.STORED_DTYPE[weights])
+            values = aligned_empty(shape, quant.STORED_DTYPE[weights])  # written without a copy (`own.save_flat`)
             scale = np.empty(quant.scale_shape(shape, rule.axes), np.float32)
             per_layer = k in LAYER_STACKED
             for i, piece in enumerate(read(k, per_layer)):

@@ -221,9 +221,15 @@ def save_params(
 
 
 def save_flat(path: PathLike, flat: Mapping[str, Any], config: ModelConfig, *, overwrite: bool = False,
-              provenance: Mapping[str, Any] | None = None) -> Path:
+              provenance: Mapping[str, Any] | None = None, lean: bool = False) -> Path:
     """`save_params` of a flat {openpi path: array or `QArray`} dict (host or device arrays): what a writer that
-    never builds `Params` hands over (`python -m oxygen_jax.quantize` streams its source into one)."""
+    never builds `Params` hands over (`python -m oxygen_jax.quantize` streams its source into one).
+
+    `lean`: orbax gets device arrays over the host buffers (on a CPU `jax.device_put` keeps a 64-byte-aligned
+    buffer, `leaf_stream.aligned_empty`, instead of copying it) and writes them uncompressed, so the write holds no
+    second copy of the arrays: orbax stages a copy of every numpy array and a compressed copy of every array at
+    once (2x the arrays above them, measured). The same arrays and checksums either way (zstd only on disk).
+    """
     dest = Path(path).expanduser().resolve()  # orbax refuses relative paths
     if dest.exists() and not overwrite:
         raise FileExistsError(f"checkpoint directory already exists: {dest} (pass overwrite=True to replace it)")
@@ -233,29 +239,36 @@ def save_flat(path: PathLike, flat: Mapping[str, Any], config: ModelConfig, *, o
     if provenance is not None and not quant:
         raise ValueError("provenance= describes quantized leaves, and these parameters have none")
     flat = {k: np.asarray(v) for k, v in flat.items() if k not in quant}  # one device-to-host copy, hashed and written
+    # Written by this process alone (in a multi-process run the others never reach orbax's barriers).
+    only_me = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(), active_processes={jax.process_index()})
+    save, put, handlers = ocp.args.StandardSave, (lambda a: a), {}
+    if lean:
+        save, put = ocp.args.PyTreeSave, jax.device_put
+        handlers = {name: ocp.PyTreeCheckpointHandler(use_compression=False, multiprocessing_options=only_me)
+                    for name in ("params", "quantized")[:1 + bool(quant)]}
+        handlers |= {name: ocp.JsonCheckpointHandler(multiprocessing_options=only_me)
+                     for name in ("config", "checksums", "quantization")[:2 + bool(quant)]}
     items = {}
     if quant:
         kinds = {weight_dtype_of(q.values.dtype) for q in quant.values()}
         if len(kinds) > 1:
             raise ValueError(f"a checkpoint holds one kind of quantized weights, these mix {sorted(kinds)}")
-        items["quantized"] = ocp.args.StandardSave({
-            "values": _nested({k: q.values for k, q in quant.items()}),
-            "scales": _nested({k: q.scale for k, q in quant.items()})})
+        items["quantized"] = save({
+            "values": _nested({k: put(q.values) for k, q in quant.items()}),
+            "scales": _nested({k: put(q.scale) for k, q in quant.items()})})
         items["quantization"] = ocp.args.JsonSave({
             "format": _QUANT_FORMAT, "weights": kinds.pop(), "leaves": sorted(quant), "provenance": dict(provenance or {})})
     # The synchronous Checkpointer has finished writing when save() returns (the async ones need
     # wait_until_finished()).
-    # Written by this process alone (in a multi-process run the others never reach orbax's barriers).
-    only_me = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(), active_processes={jax.process_index()})
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(
-        composite_options=ocp.CompositeOptions(multiprocessing_options=only_me)), multiprocessing_options=only_me)
+        composite_options=ocp.CompositeOptions(multiprocessing_options=only_me), **handlers), multiprocessing_options=only_me)
     try:
         checkpointer.save(
             dest,
             args=ocp.args.Composite(
-                params=ocp.args.StandardSave(_nested_openpi(flat)),
+                checksums=ocp.args.JsonSave(_checksums(flat | _quantized_flat(quant))),  # of the host bytes
+                params=save(_nested_openpi({k: put(v) for k, v in flat.items()})),
                 config=ocp.args.JsonSave(_config_to_json(config)),
-                checksums=ocp.args.JsonSave(_checksums(flat | _quantized_flat(quant))),
                 **items,
             ),
             force=overwrite,
