@@ -52,6 +52,8 @@ from oxygen_jax.cli import OneLineParser
 
 SETTINGS = (("int8", ("attn", "mlp")), ("int8", ("mlp",)), ("fp8", ("attn", "mlp")), ("fp8", ("mlp",)))
 FAMILY_SETTINGS = (("int8", ("attn", "mlp")), ("fp8", ("attn", "mlp")))
+EMBED_SETTINGS = (("int8", ("attn", "mlp", "embed")), ("fp8", ("attn", "mlp", "embed")))  # `cost --embed`: the
+# token embedding / LM head quantized too (per vocabulary row), for the demo and the fixtures alike
 FIXTURES = {  # the public fixture of every family `load_model` reads: directory -> the family's name
     "openpi_tiny_pi05": "π0.5 (openpi)", "lerobot_tiny_pi05": "π0.5 (LeRobot)", "openpi_tiny_pi0": "π0 (openpi)",
     "lerobot_tiny_pi0": "π0 (LeRobot)", "openpi_tiny_pi0_fast": "π0-FAST (openpi)", "qwen3_tiny": "Qwen3",
@@ -195,7 +197,7 @@ def _demo_text_and_time(demo, variants: dict, frames_timed: int) -> dict:
     return out
 
 
-def run_cost(frames_timed: int) -> dict:
+def run_cost(frames_timed: int, settings=SETTINGS) -> dict:
     import jax
 
     from oxygen_jax.ckpts.load import load_model
@@ -207,7 +209,7 @@ def run_cost(frames_timed: int) -> dict:
     sources = {}
     demo = load_demo()
     params = stack_layers(demo.params)
-    variants = _variants(params)
+    variants = _variants(params, settings)
     obs = make_observation(demo.robot, demo.config, demo.tokenizer, demo.samples())
     rec = {"what": "embedded demo (trained base, held-out frames)", "frames": len(demo.frames),
            "settings": _compare(run, params, variants, jax.tree.map(jax.numpy.asarray, obs), 0),
@@ -300,7 +302,7 @@ def _load_options(path: Path) -> dict:
     return {"vision_heads": int(heads)} if heads else {}
 
 
-def family_cost(path: Path, seed: int = 0) -> dict:
+def family_cost(path: Path, seed: int = 0, settings=FAMILY_SETTINGS) -> dict:
     """One fixture: int8 and fp8 (all layer weights) against float32 through `LoadedModel.vla()`: every head's
     actions (same inputs and noise; relative to the float32 chunk's RMS, the worst head) and teacher-forced
     greedy tokens (the share identical to float32's and each row's first divergence)."""
@@ -320,12 +322,12 @@ def family_cost(path: Path, seed: int = 0) -> dict:
     request = rng.integers(0, hi, (_BATCH, _REQUEST_TOKENS)).astype(np.int32)
     run = _vla_program()
     ref_a, ref_t = jax.device_get(run(vla, inputs, noises, states, request))
-    cover = _coverage(model.params, ("attn", "mlp"))
+    cover = _coverage(model.params, tuple(dict.fromkeys(k for _, kinds in settings for k in kinds)))
     rec = {"what": f"{FIXTURES.get(path.name, path.name)}: {model.what}", "family": model.family,
            "heads": list(vla.heads), "language": vla.has_language, "coverage": cover, "settings": {}}
     if not cover["quantized_leaves"]:
         return rec
-    for weights, kinds in FAMILY_SETTINGS:
+    for weights, kinds in settings:
         from oxygen_jax.nn import quant
 
         qparams = quant.quantize_tree(model.params, weights, kinds)
@@ -346,7 +348,7 @@ def family_cost(path: Path, seed: int = 0) -> dict:
     return rec
 
 
-def run_family_cost(names=tuple(FIXTURES)) -> dict:
+def run_family_cost(names=tuple(FIXTURES), settings=FAMILY_SETTINGS) -> dict:
     """`family_cost` of each fixture in ../shared/fixtures (a missing one, or one that fails to load, says so)."""
     shared = REPO.parent / "shared" / "fixtures"
     out = {}
@@ -357,7 +359,7 @@ def run_family_cost(names=tuple(FIXTURES)) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            out[name] = family_cost(path)
+            out[name] = family_cost(path, settings=settings)
         except Exception as e:  # noqa: BLE001 - reported in the table, not skipped
             out[name] = {"what": FIXTURES.get(name, name), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         out[name]["seconds"] = time.perf_counter() - t0
@@ -525,14 +527,15 @@ def plot(summary: dict, path: Path) -> None:
         x = np.arange(len(names))
         for ax, key, title in zip(axes[3 * bool(cost):], ("mean_rel", "tokens_teacher_forced"),
                                   ("every family: actions mean |Δ| / RMS", "every family: teacher-forced tokens")):
-            for i, (w, k) in enumerate(FAMILY_SETTINGS):
-                vals = [(fam[f]["settings"].get(_name(w, k), {}).get(key) or 0.0) for f in names]
-                ax.bar(x + i * 0.4, vals, 0.4, label=_name(w, k))
+            settings = list(dict.fromkeys(s for f in names for s in fam[f]["settings"]))  # as measured
+            for i, setting in enumerate(settings):
+                vals = [(fam[f]["settings"].get(setting, {}).get(key) or 0.0) for f in names]
+                ax.bar(x + i * 0.8 / len(settings), vals, 0.8 / len(settings), label=setting)
             ax.set_title(title, fontsize=10)
             ax.set_xticks(x + 0.2, names, rotation=60, fontsize=7, ha="right")
             ax.legend(fontsize=7)
     if cost:
-        names = [_name(w, k) for w, k in SETTINGS]
+        names = list(next(iter(cost.values()))["settings"])  # the settings measured
         x = np.arange(len(names))
         width = 0.8 / len(cost)
         panels = (("mean_rel", "actions: mean |Δ| / action RMS (vs float32)"),
@@ -576,6 +579,8 @@ def main(argv=None) -> int:
                     help="cost, families: only these fixtures; their rows replace those of an existing OUT/summary.json "
                          "(the other rows are kept as measured, the re-run recorded beside them)")
     ap.add_argument("--frames", type=int, default=8, help="cost: timed demo frames per setting (interleaved)")
+    ap.add_argument("--embed", action="store_true", help="cost: int8 / fp8 on attention + MLP + the token embedding "
+                    "(the tied LM head) in place of the default settings")
     ap.add_argument("--ckpt", type=Path, default=None, help="memory: the random full-size checkpoint (written if "
                     "absent; its quantized copies go beside it as CKPT_int8, CKPT_fp8)")
     ap.add_argument("--preset", default="pi05", choices=("tiny", "bench", "pi05"), help="memory: the model size")
@@ -605,9 +610,10 @@ def main(argv=None) -> int:
         "cpu_count": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}}
     if args.what == "cost":
         if "demo" in args.sources:
-            summary["cost"] = run_cost(args.frames)
+            summary["cost"] = run_cost(args.frames, EMBED_SETTINGS if args.embed else SETTINGS)
         if "families" in args.sources:
-            summary["families"] = run_family_cost(tuple(args.fixtures or FIXTURES))
+            summary["families"] = run_family_cost(tuple(args.fixtures or FIXTURES),
+                                                  EMBED_SETTINGS if args.embed else FAMILY_SETTINGS)
         if args.fixtures and (args.out / "summary.json").is_file():
             summary = _merge_rerun(json.loads((args.out / "summary.json").read_text()), summary)
     else:
