@@ -569,9 +569,11 @@ def _merge_rerun(old: dict, new: dict) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["kv"]:  # quantized K/V in the slot pool: its own module and flags (which imports this one)
+        return subprocess.call([sys.executable, "-m", "eval.quant_kv", *argv[1:]], cwd=REPO)
     ap = OneLineParser(prog="python -m eval.quant", description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", nargs="?", choices=("cost", "memory", "kv"), default="cost",
-                    help="kv: quantized K/V in the slot pool (eval.quant_kv)")
+    ap.add_argument("what", nargs="?", choices=("cost", "memory"), default="cost")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sources", nargs="+", default=["demo", "families"], choices=("demo", "families"),
                     help="cost: the embedded demo and / or every family's public fixture")
@@ -589,8 +591,6 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", nargs="+", default=["int8", "fp8"], choices=("int8", "fp8"),
                     help="memory: the quantized copies measured beside the float source")
     ap.add_argument("--frames-after", type=int, default=0, help="with --measure: robot-loop steps after loading")
-    ap.add_argument("--skip-demo", action="store_true", help="kv: the families only")
-    ap.add_argument("--skip-time", action="store_true", help="kv: no CPU decode-step timing")
     ap.add_argument("--measure", nargs=2, metavar=("CKPT", "DTYPE"), help=argparse.SUPPRESS)  # the child processes
     args = ap.parse_args(argv)
     if args.measure:
@@ -598,10 +598,6 @@ def main(argv=None) -> int:
         return 0
     if args.out is None:
         ap.error("--out DIR is required")
-    if args.what == "kv":
-        from eval import quant_kv
-
-        return quant_kv.main(args)
     if args.fixtures and (args.what != "cost" or args.sources != ["families"]):
         ap.error("--fixtures re-runs family rows only: use it with `cost --sources families`")
     summary = {"environment": {

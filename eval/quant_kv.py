@@ -1,6 +1,7 @@
 """The cost of quantized K/V in the decode slot pool (`init_pool(..., kv_cache="int8" | "fp8")`, `nn.kv_quant`).
 
     python -m eval.quant kv --out eval/results/quant_kv [--fixtures qwen3_tiny ...] [--skip-demo] [--skip-time]
+    (the same as python -m eval.quant_kv ...)
 
 Against the same model's pool with float K/V, same prefix, requests and greedy sampling:
 
@@ -33,6 +34,7 @@ import numpy as np
 
 from eval.quant import FIXTURES, _load_options, _vla_inputs, token_agreement
 from eval.restore_memory import REPO
+from oxygen_jax.cli import OneLineParser
 from oxygen_jax.runtime import decode
 
 KINDS = ("int8", "fp8")
@@ -370,12 +372,18 @@ def plot(s: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(args) -> int:
-    """`python -m eval.quant kv` (its parsed arguments: out, fixtures, skip_demo, skip_time)."""
+def main(argv=None) -> int:
+    ap = OneLineParser(prog="python -m eval.quant kv", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--fixtures", nargs="+", choices=tuple(FIXTURES), default=None, help="only these fixtures")
+    ap.add_argument("--skip-demo", action="store_true", help="the families only")
+    ap.add_argument("--skip-time", action="store_true", help="no CPU decode-step timing")
+    args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    s = {"environment": {"command": " ".join(["python -m eval.quant", *sys.argv[1:]]), "commit": commit,
-                         "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform.platform(),
-                         "cpu_count": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}}
+    s = {"environment": {"command": " ".join(["python -m eval.quant kv", *(sys.argv[1:] if argv is None else argv)]),
+                         "commit": commit, "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                         "platform": platform.platform(), "cpu_count": os.cpu_count(),
+                         "load_average": [round(x, 2) for x in os.getloadavg()]}}
     s["full_size"] = full_size_bytes()
     if not args.skip_demo:
         s["demo"] = demo_kv()
@@ -389,3 +397,7 @@ def main(args) -> int:
     plot(s, args.out / "kv.png")
     print(report(s))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
