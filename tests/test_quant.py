@@ -155,34 +155,43 @@ def test_layer_loop_dequantizes_stacked_and_unstacked_layers_alike(tiny):
     np.testing.assert_allclose(np.asarray(run(quant.dequantize_tree(layers))), stacked, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("weights", ["int8", "fp8"])
-def test_dynamic_products_are_the_products_of_the_dequantized_operands(weights):
+@jax.jit
+def _helper_products(x, weights):
+    """Every projection helper's output for each mode's weights {mode: (heads, out, down, table)}, and the rows of
+    its activations quantized as the helpers quantize them (x [3, 5, 16]; one program for both modes)."""
+    got = {}
+    for mode, (heads, out, down, table) in weights.items():
+        a, h = x.reshape(3, 5, 2, 8), x.reshape(15, 16)
+        got[mode] = {"heads": layers.project_heads(x, heads), "merge": layers.merge_heads(a, out), "down": x @ down,
+                     "logits": layers.vocab_logits(h, table), "vocab_major": layers.vocab_logits(h, table, True),
+                     "rows": quant.quantize_rows(h, mode)}
+    return got
+
+
+def test_dynamic_products_are_the_products_of_the_dequantized_operands():
     """Every projection helper (the choke point) gives x's rows quantized times the stored values, both scales
-    applied: float64 products of the dequantized operands, to float32 rounding (eager, nothing compiled)."""
+    applied: float64 products of the dequantized operands, to float32 rounding."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((3, 5, 16)).astype(np.float32) * np.float32([[[1]], [[30]], [[1e-3]]]))
-    xq, sx = quant.quantize_rows(x, weights)
-    x_deq = np.asarray(xq, np.float64) * np.asarray(sx, np.float64)  # [3, 5, 16]
-    mode = lambda q: dataclasses.replace(jax.tree.map(jnp.asarray, q), matmul=weights)  # noqa: E731
-    deq = lambda q: np.asarray(q.values, np.float64) * np.asarray(q.scale, np.float64)  # noqa: E731
     w = lambda *shape: rng.standard_normal(shape).astype(np.float32) * np.exp(rng.uniform(-3, 2, shape[-1:]))  # noqa: E731
-    heads = mode(quant.quantize(w(4, 16, 8), weights, axes=(-2,)))  # [N, D, H]
-    got = np.asarray(layers.project_heads(x, heads))  # [3, 5, N, H]
-    np.testing.assert_allclose(got, np.einsum("btd,ndh->btnh", x_deq, deq(heads)), rtol=2e-6, atol=1e-30)
-    out = mode(quant.quantize(w(2, 8, 16), weights, axes=(-3, -2)))  # [N, H, D]
-    a = x.reshape(3, 5, 2, 8)
-    aq, sa = quant.quantize_rows(a.reshape(15, 16), weights)
-    a_deq = (np.asarray(aq, np.float64) * np.asarray(sa, np.float64)).reshape(3, 5, 2, 8)
-    np.testing.assert_allclose(np.asarray(layers.merge_heads(a, out)), np.einsum("btnh,nhd->btd", a_deq, deq(out)),
-                               rtol=2e-6, atol=1e-30)
-    down = mode(quant.quantize(w(16, 12), weights, axes=(-2,)))  # [F, D]: `h @ w` sites
-    np.testing.assert_allclose(np.asarray(x @ down), x_deq @ deq(down), rtol=2e-6, atol=1e-30)
-    table = mode(quant.quantize(w(16, 40).T, weights, axes=(-1,)))  # [V, D], a scale per row
-    h = x.reshape(15, 16)
-    want = x_deq.reshape(15, 16) @ deq(table).T
-    np.testing.assert_allclose(np.asarray(layers.vocab_logits(h, table)), want, rtol=2e-6, atol=1e-30)
-    np.testing.assert_allclose(np.asarray(layers.vocab_logits(h, table, vocab_major=True)), want.T, rtol=2e-6,
-                               atol=1e-30)
+    raw = {"heads": (w(4, 16, 8), (-2,)), "out": (w(2, 8, 16), (-3, -2)), "down": (w(16, 12), (-2,)),
+           "table": (w(16, 40).T, (-1,))}  # [N, D, H], [N, H, D], [F, D] (`h @ w`), [V, D] (a scale per row)
+    weights = {m: tuple(dataclasses.replace(jax.tree.map(jnp.asarray, quant.quantize(a, m, axes)), matmul=m)
+                        for a, axes in raw.values()) for m in ("int8", "fp8")}
+    got = jax.device_get(_helper_products(x, weights))
+    deq = lambda q: np.asarray(q.values, np.float64) * np.asarray(q.scale, np.float64)  # noqa: E731
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-30)  # noqa: E731
+    for mode, (heads, out, down, table) in weights.items():
+        g = got[mode]
+        xq, sx = g["rows"]
+        xd = np.asarray(xq, np.float64) * np.asarray(sx, np.float64)  # [15, 16], the rows as quantized
+        # per row: int8 half a step; fp8 2^-4 of the row's absmax (= 28 steps of absmax / 448)
+        assert (np.abs(xd - np.asarray(x).reshape(15, 16)) <= np.asarray(sx) * (0.5 if mode == "int8" else 28) * 1.0001).all()
+        close(g["heads"], np.einsum("yd,ndh->ynh", xd, deq(heads)).reshape(3, 5, 4, 8))
+        close(g["merge"], (xd @ deq(out).reshape(16, 16)).reshape(3, 5, 16))
+        close(g["down"], (xd @ deq(down)).reshape(3, 5, 12))
+        close(g["logits"], xd @ deq(table).T)
+        close(g["vocab_major"], (xd @ deq(table).T).T)
 
 
 def test_embedding_kind_scales_each_row_and_the_lookup_is_the_dequantized_table_lookup(tiny):
