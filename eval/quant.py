@@ -15,8 +15,9 @@ fp8, all layer weights or the MLPs only), against the same weights in float32, s
   model's "Scene: " answers (tokens identical, first divergence);
 * weight bytes against float32 and bfloat16;
 * for the demo, the CPU frame time of the README's loop (one frame with one memory request), the median of
-  interleaved frames, as a ratio to float32 in the same run (compile time apart). XLA's CPU backend has no
-  int8 or fp8 matmul: a quantized layer is dequantized and run in float32, so expect no speed-up here.
+  interleaved frames, as a ratio to float32 in the same run (compile time apart). The weights are run
+  weight-only here (dequantized into float32 matmuls), so expect no speed-up; the dynamic-range modes are timed
+  by `eval.quant_matmul`.
 
 `cost --sources families`: the public fixture of every family `load_model` reads (π0.5, π0 and π0-FAST from
 openpi, π0.5 and π0 from LeRobot, Qwen3, Qwen3-VL, Qwen3.5, Xiaomi-Robotics-0, StarVLA QwenPI_v3 and GR00T),
