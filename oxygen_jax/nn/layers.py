@@ -3,6 +3,9 @@ RoPE, grouped-query attention), and the layer loop over stacked or unstacked lay
 
 Axes (`oxygen_jax.axes`): L layers, B batch, T query tokens, S key tokens, N query heads, K KV heads,
 R = N / K, H head dim, D width, Dc adaptive-norm condition width, W LayerNorm width.
+
+The projection helpers (`stacked_matmul`, `project_heads`, `merge_heads`, `take_rows`, `vocab_logits`) also take
+`nn.quant.QArray` weights: the one place a quantized weight meets an activation (its matmul mode, `nn.quant`).
 """
 
 from __future__ import annotations
