@@ -8,7 +8,8 @@
   int8 the same greedy tokens for the first steps and logits within 0.25 of the float logits' RMS, fp8 within
   1.5 of it (random tiny weights, scaled for diverse text: the worst case; measured in the docs);
 * the actions never read the pool (traced, not run): quantized K/V cannot change them;
-* a bad storage name, or one a decoder cannot take, is refused in one line.
+* a bad storage name, one a decoder cannot take, or quantized K/V for π0-FAST (whose chunks decode in the pool) is
+  refused in one line.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn import kv_quant, quant
 from oxygen_jax.runtime import decode
-from oxygen_jax.runtime.engine import EngineConfig
+from oxygen_jax.runtime.engine import Engine, EngineConfig
 
 Q, M, NS, STEPS = 2, 4, 2, 3  # prompt capacity, new tokens, slots, decode steps compared
 
@@ -152,3 +153,17 @@ def test_bad_storages_are_refused_in_one_line(tiny, monkeypatch):
         decode.init_pool(lm, 1, 4, 2, kv_cache="int8")
     assert "\n" not in str(e.value)
     assert decode.init_pool(lm, 1, 4, 2).kv_cache == "float"
+
+
+def test_a_model_whose_action_chunks_decode_in_the_pool_refuses_quantized_kv():
+    """π0-FAST's chunks are tokens of the pool: quantized K/V would change its actions (refused before compiling)."""
+    from oxygen_jax.models.decoded_actions import ActionStream
+    from oxygen_jax.models.pi05 import pi0_fast
+    from oxygen_jax.models.pi05.config import fast_config
+    from oxygen_jax.models.pi05.params import init_params
+
+    stream = ActionStream(horizon=2, action_dim=3, stop_ids=(1,), max_tokens=4, decode=lambda tokens: None)
+    vla = pi0_fast.as_vla(init_params(fast_config("pi0_fast_tiny"), seed=0), stream)
+    with pytest.raises(ValueError, match="decodes its action chunks in the slot pool, whose K/V stay float") as e:
+        Engine(vla, EngineConfig(num_slots=2, max_new_tokens=4, kv_cache="int8"))
+    assert "\n" not in str(e.value)
