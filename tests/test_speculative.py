@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from helpers import diverse_text_params, make_obs
 from oxygen_jax.models import mot
@@ -156,6 +155,8 @@ def dense(tiny_params):
 
 
 def test_speculative_sampling_follows_the_plain_sampling_distribution(dense):
+    from scipy import stats  # here, not at the top: every xdist worker imports this module to collect it (0.7 s)
+
     # The accept / reject rule does not depend on the decoder kind: the dense kind checks it.
     lm, prefix, bank = dense
     budget, rounds = 4, 64  # the greedy test's pool shape: its compiled programs, 256 draws per setting
