@@ -619,12 +619,17 @@ def main(argv=None) -> int:
         summary["environment"]["preset"] = args.preset
     env = summary["environment"]
     (env["reruns"][-1] if env.get("reruns") else env)["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (args.out / "report.md").write_text(report(summary) + "\n")
-    plot(summary, args.out / "quant.png")
-    print(report(summary))
+    write_outputs(args.out, summary, report, plot, "quant.png")
     return 0
+
+
+def write_outputs(out: Path, summary: dict, report_fn, plot_fn, png: str) -> None:
+    """OUT/summary.json, OUT/report.md (`report_fn(summary)`, also printed) and OUT/`png` (`plot_fn`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "report.md").write_text(report_fn(summary) + "\n")
+    plot_fn(summary, out / png)
+    print(report_fn(summary))
 
 
 if __name__ == "__main__":

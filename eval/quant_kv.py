@@ -22,7 +22,6 @@ Writes OUT/summary.json, OUT/report.md and OUT/kv.png.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.quant import FIXTURES, _load_options, _vla_inputs, token_agreement
+from eval.quant import FIXTURES, _load_options, _vla_inputs, token_agreement, write_outputs
 from eval.restore_memory import REPO
 from oxygen_jax.cli import OneLineParser
 from oxygen_jax.runtime import decode
@@ -391,11 +390,7 @@ def main(argv=None) -> int:
     if not args.skip_time:
         s["time"] = decode_step_times()
     s["environment"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(s, indent=1, default=str))
-    (args.out / "report.md").write_text(report(s) + "\n")
-    plot(s, args.out / "kv.png")
-    print(report(s))
+    write_outputs(args.out, s, report, plot, "kv.png")
     return 0
 
 
