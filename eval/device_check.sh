@@ -99,7 +99,9 @@ step() {
   t0=$(date +%s)
   timeout --kill-after=15 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
   rc=$?
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$*" >> "$STEPS"
+  local cmd="$*"  # one line in the table whatever the command holds (a bash -c script may span lines)
+  cmd=${cmd//$'\\\n'/ }
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "${cmd//$'\n'/ }" >> "$STEPS"
   echo "device_check: $name exited $rc after $(( $(date +%s) - t0 )) s (log: $OUT_DIR/$name.log)"
 }
 
