@@ -23,6 +23,7 @@ from oxygen_jax.ckpts.orbax_io import CheckpointError
 from oxygen_jax.ckpts.own import quantization_info, restore_params, save_params
 from oxygen_jax.models import backbone
 from oxygen_jax.models.pi05 import model as pi05_model
+from oxygen_jax.models.pi05 import params as pi05_params
 from oxygen_jax.models.pi05.config import model_config
 from oxygen_jax.models.pi05.params import init_params, stack_layers
 from oxygen_jax.models.pi05.spec import pi05_spec
@@ -235,6 +236,9 @@ def test_a_forced_matmul_mode_is_refused_where_the_device_or_the_weights_lack_it
         q, line = quant.start_matmul(quant.quantize_tree(tiny[1], "int8", ("mlp",)), "auto", jax.devices()[0])
         assert line == "int8 weights, int8 matmuls (auto on cpu)"
         assert quant.weights_info(q) == {"quantized": "int8", "matmul": {"int8": 4, "weight_only": 2}}  # SigLIP's 2
+        # The CPU layout (a buffer per layer) keeps the same leaves dynamic, each layer's own.
+        per_layer = quant.with_matmul(pi05_params.unstack_layers(q), "int8")
+        assert quant.matmul_summary(per_layer) == {"int8": 8, "weight_only": 2}
 
 
 # --------------------------------------------------------------------------------------------
