@@ -218,6 +218,10 @@ def test_auto_matmul_mode_follows_the_device_and_the_weights():
     tpu, rocm = quant.DeviceInfo(platform="tpu", kind="TPU v5e"), quant.DeviceInfo(platform="rocm", kind="MI300X")
     assert (auto("fp8", tpu), auto("int8", tpu), auto("int8", rocm)) == ("weight_only", "int8", "weight_only")
     assert quant.device_info(jax.devices()[0]).platform == jax.devices()[0].platform
+    fake = lambda cc, version="": type("Device", (), {"platform": "gpu", "device_kind": "GPU", "compute_capability": cc,  # noqa: E731
+                                                      "client": type("Client", (), {"platform_version": version})()})()
+    assert quant.device_info(fake("8.9")) == quant.DeviceInfo(platform="gpu", kind="GPU", capability=(8, 9))
+    assert quant.device_info(fake("gfx90a", "rocm 6.2")).platform == "rocm"  # jax says "gpu" for ROCm too
     assert quant.choose_matmul("fp8", "fp8", CPU) == "fp8"  # forced: emulated, for numerics checks
 
 

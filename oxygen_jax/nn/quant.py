@@ -399,10 +399,13 @@ class DeviceInfo:
 
 
 def device_info(device) -> DeviceInfo:
-    """A jax device's `DeviceInfo` (CUDA's compute capability from `device.compute_capability`, e.g. "8.9")."""
-    cc = getattr(device, "compute_capability", None)
-    capability = tuple(int(p) for p in str(cc).split(".")[:2]) if cc else None
-    return DeviceInfo(platform=device.platform, kind=device.device_kind, capability=capability)
+    """A jax device's `DeviceInfo`: CUDA's compute capability from `device.compute_capability` (e.g. "8.9"); a ROCm
+    GPU (jax's platform "gpu" too, its capability a gfx name) as platform "rocm"."""
+    cc = str(getattr(device, "compute_capability", None) or "")
+    version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+    platform = "rocm" if device.platform == "gpu" and ("rocm" in version or cc.startswith("gfx")) else device.platform
+    capability = tuple(int(p) for p in cc.split(".")[:2]) if re.fullmatch(r"\d+\.\d+", cc) else None
+    return DeviceInfo(platform=platform, kind=device.device_kind, capability=capability)
 
 
 def native_dots(dev: DeviceInfo) -> dict[str, str]:
@@ -412,8 +415,8 @@ def native_dots(dev: DeviceInfo) -> dict[str, str]:
     runs s8 x s8 -> s32 dots natively (measured on x86-64, docs/quantization.md) and fp8 dots only by
     converting both operands to float32 first, so auto never picks fp8 there. TPUs: int8.
     """
-    if dev.platform in ("gpu", "cuda"):
-        return {"int8": "native", **({"fp8": "native"} if dev.capability and dev.capability >= (8, 9) else {})}
+    if dev.platform in ("gpu", "cuda") and dev.capability is not None:
+        return {"int8": "native", **({"fp8": "native"} if dev.capability >= (8, 9) else {})}
     if dev.platform == "cpu":
         return {"int8": "native", "fp8": "emulated (XLA:CPU converts both operands to float32)"}
     if dev.platform == "tpu":
