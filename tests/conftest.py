@@ -48,18 +48,18 @@ def pytest_xdist_auto_num_workers(config):
     return min(4, (os.cpu_count() or 1) + 1)
 
 
-# The files that take longest, longest first (summed test times of the whole suite at b68352a, 2026-12-07).
+# The files that take longest, longest first (summed test times of the whole suite at e252fa7, 2026-12-07).
 # pytest.ini turns off xdist's own order (files with the most tests first), which started these files, most
 # of them with few tests, last: a worker still compiling one of them while the others idle bounded the run.
 # Files not named keep xdist's order after them; a name that no longer exists is ignored.
 _SLOWEST_FIRST = (
-    "test_pi_checkpoints.py", "test_speculative.py", "test_parity.py", "test_adapters.py", "test_memory_lora.py",
-    "test_qwen35_lora.py", "test_serve_native.py", "test_starvla_native.py", "test_device_check.py",
-    "test_qwen35_runtime.py", "test_decode.py", "test_xr0_native.py", "test_eval_bench.py", "test_pi0_fast.py",
-    "test_memory_eval.py", "test_decoder_pool.py", "test_fanout.py", "test_serve_rtc.py", "test_qwen35.py",
-    "test_serve.py", "test_engine_multihead.py", "test_openpi_widths.py", "test_stop_ids.py", "test_rtc_runtime.py",
-    "test_multihost.py", "test_mot.py", "test_lerobot_memory.py", "test_roofline.py", "test_pi05_as_model.py",
-    "test_training.py",
+    "test_speculative.py", "test_pi_checkpoints.py", "test_qwen35_lora.py", "test_device_check.py", "test_parity.py",
+    "test_eval_bench.py", "test_memory_lora.py", "test_multihost.py", "test_adapters.py", "test_serve_native.py",
+    "test_qwen35_runtime.py", "test_decode.py", "test_qwen35.py", "test_starvla_native.py",
+    "test_engine_multihead.py", "test_xr0_native.py", "test_memory_eval.py", "test_rtc_runtime.py",
+    "test_isolation.py", "test_serve.py", "test_decoder_pool.py", "test_slot_mesh.py", "test_lerobot_memory.py",
+    "test_leaf_stream.py", "test_fanout.py", "test_serve_rtc.py", "test_pi0_fast.py", "test_openpi_widths.py",
+    "test_stop_ids.py", "test_mot.py", "test_roofline.py", "test_pi05_as_model.py", "test_training.py",
 )
 
 
