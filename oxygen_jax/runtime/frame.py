@@ -57,7 +57,8 @@ class FrameOutput:
       request_id: int32 [Ns] the request each slot served this frame (-1 = none).
       new_tokens: int32 [Ns, 1 + k] tokens emitted this frame: column 0 is token 0 of a request
         admitted this frame, columns 1.. the burst; -1 = nothing. A speculative pool: [Ns, 1 + k (γ + 1)],
-        verify step s in columns 1 + s (γ + 1) ..., in order; `speculative.REJECTED` (-2) at drafts not emitted.
+        verify step s in columns 1 + s (γ + 1) ..., in order; `speculative.REJECTED` (-2) at drafts not emitted
+        (`speculative.STOPPED` (-3) at the first of them where a stop id inside the accepted draft ended the block).
       finished: bool [Ns] the slot's request finished this frame (the slot is free again).
       num_generated: int32 [Ns] tokens of the slot's request so far.
       batch: int32 [] active slots in this frame's decode burst.
