@@ -380,7 +380,9 @@ def _check_text(chk: Checker, params, text, obs: Observation, noise):
         chk.close("oxygen_actions/num_steps_10 (causal prompt)", actions, text["oxygen_actions/num_steps_10"], "actions")
 
 
-def _layouts(fixture: Path) -> list[tuple[str, Path]]:
+def checkpoint_layouts(fixture: Path) -> list[tuple[str, Path]]:
+    """(layout name, params folder) of each checkpoint a fixture holds: the released params/ and every
+    train_checkpoint/<step>/params/; exits naming the fixture when it holds neither."""
     out = []
     if (fixture / "params").is_dir():
         out.append(("released", fixture / "params"))
@@ -415,7 +417,7 @@ def run_fixture(fixture: Path, layouts: tuple[str, ...] | None = None) -> list[R
     obs = observation_of(ref)
     rows, flat_first = [], None
     settings = lora_settings(fixture)
-    for index, (layout, path) in enumerate(_layouts(fixture)):
+    for index, (layout, path) in enumerate(checkpoint_layouts(fixture)):
         if layouts is not None and layout not in layouts:
             continue
         adapters = load_openpi_lora(path, alpha=settings["lora_alpha"], rslora=settings["lora_rslora"])

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.parity.checks import Checker, Row
-from eval.parity.openpi import Tolerances, _layouts, check_siglip
+from eval.parity.openpi import Tolerances, check_siglip, checkpoint_layouts
 from oxygen_jax.ckpts.openpi_fast import load_fast_codec, load_openpi_fast_params
 from oxygen_jax.models.observation import Observation
 from oxygen_jax.models.pi05 import pi0_fast, pi0_fast_decode
@@ -191,7 +191,7 @@ def run_fixture(fixture: Path) -> list[Row]:
     """Every check of a π0-FAST fixture, per checkpoint layout."""
     fx = Fixture(fixture)
     rows, first = [], None
-    for layout, path in _layouts(fx.root):
+    for layout, path in checkpoint_layouts(fx.root):
         config, params = load_openpi_fast_params(path)
         chk = Checker(fx.tol.get, layout)
         flat = {k: np.asarray(v) for k, v in to_openpi_dict(params).items()}
