@@ -335,6 +335,8 @@ def main(argv=None) -> int:
             print(f"      request {err.request_id} dropped: {err.reason}")
         for why in res.row_errors.values():
             print(f"      no actions this frame: {why}")
+        for why in res.fallbacks.values():  # --chunk-on-failure zeros: the printed chunk is openpi's zeros
+            print(f"      zero chunk this frame: {why}")
     steady = np.asarray(frame_ms)
     med = float(np.median(steady))
     horizon = heads[names[0]][0] if names else 0
