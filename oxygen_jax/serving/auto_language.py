@@ -132,7 +132,7 @@ def _refusal(auto: AutoLanguage, field: str, what: str) -> str:
         "tokenizer": ("--auto-language", "pass the checkpoint's tokenizer with --tokenizer, or give the prompt as "
                                          "token ids with --auto-language-ids"),
     }.get(field, (prompt_flag, "shorten the prompt or raise "
-                               + ("--max-prompt-chars" if "characters" in what else "--prompt-capacity")))
+                               + ("--max-prompt-chars" if "characters" in what or "entries" in what else "--prompt-capacity")))
     if field == "prompt_tokens" and "token ids" in what:  # not ids of this model: out of its vocabulary, or no integers
         fix = "use ids of this model's tokenizer"
     return f"{flag}: {what}; {fix}"
