@@ -197,6 +197,7 @@ class PolicyServer:
                  outputs=None, io=None):
         self.engine, self.tokenizer, self.robot, self.config = engine, tokenizer, robot, config
         self.norm_stats = norm_stats
+        self._weights = quant.weights_info(engine.vla.params)  # the metadata's, once: the weights never change
         # Checked before anything starts: a bad automatic request is a one-line ValueError, not a refused frame.
         self.auto = auto_language.prepare(config.auto_language, engine, max_prompt_chars=config.max_prompt_chars)
         self.codec = make_codec(engine, robot, tokenizer, norm_stats, config.default_prompt,
@@ -247,7 +248,7 @@ class PolicyServer:
         meta = {
             "server": "oxygen_jax", "protocol": 1, "stream": stream.id, "robot": r.name,
             "action_dim": r.action_dim, "batch_sizes": list(self.config.buckets),
-            "devices": self.worker.num_devices, "weights": quant.weights_info(self.engine.vla.params),
+            "devices": self.worker.num_devices, "weights": self._weights,
             "step_ms": {str(b): round(ms, 3) for b, ms in self.batcher.warmup_ms.items()},  # warm-up, per batch size
             "deadline_ms": self.config.deadline_ms, "max_message_bytes": self.config.max_message_bytes,
             "language": {"field": "language_requests", "max_tokens": self.engine.limits.max_new_tokens,
