@@ -201,7 +201,6 @@ def _demo_text_and_time(demo, variants: dict, frames_timed: int) -> dict:
 def run_cost(frames_timed: int, settings=SETTINGS) -> dict:
     import jax
 
-    from oxygen_jax.ckpts.load import load_model
     from oxygen_jax.demo import load_demo, normalize_answer
     from oxygen_jax.models.pi05.params import stack_layers
     from oxygen_jax.robots.transforms import make_observation
@@ -599,6 +598,8 @@ def main(argv=None) -> int:
         return 0
     if args.out is None:
         ap.error("--out DIR is required")
+    if args.embed and args.what != "cost":
+        ap.error("--embed chooses the cost settings; memory measures the default kinds")
     if args.fixtures and (args.what != "cost" or args.sources != ["families"]):
         ap.error("--fixtures re-runs family rows only: use it with `cost --sources families`")
     summary = {"environment": {
