@@ -101,7 +101,7 @@ def _streamed(ckpt: Path, weights: quant.WeightDType, kinds: tuple) -> tuple[dic
         for k, shape in openpi_shapes(config).items():
             rule = quant.rule_for(names[k], len(shape), kinds)
             if rule is None:
-                flat[k] = next(iter(read(k, False)))
+                (flat[k],) = read(k, False)  # read to the end: the reader checks the leaf's digest after its last piece
                 continue
             values = aligned_empty(shape, quant.STORED_DTYPE[weights])  # written without a copy (`own.save_flat`)
             scale = np.empty(quant.scale_shape(shape, rule.axes), np.float32)

@@ -6,6 +6,7 @@ refusals."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -324,6 +325,17 @@ def saved(tmp_path_factory):
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def test_streamed_quantize_checks_the_digest_of_a_leaf_it_keeps_float(saved, tmp_path):
+    # The embedding stays float by default: read in one piece, its digest is checked only after that piece.
+    source = _copy(saved[2] / "float", tmp_path / "float")
+    meta = source / "checksums" / "metadata"
+    text = meta.read_text()
+    digest = json.loads(text)["leaves"]["PaliGemma/llm/embedder/input_embedding"]["sha256"]
+    meta.write_text(text.replace(digest, "0" * len(digest)))
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        quantize_checkpoint(source, tmp_path / "int8", "int8")
 
 
 def test_quantize_command_writes_a_fingerprinted_checkpoint_that_restores_bit_exact(saved):
