@@ -243,7 +243,8 @@ def save_flat(path: PathLike, flat: Mapping[str, Any], config: ModelConfig, *, o
     only_me = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(), active_processes={jax.process_index()})
     save, put, handlers = ocp.args.StandardSave, (lambda a: a), {}
     if lean:
-        save, put = ocp.args.PyTreeSave, jax.device_put
+        # Host arrays on the host device (zero-copy): the default device may be a GPU, a round trip orbax undoes.
+        save, put = ocp.args.PyTreeSave, lambda a: jax.device_put(a, jax.local_devices(backend="cpu")[0])
         handlers = {name: ocp.PyTreeCheckpointHandler(use_compression=False, multiprocessing_options=only_me)
                     for name in ("params", "quantized")[:1 + bool(quant)]}
         handlers |= {name: ocp.JsonCheckpointHandler(multiprocessing_options=only_me)
