@@ -26,9 +26,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from oxygen_jax.nn.quant import QMAX, STORED_DTYPE, weight_dtype_of
+from oxygen_jax.nn.quant import QMAX, STORED_DTYPE, quantize_rows, weight_dtype_of
 
 KVCache = Literal["float", "int8", "fp8"]
 KV_CACHES: tuple[KVCache, ...] = ("float", "int8", "fp8")
@@ -64,20 +63,13 @@ class QuantKV:
 
 
 def quantize(x: jax.Array, kind: KVCache) -> QuantKV:
-    """x [..., K, H] (any float dtype, traced or not) -> `QuantKV`, absmax over H in float32.
-
-    `nn.quant.quantize(x, kind, axes=(-1,))`'s numbers, up to one float32 ulp of a scale (XLA may divide by
-    QMAX as a multiplication by its reciprocal).
+    """x [..., K, H] (any float dtype, traced or not) -> `QuantKV`, absmax over H in float32 (`nn.quant.quantize_rows`,
+    the rows the int8 / fp8 matmuls quantize).
     """
     if kind not in STORED_DTYPE:
         raise ValueError(f"quantized K/V are int8 or fp8, got {kind!r}")
-    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    qmax = np.float32(QMAX[kind])
-    absmax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    scale = jnp.where(absmax > 0, absmax, 1.0).astype(jnp.float32) / qmax
-    scaled = jnp.clip(x32 / scale, -qmax, qmax)
-    values = jnp.rint(scaled) if kind == "int8" else scaled
-    return QuantKV(values=values.astype(STORED_DTYPE[kind]), scale=scale)
+    values, scale = quantize_rows(x, kind)
+    return QuantKV(values=values, scale=scale)
 
 
 def dequantize(cache, dtype) -> jax.Array:
@@ -123,9 +115,3 @@ def write_layer(cache, layer, rows, index, value: jax.Array):
     q = quantize(value, cache.kind)
     cache = jax.tree.map(lambda c, n: c.at[layer, rows, index].set(n, mode="drop"), cache, q)
     return cache, dequantize(jax.tree.map(lambda c: c[layer], cache), value.dtype)
-
-
-def nbytes(cache) -> int:
-    """Bytes of a cache (values and scales), from shapes alone."""
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache))
-

@@ -59,6 +59,7 @@ import numpy as np
 from oxygen_jax.models.decoder import MAX_STOP_IDS, LanguageDecoder, PrefixRows, row_adapters
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn import kv_quant
+from oxygen_jax.nn.quant import weight_bytes
 from oxygen_jax.nn.sampling import sample_tokens
 from oxygen_jax.runtime import slot_mesh
 
@@ -339,7 +340,7 @@ def pool_slot_bytes(pool: DecodePool) -> dict[str, int]:
     """One slot's bytes in `pool` by part, from shapes alone (a donated or abstract pool answers too): `kv` (K and V
     of the attention layers, scales included), each carry part of the decoder (Qwen3.5: `window`, `state`; none for an attention
     decoder) and `total` (with the bookkeeping: mask, tokens, per-slot scalars)."""
-    nbytes = kv_quant.nbytes
+    nbytes = weight_bytes  # shapes and dtypes only
     carry = {name: nbytes(leaf) for name, leaf in (pool.carry or {}).items()}
     parts = dict(kv=nbytes((pool.k, pool.v)), **carry, total=nbytes(pool))
     return {name: b // pool.num_slots for name, b in parts.items()}
