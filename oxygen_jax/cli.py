@@ -89,6 +89,26 @@ CHUNK_UNSET = {"chunk_slots": None, "chunk_max_tokens": None, "chunk_deadline_st
 """Each --chunk-* destination and its value when the flag is not given."""
 
 
+QUANT_MATMULS = ("auto", "weight_only", "fp8", "int8")
+"""--quant-matmul's choices: auto and `nn.quant.MATMUL_MODES` (spelled here: --help runs before jax is imported)."""
+KV_CACHES = ("float", "int8", "fp8")
+"""--kv-cache's choices: `nn.kv_quant.KV_CACHES`."""
+
+
+def add_quant_matmul_flag(group) -> None:
+    """--quant-matmul, as run and serve take it."""
+    group.add_argument("--quant-matmul", default="auto", choices=list(QUANT_MATMULS),
+                       help="quantized weights: dequantized into float matmuls (weight_only), or int8 / fp8 products "
+                            "on activations quantized per row (default auto: by the device, docs/quantization.md)")
+
+
+def add_kv_cache_flag(group) -> None:
+    """--kv-cache, as run and serve take it."""
+    group.add_argument("--kv-cache", default="float", choices=list(KV_CACHES),
+                       help="the decode slots' K/V storage: int8 / fp8 values with a float32 scale per (layer, slot, "
+                            "position, KV head), about half the slot bytes; actions read a float prefix (default: float)")
+
+
 def add_chunk_flags(ap: argparse.ArgumentParser) -> None:
     """The --chunk-* group of `run` and `serve` (both have --slots and --tokens-per-frame)."""
     positive, positive_ms = int_at_least(1, "a positive integer"), float_in(0.0, low_open=True)

@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_jax import command_model as cm
-from oxygen_jax.cli import OneLineParser, add_chunk_flags, existing, float_in, int_at_least, pool_tokens, stream_config
+from oxygen_jax.cli import OneLineParser, add_chunk_flags, add_kv_cache_flag, add_quant_matmul_flag, existing, float_in, \
+    int_at_least, pool_tokens, stream_config
 from oxygen_jax.nn import quant
 
 _DEMO_LINE = (
@@ -85,9 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
     m.add_argument("--dtype", default="auto", choices=list(cm.DTYPES),
                    help="parameters and activations (default auto: bfloat16 on GPUs, float32 on CPUs)")
-    m.add_argument("--quant-matmul", default="auto", choices=["auto", "weight_only", "fp8", "int8"],
-                   help="quantized weights: dequantized into float matmuls (weight_only), or int8 / fp8 products on "
-                        "activations quantized per row (default auto: by the device, docs/quantization.md)")
+    add_quant_matmul_flag(m)
     m.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                    help="openpi's bidirectional prompt, or OxyGen's causal variant")
     m.add_argument("--tokenizer", type=_tokenizer_file,
@@ -123,9 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--verify-cost", type=float_in(1.0), default=1.0, metavar="C",
                      help="with --speculate: k counts decode steps and a verify step with drafts costs C of them "
                           "(about 1 on a GPU, 1.5-2 on a CPU: keeps the frame time; default: 1)")
-    t.add_argument("--kv-cache", default="float", choices=["float", "int8", "fp8"],
-                   help="the decode slots' K/V storage: int8 / fp8 values with a float32 scale per (layer, slot, "
-                        "position, KV head), about half the slot bytes; actions read a float prefix (default: float)")
+    add_kv_cache_flag(t)
     ap.add_argument("--cache-dir", type=Path, default=None,
                     help="persistent compilation cache (default: $OXYGEN_JAX_CACHE_DIR or ~/.cache/oxygen_jax/xla)")
     ap.add_argument("--no-cache", action="store_true", help="do not use the persistent compilation cache")

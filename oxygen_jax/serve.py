@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_jax import command_model as cm
-from oxygen_jax.cli import DefaultsHelpFormatter, OneLineParser, add_chunk_flags, float_in, int_at_least, pool_tokens, \
-    stream_config
+from oxygen_jax.cli import DefaultsHelpFormatter, OneLineParser, add_chunk_flags, add_kv_cache_flag, add_quant_matmul_flag, \
+    float_in, int_at_least, pool_tokens, stream_config
 from oxygen_jax.nn import quant
 from oxygen_jax.runtime import compile_cache
 from oxygen_jax.serving.auto_language import MODES, AutoLanguage
@@ -119,9 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
     ap.add_argument("--dtype", default="auto", choices=list(cm.DTYPES),
                     help="parameters and activations (default auto: bfloat16 on GPUs, float32 on CPUs)")
-    ap.add_argument("--quant-matmul", default="auto", choices=["auto", "weight_only", "fp8", "int8"],
-                    help="quantized weights: dequantized into float matmuls (weight_only), or int8 / fp8 products on "
-                         "activations quantized per row (auto: by the device)")
+    add_quant_matmul_flag(ap)
     ap.add_argument("--prompt-attention", default="bidirectional", choices=["bidirectional", "causal"],
                     help="π0.5: how prompt tokens attend to each other")
     ap.add_argument("--tokenizer", help="PaliGemma SentencePiece model, or an XR0 / StarVLA checkpoint's tokenizer.json; "
@@ -142,9 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify-cost", type=float_in(1.0), default=1.0, metavar="C",
                       help="with --speculate: k counts decode steps and a verify step with drafts costs C of them "
                            "(about 1 on a GPU, 1.5-2 on a CPU: keeps the frame time)")
-    ap.add_argument("--kv-cache", default="float", choices=["float", "int8", "fp8"],
-                    help="the decode slots' K/V storage: int8 / fp8 values with a float32 scale per (layer, slot, "
-                         "position, KV head), about half the slot bytes; actions read a float prefix (default: float)")
+    add_kv_cache_flag(ap)
     ap.add_argument("--batch-sizes", type=_buckets, default=",".join(map(str, BUCKETS)),
                     help="robots per step, each compiled at start-up (on a CPU each size can take a minute); "
                          "one robot needs only --batch-sizes 1")

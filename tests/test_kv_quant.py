@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from helpers import diverse_text_params, make_obs
+from oxygen_jax import cli
 from oxygen_jax.models.pi05.model import as_vla
 from oxygen_jax.models.prefix import Prefix
 from oxygen_jax.nn import kv_quant, quant
@@ -143,6 +144,7 @@ def test_the_actions_never_read_the_pool(tiny_params):
 
 def test_bad_storages_are_refused_in_one_line(tiny, monkeypatch):
     lm, _ = tiny
+    assert cli.KV_CACHES == kv_quant.KV_CACHES and cli.QUANT_MATMULS == ("auto", *quant.MATMUL_MODES)  # --help's choices
     for call in (lambda: EngineConfig(kv_cache="int4"), lambda: decode.init_pool(lm, 1, 4, 2, kv_cache="bf16")):
         with pytest.raises(ValueError, match="kv_cache must be one of float, int8, fp8") as e:
             call()
