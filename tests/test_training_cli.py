@@ -105,3 +105,14 @@ def test_a_refused_new_run_removes_the_folders_it_created_above_out(tmp_path):
     assert folder.work.is_dir()
     folder.abandon()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+
+def test_only_process_0_creates_the_run_folder_so_a_refused_run_leaves_nothing_whoever_opened_first(tmp_path):
+    """Another process of the run opening first (create=False) writes nothing; process 0 still owns the folder."""
+    other = RunFolder.open(tmp_path / "a" / "run", create=False)
+    assert other.work == tmp_path / "a" / ".run.partial" and not other.created and not any(tmp_path.iterdir())
+    first = RunFolder.open(tmp_path / "a" / "run")
+    assert first.created and first.work == other.work and first.work.is_dir()
+    RunFolder.open(tmp_path / "a" / "run", create=False)  # after process 0: probes, keeps nothing
+    first.abandon()
+    assert not any(tmp_path.iterdir())

@@ -239,12 +239,12 @@ def _run(args, argv: list[str]) -> int:
         raise _Refused("adapter mode needs --base (a π0.5 checkpoint: ours or openpi's)")
     if args.base is not None and not args.base.is_dir():
         raise _Refused(f"--base {args.base}: no such directory (a π0.5 checkpoint: ours or openpi's)")
+    primary = distributed.is_primary()
     try:
-        folder = RunFolder.open(args.out)
+        folder = RunFolder.open(args.out, create=primary)
     except OSError as e:
         raise _Refused(f"--out {args.out}: cannot create or write there ({type(e).__name__}: {e}); choose a writable "
                        "directory") from None
-    primary = distributed.is_primary()
     try:
         code = _run_in(args, argv, folder)
     except (_Refused, CheckpointError, DataError):

@@ -11,7 +11,9 @@ is renamed into place when the run ends, so a refused run leaves `--out` without
                                                      refused: taken back as above
 
 The name of the hidden folder depends only on `--out`, so every process of a multi-process run writes its
-checkpoint shards into the same folder; only process 0 renames it or takes anything back.
+checkpoint shards into the same folder; only process 0 creates it, renames it or takes anything back (were
+another process to create it first, process 0 would take the folder for one a killed run left and keep it
+when the run is refused).
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ class RunFolder:
     _files: dict[str, bytes | None] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def open(cls, out: str | os.PathLike) -> "RunFolder":
+    def open(cls, out: str | os.PathLike, *, create: bool = True) -> "RunFolder":
         """Chooses and creates the work folder (see the module docstring), probing that it is writable.
+
+        `create=False` (every process but 0 of a multi-process run): only names it; folders that already
+        exist are still probed.
 
         Raises:
           OSError: `--out` cannot be created or written (a file in the way, no permission).
@@ -59,9 +64,10 @@ class RunFolder:
             raise NotADirectoryError(f"{final} exists and is not a directory")
         resume_here = final.is_dir() and any(final.iterdir())
         work = final if resume_here else final.parent / f".{final.name}.partial"
-        created = not work.exists()
-        made_parents = tuple(a for a in work.parents if not a.exists())  # deepest first
-        work.mkdir(parents=True, exist_ok=True)
+        created = create and not work.exists()
+        made_parents = tuple(a for a in work.parents if not a.exists()) if create else ()  # deepest first
+        if create:
+            work.mkdir(parents=True, exist_ok=True)
         for folder in (work, work / "checkpoints"):
             if folder.is_dir():
                 fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=folder)
@@ -70,9 +76,8 @@ class RunFolder:
         for name in (*_RESTORED, _LOG):
             if (work / name).exists() and not os.access(work / name, os.W_OK):
                 raise PermissionError(f"{work / name} is read-only")
-        return cls(final=final, work=work, created=created, made_parents=made_parents, _entries=frozenset(p.name for p in work.iterdir()),
-                   _steps={d: frozenset(p.name for p in (work / d).iterdir()) if (work / d).is_dir() else frozenset()
-                           for d in _STEPS},
+        return cls(final=final, work=work, created=created, made_parents=made_parents, _entries=frozenset(_dir_names(work)),
+                   _steps={d: frozenset(_dir_names(work / d)) for d in _STEPS},
                    _log_size=(work / _LOG).stat().st_size if (work / _LOG).is_file() else None,
                    _files={n: (work / n).read_bytes() if (work / n).is_file() else None for n in _RESTORED})
 
