@@ -102,6 +102,13 @@ def add_quant_matmul_flag(group) -> None:
                             "on activations quantized per row (default auto: by the device, docs/quantization.md)")
 
 
+def add_vision_heads_flag(group) -> None:
+    """--vision-heads, as run, serve and quantize take it."""
+    group.add_argument("--vision-heads", type=int_at_least(1), default=None, metavar="N",
+                       help="LeRobot checkpoints whose SigLIP is not So400m (which LeRobot itself never writes): its "
+                            "attention head count, which no tensor stores")
+
+
 def add_kv_cache_flag(group) -> None:
     """--kv-cache, as run and serve take it."""
     group.add_argument("--kv-cache", default="float", choices=list(KV_CACHES),

@@ -10,8 +10,9 @@ adaptive norms' modulation projections (`--layers`, default all three) of every 
 the action expert, SigLIP), and with `embed` the token embedding (the tied LM head, one scale per vocabulary
 row), become `nn.quant.QArray`s (`nn.quant.RULES`); norm scales, biases and the projections outside the stacks
 are written as they are, in float32. The result is an `own.save_params` directory (fingerprinted by its
-checksums) with the source's `assets/` (norm stats) and `tokenizer.model` copied beside it, so `run`,
-`serve` and `load_model` take it like the source (docs/quantization.md).
+checksums) with the source's `assets/` (norm stats), a LeRobot policy's processor files (`lerobot_io/`: its
+statistics, chunk and prompt lengths) and `tokenizer.model` copied beside it, so `run`, `serve` and `load_model`
+take it like the source (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -24,51 +25,60 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from oxygen_jax.ckpts import openpi, openpi_fast, own
+from oxygen_jax.ckpts import lerobot, openpi, openpi_fast, own
 from oxygen_jax.ckpts.adapters import base_fingerprint
 from oxygen_jax.ckpts.leaf_stream import aligned_empty, mapped_pieces
-from oxygen_jax.ckpts.load import TOKENIZER_FILE, find_tokenizer, load_model, source_kind
+from oxygen_jax.ckpts.load import TOKENIZER_FILE, base_tokenizer, load_model, source_kind
 from oxygen_jax.ckpts.orbax_io import CheckpointError
 from oxygen_jax.ckpts.own import save_flat, stored_config
-from oxygen_jax.cli import OneLineParser, existing
+from oxygen_jax.cli import OneLineParser, add_vision_heads_flag, existing
 from oxygen_jax.models.pi05.config import ModelConfig
 from oxygen_jax.models.pi05.params import LAYER_STACKED, abstract_params, openpi_shapes, to_openpi_dict
 from oxygen_jax.nn import quant
 
 
 def quantize_checkpoint(ckpt: Path, out: Path, weights: quant.WeightDType, layers=quant.KINDS, *,
-                        overwrite: bool = False, stream: bool = True) -> dict:
+                        overwrite: bool = False, stream: bool = True, vision_heads: int | None = None) -> dict:
     """Reads `ckpt`, quantizes it and writes `out` (with `assets/` and the tokenizer); returns a summary dict.
 
     `stream` (default): an orbax source (ours, or openpi's without LoRA leaves) is read one leaf, a stacked leaf
     one layer, at a time and each quantized as it arrives (`_streamed`), so the float32 model is never held;
     other sources (LeRobot's safetensors, openpi LoRA to merge), or `stream=False`, are restored whole first.
-    Both write the same arrays (tests/test_quant.py).
+    Both write the same arrays (tests/test_quant.py). `vision_heads`: a LeRobot source's SigLIP head count when
+    it is not So400m (no tensor stores it).
     """
     t0 = time.perf_counter()
+    src = Path(ckpt).expanduser().resolve()
+    # LeRobot keeps its statistics, chunk and prompt lengths in its processor files, not assets/: checked first
+    robot_files = lerobot.io_files(src) if source_kind(src) == "lerobot" else []
     streamed = _streamed(ckpt, weights, tuple(layers)) if stream else None
     if streamed is not None:
         flat, config = streamed
     else:
         # "gpu": the stacked layout whatever this machine is (quantized leaves are stacked [L, ...] on disk).
         # Handed over without a reference kept here, so each float leaf is freed once quantized.
-        params = quant.quantize_tree(load_model(ckpt, family="pi05", dtype="float32", backend="gpu").params, weights,
+        params = quant.quantize_tree(load_model(ckpt, family="pi05", dtype="float32", backend="gpu",
+                                                 vision_heads=vision_heads).params, weights,
                                      tuple(layers))
         flat, config = to_openpi_dict(params), params.config
         del params
-    provenance = {"source": str(Path(ckpt).expanduser().resolve()), "source_fingerprint": base_fingerprint(ckpt),
+    provenance = {"source": str(src), "source_fingerprint": base_fingerprint(ckpt),
                   "layers": list(layers), "tool": "python -m oxygen_jax.quantize"}
     dest = save_flat(out, flat, config, overwrite=overwrite, provenance=provenance, lean=streamed is not None)
-    src = Path(ckpt).expanduser().resolve()
     assets = next((d / "assets" for d in (src, src.parent) if (d / "assets").is_dir()), None)
     if assets is not None:
         shutil.copytree(assets, dest / "assets", dirs_exist_ok=True)
-    tokenizer = find_tokenizer(src)
+    if robot_files:
+        (dest / lerobot.IO_FOLDER).mkdir()
+        for f in robot_files:
+            shutil.copyfile(f, dest / lerobot.IO_FOLDER / f.name)
+    tokenizer, _ = base_tokenizer(src)  # beside it, or a LeRobot folder's tokenizer/
     if tokenizer is not None:
         shutil.copy2(tokenizer, dest / TOKENIZER_FILE)
     return {"out": str(dest), "weights": weights, "layers": list(layers), "float32_bytes": quant.float_bytes(flat),
             "quantized_bytes": quant.weight_bytes(flat), "seconds": time.perf_counter() - t0,
-            "assets": assets is not None, "tokenizer": tokenizer is not None, "streamed": streamed is not None}
+            "assets": assets is not None, "tokenizer": tokenizer is not None, "streamed": streamed is not None,
+            "lerobot_io": bool(robot_files)}
 
 
 def _leaf_reader(ckpt: Path):
@@ -126,20 +136,22 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", nargs="+", default=list(quant.KINDS), choices=quant.ALL_KINDS,
                     help="which weights: attention projections, MLPs, adaptive norms' modulation projections (default "
                          "these three), embed: the token embedding / tied LM head, per vocabulary row (float unless named)")
+    add_vision_heads_flag(ap)
     ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = ap.parse_args(argv)
     if args.out.exists() and not args.overwrite:
         ap.error(f"argument --out: {args.out} exists (pass --overwrite to replace it)")
     try:
         s = quantize_checkpoint(args.ckpt, args.out, args.weights, tuple(dict.fromkeys(args.layers)),
-                                overwrite=args.overwrite)
+                                overwrite=args.overwrite, vision_heads=args.vision_heads)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"python -m oxygen_jax.quantize: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     print(f"{s['weights']} ({', '.join(s['layers'])}): weights {s['float32_bytes'] / 2**20:.1f} MiB in float32 -> "
           f"{s['quantized_bytes'] / 2**20:.1f} MiB; wrote {s['out']} in {s['seconds']:.1f} s"
           + ("" if s["streamed"] else " (source restored whole: not an orbax float checkpoint read leaf by leaf)")
-          + ("" if s["assets"] else "; the source has no assets/ (norm stats)")
+          + ("; LeRobot's robot I/O (its processor files) copied" if s["lerobot_io"] else
+             "" if s["assets"] else "; the source has no assets/ (norm stats)")
           + ("" if s["tokenizer"] else f"; no {TOKENIZER_FILE} found beside the source"))
     return 0
 

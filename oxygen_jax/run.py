@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_jax import command_model as cm
-from oxygen_jax.cli import OneLineParser, add_chunk_flags, add_kv_cache_flag, add_quant_matmul_flag, existing, float_in, \
-    int_at_least, pool_tokens, stream_config
+from oxygen_jax.cli import OneLineParser, add_chunk_flags, add_kv_cache_flag, add_quant_matmul_flag, add_vision_heads_flag, \
+    existing, float_in, int_at_least, pool_tokens, stream_config
 from oxygen_jax.nn import quant
 
 _DEMO_LINE = (
@@ -80,9 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                         "tokens + 48)")
     m.add_argument("--action-mask", metavar="FILE",
                    help="Xiaomi-Robotics-0: the robot's [Ha, Ad] 0/1 action mask (.npy or .json; see serve --help)")
-    m.add_argument("--vision-heads", type=int_at_least(1), default=None,
-                   help="LeRobot checkpoints whose SigLIP is not So400m (which LeRobot itself never writes): its "
-                        "attention head count, which no tensor stores")
+    add_vision_heads_flag(m)
     m.add_argument("--robot", default="libero", choices=["libero", "droid", "aloha"], help="workload (default: libero)")
     m.add_argument("--dtype", default="auto", choices=list(cm.DTYPES),
                    help="parameters and activations (default auto: bfloat16 on GPUs, float32 on CPUs)")

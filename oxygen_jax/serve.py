@@ -43,7 +43,7 @@ import numpy as np
 
 from oxygen_jax import command_model as cm
 from oxygen_jax.cli import DefaultsHelpFormatter, OneLineParser, add_chunk_flags, add_kv_cache_flag, add_quant_matmul_flag, \
-    float_in, int_at_least, pool_tokens, stream_config
+    add_vision_heads_flag, float_in, int_at_least, pool_tokens, stream_config
 from oxygen_jax.nn import quant
 from oxygen_jax.runtime import compile_cache
 from oxygen_jax.serving.auto_language import MODES, AutoLanguage
@@ -91,9 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="XR0: the robot's [Ha, Ad] 0/1 action mask (.npy or .json), e.g. saved from the released "
                          "processor's get_action_mask(robot_type); sets the horizon (default: config.json's "
                          "action_mask, else action_length and all ones)")
-    ap.add_argument("--vision-heads", type=_positive_int, metavar="N",
-                    help="LeRobot checkpoints whose SigLIP is not So400m (which LeRobot itself never writes): its "
-                         "attention head count, which no tensor stores")
+    add_vision_heads_flag(ap)
     model.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR",
                        help="serve the embedded demo (default DIR: checkpoints/demo) with its 'memory' adapter")
     ap.add_argument("--heads", metavar="KINDS", type=cm.parse_heads,

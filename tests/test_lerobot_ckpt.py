@@ -381,3 +381,40 @@ def test_preprocess_adapter_gives_lerobots_rows(name):
     out = pre.unnormalize_actions(padded)
     np.testing.assert_allclose(out[:, :io.action_dim], ref["policy/actions"][0], atol=1e-5)
     assert (out[:, io.action_dim:] == 7.0).all()
+
+
+# -------------------------------------------------------------------------------------------------
+# Quantized: the robot I/O travels with the weights
+# -------------------------------------------------------------------------------------------------
+
+
+def test_a_quantized_lerobot_policy_keeps_its_statistics_chunk_prompt_length_and_tokenizer(tmp_path, capsys):
+    from oxygen_jax.ckpts.load import load_model
+    from oxygen_jax.quantize import main as quantize_main
+
+    policy = tmp_path / "policy"
+    _write_folder(policy / "pretrained_model", "pi0", _DIMS, np.random.default_rng(3))
+    (policy / "tokenizer").mkdir()
+    (policy / "tokenizer" / "tokenizer.model").write_bytes(b"its own tokenizer")
+    heads = ["--vision-heads", str(_DIMS["Nv"])]
+    assert quantize_main(["--ckpt", str(policy), "--out", str(tmp_path / "q"), "--weights", "int8", *heads]) == 0
+    assert "robot I/O (its processor files) copied" in capsys.readouterr().out
+    src, q = load_model(policy, family="pi05", vision_heads=_DIMS["Nv"]), load_model(tmp_path / "q", family="pi05")
+    assert type(q.io.preprocess) is type(src.io.preprocess) is lr.LeRobotPreprocess
+    assert (q.io.action_horizon, q.io.prompt_len) == (src.io.action_horizon, src.io.prompt_len) == (4, 20)
+    a, b = src.io.preprocess.io, q.io.preprocess.io
+    assert (a.cameras, a.state_dim, a.action_dim, a.n_action_steps) == (b.cameras, b.state_dim, b.action_dim, b.n_action_steps)
+    for side in ("normalize", "unnormalize"):
+        ours, theirs = getattr(b, side), getattr(a, side)
+        assert ours.keys() == theirs.keys()
+        for k in ours:
+            assert ours[k].mode == theirs[k].mode and all(np.array_equal(ours[k].stats[s], theirs[k].stats[s])
+                                                          for s in theirs[k].stats)
+    assert q.io.tokenizer.read_bytes() == b"its own tokenizer" and "LeRobot π0 robot I/O" in q.what
+    # A processor file that is a link (it could reach outside the folder) is refused before anything is written.
+    stats = policy / "pretrained_model" / "post_stats.safetensors"
+    stats.rename(tmp_path / "elsewhere.safetensors")
+    stats.symlink_to(tmp_path / "elsewhere.safetensors")
+    assert quantize_main(["--ckpt", str(policy), "--out", str(tmp_path / "q2"), "--weights", "int8", *heads]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "post_stats.safetensors: a link" in err and not (tmp_path / "q2").exists(), err

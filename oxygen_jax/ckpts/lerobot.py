@@ -75,6 +75,7 @@ UNREAD_TYPES = ("pi0fast", "pi0_fast")  # LeRobot's π0-FAST (PI0FASTPolicy, lat
 NUM_HEADS = 8  # LeRobot's Gemma query heads, both experts (`get_gemma_config`, `compute_layer_complete`)
 SO400M_WIDTH, SO400M_HEADS = 1152, 16  # PaliGemma's SigLIP, the only one LeRobot builds
 WEIGHTS = "model.safetensors"
+IO_FOLDER = "lerobot_io"  # in a checkpoint of ours made from a LeRobot policy: its `io_files`, read by `read_io`
 PREPROCESSOR, POSTPROCESSOR = "policy_preprocessor.json", "policy_postprocessor.json"
 
 _PG = "paligemma_with_expert.paligemma"
@@ -257,10 +258,12 @@ def _norms(directory: Path, step: Mapping, keys: Mapping[str, int], where: str) 
     return out
 
 
-def read_io(path: PathLike) -> LeRobotIO:
-    """The robot I/O of a LeRobot π policy folder (config.json and the processor files), no weights read."""
+def read_io(path: PathLike, *, weights: bool = True) -> LeRobotIO:
+    """The robot I/O of a LeRobot π policy folder (config.json and the processor files), no weights read.
+
+    `weights=False`: a folder of the I/O files alone (`io_files`, e.g. a quantized checkpoint's copy)."""
     d = policy_dir(path)
-    kind = _require_files(d)
+    kind = _require_files(d, weights=weights)
     where = str(d / "config.json")
     cfg = limits.read_json(d / "config.json")
     cameras, empty = _cameras(cfg, where)
@@ -303,7 +306,23 @@ def read_io(path: PathLike) -> LeRobotIO:
     )
 
 
-def _require_files(d: Path) -> str:
+def io_files(path: PathLike) -> list[Path]:
+    """The files of a LeRobot π policy folder that `read_io` reads (config.json, the two processor files and the
+    statistics files their steps name), checked by reading them (a one-line ValueError otherwise)."""
+    d = policy_dir(path)
+    read_io(d)
+    kind = _policy_type(d)
+    steps = (_steps(d / PREPROCESSOR, kind)["normalizer_processor"], _steps(d / POSTPROCESSOR, kind)["unnormalizer_processor"])
+    named = {s.get("state_file") for s in steps}  # plain file names in the folder only (read_io checked the needed)
+    files = [d / "config.json", d / PREPROCESSOR, d / POSTPROCESSOR,
+             *(d / n for n in sorted(n for n in named if isinstance(n, str) and Path(n).name == n and (d / n).is_file()))]
+    for f in files:
+        if f.is_symlink():
+            raise ValueError(f"{f}: a link; copy the file it points to into the policy folder")
+    return files
+
+
+def _require_files(d: Path, weights: bool = True) -> str:
     """The policy type; one line naming the first missing file otherwise."""
     if not (d / "config.json").is_file():
         raise ValueError(f"LeRobot checkpoint {d} missing config.json")
@@ -312,7 +331,7 @@ def _require_files(d: Path) -> str:
         cfg = limits.read_json(d / "config.json")
         got = cfg.get("type") if isinstance(cfg, dict) else None
         raise ValueError(f"{d / 'config.json'}: type {got!r} is not a LeRobot π policy (expected 'pi05' or 'pi0')")
-    for name in (WEIGHTS, PREPROCESSOR, POSTPROCESSOR):
+    for name in (WEIGHTS, PREPROCESSOR, POSTPROCESSOR)[0 if weights else 1:]:
         if not (d / name).is_file():
             hint = (" (LeRobot before 0.4 kept statistics in model.safetensors: re-save it with a current LeRobot)"
                     if name != WEIGHTS else "")

@@ -419,6 +419,9 @@ def load_model(
             stored = stored_config(path)
             config, params = restore_params(path, stored.replace(dtype=dtype, prompt_attention=prompt_attention))
             what = f"checkpoint {path}"
+            if (path / lerobot.IO_FOLDER).is_dir():  # quantized from a LeRobot policy: its robot I/O came along
+                lerobot_io = lerobot.read_io(path / lerobot.IO_FOLDER, weights=False)
+                what += f" (LeRobot {'π0.5' if config.variant == 'pi05' else 'π0'} robot I/O)"
         elif openpi_fast.is_fast_checkpoint(path):
             if family is not None and family != "pi0_fast":
                 raise ValueError(f"{path} is an openpi π0-FAST checkpoint (its actions are decoded FAST tokens), but "
