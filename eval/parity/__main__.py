@@ -17,6 +17,13 @@ reference.npz, `eval.parity.lerobot.is_lerobot_fixture`) runs `eval.parity.lerob
 (pretrained_model/ + reference.npz, `eval.parity.lerobot_policy.is_lerobot_policy_fixture`) runs
 `eval.parity.lerobot_policy`. An openpi π0-FAST fixture (an openpi checkpoint with `fast_tokenizer/` and
 reference.npz, `eval.parity.openpi_fast.is_fast_fixture`) runs `eval.parity.openpi_fast`. Exit status 1 on any FAIL.
+
+    python -m eval.parity FIXTURE_DIR --quantized QDIR   # int8 / fp8 weights quantized from the fixture's checkpoint
+
+`--quantized` (openpi and LeRobot π0.5 / π0 fixtures: the checkpoints `python -m oxygen_jax.quantize` reads) runs
+`eval.parity.quantized`: QDIR's actions and teacher-forced text against the native reference, within the
+documented quantization bounds instead of float32 tolerances; a QDIR quantized from another checkpoint is refused
+in one line (exit status 2).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eval.parity import hf, openpi, openpi_fast, qwen35, rtc
+from eval.parity import hf, openpi, openpi_fast, quantized, qwen35, rtc
 from eval.parity import lerobot as lerobot_parity
 from eval.parity import lerobot_policy
 from eval.parity import xr0 as xr0_parity
@@ -49,6 +56,9 @@ def main(argv=None) -> int:
                     help="fixture directory: openpi (params/, train_checkpoint/, reference.npz) or Hugging Face "
                          "(config.json, safetensors, reference.npz)")
     ap.add_argument("--manifest", type=Path, help="parameter manifest JSON to check against the full-size pi05 tree")
+    ap.add_argument("--quantized", type=Path, metavar="QDIR",
+                    help="int8 / fp8 weights python -m oxygen_jax.quantize made from the fixture's checkpoint (openpi or "
+                         "LeRobot π0.5 / π0): its actions and text against the reference, within the quantization bounds")
     args = ap.parse_args(argv)
     if (args.fixture is None) == (args.manifest is None):
         ap.error("give exactly one of FIXTURE_DIR or --manifest FILE")
@@ -58,6 +68,12 @@ def main(argv=None) -> int:
         return 0 if _manifest(args.manifest) else 1
     if not args.fixture.is_dir():
         ap.error(f"fixture directory not found: {args.fixture}")
+    if args.quantized is not None:
+        try:
+            return report(quantized.run_fixture(args.fixture, args.quantized))
+        except quantized.Refused as e:
+            print(f"python -m eval.parity: error: {e}", file=sys.stderr)
+            return 2
     if lerobot_parity.is_lerobot_fixture(args.fixture):  # a LeRobot dataset: dataset/ + reference.npz
         return lerobot_parity.main([str(args.fixture)])
     if lerobot_policy.is_lerobot_policy_fixture(args.fixture):  # a LeRobot π0.5 / π0 checkpoint: pretrained_model/

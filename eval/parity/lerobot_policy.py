@@ -54,7 +54,8 @@ def is_lerobot_policy_fixture(path: Path) -> bool:
     return (Path(path) / "reference.npz").is_file() and ckpt_lerobot.is_lerobot_dir(path)
 
 
-def _vision_heads(fixture: Path) -> int | None:
+def vision_heads_of(fixture: Path) -> int | None:
+    """SigLIP's head count of a LeRobot fixture (its generation_config.json's spec.vision), or None."""
     gen = fixture / "generation_config.json"
     if not gen.is_file():
         return None
@@ -104,7 +105,7 @@ def _suffix_tokens(params, x_t, t, state):
     return jnp.concatenate([dense(head.state_in, state)[:, None], time_mlp.action_tokens(head, x_t, t)], axis=1)
 
 
-def _model_observation(ref, cameras) -> Observation:
+def model_observation(ref, cameras) -> Observation:
     """LeRobot's processed inputs with the per-row camera mask its model-level references used."""
     images = np.stack([ref[f"processed/images/{c}"] for c in cameras], 1).transpose(0, 1, 3, 4, 2)
     return Observation(images=jnp.asarray(images), image_masks=jnp.asarray(ref["model/img_masks"].T),
@@ -112,8 +113,8 @@ def _model_observation(ref, cameras) -> Observation:
 
 
 def _check_model(chk: Checker, params, ref, cameras, state):
-    """Every model-level reference, on `_model_observation`."""
-    obs = _model_observation(ref, cameras)
+    """Every model-level reference, on `model_observation`."""
+    obs = model_observation(ref, cameras)
     encode = jax.jit(siglip.encode_stages, static_argnums=2)
     for i, cam in enumerate(cameras):
         st = encode(params.siglip, obs.images[:, i], params.config.jnp_dtype)
@@ -203,7 +204,7 @@ def _check_policy(chk: Checker, ck, tok: Tokenizer, ref, obs: Observation, state
 def run_fixture(fixture: Path) -> list:
     fixture = Path(fixture).resolve()
     ref = dict(np.load(fixture / "reference.npz"))
-    heads = _vision_heads(fixture)
+    heads = vision_heads_of(fixture)
     ck = ckpt_lerobot.load(fixture, "float32", vision_heads=heads)
     tok = _tokenizer(fixture)
     tol = lambda name, family: family if isinstance(family, tuple) else _TOL[family]  # noqa: E731
@@ -216,7 +217,7 @@ def run_fixture(fixture: Path) -> list:
     _check_policy(chk, ck, tok, ref, obs, None if state is None else jnp.asarray(state), steps)
     if "bf16/sample/actions_num_steps_10" in ref:
         p16 = ckpt_lerobot.load(fixture, "bfloat16", vision_heads=heads).params
-        actions = model.sample_actions(p16, _model_observation(ref, ck.io.cameras), jnp.asarray(ref["sample/noise"]), 10,
+        actions = model.sample_actions(p16, model_observation(ref, ck.io.cameras), jnp.asarray(ref["sample/noise"]), 10,
                                        model_state)
         chk.close("bf16/sample/actions_num_steps_10 (smoke)", actions, ref["bf16/sample/actions_num_steps_10"], "bf16")
     c = ck.config
