@@ -448,3 +448,38 @@ def test_tensor_parallel_rules_split_values_like_the_weight_and_scales_only_on_k
     assert split and qparams.vlm.layers.q.scale.shape[1] > 1 and qparams.vlm.layers.linear.scale.shape[1] == 1
     dyn = quant.with_matmul(qparams, "int8")  # the matmul mode is part of the tree: specs keep it
     assert jax.tree.structure(param_specs(dyn, "model", 2)) == jax.tree.structure(dyn)
+
+
+def test_an_adapter_trains_on_a_quantized_base_with_its_embedding_quantized_and_the_base_untouched(saved, tmp_path):
+    """QLoRA-style: the fp8 base (MLPs and the embedding / tied LM head quantized) stays bit for bit, the float
+    adapter learns (loss down over a few steps on one batch), and loads on the float base it was quantized from."""
+    from oxygen_jax.ckpts.adapters import load_adapter, save_adapter
+    from oxygen_jax.models.pi05.params import for_backend
+    from oxygen_jax.robots.config import robot_config
+    from oxygen_jax.robots.tokenizer import train_demo_tokenizer
+    from training.data.synthetic_memory import SyntheticMemoryConfig, synthetic_splits
+    from training.memory.config import TrainConfig
+    from training.memory.data import TextTask
+    from training.memory.loop import train
+
+    config, _, root = saved
+    _, base = restore_params(root / "fp8")
+    base = for_backend(base)
+    assert isinstance(base.embedding, quant.QArray)
+    frames = synthetic_splits(SyntheticMemoryConfig(image_size=config.siglip.image_size, num_inits=3,
+                                                    num_train_inits=2))["train"][:2]
+    task = TextTask(robot=robot_config("libero", max_token_len=32), tokenizer=train_demo_tokenizer(),
+                    prompt="Memory: ", label_key="memory", suffix_len=24)
+    cfg = TrainConfig(steps=6, batch_size=2, suffix_len=24, rank=2, peak_lr=3e-2, final_lr=3e-2, warmup_steps=1,
+                      augment=False)
+    before = jax.tree.map(np.asarray, base)
+    result = train(cfg, base, task, frames, log_every=1)
+    losses = [h["loss"] for h in result.history if h["event"] == "train"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    assert leaves_equal(before, base)  # the quantized values and scales never move
+    adapter = jax.device_get(result.state.trainable.adapter(1))
+    assert all(np.asarray(x).dtype == np.float32 for x in jax.tree.leaves(adapter))
+    path = save_adapter(tmp_path / "adapter", adapter, prompt="Memory: ", base=root / "fp8")
+    with pytest.warns(UserWarning, match=r"trained on the fp8 base .* loaded on the float base it was quantized from"):
+        got, _ = load_adapter(path, config, base=root / "float")
+    assert leaves_equal(got, adapter)
