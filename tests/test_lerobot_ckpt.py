@@ -411,10 +411,20 @@ def test_a_quantized_lerobot_policy_keeps_its_statistics_chunk_prompt_length_and
             assert ours[k].mode == theirs[k].mode and all(np.array_equal(ours[k].stats[s], theirs[k].stats[s])
                                                           for s in theirs[k].stats)
     assert q.io.tokenizer.read_bytes() == b"its own tokenizer" and "LeRobot π0 robot I/O" in q.what
-    # A processor file that is a link (it could reach outside the folder) is refused before anything is written.
-    stats = policy / "pretrained_model" / "post_stats.safetensors"
-    stats.rename(tmp_path / "elsewhere.safetensors")
-    stats.symlink_to(tmp_path / "elsewhere.safetensors")
-    assert quantize_main(["--ckpt", str(policy), "--out", str(tmp_path / "q2"), "--weights", "int8", *heads]) == 1
+    # Laid out like the Hugging Face cache (every file a link to a blob): the I/O is carried as files.
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for f in sorted((policy / "pretrained_model").iterdir()):
+        f.rename(blobs / f.name)
+        f.symlink_to(blobs / f.name)
+    assert quantize_main(["--ckpt", str(policy), "--out", str(tmp_path / "q2"), "--weights", "int8", *heads]) == 0
+    carried = tmp_path / "q2" / L.IO_FOLDER
+    assert not any(f.is_symlink() for f in carried.iterdir()) and {f.name for f in carried.iterdir()} == {
+        "config.json", L.PREPROCESSOR, L.POSTPROCESSOR, "pre_stats.safetensors", "post_stats.safetensors"}
+    # A statistics file the normaliser names but the folder lacks: refused before anything is written.
+    (policy / "pretrained_model" / "post_stats.safetensors").unlink()
+    capsys.readouterr()
+    assert quantize_main(["--ckpt", str(policy), "--out", str(tmp_path / "q3"), "--weights", "int8", *heads]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "post_stats.safetensors: a link" in err and not (tmp_path / "q2").exists(), err
+    assert err.count("\n") == 0 and "post_stats.safetensors, which the folder lacks" in err, err
+    assert not (tmp_path / "q3").exists()

@@ -314,12 +314,8 @@ def io_files(path: PathLike) -> list[Path]:
     kind = _policy_type(d)
     steps = (_steps(d / PREPROCESSOR, kind)["normalizer_processor"], _steps(d / POSTPROCESSOR, kind)["unnormalizer_processor"])
     named = {s.get("state_file") for s in steps}  # plain file names in the folder only (read_io checked the needed)
-    files = [d / "config.json", d / PREPROCESSOR, d / POSTPROCESSOR,
-             *(d / n for n in sorted(n for n in named if isinstance(n, str) and Path(n).name == n and (d / n).is_file()))]
-    for f in files:
-        if f.is_symlink():
-            raise ValueError(f"{f}: a link; copy the file it points to into the policy folder")
-    return files
+    return [d / "config.json", d / PREPROCESSOR, d / POSTPROCESSOR,
+            *(d / n for n in sorted(n for n in named if isinstance(n, str) and Path(n).name == n and (d / n).is_file()))]
 
 
 def _require_files(d: Path, weights: bool = True) -> str:
