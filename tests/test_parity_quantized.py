@@ -36,14 +36,16 @@ def test_int8_pi05_actions_and_teacher_forced_text_stay_within_the_bounds_of_ope
                 "oxygen_actions/num_steps_10 (causal prompt)"):
         assert key in names, key
     assert all("PASS" in r for r in rows[1:]) and "checks passed" in out
+    assert all("int8 of released, " in r and " products |" in r for r in rows[1:])  # the products `run` would use
 
 
 def test_fp8_lerobot_pi0_actions_with_its_state_stay_within_the_fp8_bounds(made):
     root, _, pi0 = made
-    rows = quantized.run_fixture(pi0, root / "pi0_fp8")
+    rows = quantized.run_fixture(pi0, root / "pi0_fp8", "weight_only")
     assert [r.quantity.split(" (")[0] for r in rows] == [f"sample/actions_num_steps_{n}" for n in (1, 3, 10)]
     assert all(r.ok for r in rows) and all(0 < r.max_abs < np.inf for r in rows)
-    assert all(r.layout == "fp8 of LeRobot policy" for r in rows)
+    assert all(r.layout == "fp8 of LeRobot policy, weight-only products" for r in rows)
+    assert all(r.tol == "RMS-relative max <= 0.75, mean <= 0.1" for r in rows)
 
 
 def test_a_quantized_checkpoint_of_another_source_is_refused_in_one_line(made, tmp_path, capsys):
@@ -61,13 +63,15 @@ def test_a_quantized_checkpoint_of_another_source_is_refused_in_one_line(made, t
         assert parity_cli.main([str(pi05), "--quantized", str(qdir)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and says in err and err.startswith("python -m eval.parity: error:"), err
+    assert parity_cli.main([str(pi05), "--quantized", str(root / "pi05_int8"), "--quant-matmul", "fp8"]) == 2
+    assert "needs fp8 weights and this model's are int8" in capsys.readouterr().err
     kind = fixture("qwen3_tiny")  # a kind quantize does not read
     assert parity_cli.main([str(kind), "--quantized", str(root / "pi05_int8")]) == 2
     assert "takes an openpi π0.5 / π0 fixture or a LeRobot" in capsys.readouterr().err
 
 
 def test_outputs_beyond_the_bounds_fail():
-    judge = quantized.Bounds("int8", "int8 of x")
+    judge = quantized.Bounds(quantized.BOUNDS["int8"], "int8 of x")
     ref = np.linspace(-1, 1, 200).reshape(2, 10, 10)
     rms = np.sqrt(np.mean(ref ** 2))
     judge.actions("close", ref + 0.2 * rms * (np.arange(200).reshape(ref.shape) % 2 == 0) * 0.1, ref)

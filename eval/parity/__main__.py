@@ -39,6 +39,7 @@ from eval.parity import xr0 as xr0_parity
 from eval.parity import starvla as starvla_parity
 from eval.parity.checks import format_table, report, summary
 from oxygen_jax.ckpts.manifest import check_manifest
+from oxygen_jax.cli import add_quant_matmul_flag
 
 
 def _manifest(path: Path) -> bool:
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quantized", type=Path, metavar="QDIR",
                     help="int8 / fp8 weights python -m oxygen_jax.quantize made from the fixture's checkpoint (openpi or "
                          "LeRobot π0.5 / π0): its actions and text against the reference, within the quantization bounds")
+    add_quant_matmul_flag(ap)
     args = ap.parse_args(argv)
     if (args.fixture is None) == (args.manifest is None):
         ap.error("give exactly one of FIXTURE_DIR or --manifest FILE")
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
         ap.error(f"fixture directory not found: {args.fixture}")
     if args.quantized is not None:
         try:
-            return report(quantized.run_fixture(args.fixture, args.quantized))
+            return report(quantized.run_fixture(args.fixture, args.quantized, args.quant_matmul))
         except quantized.Refused as e:
             print(f"python -m eval.parity: error: {e}", file=sys.stderr)
             return 2
