@@ -2,10 +2,11 @@
 
     python -m oxygen_jax.quantize --ckpt DIR --out DIR --weights int8|fp8 [--layers attn mlp adanorm embed]
 
-`--ckpt` is any π0.5 / π0 checkpoint `load_model` reads (ours or openpi's, either layout). An orbax source
-(ours, or openpi's without LoRA leaves to merge) is read one leaf at a time, a layer stack one layer at a time
-(`ckpts.leaf_stream`), and each leaf quantized as it arrives, so the float32 model is never held; any other
-(LeRobot's safetensors) is restored whole in float32 first. The attention projections, the MLPs and / or the
+`--ckpt` is any π0.5 / π0 checkpoint `load_model` reads (ours, openpi's in either layout, a LeRobot policy). An
+orbax source (ours, or openpi's without LoRA leaves to merge) is read one leaf at a time, a layer stack one layer at
+a time (`ckpts.leaf_stream`), a LeRobot policy's memory-mapped safetensors converted one leaf (layer) at a time
+(`ckpts.lerobot.float_leaf_reader`), and each leaf quantized as it arrives, so the float32 model is never held;
+an openpi checkpoint with LoRA to merge is restored whole in float32 first. The attention projections, the MLPs and / or the
 adaptive norms' modulation projections (`--layers`, default all three) of every layer stack (the VLM expert,
 the action expert, SigLIP), and with `embed` the token embedding (the tied LM head, one scale per vocabulary
 row), become `nn.quant.QArray`s (`nn.quant.RULES`); norm scales, biases and the projections outside the stacks
@@ -41,9 +42,9 @@ def quantize_checkpoint(ckpt: Path, out: Path, weights: quant.WeightDType, layer
                         overwrite: bool = False, stream: bool = True, vision_heads: int | None = None) -> dict:
     """Reads `ckpt`, quantizes it and writes `out` (with `assets/` and the tokenizer); returns a summary dict.
 
-    `stream` (default): an orbax source (ours, or openpi's without LoRA leaves) is read one leaf, a stacked leaf
-    one layer, at a time and each quantized as it arrives (`_streamed`), so the float32 model is never held;
-    other sources (LeRobot's safetensors, openpi LoRA to merge), or `stream=False`, are restored whole first.
+    `stream` (default): an orbax source (ours, or openpi's without LoRA leaves) or a LeRobot policy is read one
+    leaf, a stacked leaf one layer, at a time and each quantized as it arrives (`_streamed`), so the float32 model
+    is never held; openpi LoRA to merge, or `stream=False`, is restored whole first.
     Both write the same arrays (tests/test_quant.py). `vision_heads`: a LeRobot source's SigLIP head count when
     it is not So400m (no tensor stores it).
     """
@@ -51,7 +52,7 @@ def quantize_checkpoint(ckpt: Path, out: Path, weights: quant.WeightDType, layer
     src = Path(ckpt).expanduser().resolve()
     # LeRobot keeps its statistics, chunk and prompt lengths in its processor files, not assets/: checked first
     robot_files = lerobot.io_files(src) if source_kind(src) == "lerobot" else []
-    streamed = _streamed(ckpt, weights, tuple(layers)) if stream else None
+    streamed = _streamed(ckpt, weights, tuple(layers), vision_heads) if stream else None
     if streamed is not None:
         flat, config = streamed
     else:
@@ -81,9 +82,9 @@ def quantize_checkpoint(ckpt: Path, out: Path, weights: quant.WeightDType, layer
             "lerobot_io": bool(robot_files)}
 
 
-def _leaf_reader(ckpt: Path):
-    """`(config, read)` of a float π0.5 / π0 source read leaf by leaf (`own` / `openpi.float_leaf_reader`), or None
-    for a source restored whole."""
+def _leaf_reader(ckpt: Path, vision_heads: int | None = None):
+    """`(config, read)` of a float π0.5 / π0 source read leaf by leaf (`own` / `openpi` / `lerobot.float_leaf_reader`),
+    or None for a source restored whole."""
     kind = source_kind(ckpt)
     if kind == "checkpoint":
         stored = stored_config(ckpt)
@@ -93,14 +94,17 @@ def _leaf_reader(ckpt: Path):
         return own.float_leaf_reader(ckpt, stored.replace(dtype="float32", prompt_attention="bidirectional"))
     if kind == "openpi" and not openpi_fast.is_fast_checkpoint(ckpt):
         return openpi.float_leaf_reader(ckpt, "float32")
+    if kind == "lerobot":  # model.safetensors memory-mapped, each leaf (layer) converted as it is read
+        return lerobot.float_leaf_reader(ckpt, "float32", vision_heads=vision_heads)
     return None
 
 
-def _streamed(ckpt: Path, weights: quant.WeightDType, kinds: tuple) -> tuple[dict, ModelConfig] | None:
+def _streamed(ckpt: Path, weights: quant.WeightDType, kinds: tuple,
+              vision_heads: int | None = None) -> tuple[dict, ModelConfig] | None:
     """({openpi path: float32 array or `QArray` of host arrays}, config) with every leaf `quant.plan` would select
     quantized as it is read: a layer stack one layer at a time (the same per-layer scales as quantizing it whole);
     None for a source that is not read leaf by leaf. Peak: the output plus one float32 leaf (layer)."""
-    source = _leaf_reader(ckpt)
+    source = _leaf_reader(ckpt, vision_heads)
     if source is None:
         return None
     config, read = source
@@ -149,7 +153,7 @@ def main(argv=None) -> int:
         return 1
     print(f"{s['weights']} ({', '.join(s['layers'])}): weights {s['float32_bytes'] / 2**20:.1f} MiB in float32 -> "
           f"{s['quantized_bytes'] / 2**20:.1f} MiB; wrote {s['out']} in {s['seconds']:.1f} s"
-          + ("" if s["streamed"] else " (source restored whole: not an orbax float checkpoint read leaf by leaf)")
+          + ("" if s["streamed"] else " (source restored whole: not readable leaf by leaf, e.g. LoRA to merge)")
           + ("; LeRobot's robot I/O (its processor files) copied" if s["lerobot_io"] else
              "" if s["assets"] else "; the source has no assets/ (norm stats)")
           + ("" if s["tokenizer"] else f"; no {TOKENIZER_FILE} found beside the source"))

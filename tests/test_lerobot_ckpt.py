@@ -390,7 +390,8 @@ def test_preprocess_adapter_gives_lerobots_rows(name):
 
 def test_a_quantized_lerobot_policy_keeps_its_statistics_chunk_prompt_length_and_tokenizer(tmp_path, capsys):
     from oxygen_jax.ckpts.load import load_model
-    from oxygen_jax.quantize import main as quantize_main
+    from oxygen_jax.ckpts.adapters import base_fingerprint
+    from oxygen_jax.quantize import main as quantize_main, quantize_checkpoint
 
     policy = tmp_path / "policy"
     _write_folder(policy / "pretrained_model", "pi0", _DIMS, np.random.default_rng(3))
@@ -398,7 +399,10 @@ def test_a_quantized_lerobot_policy_keeps_its_statistics_chunk_prompt_length_and
     (policy / "tokenizer" / "tokenizer.model").write_bytes(b"its own tokenizer")
     heads = ["--vision-heads", str(_DIMS["Nv"])]
     assert quantize_main(["--ckpt", str(policy), "--out", str(tmp_path / "q"), "--weights", "int8", *heads]) == 0
-    assert "robot I/O (its processor files) copied" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "robot I/O (its processor files) copied" in out and "restored whole" not in out  # converted leaf by leaf
+    whole = quantize_checkpoint(policy, tmp_path / "whole", "int8", stream=False, vision_heads=_DIMS["Nv"])
+    assert not whole["streamed"] and base_fingerprint(tmp_path / "whole") == base_fingerprint(tmp_path / "q")
     src, q = load_model(policy, family="pi05", vision_heads=_DIMS["Nv"]), load_model(tmp_path / "q", family="pi05")
     assert type(q.io.preprocess) is type(src.io.preprocess) is lr.LeRobotPreprocess
     assert (q.io.action_horizon, q.io.prompt_len) == (src.io.action_horizon, src.io.prompt_len) == (4, 20)

@@ -545,21 +545,21 @@ def _convert(rule: _Rule, tensors: Mapping[str, np.ndarray], shape: tuple[int, .
     return np.stack(parts) if rule.stacked else parts[0]
 
 
-def load(path: PathLike, dtype: DType = "float32", *, num_heads: int = NUM_HEADS, vision_heads: int | None = None,
-         max_abs: float | None = MAX_ABS_WEIGHT) -> LeRobotCheckpoint:
-    """Restores a LeRobot π0.5 / π0 policy folder (or the folder holding its `pretrained_model/`).
+class _Opened(NamedTuple):
+    """A policy folder read up to its conversion: every check done, the tensors memory-mapped."""
 
-    Args:
-      path: the `pretrained_model` folder LeRobot writes, or its parent.
-      dtype: every leaf's dtype and the config's ("float32" or "bfloat16").
-      num_heads: the Gemma query heads (LeRobot: 8, fixed).
-      vision_heads: SigLIP's heads; None: LeRobot's So400m (16), refused for any other SigLIP width.
-      max_abs: refuse weights with |x| above it (`ckpts.openpi.MAX_ABS_WEIGHT`); None checks finiteness only.
-    Returns:
-      `LeRobotCheckpoint` (config, stacked params, io, what was read).
-    Raises:
-      ValueError: one line naming the file and the tensor, field or step at fault (module docstring).
-    """
+    directory: Path
+    io: LeRobotIO
+    config: ModelConfig
+    rules: dict[str, _Rule]  # openpi path -> its rule
+    tensors: Mapping[str, np.ndarray]
+    names: str
+    embedding: str
+    unused: tuple[str, ...]
+    where: str
+
+
+def _open(path: PathLike, dtype: DType, num_heads: int, vision_heads: int | None, max_abs: float | None) -> _Opened:
     d = policy_dir(path)
     kind = _require_files(d)
     io = read_io(d)
@@ -582,12 +582,55 @@ def load(path: PathLike, dtype: DType = "float32", *, num_heads: int = NUM_HEADS
         raise ValueError(f"{where}: missing tensor {missing[0]}{more}; LeRobot would leave it at random initialisation, "
                          "this loader refuses")
     limits.check_finite({n: tensors[n] for n in needed}, where, max_abs=max_abs)
-    np_dtype = np.dtype(config.jnp_dtype)
-    flat = {r.openpi: _convert(r, tensors, expected[r.openpi], np_dtype, where) for r in rules}
     unused = tuple(sorted(set(tensors) - set(needed) - set(_LM_HEADS)))
-    if unused:
-        warnings.warn(f"{where}: {len(unused)} tensor(s) not used by a {TYPES[kind]} model, e.g. {unused[0]}",
-                      stacklevel=2)
-    params = from_openpi_dict(flat, config, consume=True)
-    return LeRobotCheckpoint(config=config, params=params, io=io, directory=d, tensor_names=names,
-                             embedding=("model." if names == "lerobot" else "") + emb, unused=unused)
+    return _Opened(d, io, config, {r.openpi: r for r in rules}, tensors, names, emb, unused, where)
+
+
+def _warn_unused(ck: _Opened) -> None:
+    if ck.unused:
+        warnings.warn(f"{ck.where}: {len(ck.unused)} tensor(s) not used by a {TYPES[ck.config.variant]} model, e.g. "
+                      f"{ck.unused[0]}", stacklevel=3)
+
+
+def load(path: PathLike, dtype: DType = "float32", *, num_heads: int = NUM_HEADS, vision_heads: int | None = None,
+         max_abs: float | None = MAX_ABS_WEIGHT) -> LeRobotCheckpoint:
+    """Restores a LeRobot π0.5 / π0 policy folder (or the folder holding its `pretrained_model/`).
+
+    Args:
+      path: the `pretrained_model` folder LeRobot writes, or its parent.
+      dtype: every leaf's dtype and the config's ("float32" or "bfloat16").
+      num_heads: the Gemma query heads (LeRobot: 8, fixed).
+      vision_heads: SigLIP's heads; None: LeRobot's So400m (16), refused for any other SigLIP width.
+      max_abs: refuse weights with |x| above it (`ckpts.openpi.MAX_ABS_WEIGHT`); None checks finiteness only.
+    Returns:
+      `LeRobotCheckpoint` (config, stacked params, io, what was read).
+    Raises:
+      ValueError: one line naming the file and the tensor, field or step at fault (module docstring).
+    """
+    ck = _open(path, dtype, num_heads, vision_heads, max_abs)
+    expected, np_dtype = openpi_shapes(ck.config), np.dtype(ck.config.jnp_dtype)
+    flat = {k: _convert(r, ck.tensors, expected[k], np_dtype, ck.where) for k, r in ck.rules.items()}
+    _warn_unused(ck)
+    params = from_openpi_dict(flat, ck.config, consume=True)
+    return LeRobotCheckpoint(config=ck.config, params=params, io=ck.io, directory=ck.directory, tensor_names=ck.names,
+                             embedding=("model." if ck.names == "lerobot" else "") + ck.embedding, unused=ck.unused)
+
+
+def float_leaf_reader(path: PathLike, dtype: DType = "float32", *, num_heads: int = NUM_HEADS,
+                      vision_heads: int | None = None):
+    """(config, read) for converting a LeRobot π policy one leaf at a time (`oxygen_jax.quantize` streams it), after
+    every check `load` makes. `read(openpi path, per_layer)` yields the leaf in `dtype` as `load` converts it, whole
+    or, with `per_layer` (a stacked leaf), its layers one at a time; model.safetensors stays memory-mapped."""
+    ck = _open(path, dtype, num_heads, vision_heads, MAX_ABS_WEIGHT)
+    _warn_unused(ck)
+    expected, np_dtype = openpi_shapes(ck.config), np.dtype(ck.config.jnp_dtype)
+
+    def read(k: str, per_layer: bool):
+        rule, shape = ck.rules[k], expected[k]
+        if not (per_layer and rule.stacked):
+            yield _convert(rule, ck.tensors, shape, np_dtype, ck.where)
+            return
+        for names in rule.sources:
+            yield _convert(rule._replace(sources=(names,), stacked=False), ck.tensors, shape[1:], np_dtype, ck.where)
+
+    return ck.config, read
