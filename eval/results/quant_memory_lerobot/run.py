@@ -1,7 +1,7 @@
 """Peak memory of `python -m oxygen_jax.quantize` on a LeRobot policy: streamed (the default) against the whole
 restore it replaced, each in a fresh process.
 
-    .venv/bin/python eval/results/quant_memory_lerobot/run.py [--layers 16] [--work DIR] [--out summary.json]
+    .venv/bin/python -m eval.results.quant_memory_lerobot.run [--layers 16] [--work DIR] [--out summary.json]
 
 The policy folder is written by the LeRobot-layout writer of tests/test_lerobot_ckpt.py (random weights under
 LeRobot's tensor names, its config.json and processor files) at the sizes below; every process samples its own
