@@ -195,13 +195,10 @@ def abstract_model(spec: ModelSpec, dtype: str = "float32") -> ModelParams:
 
 def for_backend(spec: ModelSpec, params: ModelParams, backend: str | None = None) -> ModelParams:
     """Layer stacks unstacked on the CPU backend (see `nn.layers.scan_layers`), stacked elsewhere; the decoder's
-    as its stack lays them out (`Stack.lay_out`)."""
+    as its stack lays them out (`Stack.lay_out`), the vision encoder's by its own `with_layers`."""
     cpu = (backend or jax.default_backend()) == "cpu"
     layers = unstack_layers if cpu else stack_layers
-    if isinstance(params.vision, Siglip):
-        vision = dataclasses.replace(params.vision, layers=layers(params.vision.layers))
-    else:
-        vision = params.vision and dataclasses.replace(params.vision, blocks=layers(params.vision.blocks))
+    vision = params.vision and params.vision.with_layers(layers)
     head = hd.unstack_head if cpu else hd.stack_head
     decoder = dataclasses.replace(params.decoder, layers=spec.stack.lay_out(params.decoder.layers, cpu))
     return ModelParams(decoder=decoder, vision=vision,

@@ -73,6 +73,10 @@ class Vision:
     merger: Merger
     deepstack: Merger | None  # leading Ed axis; None when there are no DeepStack layers
 
+    def with_layers(self, lay_out) -> "Vision":
+        """The same encoder with its block stack laid out by `lay_out` (`nn.layers.stack_layers` / `unstack_layers`)."""
+        return dataclasses.replace(self, blocks=lay_out(self.blocks))
+
 
 def vision_tree(vspec: Qwen3VisionSpec, draw: backbone.Draw) -> Vision:
     """The `Vision` tree of `vspec` with every leaf from `draw` (see `backbone.decoder_tree`)."""

@@ -74,6 +74,10 @@ class Siglip:
     norm: LayerNorm  # [W]
     head: Dense  # [W, D_vlm]
 
+    def with_layers(self, lay_out) -> "Siglip":
+        """The same encoder with its layer stack laid out by `lay_out` (`nn.layers.stack_layers` / `unstack_layers`)."""
+        return dataclasses.replace(self, layers=lay_out(self.layers))
+
 
 def _patchify(images: jax.Array, p: int) -> jax.Array:
     """[B, Px, Px, 3] -> [B, Np, p*p*3], patches in row-major order, pixels as (row, col, channel)."""
