@@ -3,10 +3,10 @@
     python -m oxygen_jax.quantize --ckpt DIR --out DIR --weights int8|fp8 [--layers attn mlp adanorm embed]
 
 `--ckpt` is any π0.5 / π0 checkpoint `load_model` reads (ours, openpi's in either layout, a LeRobot policy). An
-orbax source (ours, or openpi's without LoRA leaves to merge) is read one leaf at a time, a layer stack one layer at
-a time (`ckpts.leaf_stream`), a LeRobot policy's memory-mapped safetensors converted one leaf (layer) at a time
-(`ckpts.lerobot.float_leaf_reader`), and each leaf quantized as it arrives, so the float32 model is never held;
-an openpi checkpoint with LoRA to merge is restored whole in float32 first. The attention projections, the MLPs and / or the
+orbax source (ours, or openpi's, its LoRA merged layer by layer) is read one leaf at a time, a layer stack one layer
+at a time (`ckpts.leaf_stream`), a LeRobot policy's memory-mapped safetensors converted one leaf (layer) at a time
+(`ckpts.lerobot.float_leaf_reader`), and each leaf quantized as it arrives, so the float32 model is never held.
+The attention projections, the MLPs and / or the
 adaptive norms' modulation projections (`--layers`, default all three) of every layer stack (the VLM expert,
 the action expert, SigLIP), and with `embed` the token embedding (the tied LM head, one scale per vocabulary
 row), become `nn.quant.QArray`s (`nn.quant.RULES`); norm scales, biases and the projections outside the stacks
@@ -42,9 +42,9 @@ def quantize_checkpoint(ckpt: Path, out: Path, weights: quant.WeightDType, layer
                         overwrite: bool = False, stream: bool = True, vision_heads: int | None = None) -> dict:
     """Reads `ckpt`, quantizes it and writes `out` (with `assets/` and the tokenizer); returns a summary dict.
 
-    `stream` (default): an orbax source (ours, or openpi's without LoRA leaves) or a LeRobot policy is read one
-    leaf, a stacked leaf one layer, at a time and each quantized as it arrives (`_streamed`), so the float32 model
-    is never held; openpi LoRA to merge, or `stream=False`, is restored whole first.
+    `stream` (default): an orbax source (ours, or openpi's with its LoRA merged per layer) or a LeRobot policy is
+    read one leaf, a stacked leaf one layer, at a time and each quantized as it arrives (`_streamed`), so the
+    float32 model is never held; `stream=False` (or an openpi item without an OCDBT manifest) restores it whole.
     Both write the same arrays (tests/test_quant.py). `vision_heads`: a LeRobot source's SigLIP head count when
     it is not So400m (no tensor stores it).
     """
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         return 1
     print(f"{s['weights']} ({', '.join(s['layers'])}): weights {s['float32_bytes'] / 2**20:.1f} MiB in float32 -> "
           f"{s['quantized_bytes'] / 2**20:.1f} MiB; wrote {s['out']} in {s['seconds']:.1f} s"
-          + ("" if s["streamed"] else " (source restored whole: not readable leaf by leaf, e.g. LoRA to merge)")
+          + ("" if s["streamed"] else " (source restored whole: an openpi item without an OCDBT manifest)")
           + ("; LeRobot's robot I/O (its processor files) copied" if s["lerobot_io"] else
              "" if s["assets"] else "; the source has no assets/ (norm stats)")
           + ("" if s["tokenizer"] else f"; no {TOKENIZER_FILE} found beside the source"))

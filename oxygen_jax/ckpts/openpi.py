@@ -41,6 +41,7 @@ transient is a few tens of MiB; merging LoRA leaves restores the merged leaves w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping
@@ -325,22 +326,42 @@ def _stream_params(ck: _OpenpiItem, dtype: np.dtype, unstacked: bool, max_abs: f
 
 def float_leaf_reader(path: PathLike, dtype: DType = "float32"):
     """(config, read) for reading an openpi π0.5 / π0 item one leaf at a time, or None where `load_openpi_params`
-    restores it otherwise (LoRA leaves to merge, an item without an OCDBT manifest).
+    restores it otherwise (an item without an OCDBT manifest).
 
     `read(openpi path, per_layer)` yields the leaf cast to `dtype` and value-checked (`MAX_ABS_WEIGHT`), whole or,
-    with `per_layer`, its layers one at a time (`leaf_stream.LeafReader.pieces`). The config is the one
-    `load_openpi_params(path, dtype=dtype)` returns.
+    with `per_layer`, its layers one at a time (`leaf_stream.LeafReader.pieces`). LoRA leaves are read whole up
+    front (alpha = rank, as `load_openpi_params` merges them by default) and each target weight comes out merged,
+    computed in float32 layer by layer. The config is the one `load_openpi_params(path, dtype=dtype)` returns.
     """
     ck = _open_openpi(path, dtype, "bidirectional")
-    if ck.lora_paths or not (ck.item / "manifest.ocdbt").is_file():
+    if not (ck.item / "manifest.ocdbt").is_file():
         return None
     suffix, reader, np_dtype = ("value",) if ck.has_value else (), LeafReader(ck.item), np.dtype(ck.config.jnp_dtype)
+    adapters = (openpi_lora.from_openpi(ck.restore({k: np.dtype(np.float32) for k in ck.lora_paths}, MAX_ABS_WEIGHT),
+                                        ck.config) if ck.lora_paths else None)
+    targets = {openpi_lora.openpi_weight_path(t, sfx): (getattr(adapters, field), t)
+               for field, sfx in pi05_lora.EXPERTS if adapters is not None and getattr(adapters, field) is not None
+               for t in getattr(adapters, field).pairs()}
 
     def read(k: str, per_layer: bool):
-        return reader.pieces(("params", *k.split("/"), *suffix), k, tuple(ck.meta[k].shape), np_dtype, per_layer,
-                             MAX_ABS_WEIGHT)
+        if k not in targets:
+            yield from reader.pieces(("params", *k.split("/"), *suffix), k, tuple(ck.meta[k].shape), np_dtype,
+                                     per_layer, MAX_ABS_WEIGHT)
+            return
+        adapter, target = targets[k]
+        pair = getattr(adapter, target)
+        pieces = reader.pieces(("params", *k.split("/"), *suffix), k, tuple(ck.meta[k].shape), np.dtype(np.float32),
+                               per_layer, MAX_ABS_WEIGHT)
+        for i, piece in enumerate(pieces):
+            one = jax.tree.map(lambda x: x[i], pair) if per_layer else pair
+            yield np.asarray(_merge_piece(piece, one, target, adapter.scaling)).astype(np_dtype)
 
     return ck.config, read
+
+
+@functools.partial(jax.jit, static_argnames=("target", "scaling"))
+def _merge_piece(w, pair, target: str, scaling: float):
+    return lora_lib.merge_weight(w, target, pair, scaling)
 
 
 def load_openpi_params(
