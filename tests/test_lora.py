@@ -19,7 +19,7 @@ from oxygen_jax.ckpts import openpi_lora
 from oxygen_jax.models import lora
 from oxygen_jax.models.pi05 import lora as pi05_lora
 from oxygen_jax.models.pi05.config import model_config
-from oxygen_jax.models.pi05.params import OPENPI_PATHS, to_openpi_dict, unstack_layers
+from oxygen_jax.models.pi05.params import OPENPI_PATHS, stack_layers, to_openpi_dict, unstack_layers
 from oxygen_jax.models.pi05.spec import pi05_spec
 
 
@@ -250,6 +250,9 @@ def test_lora_checkpoint_restore_merges_ignores_or_separates(tmp_path, tiny_para
         # bf16-stored embeddings keep openpi's bf16-rounded sqrt(D) factor (ckpts.openpi docstring).
         assert config == base.config.replace(embed_scale_dtype="bfloat16" if training_layout else None)
         assert _identical(merged, expected)
+        # Streamed one layer at a time (the CPU layout), each layer merged on its own: the same bits.
+        _, per_layer = load_openpi_params(path, lora_alpha={"vlm": 6.0}, layout="unstacked")
+        assert _identical(stack_layers(per_layer), expected)
         restored = load_openpi_lora(path, alpha={"vlm": 6.0})
         assert restored.action_expert is None and (restored.vlm.attn_rank, restored.vlm.ffn_rank) == (3, 5)
         assert _identical(restored, adapters) and restored.vlm.scaling == 2.0

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict
 
@@ -306,18 +307,19 @@ def _resolve_layout(layout: str) -> str:
     return layout
 
 
-def _stream_params(ck: _OpenpiItem, dtype: np.dtype, unstacked: bool, max_abs: float | None) -> Params:
-    """Every leaf streamed from disk into its final buffers (one per layer when `unstacked`)."""
-    suffix = ("value",) if ck.has_value else ()
+def _stream_params(ck: _OpenpiItem, dtype: np.dtype, unstacked: bool, max_abs: float | None,
+                   adapters: pi05_lora.ModelLora | None = None) -> Params:
+    """Every leaf streamed from disk into its final buffers (one per layer when `unstacked`), `adapters` merged into
+    their target weights as they stream (`_leaf_pieces`)."""
     paths = openpi_paths(ck.config)
     shapes = {k: tuple(ck.meta[k].shape) for k in paths}
     split = {k for k in paths if unstacked and k in LAYER_STACKED}
     piece = lambda k: math.prod(shapes[k][1:] if k in split else shapes[k]) * np.dtype(ck.meta[k].dtype).itemsize  # noqa: E731
-    reader, values = LeafReader(ck.item), {}
+    read, values = _leaf_pieces(ck, adapters, max_abs), {}
     # A host piece and its device copy coexist for a moment: the largest pieces go first, while least is resident.
     with mapped_pieces():
         for k in sorted(paths, key=piece, reverse=True):
-            pieces = reader.pieces(("params", *k.split("/"), *suffix), k, shapes[k], dtype, k in split, max_abs)
+            pieces = read(k, dtype, k in split)
             # device_put copies once (jnp.asarray stages a second host copy); each host piece is freed once copied.
             arrays = [jax.block_until_ready(jax.device_put(p)) for p in pieces]
             values[k] = arrays if k in split else arrays[0]
@@ -329,39 +331,51 @@ def float_leaf_reader(path: PathLike, dtype: DType = "float32"):
     restores it otherwise (an item without an OCDBT manifest).
 
     `read(openpi path, per_layer)` yields the leaf cast to `dtype` and value-checked (`MAX_ABS_WEIGHT`), whole or,
-    with `per_layer`, its layers one at a time (`leaf_stream.LeafReader.pieces`). LoRA leaves are read whole up
-    front (alpha = rank, as `load_openpi_params` merges them by default) and each target weight comes out merged,
-    computed in float32 layer by layer. The config is the one `load_openpi_params(path, dtype=dtype)` returns.
+    with `per_layer`, its layers one at a time (`leaf_stream.LeafReader.pieces`); LoRA leaves are merged into their
+    target weights as `load_openpi_params` merges them by default (alpha = rank). The config is the one
+    `load_openpi_params(path, dtype=dtype)` returns.
     """
     ck = _open_openpi(path, dtype, "bidirectional")
     if not (ck.item / "manifest.ocdbt").is_file():
         return None
-    suffix, reader, np_dtype = ("value",) if ck.has_value else (), LeafReader(ck.item), np.dtype(ck.config.jnp_dtype)
-    adapters = (openpi_lora.from_openpi(ck.restore({k: np.dtype(np.float32) for k in ck.lora_paths}, MAX_ABS_WEIGHT),
-                                        ck.config) if ck.lora_paths else None)
+    read, np_dtype = _leaf_pieces(ck, _adapters(ck, None, False, MAX_ABS_WEIGHT), MAX_ABS_WEIGHT), np.dtype(ck.config.jnp_dtype)
+    return ck.config, lambda k, per_layer: read(k, np_dtype, per_layer)
+
+
+def _adapters(ck: _OpenpiItem, alpha, rslora: bool, max_abs: float | None) -> pi05_lora.ModelLora | None:
+    """The item's LoRA adapters (read whole, float32), or None without LoRA leaves."""
+    if not ck.lora_paths:
+        return None
+    arrays = ck.restore({k: np.dtype(np.float32) for k in ck.lora_paths}, max_abs)
+    return openpi_lora.from_openpi(arrays, ck.config, alpha=alpha, rslora=rslora)
+
+
+def _leaf_pieces(ck: _OpenpiItem, adapters: pi05_lora.ModelLora | None, max_abs: float | None):
+    """`read(openpi path, dtype, per_layer)`: the leaf's pieces (`LeafReader.pieces`) in `dtype`; a LoRA target
+    weight read in float32 and each piece (layer) merged with its adapter there, then cast: what `merge_openpi`
+    computes on the whole stack, the same bits (tests/test_quant.py, tests/test_leaf_stream.py)."""
+    suffix, reader = ("value",) if ck.has_value else (), LeafReader(ck.item)
     targets = {openpi_lora.openpi_weight_path(t, sfx): (getattr(adapters, field), t)
                for field, sfx in pi05_lora.EXPERTS if adapters is not None and getattr(adapters, field) is not None
                for t in getattr(adapters, field).pairs()}
 
-    def read(k: str, per_layer: bool):
+    def read(k: str, dtype: np.dtype, per_layer: bool):
+        key, shape = ("params", *k.split("/"), *suffix), tuple(ck.meta[k].shape)
         if k not in targets:
-            yield from reader.pieces(("params", *k.split("/"), *suffix), k, tuple(ck.meta[k].shape), np_dtype,
-                                     per_layer, MAX_ABS_WEIGHT)
+            yield from reader.pieces(key, k, shape, dtype, per_layer, max_abs)
             return
         adapter, target = targets[k]
         pair = getattr(adapter, target)
-        pieces = reader.pieces(("params", *k.split("/"), *suffix), k, tuple(ck.meta[k].shape), np.dtype(np.float32),
-                               per_layer, MAX_ABS_WEIGHT)
-        for i, piece in enumerate(pieces):
+        for i, piece in enumerate(reader.pieces(key, k, shape, np.dtype(np.float32), per_layer, max_abs)):
             one = jax.tree.map(lambda x: x[i], pair) if per_layer else pair
-            yield np.asarray(_merge_piece(piece, one, target, adapter.scaling)).astype(np_dtype)
+            yield np.asarray(_merge_piece(piece, one, target, adapter.scaling, jnp.dtype(dtype)))
 
-    return ck.config, read
+    return read
 
 
-@functools.partial(jax.jit, static_argnames=("target", "scaling"))
-def _merge_piece(w, pair, target: str, scaling: float):
-    return lora_lib.merge_weight(w, target, pair, scaling)
+@functools.partial(jax.jit, static_argnames=("target", "scaling", "dtype"))
+def _merge_piece(w, pair, target: str, scaling: float, dtype):
+    return lora_lib.merge_weight(w, target, pair, scaling).astype(dtype)
 
 
 def load_openpi_params(
@@ -424,8 +438,9 @@ def load_openpi_params(
     config = ck.config
     np_dtype = np.dtype(config.jnp_dtype)
     merging = lora == "merge" and bool(ck.lora_paths)
-    if not merging and (ck.item / "manifest.ocdbt").is_file():
-        return config, _stream_params(ck, np_dtype, unstacked, max_abs)
+    if (ck.item / "manifest.ocdbt").is_file():  # streamed, LoRA merged layer by layer
+        adapters = _adapters(ck, lora_alpha, lora_rslora, max_abs) if merging else None
+        return config, _stream_params(ck, np_dtype, unstacked, max_abs, adapters)
     dtypes = {k: np_dtype for k in openpi_paths(config)}
     if merging:  # merge in float32; the merged weights are cast to `dtype` by from_openpi_dict
         targets = {openpi_lora.openpi_weight_path(t, sfx) for _, sfx in pi05_lora.EXPERTS for t in lora_lib.TARGETS}
