@@ -353,7 +353,7 @@ def _adapters(ck: _OpenpiItem, alpha, rslora: bool, max_abs: float | None) -> pi
 def _leaf_pieces(ck: _OpenpiItem, adapters: pi05_lora.ModelLora | None, max_abs: float | None):
     """`read(openpi path, dtype, per_layer)`: the leaf's pieces (`LeafReader.pieces`) in `dtype`; a LoRA target
     weight read in float32 and each piece (layer) merged with its adapter there, then cast: what `merge_openpi`
-    computes on the whole stack, the same bits (tests/test_quant.py, tests/test_leaf_stream.py)."""
+    computes on the whole stack, the same bits (tests/test_lora.py, tests/test_quant.py)."""
     suffix, reader = ("value",) if ck.has_value else (), LeafReader(ck.item)
     targets = {openpi_lora.openpi_weight_path(t, sfx): (getattr(adapters, field), t)
                for field, sfx in pi05_lora.EXPERTS if adapters is not None and getattr(adapters, field) is not None
