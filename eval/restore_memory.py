@@ -36,30 +36,54 @@ from oxygen_jax.cli import OneLineParser
 REPO = Path(__file__).resolve().parents[1]
 
 
-def rss_mib() -> float:
+def status_mib(fields=("VmRSS",)) -> dict[str, float]:
+    """{field: MiB} of /proc/self/status memory fields (VmRSS: resident; RssAnon: the anonymous part, without the
+    file pages of memory-mapped files, which the kernel may drop)."""
+    out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+        name = line.split(":", 1)[0]
+        if name in fields:
+            out[name] = int(line.split()[1]) / 1024
+    missing = set(fields) - set(out)
+    if missing:
+        raise RuntimeError(f"no {sorted(missing)} in /proc/self/status")
+    return out
+
+
+def rss_mib() -> float:
+    return status_mib()["VmRSS"]
 
 
 class PeakRss:
-    """Context manager: the highest VmRSS (MiB) seen while the block ran (a thread samples every 5 ms)."""
+    """Context manager: the highest VmRSS (MiB) seen while the block ran (`peak`; a thread samples every 5 ms), and
+    of each other /proc/self/status field in `fields` (`peaks`, e.g. {"VmRSS": ..., "RssAnon": ...})."""
+
+    def __init__(self, fields=()):
+        self.fields = tuple(dict.fromkeys(("VmRSS", *fields)))
+
+    @property
+    def peak(self) -> float:
+        return self.peaks["VmRSS"]
+
+    def _update(self):
+        now = status_mib(self.fields)
+        self.peaks = {k: max(self.peaks.get(k, 0.0), v) for k, v in now.items()}
 
     def __enter__(self):
-        self.peak, self._stop = rss_mib(), threading.Event()
+        self.peaks, self._stop = {}, threading.Event()
+        self._update()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self):
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_mib())
+            self._update()
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_mib())
+        self._update()
 
 
 def write_checkpoint(preset, root: Path, rss_limit_gib: float | None = 20.0) -> int:

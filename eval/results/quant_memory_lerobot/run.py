@@ -19,23 +19,15 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[3]
 CHILD = r"""
-import json, sys, threading, time
+import json, sys, time
 sys.path.insert(0, {repo!r})
+from eval.restore_memory import PeakRss
 from oxygen_jax.quantize import quantize_checkpoint
-peak = {{"VmRSS": 0, "RssAnon": 0}}
-stop = threading.Event()
-def sample():
-    while not stop.wait(0.005):
-        for line in open("/proc/self/status"):
-            k = line.split(":")[0]
-            if k in peak:
-                peak[k] = max(peak[k], int(line.split()[1]) // 1024)
-t = threading.Thread(target=sample, daemon=True); t.start()
 t0 = time.perf_counter()
-s = quantize_checkpoint({src!r}, {out!r}, "int8", stream={stream}, overwrite=True, vision_heads={heads})
-stop.set(); t.join()
-print(json.dumps({{"streamed": s["streamed"], "seconds": time.perf_counter() - t0, "peak_vmrss_mib": peak["VmRSS"],
-                  "peak_rssanon_mib": peak["RssAnon"], "float32_mib": s["float32_bytes"] / 2**20,
+with PeakRss(("RssAnon",)) as peak:
+    s = quantize_checkpoint({src!r}, {out!r}, "int8", stream={stream}, overwrite=True, vision_heads={heads})
+print(json.dumps({{"streamed": s["streamed"], "seconds": time.perf_counter() - t0, "peak_vmrss_mib": int(peak.peak),
+                  "peak_rssanon_mib": int(peak.peaks["RssAnon"]), "float32_mib": s["float32_bytes"] / 2**20,
                   "quantized_mib": s["quantized_bytes"] / 2**20}}))
 """
 

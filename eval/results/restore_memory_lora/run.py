@@ -17,21 +17,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 CHILD = r"""
-import json, sys, threading
+import json, sys
 sys.path.insert(0, {repo!r})
+from eval.restore_memory import PeakRss
 from oxygen_jax.ckpts.openpi import load_openpi_params
-peak = {{"VmRSS": 0, "RssAnon": 0}}
-stop = threading.Event()
-def sample():
-    while not stop.wait(0.005):
-        for line in open("/proc/self/status"):
-            k = line.split(":")[0]
-            if k in peak:
-                peak[k] = max(peak[k], int(line.split()[1]) // 1024)
-t = threading.Thread(target=sample, daemon=True); t.start()
-config, params = load_openpi_params({ckpt!r}, dtype={dtype!r})
-stop.set(); t.join()
-print(json.dumps({{"peak_vmrss_mib": peak["VmRSS"], "peak_rssanon_mib": peak["RssAnon"]}}))
+with PeakRss(("RssAnon",)) as peak:
+    config, params = load_openpi_params({ckpt!r}, dtype={dtype!r})
+print(json.dumps({{"peak_vmrss_mib": int(peak.peak), "peak_rssanon_mib": int(peak.peaks["RssAnon"])}}))
 """
 
 
