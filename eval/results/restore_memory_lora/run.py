@@ -16,14 +16,23 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
+# Self-contained (not eval.restore_memory.PeakRss): it runs against the other checkout's code too.
 CHILD = r"""
-import json, sys
+import json, sys, threading
 sys.path.insert(0, {repo!r})
-from eval.restore_memory import PeakRss
 from oxygen_jax.ckpts.openpi import load_openpi_params
-with PeakRss(("RssAnon",)) as peak:
-    config, params = load_openpi_params({ckpt!r}, dtype={dtype!r})
-print(json.dumps({{"peak_vmrss_mib": int(peak.peak), "peak_rssanon_mib": int(peak.peaks["RssAnon"])}}))
+peak = {{"VmRSS": 0, "RssAnon": 0}}
+stop = threading.Event()
+def sample():
+    while not stop.wait(0.005):
+        for line in open("/proc/self/status"):
+            k = line.split(":")[0]
+            if k in peak:
+                peak[k] = max(peak[k], int(line.split()[1]) // 1024)
+t = threading.Thread(target=sample, daemon=True); t.start()
+config, params = load_openpi_params({ckpt!r}, dtype={dtype!r})
+stop.set(); t.join()
+print(json.dumps({{"peak_vmrss_mib": peak["VmRSS"], "peak_rssanon_mib": peak["RssAnon"]}}))
 """
 
 
