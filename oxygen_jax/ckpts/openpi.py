@@ -35,7 +35,8 @@ openpi checkpoints carry no checksums: damage is caught by `orbax_io` (unreadabl
 
 Memory: `load_openpi_params` streams each leaf from disk into its final layout (`leaf_stream`: the
 per-layer buffers on the CPU, the stacked arrays elsewhere), so the weights exist once and the
-transient is a few tens of MiB; merging LoRA leaves restores the merged leaves whole (in float32).
+transient is a few tens of MiB; LoRA leaves are read first (small) and each target weight is read in float32 and
+merged as it streams, layer by layer in the CPU layout (`_leaf_pieces`).
 """
 
 from __future__ import annotations
