@@ -116,11 +116,16 @@ def teacher_forced_tokens(params, obs: Observation, tokens) -> np.ndarray:
     causal = params.with_config(prompt_attention="causal")
     cache = model.prefill(causal, obs)
     first = model.lm_logits(causal, cache.last_hidden)[:, None]
-    lm = model.language_model(causal)
-    rows = jnp.arange(obs.batch_size, dtype=jnp.int32)
-    _, _, hidden = jax.jit(lm.suffix_forward)(cache, rows, jnp.asarray(tokens[:, :-1], jnp.int32))
-    later = model.lm_logits(causal, model.final_norm(causal, hidden))
+    later = _suffix_logits(causal, cache, jnp.asarray(tokens[:, :-1], jnp.int32))
     return np.asarray(jnp.argmax(jnp.concatenate([first, later], 1), -1))
+
+
+@jax.jit  # the weights are arguments, not constants of the program, and both text variants share it
+def _suffix_logits(params, cache, tokens):
+    """Logits [B, n, V] after each of `tokens` [B, n] fed causally after every prefix row."""
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    _, _, hidden = model.language_model(params).suffix_forward(cache, rows, tokens)
+    return model.lm_logits(params, model.final_norm(params, hidden))
 
 
 def _openpi_rows(b: Bounds, params, fixture: Path) -> None:
