@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -59,6 +61,12 @@ def test_a_quantized_checkpoint_of_another_source_is_refused_in_one_line(made, t
         other: "holds no quantized weights",
         tmp_path / "absent": "no such directory",
     }
+    damaged = shutil.copytree(root / "pi05_int8", tmp_path / "damaged")
+    biggest = max((damaged / "quantized" / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
+    raw = bytearray(biggest.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    biggest.write_bytes(bytes(raw))
+    cases[damaged] = "the checkpoint is damaged"  # its source is right; its bytes are not
     for qdir, says in cases.items():
         assert parity_cli.main([str(pi05), "--quantized", str(qdir)]) == 2
         err = capsys.readouterr().err.strip()

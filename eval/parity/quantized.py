@@ -171,7 +171,10 @@ def run_fixture(fixture: Path, qdir: Path, matmul: str = "auto") -> list[Row]:
     `Refused` for a QDIR of another checkpoint or a matmul mode this device or these weights lack."""
     fixture, qdir = Path(fixture).resolve(), Path(qdir).expanduser().resolve()
     name, info = source_of(fixture, qdir)
-    _, params = restore_params(qdir, stored_config(qdir).replace(dtype="float32"))  # float32 activations
+    try:
+        _, params = restore_params(qdir, stored_config(qdir).replace(dtype="float32"))  # float32 activations
+    except (OSError, ValueError, CheckpointError) as e:  # a damaged QDIR: one line, as the loaders word it
+        raise Refused(f"--quantized {qdir}: {str(e).splitlines()[0]}") from None
     try:
         params, how = quant.start_matmul(params, matmul, jax.devices()[0])
     except ValueError as e:
