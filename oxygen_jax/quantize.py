@@ -50,8 +50,12 @@ def quantize_checkpoint(ckpt: Path, out: Path, weights: quant.WeightDType, layer
     """
     t0 = time.perf_counter()
     src = Path(ckpt).expanduser().resolve()
+    kind = source_kind(src)
+    if vision_heads is not None and kind != "lerobot":  # never ignored
+        raise ValueError(f"--vision-heads sizes the SigLIP of a LeRobot policy; {src} is not one ({kind} checkpoint): "
+                         "drop --vision-heads")
     # LeRobot keeps its statistics, chunk and prompt lengths in its processor files, not assets/: checked first
-    robot_files = lerobot.io_files(src) if source_kind(src) == "lerobot" else []
+    robot_files = lerobot.io_files(src) if kind == "lerobot" else []
     streamed = _streamed(ckpt, weights, tuple(layers), vision_heads) if stream else None
     if streamed is not None:
         flat, config = streamed

@@ -366,6 +366,14 @@ def test_quantize_command_writes_a_fingerprinted_checkpoint_that_restores_bit_ex
     assert isinstance(loaded.params.vlm.layers.layers[0].q, quant.QArray)
 
 
+def test_vision_heads_on_a_source_that_is_no_lerobot_policy_is_refused_not_ignored(saved, capsys):
+    out = saved[2] / "never_written"
+    assert quantize_main(["--ckpt", str(saved[2] / "float"), "--out", str(out), "--weights", "int8",
+                          "--vision-heads", "3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--vision-heads sizes the SigLIP of a LeRobot policy" in err and not out.exists()
+
+
 def test_quantized_checkpoint_is_refused_by_readers_that_know_no_quantization(saved):
     with pytest.raises(ValueError, match="missing"):  # openpi's reader: the quantized leaves are not in params/
         load_openpi_params(saved[2] / "int8")
